@@ -1,0 +1,8 @@
+"""dantinox: fast, memory-honest text generation with small decoder-only transformers, built around the KV cache."""
+
+from . import _xla_setup  # noqa: F401  (XLA flags and the persistent compilation cache, before jax is used)
+from .cache import CapacityError, KVCache, LayerKV, bytes_per_token_per_layer, cache_nbytes, init_cache
+from .config import PRESETS, ConfigError, ModelConfig
+from .model import Transformer, build_model
+
+__version__ = "0.1.0"

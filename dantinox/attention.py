@@ -1,0 +1,111 @@
+"""Causal self-attention over a static KV cache: MHA, GQA and MQA in one implementation.
+
+Shape legend (used throughout the package; no letter is reused):
+  B batch            T new tokens in this call      S cache slots (max_context)
+  H query heads      K KV heads                      G = H // K query heads per KV head
+  D head size        E model width (dim)             V vocabulary
+
+Grouped heads: query head h uses KV head h // G (contiguous groups), so q is reshaped from
+[B, T, H, D] to [B, K, G, T, D]. MHA is K = H, MQA is K = 1 (Ainslie et al. 2023, "GQA", section 2).
+
+Cached calls attend over the *old* cache (slots written before this call) plus the T new keys and values,
+then write the new keys and values into the cache. Attending before writing lets XLA update the cache
+buffers in place inside the compiled decode loop instead of copying them every step
+(../shared/PERFORMANCE.md, item 1).
+
+Masks. For row b with ``cache_index[b] = c`` and ``key_start[b] = p`` (left-padding slots, default 0),
+the query in new position i sits in slot c + i and may see
+  - cache slot s when p <= s < c (and c + i - s < window when a sliding window is set);
+  - new position j when j <= i and c + j >= p (and i - j < window).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .cache import LayerKV, write_layer
+from .config import ModelConfig
+from .layers import apply_rope
+
+NEG_INF = -1e30
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with K <= H KV heads (MHA / GQA / MQA) and rotary positions.
+
+    Projections: one fused [E, (H + 2K) D] matmul for q, k, v; an [H D, E] output matmul; no biases.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.normal(stddev=0.02)
+        qkv_width = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_size
+        self.qkv = nnx.Linear(cfg.dim, qkv_width, use_bias=False, dtype=cfg.jnp_compute_dtype,
+                              param_dtype=jnp.float32, kernel_init=init, rngs=rngs)
+        self.out = nnx.Linear(cfg.n_heads * cfg.head_size, cfg.dim, use_bias=False,
+                              dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
+                              kernel_init=nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_blocks)),
+                              rngs=rngs)
+
+    def __call__(self, x, rope, layer_cache: LayerKV | None, cache_index, key_start, read_cache: bool):
+        """x: [B, T, E]; rope: (cos, sin) each [B, T, D/2]; layer_cache: LayerKV of [B, K, S, D] or None;
+        cache_index: [B] int32 slot of the first new token; key_start: [B] int32 or None;
+        read_cache: False when the cache is known to be empty (prefill at slot 0).
+
+        Returns (y [B, T, E], updated LayerKV or None).
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
+        q, k, v = jnp.split(self.qkv(x), [H * D, (H + K) * D], axis=-1)
+        q = apply_rope(q.reshape(B, T, H, D), *rope)
+        k = apply_rope(k.reshape(B, T, K, D), *rope)
+        v = v.reshape(B, T, K, D)
+        q = (q * (1.0 / math.sqrt(D))).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,D]
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+        use_old = layer_cache is not None and read_cache
+        y = attend(q, k, v, layer_cache if use_old else None, cache_index, key_start, cfg.sliding_window)
+        y = y.transpose(0, 3, 1, 2, 4).reshape(B, T, H * D).astype(x.dtype)
+        new_cache = None if layer_cache is None else write_layer(layer_cache, k, v, cache_index)
+        return self.out(y), new_cache
+
+
+def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None):
+    """Softmax attention of q over [old cache slots ; new keys], computed jointly in float32.
+
+    q: [B, K, G, T, D] (already scaled by 1/sqrt(D)); k, v: [B, K, T, D]; old: LayerKV [B, K, S, D] or None;
+    cache_index: [B] int32; key_start: [B] int32 or None. Returns [B, K, G, T, D] float32.
+    """
+    T = q.shape[3]
+    f32 = jnp.float32
+    new_scores = jnp.einsum("bkgtd,bkjd->bkgtj", q, k, preferred_element_type=f32)
+    i = jnp.arange(T)[:, None]
+    j = jnp.arange(T)[None, :]
+    new_mask = (j <= i)[None]                                          # [1, T, T]
+    if window is not None:
+        new_mask = new_mask & ((i - j) < window)[None]
+    if key_start is not None:
+        new_mask = new_mask & ((cache_index[:, None, None] + j[None]) >= key_start[:, None, None])
+    new_scores = jnp.where(new_mask[:, None, None], new_scores, NEG_INF)
+    if old is None:
+        probs = jax.nn.softmax(new_scores, axis=-1)
+        return jnp.einsum("bkgtj,bkjd->bkgtd", probs, v.astype(f32), preferred_element_type=f32)
+    S = old.k.shape[2]
+    s = jnp.arange(S)[None, None, :]                                   # [1, 1, S]
+    old_mask = s < cache_index[:, None, None]                          # [B, 1, S]
+    if key_start is not None:
+        old_mask = old_mask & (s >= key_start[:, None, None])
+    if window is not None:
+        query_slot = cache_index[:, None, None] + i[None]              # [B, T, 1]
+        old_mask = old_mask & ((query_slot - s) < window)
+    old_scores = jnp.einsum("bkgtd,bksd->bkgts", q, old.k.astype(q.dtype), preferred_element_type=f32)
+    old_scores = jnp.where(old_mask[:, None, None], old_scores, NEG_INF)
+    probs = jax.nn.softmax(jnp.concatenate([old_scores, new_scores], axis=-1), axis=-1)
+    old_probs, new_probs = probs[..., :S], probs[..., S:]
+    y = jnp.einsum("bkgts,bksd->bkgtd", old_probs.astype(q.dtype), old.v.astype(q.dtype),
+                   preferred_element_type=f32)
+    return y + jnp.einsum("bkgtj,bkjd->bkgtd", new_probs, v.astype(f32), preferred_element_type=f32)

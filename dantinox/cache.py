@@ -1,0 +1,95 @@
+"""The static KV cache: a pytree allocated up front, passed into the model and returned updated.
+
+Layout per layer: k and v of shape [B, K, S, D] (batch, KV heads, max_context slots, head size), in
+``cfg.cache_dtype``. The cache holds no write index of its own: the caller passes ``cache_index`` (a scalar or
+one slot per row, [B] int32) so rows of different lengths share a batch.
+
+Writes go through :func:`write_layer`, which uses ``lax.dynamic_update_slice``. That primitive clamps an
+out-of-range start index silently (a write at slot S would overwrite slot S-1), so every public entry point
+checks ``cache_index + T <= S`` before it writes; see ``check_cache_capacity``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import DTYPES, ModelConfig, canonical_dtype
+
+
+class CapacityError(ValueError):
+    """A write would go past the last cache slot (max_context)."""
+
+
+class LayerKV(NamedTuple):
+    """One layer's cache. k, v: [B, K, S, D]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+KVCache = tuple  # tuple[LayerKV, ...], one entry per decoder block
+
+
+def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int:
+    """Bytes one token occupies in one layer's cache: 2 * K * D * bytes_per_element (keys and values).
+
+    dtype: cache dtype name (default cfg.cache_dtype). Raises ConfigError for an unknown dtype name.
+    """
+    itemsize = np.dtype(DTYPES[canonical_dtype("cache_dtype", dtype or cfg.cache_dtype)]).itemsize
+    return 2 * cfg.kv_heads * cfg.head_size * itemsize
+
+
+def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
+    """Allocate the whole cache up front: per layer LayerKV(k, v), each [B, K, S, D] zeros in cfg.cache_dtype.
+
+    Raises ValueError if batch_size is not a positive integer.
+    """
+    if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size!r} is not allowed: a positive integer")
+    shape = (int(batch_size), cfg.kv_heads, cfg.max_context, cfg.head_size)
+    dtype = cfg.jnp_cache_dtype
+    return tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_blocks))
+
+
+def cache_nbytes(cache: KVCache) -> int:
+    """Total bytes of every array in the cache (read from the arrays themselves)."""
+    return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(cache)))
+
+
+def check_cache_capacity(cache_index, new_tokens: int, max_context: int) -> None:
+    """Raise CapacityError if a concrete cache_index + new_tokens exceeds max_context.
+
+    cache_index: int or [B] integers (host values; traced values are not checked here, so compiled loops
+    must bound their indices themselves).
+    """
+    if isinstance(cache_index, jax.core.Tracer):
+        return
+    idx = np.asarray(cache_index)
+    if idx.size == 0:
+        return
+    if int(idx.min()) < 0:
+        raise CapacityError(f"cache_index={idx.tolist()} is negative; allowed: 0 <= cache_index")
+    end = int(idx.max()) + int(new_tokens)
+    if end > max_context:
+        raise CapacityError(
+            f"cache_index {int(idx.max())} + {new_tokens} new tokens = {end} exceeds max_context="
+            f"{max_context}; the last slot is {max_context - 1}")
+
+
+def write_layer(layer: LayerKV, k_new: jax.Array, v_new: jax.Array, cache_index: jax.Array) -> LayerKV:
+    """Write T new keys and values at slots cache_index .. cache_index+T-1.
+
+    k_new, v_new: [B, K, T, D]; cache_index: scalar or [B] int32. Returns the updated LayerKV.
+    """
+    k_new = k_new.astype(layer.k.dtype)
+    v_new = v_new.astype(layer.v.dtype)
+    if jnp.ndim(cache_index) == 0:
+        start = (0, 0, cache_index, 0)
+        return LayerKV(jax.lax.dynamic_update_slice(layer.k, k_new, start),
+                       jax.lax.dynamic_update_slice(layer.v, v_new, start))
+    row_write = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (0, i, 0)))
+    return LayerKV(row_write(layer.k, k_new, cache_index), row_write(layer.v, v_new, cache_index))

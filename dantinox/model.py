@@ -1,0 +1,135 @@
+"""Transformer: token ids (+ an optional static KV cache) -> logits (+ the updated cache).
+
+The call follows the seeds' contract::
+
+    logits, kv_caches, aux = model(ids, use_cache=True, kv_caches=cache, cache_index=i)
+
+``cache_index`` is a scalar or one slot per row ([B] int32) so prompts of different lengths share a batch.
+``use_cache=False`` runs the plain causal forward over ``ids`` and returns ``kv_caches=None``.
+Shape letters: see ``dantinox.layers``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .attention import Attention
+from .cache import KVCache, check_cache_capacity
+from .config import ModelConfig
+from .layers import RMSNorm, SwiGLU, rope_angles
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden, cfg.jnp_compute_dtype, rngs=rngs)
+
+    def __call__(self, x, rope, layer_cache, cache_index, key_start, read_cache):
+        """x: [B, T, E] -> ([B, T, E], updated layer cache or None)."""
+        h, layer_cache = self.attn(self.attn_norm(x), rope, layer_cache, cache_index, key_start, read_cache)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), layer_cache
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer with RoPE, RMSNorm, SwiGLU and (optionally) tied embeddings.
+
+    Build with ``Transformer(cfg, rngs=nnx.Rngs(seed))`` or ``dantinox.build_model(cfg, seed)``.
+    Parameters are float32; matmuls run in cfg.compute_dtype; logits are float32.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
+                               embedding_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_blocks)])
+        self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
+            cfg.dim, cfg.vocab_size, use_bias=False, dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
+            kernel_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
+
+    def __call__(self, ids, use_cache: bool = False, kv_caches: KVCache | None = None, cache_index=0,
+                 key_start=None):
+        """Run the model on T new tokens per row.
+
+        Args:
+          ids: [B, T] integer token ids in [0, V).
+          use_cache: attend over and write into ``kv_caches``; False runs the plain causal forward.
+          kv_caches: from ``init_cache(cfg, B)``: per layer LayerKV(k, v) of [B, K, S, D]. Required when
+            use_cache is True (it is never allocated lazily).
+          cache_index: int or [B] int32: slot of each row's first new token. The Python int 0 marks a fresh
+            prefill (the old cache is not read).
+          key_start: optional [B] int32: number of left-padding slots per row; those slots are never
+            attended to and row b's first real token gets RoPE position 0.
+        Returns:
+          (logits [B, T, V] float32, updated kv_caches or None, aux dict (empty for this architecture)).
+        Raises:
+          ValueError: ids not [B, T] integers, ids outside [0, V), cache missing or of the wrong shape.
+          CapacityError: cache_index + T > max_context (checked whenever cache_index is a host value).
+        """
+        cfg = self.cfg
+        ids = _check_ids(ids, cfg.vocab_size)
+        B, T = ids.shape
+        fresh = isinstance(cache_index, int) and cache_index == 0 and key_start is None
+        if use_cache:
+            _check_cache(kv_caches, cfg, B)
+            check_cache_capacity(cache_index, T, cfg.max_context)
+        elif T > cfg.max_context:
+            raise ValueError(f"ids has T={T} tokens, more than max_context={cfg.max_context}")
+        index = jnp.broadcast_to(jnp.asarray(cache_index if use_cache else 0, jnp.int32), (B,))
+        positions = index[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        if key_start is not None:
+            key_start = jnp.asarray(key_start, jnp.int32)
+            positions = jnp.maximum(positions - key_start[:, None], 0)
+        rope = rope_angles(positions, cfg.head_size, cfg.rope_theta)
+        x = self.embed(ids)
+        new_caches = []
+        for n, block in enumerate(self.blocks):
+            layer_cache = kv_caches[n] if use_cache else None
+            x, layer_cache = block(x, rope, layer_cache, index, key_start, read_cache=not fresh)
+            new_caches.append(layer_cache)
+        return self.logits(self.final_norm(x)), (tuple(new_caches) if use_cache else None), {}
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Output projection. h: [B, T, E] -> logits [B, T, V] float32."""
+        out = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+        return out.astype(jnp.float32)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A freshly initialised Transformer for ``cfg`` with parameters drawn from ``seed``."""
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def _check_ids(ids, vocab_size: int):
+    if isinstance(ids, jax.core.Tracer):
+        if ids.ndim != 2:
+            raise ValueError(f"ids must be [B, T]; got shape {ids.shape}")
+        return ids
+    host = np.asarray(ids)
+    if host.ndim != 2 or host.shape[1] == 0 or host.shape[0] == 0:
+        raise ValueError(f"ids must be a non-empty [B, T] array of token ids; got shape {host.shape}")
+    if not np.issubdtype(host.dtype, np.integer):
+        raise ValueError(f"ids must be integers; got dtype {host.dtype}")
+    if host.min() < 0 or host.max() >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got min {host.min()}, "
+                         f"max {host.max()}")
+    return jnp.asarray(host, jnp.int32)
+
+
+def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
+    if kv_caches is None:
+        raise ValueError("use_cache=True needs kv_caches: allocate them with dantinox.init_cache(cfg, batch_size)")
+    if len(kv_caches) != cfg.num_blocks:
+        raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has num_blocks={cfg.num_blocks}")
+    want = (batch, cfg.kv_heads, cfg.max_context, cfg.head_size)
+    got = tuple(kv_caches[0].k.shape)
+    if got != want:
+        raise ValueError(f"kv_caches layer shape {got} does not match [B, K, S, D] = {want}")
