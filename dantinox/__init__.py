@@ -6,3 +6,6 @@ from .config import PRESETS, ConfigError, ModelConfig
 from .model import Transformer, build_model
 
 __version__ = "0.1.0"
+from .compile_count import CompileCounter, compile_totals
+from .generate import GenerationResult, generate, generate_result, stream_tokens
+from .sampling import SamplingParams, make_sampling_params, sample_next

@@ -1,0 +1,300 @@
+"""Autoregressive generation through the static KV cache: prefill, a compiled decode loop, streaming.
+
+Design:
+  1. Prompts of different lengths are right-padded to a length bucket (a power of two >= 16, at most
+     max_context), so prefill compiles once per (batch size, bucket). Each row keeps its own length, which is
+     its first free cache slot; the padding written past it is never attended to and is overwritten by decode.
+  2. ``prefill`` runs the model over the padded prompts at cache_index 0 and samples the first new token from
+     each row's last real position.
+  3. ``decode`` is one ``lax.while_loop`` inside one ``jax.jit``: it feeds each row's last token at that row's
+     own slot, samples the next, and stops when every row has met EOS or the step bound is reached. The step
+     bound, sampling settings, seed and EOS id are traced values, so changing them compiles nothing new; the
+     decode loop compiles once per (batch size, model shape, dtype). The loop state (with the cache) is
+     donated, so XLA updates it in place.
+  4. Streaming calls the same compiled ``decode`` with a step bound a chunk further each time, pulling only the
+     new tokens to the host between chunks.
+  5. ``use_cache=False`` recomputes the whole sequence with the plain causal forward for every new token,
+     over a window bucket that covers the current length (one compile per bucket used). It samples with the
+     same per-step keys, so greedy output equals the cached path's.
+Capacity: every row needs prompt_length + max_new_tokens <= max_context; this is checked before anything runs
+(JAX would otherwise clamp an out-of-range cache write onto the last slot silently).
+Shape letters: B batch, T prompt bucket, S max_context, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .cache import CapacityError, KVCache, init_cache
+from .sampling import SamplingParams, make_sampling_params, sample_next
+
+MIN_BUCKET = 16
+
+
+class DecodeState(NamedTuple):
+    """Loop state of the compiled decode loop (a pytree carried by ``lax.while_loop``)."""
+
+    step: jax.Array    # [] int32: tokens generated so far; out[:, :step] is filled
+    token: jax.Array   # [B] int32: last generated token, not yet written to the cache
+    index: jax.Array   # [B] int32: cache slot where `token` will be written
+    done: jax.Array    # [B] bool: the row has produced its EOS
+    out: jax.Array     # [B, S] int32: generated tokens; `fill` after a row's EOS
+    cache: KVCache     # per layer cache pytree, see dantinox.cache
+
+
+class GenerationResult(NamedTuple):
+    """tokens: [B, N] int32 new tokens (after a row's EOS: eos_id); lengths: [B] tokens generated per row,
+    EOS included; finish_reasons: "stop" (EOS) or "length" per row."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: list
+
+
+def bucket_length(n: int, max_context: int) -> int:
+    """Smallest power of two >= max(n, 16), capped at max_context (tokens)."""
+    bucket = MIN_BUCKET
+    while bucket < n:
+        bucket *= 2
+    return min(bucket, max_context)
+
+
+def prepare_prompts(prompt_ids, vocab_size: int, max_context: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Right-pad prompts to a bucket. prompt_ids: one prompt (sequence of ints) or a batch (list of sequences
+    or a [B, T] array). Returns (ids [B, T_bucket] int32, lengths [B] int32, was_single_prompt).
+
+    Raises ValueError: empty batch, empty prompt, non-integer or out-of-vocabulary ids (row and value named);
+    CapacityError: a prompt longer than max_context.
+    """
+    if isinstance(prompt_ids, (jax.Array, np.ndarray)) and np.ndim(prompt_ids) == 2:
+        rows = [list(r) for r in np.asarray(prompt_ids)]
+        single = False
+    else:
+        seq = list(prompt_ids) if not isinstance(prompt_ids, (str, bytes)) else None
+        if seq is None:
+            raise ValueError("prompt_ids must be token ids (ints), not text: encode the text with the tokenizer")
+        single = len(seq) == 0 or np.ndim(seq[0]) == 0
+        rows = [seq] if single else [list(r) for r in seq]
+    if not rows:
+        raise ValueError("prompt_ids is an empty batch: give at least one prompt")
+    lengths = np.array([len(r) for r in rows], np.int32)
+    for b, row in enumerate(rows):
+        if len(row) == 0:
+            raise ValueError(f"prompt {b} is empty: a prompt needs at least one token")
+        arr = np.asarray(row)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"prompt {b} holds non-integer values (dtype {arr.dtype}); token ids are integers")
+        if arr.min() < 0 or arr.max() >= vocab_size:
+            raise ValueError(f"prompt {b} holds token id {int(arr.max() if arr.max() >= vocab_size else arr.min())}"
+                             f" outside [0, vocab_size={vocab_size})")
+        if len(row) > max_context:
+            raise CapacityError(f"prompt {b} has {len(row)} tokens, more than max_context={max_context}")
+    ids = np.zeros((len(rows), bucket_length(int(lengths.max()), max_context)), np.int32)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)] = row
+    return ids, lengths, single
+
+
+def check_request(lengths: np.ndarray, max_new_tokens: int, max_context: int) -> None:
+    """Raise ValueError for max_new_tokens < 1 and CapacityError if any prompt_length + max_new_tokens exceeds
+    max_context (the message names both numbers and the limit)."""
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} is not allowed: an integer >= 1")
+    longest = int(lengths.max())
+    if longest + max_new_tokens > max_context:
+        raise CapacityError(
+            f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} = {longest + max_new_tokens} "
+            f"exceeds max_context={max_context}; use at most {max(max_context - longest, 0)} new tokens "
+            f"or a shorter prompt")
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def prefill(graphdef, params, ids, lengths, cache, key, sampling: SamplingParams, eos_id, fill):
+    """Fill the cache with the right-padded prompts and sample each row's first new token.
+
+    ids: [B, T] int32; lengths: [B] int32 real prompt lengths; cache: from init_cache (donated);
+    key: PRNG key; eos_id, fill: [] int32 (-1 = no EOS). Returns the initial DecodeState (step 1).
+    """
+    model = nnx.merge(graphdef, params)
+    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = sample_next(last, jax.random.fold_in(key, 0), sampling)
+    out = jnp.full((ids.shape[0], cache[0][0].shape[-2]), fill, jnp.int32).at[:, 0].set(first)
+    return DecodeState(jnp.int32(1), first, lengths, first == eos_id, out, cache)
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
+def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: SamplingParams, eos_id, fill):
+    """Run decode steps until ``state.step == stop_step`` or every row is done; one compiled while_loop.
+
+    stop_step, eos_id, fill: [] int32 (traced). Returns the advanced DecodeState (the input is donated).
+    """
+    model = nnx.merge(graphdef, params)
+
+    def cond(s: DecodeState):
+        return (s.step < stop_step) & ~jnp.all(s.done)
+
+    def body(s: DecodeState):
+        logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index)
+        token = sample_next(logits[:, 0], jax.random.fold_in(key, s.step), sampling)
+        token = jnp.where(s.done, fill, token)
+        out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))
+        return DecodeState(s.step + 1, token, s.index + 1, s.done | (token == eos_id), out, cache)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+class _Request(NamedTuple):
+    ids: np.ndarray
+    lengths: np.ndarray
+    single: bool
+    sampling: SamplingParams
+    key: jax.Array
+    eos_id: jax.Array
+    fill: jax.Array
+    max_new_tokens: int
+
+
+def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id) -> _Request:
+    cfg = model.cfg
+    ids, lengths, single = prepare_prompts(prompt_ids, cfg.vocab_size, cfg.max_context)
+    check_request(lengths, max_new_tokens, cfg.max_context)
+    sampling = make_sampling_params(len(ids), temperature, top_k, top_p, cfg.vocab_size)
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed!r} is not allowed: an integer in [0, 2**32)")
+    if eos_id is not None and not (isinstance(eos_id, (int, np.integer)) and 0 <= eos_id < cfg.vocab_size):
+        raise ValueError(f"eos_id={eos_id!r} is not allowed: None or a token id in [0, {cfg.vocab_size})")
+    eos = -1 if eos_id is None else int(eos_id)
+    return _Request(ids, lengths, single, sampling, jax.random.key(np.uint32(seed)), jnp.int32(eos),
+                    jnp.int32(max(eos, 0)), int(max_new_tokens))
+
+
+def _finish(out: np.ndarray, req: _Request) -> GenerationResult:
+    tokens = np.asarray(out)[:, : req.max_new_tokens]
+    eos = int(req.eos_id)
+    lengths, reasons = [], []
+    for row in tokens:
+        hits = np.flatnonzero(row == eos) if eos >= 0 else []
+        lengths.append(int(hits[0]) + 1 if len(hits) else len(row))
+        reasons.append("stop" if len(hits) else "length")
+    return GenerationResult(tokens, np.array(lengths, np.int32), reasons)
+
+
+def generate_result(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True,
+                    temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None
+                    ) -> GenerationResult:
+    """Like :func:`generate` but always batched ([B, N] tokens) and with per-row lengths and finish reasons."""
+    return _run(_prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id), model,
+                use_cache)
+
+
+def _run(req: _Request, model, use_cache: bool) -> GenerationResult:
+    graphdef, params = nnx.split(model)
+    if not use_cache:
+        return _finish(_recompute_all(graphdef, params, req, model.cfg.max_context), req)
+    cache = init_cache(model.cfg, len(req.ids))
+    state = prefill(graphdef, params, jnp.asarray(req.ids), jnp.asarray(req.lengths), cache, req.key,
+                    req.sampling, req.eos_id, req.fill)
+    state = decode(graphdef, params, state, jnp.int32(req.max_new_tokens), req.key, req.sampling,
+                   req.eos_id, req.fill)
+    return _finish(jax.device_get(state.out), req)
+
+
+def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True, temperature=0.0,
+             top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None) -> np.ndarray:
+    """Generate up to max_new_tokens for one prompt or a batch of prompts of different lengths.
+
+    Args:
+      model: a dantinox Transformer.
+      prompt_ids: one prompt (sequence of token ids) or a batch (list of sequences, or [B, T] array).
+      max_new_tokens: new tokens per row (N); prompt_length + N <= max_context for every row.
+      use_cache: False recomputes the whole sequence for every token (same greedy tokens, much slower).
+      temperature: float or one per row; 0 (or <= 1e-5) is greedy (argmax, ties to the lowest id).
+      top_k: int or one per row; 0 = off.   top_p: float in (0, 1] or one per row; 1.0 = off.
+      seed: integer in [0, 2**32) for the sampling keys.   eos_id: a row stops after producing it.
+    Returns:
+      int32 array of new tokens, [N] for a single prompt or [B, N] for a batch; after a row's EOS the
+      remaining positions hold eos_id.
+    Raises:
+      ValueError: empty prompt or batch, ids outside the vocabulary, bad sampling settings, bad seed/eos_id.
+      CapacityError: prompt longer than max_context, or prompt_length + max_new_tokens > max_context.
+    """
+    req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
+    tokens = _run(req, model, use_cache).tokens
+    return tokens[0] if req.single else tokens
+
+
+def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: int = 8, temperature=0.0,
+                  top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None) -> Iterator[np.ndarray]:
+    """Yield new tokens as they are produced, chunk_size decode steps at a time: arrays [B, n] int32
+    (n <= chunk_size; the first chunk holds the prefill token too). Rows past their EOS yield eos_id.
+    Same arguments, errors and tokens as :func:`generate` with use_cache=True."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
+    req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
+    graphdef, params = nnx.split(model)
+    state = prefill(graphdef, params, jnp.asarray(req.ids), jnp.asarray(req.lengths),
+                    init_cache(model.cfg, len(req.ids)), req.key, req.sampling, req.eos_id, req.fill)
+    sent = 0
+    while True:
+        stop = min(sent + chunk_size, req.max_new_tokens)
+        state = decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill)
+        step, done = int(state.step), bool(np.all(np.asarray(state.done)))
+        if step > sent:
+            yield np.asarray(state.out)[:, sent:step]
+            sent = step
+        if done or step >= req.max_new_tokens:
+            return
+
+
+class RecomputeState(NamedTuple):
+    """Loop state of the no-cache path."""
+
+    step: jax.Array   # [] int32
+    seq: jax.Array    # [B, S] int32: prompt + generated tokens so far
+    done: jax.Array   # [B] bool
+    out: jax.Array    # [B, S] int32
+
+
+@partial(jax.jit, static_argnames=("graphdef", "window"))
+def recompute_segment(graphdef, params, state: RecomputeState, lengths, stop_step, key, sampling, eos_id, fill,
+                      window: int):
+    """No-cache decoding while every row fits in the first ``window`` positions: each step runs the full causal
+    forward over seq[:, :window] and samples at each row's last position. Returns the advanced state."""
+    model = nnx.merge(graphdef, params)
+    rows = jnp.arange(state.seq.shape[0])
+
+    def cond(s: RecomputeState):
+        return (s.step < stop_step) & ~jnp.all(s.done) & (jnp.max(lengths) + s.step <= window)
+
+    def body(s: RecomputeState):
+        logits, _, _ = model(s.seq[:, :window], use_cache=False)
+        last = jnp.take_along_axis(logits, (lengths + s.step - 1)[:, None, None], axis=1)[:, 0]
+        token = jnp.where(s.done, fill, sample_next(last, jax.random.fold_in(key, s.step), sampling))
+        seq = s.seq.at[rows, lengths + s.step].set(token, mode="drop")
+        out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))
+        return RecomputeState(s.step + 1, seq, s.done | (token == eos_id), out)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _recompute_all(graphdef, params, req: _Request, max_context: int) -> np.ndarray:
+    B = len(req.ids)
+    seq = np.zeros((B, max_context), np.int32)
+    seq[:, : req.ids.shape[1]] = req.ids
+    state = RecomputeState(jnp.int32(0), jnp.asarray(seq), jnp.zeros((B,), bool),
+                           jnp.full((B, max_context), req.fill, jnp.int32))
+    window = bucket_length(int(req.lengths.max()), max_context)
+    while True:
+        state = recompute_segment(graphdef, params, state, jnp.asarray(req.lengths), jnp.int32(req.max_new_tokens),
+                                  req.key, req.sampling, req.eos_id, req.fill, window=window)
+        if int(state.step) >= req.max_new_tokens or bool(np.all(np.asarray(state.done))):
+            return jax.device_get(state.out)
+        window = bucket_length(window + 1, max_context)
+

@@ -1,0 +1,92 @@
+"""Next-token selection: greedy, temperature, top-k and nucleus (top-p) sampling.
+
+All settings are traced arrays of one value per row ([B]), so changing them never recompiles, and rows of one
+batch may use different settings. Rules:
+  - temperature <= GREEDY_TEMPERATURE (1e-5, including 0.0 and -0.0) selects the argmax, ties to the lowest
+    token id; no division by the temperature happens on that path, so no inf or NaN can appear.
+  - top_k = 0 disables top-k; otherwise only the k highest-scoring tokens may be drawn.
+  - top_p = 1.0 disables nucleus sampling; otherwise the smallest set of highest-probability tokens whose
+    probability mass reaches top_p is kept (Holtzman et al. 2020, "The Curious Case of Neural Text
+    Degeneration", section 3.1). The most likely token is always kept.
+Shape letters: B batch, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GREEDY_TEMPERATURE = 1e-5
+_MASKED = -1e30
+
+
+class SamplingParams(NamedTuple):
+    """Per-row sampling settings. temperature: [B] float32; top_k: [B] int32; top_p: [B] float32."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+def make_sampling_params(batch: int, temperature=0.0, top_k=0, top_p=1.0, vocab_size: int | None = None
+                         ) -> SamplingParams:
+    """Validate host-side settings (scalars or one per row) and broadcast them to [B] arrays.
+
+    Raises ValueError: temperature < 0 or not finite, top_k < 0 or not an integer, top_p outside (0, 1],
+    or a per-row sequence whose length is not B.
+    """
+    t = _per_row("temperature", temperature, batch, np.float32)
+    k = _per_row("top_k", top_k, batch, np.int64)
+    p = _per_row("top_p", top_p, batch, np.float32)
+    if not np.all(np.isfinite(t)) or np.any(t < 0):
+        raise ValueError(f"temperature={_show(temperature)} is not allowed: a finite number >= 0 (0 = greedy)")
+    if np.any(k < 0):
+        raise ValueError(f"top_k={_show(top_k)} is not allowed: an integer >= 0 (0 = off)")
+    if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):
+        raise ValueError(f"top_p={_show(top_p)} is not allowed: a number in (0, 1] (1 = off)")
+    if vocab_size is not None:
+        k = np.minimum(k, vocab_size)
+    return SamplingParams(jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32), jnp.asarray(p, jnp.float32))
+
+
+def _show(value):
+    return list(value) if isinstance(value, (list, tuple, np.ndarray)) else value
+
+
+def _per_row(name: str, value, batch: int, dtype) -> np.ndarray:
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"{name}={value!r} is not allowed: a number or one number per row")
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{name}={value!r} is not allowed: a number or one number per row")
+    if dtype is np.int64 and arr.dtype.kind == "f" and np.any(arr != np.round(arr)):
+        raise ValueError(f"{name}={_show(value)} is not allowed: an integer >= 0 (0 = off)")
+    if arr.ndim == 0:
+        return np.full((batch,), arr, dtype)
+    if arr.shape != (batch,):
+        raise ValueError(f"{name} has {arr.size} values for a batch of {batch}: give one value or one per row")
+    return arr.astype(dtype)
+
+
+def sample_next(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
+    """Choose one token per row. logits: [B, V] float32; key: a PRNG key. Returns [B] int32."""
+    greedy_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    is_greedy = params.temperature <= GREEDY_TEMPERATURE
+    safe_t = jnp.where(is_greedy, 1.0, params.temperature)
+    scaled = logits / safe_t[:, None]
+    vocab = logits.shape[-1]
+    sorted_scores, order = jax.lax.top_k(scaled, vocab)                # [B, V] descending
+    rank = jnp.arange(vocab)[None, :]
+    keep = (params.top_k[:, None] == 0) | (rank < params.top_k[:, None])
+    sorted_scores = jnp.where(keep, sorted_scores, _MASKED)
+    probs = jax.nn.softmax(sorted_scores, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = keep & ((mass_before < params.top_p[:, None]) | (rank == 0))
+    sorted_scores = jnp.where(keep, sorted_scores, _MASKED)
+    pick = jax.random.categorical(key, sorted_scores, axis=-1)
+    sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(is_greedy, greedy_choice, sampled)
+
