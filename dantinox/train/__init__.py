@@ -1,0 +1,20 @@
+"""Training: tokenizer, data, trainer, checkpoints and the run directory (one concept per module).
+
+    from dantinox.train import train, load_run
+    summary = train(ModelConfig.from_preset("dante"), "text.txt", "runs/r1", steps=2000, seq_len=256)
+    model, cfg, tokenizer, summary = load_run("runs/r1")
+"""
+
+from .checkpoint import CheckpointError, atomic_write_bytes, load_checkpoint, save_checkpoint
+from .data import DataError, TokenData, read_text, sample_batch, split_text, val_batches
+from .run_dir import RunDirError, load_run, read_summary, save_run
+from .tokenizer import StreamDecoder, TextTokenizer, train_tokenizer
+from .trainer import (TrainConfig, TrainError, add_train_arguments, resolve_cli_config, run_train_from_args,
+                      train)
+
+__all__ = [
+    "CheckpointError", "DataError", "RunDirError", "StreamDecoder", "TextTokenizer", "TokenData",
+    "TrainConfig", "TrainError", "add_train_arguments", "atomic_write_bytes", "load_checkpoint", "load_run",
+    "read_summary", "read_text", "resolve_cli_config", "run_train_from_args", "sample_batch", "save_checkpoint",
+    "save_run", "split_text", "train", "train_tokenizer", "val_batches",
+]

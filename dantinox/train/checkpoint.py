@@ -1,0 +1,182 @@
+"""Resumable training state on disk, written so that a crash never leaves a half-written file.
+
+Layout of ``out_dir/checkpoint/``:
+  ``state-<step>.safetensors``  every array of the training state (model parameters, optimizer state), one
+                                entry per pytree leaf, keyed by its path joined with "/" (for example
+                                ``params/blocks/0/attn/qkv/kernel/value``).
+  ``meta.json``                 step, numpy RNG state, elapsed time, tokens seen, the model config, the
+                                trainer options, the tokenizer and the name of the arrays file.
+
+Commit protocol: the arrays file for step N is written first (under a new name), then ``meta.json`` is
+replaced so that it points to it, and only then are older arrays files deleted. ``meta.json`` is the single
+commit point, so a crash at any moment leaves the previous checkpoint whole. Every file is written by
+:func:`atomic_write_bytes`: a temporary file in the same directory, flush, fsync, ``os.replace``.
+
+Restoring matches the tree structure of a freshly built state (the ``template``): every leaf path must be
+present with the same shape and dtype, and no extra entry may remain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
+
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing pieces, unreadable, or does not match the state it is restored into."""
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that ``path`` holds either its old content or all of ``data``.
+
+    A temporary file in the same directory is written, flushed and fsync'ed, then renamed over ``path``
+    with ``os.replace``; on any error the temporary file is removed and the error re-raised.
+    Raises OSError from the file system.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # not supported on this platform / file system
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """``atomic_write_bytes`` of ``obj`` as indented UTF-8 JSON."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def _key_name(entry) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def path_key(path) -> str:
+    """A pytree key path as "a/b/0/c" (dict keys, attribute names and sequence indices joined by "/")."""
+    return "/".join(_key_name(entry) for entry in path)
+
+
+def flatten_tree(tree) -> dict[str, np.ndarray]:
+    """Every leaf of ``tree`` as a host numpy array, keyed by :func:`path_key`.
+
+    Raises CheckpointError if two leaves map to the same key.
+    """
+    flat: dict[str, np.ndarray] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = path_key(path)
+        if key in flat:
+            raise CheckpointError(f"two leaves share the checkpoint key {key!r}")
+        flat[key] = np.asarray(jax.device_get(leaf))
+    return flat
+
+
+def unflatten_like(template, arrays: dict[str, np.ndarray], source: str = "checkpoint"):
+    """Rebuild ``template``'s tree with the arrays of ``arrays`` (as jax arrays of the template's dtypes).
+
+    Raises CheckpointError naming ``source`` and the key for a missing key, an extra key, or a shape or
+    dtype that differs from the template's.
+    """
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(template)
+    leaves, seen = [], set()
+    for path, ref in leaves_with_path:
+        key = path_key(path)
+        if key not in arrays:
+            raise CheckpointError(f"{source}: missing array {key!r} (expected shape {tuple(ref.shape)})")
+        value = arrays[key]
+        if tuple(value.shape) != tuple(ref.shape) or np.dtype(value.dtype) != np.dtype(ref.dtype):
+            raise CheckpointError(f"{source}: array {key!r} has shape {tuple(value.shape)} {value.dtype}; "
+                                  f"expected {tuple(ref.shape)} {np.dtype(ref.dtype)}")
+        leaves.append(jnp.asarray(value))
+        seen.add(key)
+    extra = sorted(set(arrays) - seen)
+    if extra:
+        raise CheckpointError(f"{source}: unexpected arrays {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def save_checkpoint(ckpt_dir: str | os.PathLike, state, meta: dict) -> str:
+    """Write a checkpoint of ``state`` (any pytree of arrays) and ``meta`` (JSON-serialisable, with "step").
+
+    Returns the path of the arrays file. Older arrays files are removed once ``meta.json`` points to the
+    new one. Raises OSError from the file system, CheckpointError if meta has no integer "step".
+    """
+    if not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"checkpoint meta needs an integer 'step'; got {meta.get('step')!r}")
+    ckpt_dir = os.fspath(ckpt_dir)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    name = f"state-{meta['step']:08d}.safetensors"
+    atomic_write_bytes(os.path.join(ckpt_dir, name), safetensors.numpy.save(flatten_tree(state)))
+    atomic_write_json(os.path.join(ckpt_dir, META_FILE), {**meta, "arrays": name, "format": FORMAT_VERSION})
+    for old in os.listdir(ckpt_dir):
+        if old.startswith("state-") and old.endswith(".safetensors") and old != name:
+            os.remove(os.path.join(ckpt_dir, old))
+    return os.path.join(ckpt_dir, name)
+
+
+def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict | None:
+    """The committed ``meta.json`` of ``ckpt_dir``, or None when there is no checkpoint.
+
+    Raises CheckpointError if meta.json is unreadable or names an arrays file that does not exist.
+    """
+    path = os.path.join(os.fspath(ckpt_dir), META_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({err})") from err
+    arrays = os.path.join(os.fspath(ckpt_dir), str(meta.get("arrays")))
+    if not os.path.isfile(arrays):
+        raise CheckpointError(f"{path} names the arrays file {meta.get('arrays')!r}, which does not exist")
+    return meta
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike, template) -> tuple[Any, dict] | None:
+    """Restore (state, meta) from ``ckpt_dir`` into the structure of ``template``; None if no checkpoint.
+
+    Raises CheckpointError naming the file for an unreadable arrays file or a tree that does not match.
+    """
+    meta = read_checkpoint_meta(ckpt_dir)
+    if meta is None:
+        return None
+    path = os.path.join(os.fspath(ckpt_dir), meta["arrays"])
+    try:
+        arrays = safetensors.numpy.load_file(path)
+    except Exception as err:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{path}: cannot read safetensors file ({err})") from err
+    return unflatten_like(template, arrays, source=path), meta

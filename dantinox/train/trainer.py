@@ -1,0 +1,513 @@
+"""Training loop: text file -> tokenizer -> next-token cross-entropy with AdamW -> run directory.
+
+Walkthrough of :func:`train`:
+  1. Read the text, hold out its last ``val_fraction`` of characters, train the tokenizer on the training
+     part (or take it from the checkpoint when resuming) and set ``cfg.vocab_size`` from it.
+  2. Build the model, split it into a static graph and a pytree of float32 parameters, and build the
+     optimizer: global-norm clipping, then AdamW (Loshchilov & Hutter 2019) with linear warmup and cosine
+     decay to ``min_lr``; weight decay applies to matrices only (not norm scales).
+  3. Restore ``out_dir/checkpoint/`` if it exists and ``resume`` is set: parameters, optimizer state, step,
+     numpy RNG state. The run then follows exactly the trajectory of an uninterrupted run.
+  4. Each step draws a random [B, seq_len + 1] batch and runs one jitted update. Every ``eval_every`` steps
+     and at the end, the mean validation loss is computed and a row is appended to training_log.csv.
+  5. Checkpoints are written every ``checkpoint_every`` steps and at the end; the run directory is written
+     at the end (see ``dantinox.train.run_dir``).
+
+Losses are natural-log cross-entropy per token (nats/token); ``val_nats_per_char`` rescales the validation
+loss by tokens per character of the held-out text (equal to the loss for a char tokenizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import sys
+import time
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+from flax import nnx
+from tqdm.auto import tqdm
+
+from ..config import ConfigError, ModelConfig, config_field_names
+from ..model import build_model
+from . import checkpoint as ckpt
+from . import run_dir as rd
+from .data import TokenData, file_sha256, read_text, sample_batch, split_text, val_batches
+from .tokenizer import KINDS, TextTokenizer, train_tokenizer
+
+
+class TrainError(ValueError):
+    """A training option is not allowed, or a checkpoint cannot be resumed with the requested options."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Trainer options (units in brackets). Validated on construction; raises TrainError naming the field.
+
+    tokenizer: "char" or "bpe".  bpe_vocab_size: BPE vocabulary upper bound (>= 256).
+    steps: optimizer steps in all.  batch_size: B windows per step.
+    seq_len: T tokens per window (<= cfg.max_context; None: cfg.max_context).
+    lr / min_lr: peak and final learning rate.  warmup_steps: linear warmup (None: min(100, steps // 10)).
+    weight_decay: AdamW decay on matrices.  grad_clip: global-norm clip (0: off).
+    eval_every: steps between validation runs.  eval_batches: validation batches per run (each B windows).
+    checkpoint_every: steps between checkpoints (0: only at the end).  seed: model init and batch sampling.
+    val_fraction: held-out fraction of the characters.  resume: continue from out_dir/checkpoint if present.
+    """
+
+    tokenizer: str = "char"
+    bpe_vocab_size: int = 1024
+    steps: int = 1000
+    batch_size: int = 32
+    seq_len: int | None = None
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int | None = None
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 20
+    checkpoint_every: int = 500
+    seed: int = 0
+    val_fraction: float = 0.1
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tokenizer not in KINDS:
+            _bad("tokenizer", self.tokenizer, f"one of {KINDS}")
+        for name in ("bpe_vocab_size", "steps", "batch_size", "eval_every", "eval_batches"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("checkpoint_every", "seed"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("seq_len", "warmup_steps"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1 if name == "seq_len" else 0)
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                _bad(name, value, "a number >= 0")
+        if self.min_lr > self.lr:
+            _bad("min_lr", self.min_lr, f"at most lr={self.lr}")
+        if not isinstance(self.resume, bool):
+            _bad("resume", self.resume, "True or False")
+
+    def resolved(self, cfg: ModelConfig) -> "TrainConfig":
+        """Fill seq_len and warmup_steps defaults; raise TrainError if they do not fit cfg / steps."""
+        seq_len = cfg.max_context if self.seq_len is None else self.seq_len
+        if seq_len > cfg.max_context:
+            _bad("seq_len", seq_len, f"at most the model's max_context={cfg.max_context}")
+        warmup = min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+        if warmup >= self.steps:
+            _bad("warmup_steps", warmup, f"fewer than steps={self.steps}")
+        return dataclasses.replace(self, seq_len=seq_len, warmup_steps=warmup)
+
+
+# Options that shape the training trajectory: a checkpoint only resumes under the same values.
+TRAJECTORY_FIELDS = ("tokenizer", "bpe_vocab_size", "steps", "batch_size", "seq_len", "lr", "min_lr",
+                     "warmup_steps", "weight_decay", "grad_clip", "seed", "val_fraction")
+
+
+def _bad(name: str, value: Any, allowed: str) -> None:
+    raise TrainError(f"training option {name}={value!r} is not allowed: {allowed}")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _bad(name, value, f"an integer >= {minimum}")
+
+
+# Optimizer and compiled steps ---------------------------------------------------------------------------
+
+def decay_mask(params):
+    """True for parameters that get weight decay: matrices (ndim >= 2), not vectors such as norm scales."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def learning_rate_schedule(opts: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to opts.lr over warmup_steps, then cosine decay to min_lr at opts.steps."""
+    return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=opts.lr,
+                                              warmup_steps=opts.warmup_steps, decay_steps=opts.steps,
+                                              end_value=opts.min_lr)
+
+
+def make_optimizer(opts: TrainConfig) -> optax.GradientTransformation:
+    """clip_by_global_norm(grad_clip) (skipped when 0), then AdamW(b1=0.9, b2=0.95) on the schedule."""
+    adamw = optax.adamw(learning_rate_schedule(opts), b1=0.9, b2=0.95, weight_decay=opts.weight_decay,
+                        mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(opts.grad_clip), adamw) if opts.grad_clip > 0 else adamw
+
+
+def token_nll(graphdef, params, rest, windows: jax.Array) -> jax.Array:
+    """Per-token next-token cross-entropy [B, T] float32 (nats) for windows [B, T + 1] int32."""
+    model = nnx.merge(graphdef, params, rest)
+    logits, _, _ = model(windows[:, :-1], use_cache=False)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
+
+
+def make_step_functions(graphdef, rest, tx: optax.GradientTransformation):
+    """(train_step, eval_step), both jitted.
+
+    train_step(params, opt_state, windows [B, T+1] int32) -> (params, opt_state, mean loss [] float32).
+    eval_step(params, windows [B, T+1] int32, weights [B, T] float32) -> (summed nats [], weight sum []).
+    """
+    def train_step(params, opt_state, windows):
+        loss, grads = jax.value_and_grad(lambda p: token_nll(graphdef, p, rest, windows).mean())(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def eval_step(params, windows, weights):
+        nll = token_nll(graphdef, params, rest, windows)
+        return (nll * weights).sum(), weights.sum()
+
+    return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
+
+
+# The training session ------------------------------------------------------------------------------------
+
+@dataclass
+class _Session:
+    """Everything one call of train() works with (host side)."""
+
+    cfg: ModelConfig
+    opts: TrainConfig
+    out_dir: str
+    data_path: str
+    data_sha256: str
+    tokenizer: TextTokenizer
+    data: TokenData
+    graphdef: Any
+    rest: Any
+    params: Any
+    opt_state: Any
+    rng: np.random.Generator
+    step: int = 0
+    elapsed_s: float = 0.0  # seconds spent in training steps and evaluations, over all sessions
+    step_time_s: float = 0.0  # seconds spent in training steps only (compilation included), all sessions
+    last_val: float = float("nan")  # latest validation loss (nats/token)
+    train_loss: float = float("nan")  # latest training-batch loss (nats/token)
+    saved_step: int = -1  # step of the latest checkpoint written or restored
+    eval_step: Any = None  # the jitted eval function, built on first use
+
+    @property
+    def ckpt_dir(self) -> str:
+        return os.path.join(self.out_dir, "checkpoint")
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.step * self.opts.batch_size * self.opts.seq_len
+
+
+def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.PathLike, *,
+          log: Callable[[str], None] = print, progress: bool = True, stop_at: int | None = None,
+          **options: Any) -> dict:
+    """Train a model on a UTF-8 text file and write a run directory to ``out_dir``.
+
+    cfg: model shape; its vocab_size is replaced by the tokenizer's.
+    options: TrainConfig fields (tokenizer, bpe_vocab_size, steps, batch_size, seq_len, lr, min_lr,
+      warmup_steps, weight_decay, grad_clip, eval_every, eval_batches, checkpoint_every, seed,
+      val_fraction, resume).
+    log: receives one line per evaluation and a start / end line.  progress: show a tqdm bar (only on a TTY).
+    stop_at: stop after this step (writing a checkpoint and the run directory) even if steps is larger;
+      a later call with the same options resumes from there.
+    Returns the model_summary.json dict (val_loss and train_loss in nats/token, val_nats_per_char, steps,
+    tokens_seen, training_time_s, tokens_per_s, parameters, ...).
+    Raises TrainError (bad option, checkpoint made with other options / data), FileNotFoundError / DataError
+    (data file), ConfigError (model config), CheckpointError (unreadable checkpoint).
+    """
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
+    if unknown:
+        raise TrainError(f"unknown training option(s) {unknown}; allowed: "
+                         f"{[f.name for f in dataclasses.fields(TrainConfig)]}")
+    opts = TrainConfig(**options).resolved(cfg)
+    if stop_at is not None:
+        _check_int("stop_at", stop_at, minimum=1)
+    session = _start_session(cfg, os.fspath(data_path), os.fspath(out_dir), opts, log)
+    _run_steps(session, min(opts.steps, stop_at or opts.steps), log, progress)
+    return _finish(session, log)
+
+
+def _start_session(cfg: ModelConfig, data_path: str, out_dir: str, opts: TrainConfig, log) -> _Session:
+    text = read_text(data_path)
+    train_text, val_text = split_text(text, opts.val_fraction)
+    ckpt_dir = os.path.join(out_dir, "checkpoint")
+    meta = ckpt.read_checkpoint_meta(ckpt_dir) if opts.resume else None
+    if meta is not None:
+        tokenizer = TextTokenizer.from_json(meta["tokenizer"])
+    else:
+        tokenizer = train_tokenizer(train_text, opts.tokenizer,
+                                    opts.bpe_vocab_size if opts.tokenizer == "bpe" else None)
+    cfg = cfg.replace(vocab_size=tokenizer.vocab_size)
+    sha = file_sha256(data_path)
+    if meta is not None:
+        _check_resumable(meta, cfg, opts, sha, ckpt_dir)
+    data = TokenData.from_text(tokenizer, train_text, val_text, opts.seq_len)
+    model = build_model(cfg, seed=opts.seed)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    s = _Session(cfg, opts, out_dir, data_path, sha, tokenizer, data, graphdef, rest, params,
+                 make_optimizer(opts).init(params), np.random.default_rng(opts.seed))
+    os.makedirs(out_dir, exist_ok=True)
+    if meta is not None:
+        _restore(s, ckpt_dir)
+        rd.truncate_log(out_dir, s.step)
+        log(f"resumed from {ckpt_dir} at step {s.step}")
+    else:
+        _clear_previous(out_dir)
+    log(f"model: {rd.count_params(model):,} parameters, vocab {cfg.vocab_size} ({tokenizer.kind}); "
+        f"data: {data.train.size:,} training / {data.val.size:,} validation tokens")
+    return s
+
+
+def _check_resumable(meta: dict, cfg: ModelConfig, opts: TrainConfig, sha: str, ckpt_dir: str) -> None:
+    hint = "; pass resume=False (--no_resume) to start over, or use another out_dir"
+    saved_cfg = meta.get("model_config", {})
+    for name, value in cfg.to_dict().items():
+        if saved_cfg.get(name) != value:
+            raise TrainError(f"checkpoint {ckpt_dir} was made with ModelConfig.{name}={saved_cfg.get(name)!r}, "
+                             f"not {value!r}{hint}")
+    saved_opts = meta.get("train_options", {})
+    for name in TRAJECTORY_FIELDS:
+        if saved_opts.get(name) != getattr(opts, name):
+            raise TrainError(f"checkpoint {ckpt_dir} was made with {name}={saved_opts.get(name)!r}, not "
+                             f"{getattr(opts, name)!r}{hint}")
+    if meta.get("data_sha256") != sha:
+        raise TrainError(f"checkpoint {ckpt_dir} was made from different data (sha256 "
+                         f"{meta.get('data_sha256')}, now {sha}){hint}")
+
+
+def _clear_previous(out_dir: str) -> None:
+    """A fresh run: drop an old checkpoint and training log so they cannot mix with this run."""
+    shutil.rmtree(os.path.join(out_dir, "checkpoint"), ignore_errors=True)
+    log_path = os.path.join(out_dir, rd.LOG_FILE)
+    if os.path.exists(log_path):
+        os.remove(log_path)
+
+
+def _restore(s: _Session, ckpt_dir: str) -> None:
+    state, meta = ckpt.load_checkpoint(ckpt_dir, {"params": s.params, "opt_state": s.opt_state})
+    s.params, s.opt_state = state["params"], state["opt_state"]
+    s.rng.bit_generator.state = meta["rng_state"]
+    s.step, s.elapsed_s, s.step_time_s = int(meta["step"]), float(meta["elapsed_s"]), float(meta["step_time_s"])
+    s.last_val = float("nan") if meta.get("val_loss") is None else float(meta["val_loss"])
+    s.saved_step = s.step
+
+
+def _save_checkpoint(s: _Session) -> None:
+    meta = {"step": s.step, "rng_state": s.rng.bit_generator.state, "elapsed_s": s.elapsed_s,
+            "step_time_s": s.step_time_s, "tokens_seen": s.tokens_seen,
+            "val_loss": s.last_val if math.isfinite(s.last_val) else None, "model_config": s.cfg.to_dict(),
+            "train_options": dataclasses.asdict(s.opts), "data_sha256": s.data_sha256,
+            "tokenizer": s.tokenizer.to_json()}
+    ckpt.save_checkpoint(s.ckpt_dir, {"params": s.params, "opt_state": s.opt_state}, meta)
+    s.saved_step = s.step
+
+
+def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
+    train_step, eval_step = make_step_functions(s.graphdef, s.rest, make_optimizer(s.opts))
+    s.eval_step = eval_step
+    schedule = learning_rate_schedule(s.opts)
+    bar = tqdm(total=s.opts.steps, initial=s.step, unit="step", dynamic_ncols=True,
+               disable=not (progress and sys.stderr.isatty()))
+    emit = bar.write if (log is print and not bar.disable) else log
+    window_tokens, window_time, loss = 0, 0.0, float("nan")
+    tokens_per_step = s.opts.batch_size * s.opts.seq_len
+    while s.step < until:
+        batch = sample_batch(s.data.train, s.rng, s.opts.batch_size, s.opts.seq_len)
+        t0 = time.perf_counter()
+        s.params, s.opt_state, loss_arr = train_step(s.params, s.opt_state, jnp.asarray(batch))
+        loss = float(loss_arr)
+        dt = time.perf_counter() - t0
+        s.step += 1
+        s.elapsed_s += dt
+        s.step_time_s += dt
+        window_tokens, window_time = window_tokens + tokens_per_step, window_time + dt
+        tok_s = window_tokens / max(window_time, 1e-9)
+        if not math.isfinite(loss):
+            bar.close()
+            raise TrainError(f"training loss became {loss} at step {s.step}; lower lr (now {s.opts.lr})")
+        if s.step % s.opts.eval_every == 0 or s.step == s.opts.steps:
+            s.elapsed_s += _evaluate_and_log(s, loss, float(schedule(s.step)), tok_s, emit)
+            window_tokens, window_time = 0, 0.0
+        if s.opts.checkpoint_every and s.step % s.opts.checkpoint_every == 0:
+            _save_checkpoint(s)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", val=f"{s.last_val:.3f}", tok_s=f"{tok_s:,.0f}")
+        s.train_loss = loss
+    bar.close()
+
+
+def evaluate(s: _Session) -> float:
+    """Mean validation loss (nats/token) over up to opts.eval_batches deterministic batches."""
+    total, count = 0.0, 0.0
+    for windows, weights in val_batches(s.data.val, s.opts.batch_size, s.opts.seq_len, s.opts.eval_batches):
+        nats, n = s.eval_step(s.params, jnp.asarray(windows), jnp.asarray(weights))
+        total, count = total + float(nats), count + float(n)
+    return total / count
+
+
+def _evaluate_and_log(s: _Session, train_loss: float, lr: float, tok_s: float, emit) -> float:
+    """Evaluate, append a training_log.csv row, emit a line; returns the seconds spent."""
+    t0 = time.perf_counter()
+    s.last_val = evaluate(s)
+    spent = time.perf_counter() - t0
+    row = {"step": s.step, "lr": f"{lr:.6g}", "train_loss": f"{train_loss:.6f}", "val_loss": f"{s.last_val:.6f}",
+           "tokens_per_s": f"{tok_s:.1f}", "elapsed_s": f"{s.elapsed_s + spent:.3f}"}
+    rd.append_log_row(s.out_dir, row)
+    emit(f"step {s.step}/{s.opts.steps}  train {train_loss:.4f}  val {s.last_val:.4f} nats/token "
+         f"({s.last_val * s.data.tokens_per_char:.4f} nats/char)  lr {lr:.3g}  {tok_s:,.0f} tok/s")
+    return spent
+
+
+def _finish(s: _Session, log) -> dict:
+    if s.eval_step is None:
+        s.eval_step = make_step_functions(s.graphdef, s.rest, make_optimizer(s.opts))[1]
+    if not math.isfinite(s.last_val) or s.step % s.opts.eval_every:
+        s.last_val = evaluate(s)
+    if s.saved_step != s.step:
+        _save_checkpoint(s)
+    model = nnx.merge(s.graphdef, s.params, s.rest)
+    summary = {"val_loss": s.last_val, "val_nats_per_char": s.last_val * s.data.tokens_per_char,
+               "train_loss": s.train_loss if math.isfinite(s.train_loss) else None, "steps": s.step,
+               "tokens_seen": s.tokens_seen, "training_time_s": round(s.elapsed_s, 3),
+               "tokens_per_s": round(s.tokens_seen / max(s.step_time_s, 1e-9), 1),
+               "data_file": os.path.basename(s.data_path), "data_sha256": s.data_sha256,
+               "seq_len": s.opts.seq_len, "batch_size": s.opts.batch_size}
+    rd.save_run(s.out_dir, model, s.cfg, s.tokenizer, summary)
+    log(f"done: step {s.step}, val {s.last_val:.4f} nats/token, run directory {s.out_dir}")
+    return rd.read_summary(s.out_dir)
+
+
+# Command-line mapping (the `dantinox train` subcommand calls these) ------------------------------------------
+
+_CLI_TRAIN_OPTIONS = {  # option -> (type, help)
+    "tokenizer": (str, "tokenizer kind: char or bpe"),
+    "bpe_vocab_size": (int, "BPE vocabulary size (>= 256)"),
+    "steps": (int, "optimizer steps"),
+    "batch_size": (int, "windows per step (B)"),
+    "seq_len": (int, "tokens per window (<= max_context; default max_context)"),
+    "lr": (float, "peak learning rate"),
+    "min_lr": (float, "final learning rate of the cosine decay"),
+    "warmup_steps": (int, "linear warmup steps (default min(100, steps // 10))"),
+    "weight_decay": (float, "AdamW weight decay on matrices"),
+    "grad_clip": (float, "global gradient-norm clip (0: off)"),
+    "eval_every": (int, "steps between validation runs"),
+    "eval_batches": (int, "validation batches per run"),
+    "checkpoint_every": (int, "steps between checkpoints (0: only at the end)"),
+    "seed": (int, "seed for model init and batch sampling"),
+    "val_fraction": (float, "held-out fraction of the text's characters"),
+}
+
+
+def add_train_arguments(parser) -> None:
+    """Add the `dantinox train` options to an argparse parser (defaults come from TrainConfig / YAML)."""
+    parser.add_argument("--data", required=True, metavar="FILE", help="UTF-8 training text")
+    parser.add_argument("--out", required=True, metavar="DIR", help="run directory to write")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", metavar="NAME", help="model preset (default: dante)")
+    source.add_argument("--config", metavar="YAML", help="YAML with ModelConfig fields and a train: section")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override one ModelConfig field (repeatable)")
+    for name, (kind, help_text) in _CLI_TRAIN_OPTIONS.items():
+        extra = {"choices": list(KINDS)} if name == "tokenizer" else {}
+        parser.add_argument(f"--{name}", type=kind, default=None, help=help_text, **extra)
+    parser.add_argument("--no_resume", action="store_true", help="start over even if a checkpoint exists")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+
+
+def run_train_from_args(args) -> dict:
+    """Run training from parsed `dantinox train` arguments; returns the model summary dict.
+
+    Precedence: TrainConfig defaults < the YAML train: section < command-line options; the model config is
+    the preset (or YAML) with --set overrides applied. Raises ConfigError / TrainError naming the field.
+    """
+    cfg, options = resolve_cli_config(args.preset, args.config, args.set)
+    for name in _CLI_TRAIN_OPTIONS:
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    if args.no_resume:
+        options["resume"] = False
+    return train(cfg, args.data, args.out, progress=not args.no_progress, **options)
+
+
+def resolve_cli_config(preset: str | None, config_path: str | None,
+                       overrides: list[str] = ()) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, trainer options) from a preset name or a YAML file, plus "field=value" overrides.
+
+    The YAML file may hold ModelConfig fields, an optional ``preset:`` to start from, and a ``train:``
+    mapping of TrainConfig fields. Without either source the "dante" preset is used.
+    Raises ConfigError naming the file, the field or the override that is not allowed.
+    """
+    fields, options = {}, {}
+    if config_path is not None:
+        fields, options = load_yaml_config(config_path)
+        preset = fields.pop("preset", None)
+    base = ModelConfig.from_preset(preset or "dante").to_dict()
+    base.update(fields)
+    base.update(parse_overrides(overrides))
+    return ModelConfig.from_dict(base), options
+
+
+def load_yaml_config(path: str) -> tuple[dict, dict]:
+    """(model fields, trainer options) from a YAML file. Raises ConfigError naming the file and the key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read config file {path!r}: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of ModelConfig fields")
+    options = data.pop("train", None) or {}
+    allowed = [f.name for f in dataclasses.fields(TrainConfig)]
+    if not isinstance(options, dict) or set(options) - set(allowed):
+        bad = sorted(set(options) - set(allowed)) if isinstance(options, dict) else options
+        raise ConfigError(f"config file {path!r}: train section has {bad!r}; allowed options: {allowed}")
+    unknown = sorted(set(data) - set(config_field_names()) - {"preset"})
+    if unknown:
+        raise ConfigError(f"config file {path!r}: unknown ModelConfig field(s) {unknown}; allowed: "
+                          f"{config_field_names()} (plus preset and train)")
+    return data, options
+
+
+def parse_overrides(pairs) -> dict:
+    """{field: value} from "field=value" strings, converted by the ModelConfig field's declared type.
+
+    "none"/"null" give None for optional fields; booleans accept true/false/yes/no/1/0/on/off.
+    Raises ConfigError naming the field, the value and the expected type.
+    """
+    hints = typing.get_type_hints(ModelConfig)
+    out = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ConfigError(f"--set {pair!r} is not allowed: write FIELD=VALUE")
+        if name not in hints:
+            raise ConfigError(f"--set {name}: unknown ModelConfig field; allowed: {config_field_names()}")
+        out[name] = _convert(name, raw.strip(), hints[name])
+    return out
+
+
+def _convert(name: str, raw: str, hint) -> Any:
+    kinds = typing.get_args(hint) or (hint,)
+    if type(None) in kinds and raw.lower() in ("none", "null"):
+        return None
+    for kind in kinds:
+        if kind is bool:
+            table = {"true": True, "yes": True, "1": True, "on": True,
+                     "false": False, "no": False, "0": False, "off": False}
+            if raw.lower() in table:
+                return table[raw.lower()]
+        elif kind in (int, float, str):
+            try:
+                return kind(raw)
+            except ValueError:
+                pass
+    names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+    raise ConfigError(f"--set {name}={raw!r}: ModelConfig.{name} expects {names}")
