@@ -72,9 +72,18 @@ def _per_row(name: str, value, batch: int, dtype) -> np.ndarray:
 
 
 def sample_next(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
-    """Choose one token per row. logits: [B, V] float32; key: a PRNG key. Returns [B] int32."""
+    """Choose one token per row. logits: [B, V] float32; key: a PRNG key. Returns [B] int32.
+
+    When every row is greedy the sort and the draw are skipped (``lax.cond``), which keeps greedy decode
+    steps cheap.
+    """
     greedy_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     is_greedy = params.temperature <= GREEDY_TEMPERATURE
+    return jax.lax.cond(jnp.all(is_greedy), lambda: greedy_choice,
+                        lambda: _draw(logits, key, params, greedy_choice, is_greedy))
+
+
+def _draw(logits, key, params: SamplingParams, greedy_choice, is_greedy) -> jax.Array:
     safe_t = jnp.where(is_greedy, 1.0, params.temperature)
     scaled = logits / safe_t[:, None]
     vocab = logits.shape[-1]

@@ -1,0 +1,112 @@
+"""Prefill and decode speed of dantinox on the seeds' reference shape, in the peers' terms.
+
+Shape (the one ../shared/peers measures): dim 256, 12 blocks, 8 query heads x 32, vocab 256, SwiGLU hidden
+1024, tied embeddings, max_context 512, float32, random weights; 64-token prompt, 256 greedy new tokens.
+
+Figures (medians over --repeats runs, all in this process):
+  prefill_ms    wall time of a 1-token generation (prefill + first token), as the peers define it
+  decode tok/s  B * 255 / (time of a 256-token generation - prefill time)
+  cache off     the same 256-token generation with use_cache=False (full recompute per token), batch 1
+  compile_s     seconds of XLA compilation in the first call (from jax.monitoring events)
+  KV bytes/seq  bytes of the allocated cache for one sequence (from the arrays)
+  on/off ratio  cache-on over cache-off tokens/s at 128, 320 and 512 total tokens (64-token prompt)
+
+Run:  python benchmarks/bench_decode.py [--attention mha gqa mqa] [--batch 1 8] [--repeats 3] [--ratios]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+import dantinox as dx
+from dantinox.cache import cache_nbytes
+
+PROMPT, NEW = 64, 256
+VARIANTS = {
+    "mha": dict(attention="mha", kv_heads=None),
+    "gqa": dict(attention="gqa", kv_heads=2),
+    "mqa": dict(attention="mqa", kv_heads=None),
+}
+
+
+def reference_config(variant: str) -> dx.ModelConfig:
+    """The reference shape with the attention settings of ``variant`` (a key of VARIANTS)."""
+    return dx.ModelConfig.from_preset("reference", **VARIANTS[variant])
+
+
+def timed(fn, repeats: int) -> float:
+    """Median wall seconds of fn() over `repeats` runs (after the caller's warm-up)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(variant: str, batches: list[int], repeats: int, ratios: bool) -> dict:
+    """All figures for one attention variant; returns a dict of named numbers."""
+    cfg = reference_config(variant)
+    model = dx.build_model(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    row = {"variant": variant, "kv_bytes": cache_nbytes(dx.init_cache(cfg, 1))}
+    for b in batches:
+        prompts = rng.integers(0, cfg.vocab_size, (b, PROMPT)).tolist()
+        with dx.CompileCounter() as counted:
+            dx.generate(model, prompts, NEW)
+        row[f"compile_s_b{b}"] = counted.seconds
+        t_prefill = timed(lambda: dx.generate(model, prompts, 1), repeats)
+        t_full = timed(lambda: dx.generate(model, prompts, NEW), repeats)
+        row[f"prefill_ms_b{b}"] = 1000 * t_prefill
+        row[f"decode_b{b}"] = b * (NEW - 1) / (t_full - t_prefill)
+    prompt = rng.integers(0, cfg.vocab_size, (1, PROMPT)).tolist()
+    totals = (128, 320, 512) if ratios else (PROMPT + NEW,)
+    for total in totals:
+        new = total - PROMPT
+        dx.generate(model, prompt, new, use_cache=False)
+        off = timed(lambda: dx.generate(model, prompt, new, use_cache=False), max(1, repeats // 2))
+        on = timed(lambda: dx.generate(model, prompt, new), repeats)
+        row[f"off_tok_s_{total}"] = new / off
+        row[f"on_off_ratio_{total}"] = off / on
+    return row
+
+
+def print_table(rows: list[dict], batches: list[int], ratios: bool) -> None:
+    head = ["attention", "KV bytes/seq"]
+    for b in batches:
+        head += [f"prefill ms B={b}", f"decode tok/s B={b}", f"compile s B={b}"]
+    head += ["cache off tok/s B=1"]
+    totals = (128, 320, 512) if ratios else (PROMPT + NEW,)
+    head += [f"on/off @{t}" for t in totals]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = [r["variant"], f"{r['kv_bytes']:,}"]
+        for b in batches:
+            cells += [f"{r[f'prefill_ms_b{b}']:.1f}", f"{r[f'decode_b{b}']:.0f}", f"{r[f'compile_s_b{b}']:.2f}"]
+        cells += [f"{r[f'off_tok_s_{PROMPT + NEW}']:.1f}"]
+        cells += [f"{r[f'on_off_ratio_{t}']:.1f}x" for t in totals]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attention", nargs="+", default=["mha", "gqa", "mqa"], choices=sorted(VARIANTS))
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ratios", action="store_true", help="cache on/off ratio at 128, 320, 512 tokens")
+    args = parser.parse_args()
+    print(f"# dantinox {dx.__version__}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    rows = [measure(v, args.batch, args.repeats, args.ratios) for v in args.attention]
+    print_table(rows, args.batch, args.ratios)
+
+
+if __name__ == "__main__":
+    main()

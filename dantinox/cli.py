@@ -1,0 +1,127 @@
+"""The ``dantinox`` command: thin subcommands over library functions.
+
+  dantinox train    --data FILE --out runs/NAME [--preset NAME | --config YAML] [--set field=value ...]
+  dantinox generate [--run_dir R] --prompt P [--no_cache] [--stream] [--max_new_tokens N] [--temperature T]
+                    [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
+  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F]
+  dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
+
+Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
+exit with status 2 and one line on stderr; verify exits with status 1 when the cache is not exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .cache import CapacityError
+from .config import ConfigError
+
+USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max_new_tokens", type=int, default=200, help="new tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_generate(args) -> int:
+    """Print the prompt followed by the generated text; timings go to stderr."""
+    from .generator import Generator
+
+    gen = Generator(args.run_dir)
+    ids = gen.encode(args.prompt, args.unknown)
+    print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
+          f"({gen.warmup.compilations} compilations, {gen.warmup.cache_hits} from the persistent cache)",
+          file=sys.stderr)
+    kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  unknown=args.unknown)
+    start = time.perf_counter()
+    print(args.prompt, end="", flush=True)
+    if args.stream:
+        if args.no_cache:
+            raise ValueError("--stream needs the cache: drop --no_cache to stream")
+        for piece in gen.stream(args.prompt, args.max_new_tokens, **kwargs):
+            print(piece, end="", flush=True)
+    else:
+        print(gen.generate(args.prompt, args.max_new_tokens, use_cache=not args.no_cache, **kwargs), end="")
+    print()
+    seconds = time.perf_counter() - start
+    print(f"[dantinox] prompt {len(ids)} tokens, {args.max_new_tokens} new tokens in {seconds:.2f} s "
+          f"({args.max_new_tokens / seconds:.1f} tokens/s, cache {'off' if args.no_cache else 'on'})",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    """Print the largest cached-vs-uncached difference per position range; 1 if above tolerance."""
+    from .train.run_dir import load_run
+    from .generator import bundled_run_dir
+    from .verify import verify_cache
+
+    run_dir = args.run_dir or bundled_run_dir()
+    model, cfg, tokenizer, _ = load_run(run_dir)
+    prompt = tokenizer.encode(args.prompt, unknown="replace") if args.prompt else [0]
+    if not prompt:
+        raise ValueError("prompt is empty: give at least one character")
+    new_tokens = args.new_tokens or cfg.max_context - len(prompt)
+    report = verify_cache(model, prompt, new_tokens, args.tolerance)
+    print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype}; "
+          f"prompt {len(prompt)} tokens, {new_tokens} greedy tokens decoded")
+    print(f"{'positions':>12}  max |cached - uncached|")
+    for first, last, diff in report.ranges(args.range):
+        print(f"{first:>5}-{last:<6}  {diff:.3e}")
+    verdict = "PASS" if report.passed else "FAIL"
+    print(f"{verdict}: largest difference {report.max_diff.max():.3e} (tolerance {args.tolerance:.1e}) "
+          f"over {len(report.positions)} positions")
+    return 0 if report.passed else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .budget_cli import add_budget_arguments, run_budget
+    from .train.trainer import add_train_arguments, run_train_from_args
+
+    parser = argparse.ArgumentParser(prog="dantinox", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model on a text file")
+    add_train_arguments(train)
+    train.set_defaults(func=run_train_from_args)
+    gen = sub.add_parser("generate", help="generate text from a run directory")
+    gen.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--no_cache", action="store_true", help="recompute the whole sequence for every token")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--unknown", choices=("error", "replace"), default="error",
+                     help="characters outside the vocabulary: error (default) or replace with <unk>")
+    _add_sampling(gen)
+    gen.set_defaults(func=cmd_generate)
+    ver = sub.add_parser("verify", help="check cached against uncached logits at every generated position")
+    ver.add_argument("--run_dir", default=None)
+    ver.add_argument("--prompt", default="Nel mezzo del cammin di nostra vita")
+    ver.add_argument("--new_tokens", type=int, default=None, help="default: fill the context")
+    ver.add_argument("--tolerance", type=float, default=1e-4)
+    ver.add_argument("--range", type=int, default=32, help="positions per printed range")
+    ver.set_defaults(func=cmd_verify)
+    budget = sub.add_parser("budget", help="KV cache bytes, max batch and capacity for a model shape")
+    add_budget_arguments(budget)
+    budget.set_defaults(func=run_budget)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as err:
+        print(f"dantinox {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

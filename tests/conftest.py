@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny configs from ../shared/cases/ACCEPTANCE.md (vocab 128, dim 64, 2 layers, 8 heads x 8,
+max_context 32) and an independent reference forward."""
+
+import numpy as np
+import pytest
+
+import dantinox as dx
+
+
+def tiny_config(**overrides) -> dx.ModelConfig:
+    """The acceptance cases' tiny model, float32, with overrides."""
+    return dx.ModelConfig.from_preset("tiny", **overrides)
+
+
+def reference_logits(model, ids: np.ndarray) -> np.ndarray:
+    """Independent reference: numpy forward with an explicit causal mask and naive per-head GQA mapping
+    (query head h reads KV head h // (H / K)). ids: [B, T] -> logits [B, T, V] float64."""
+    cfg = model.cfg
+    p = lambda x: np.asarray(x[...], np.float64)  # noqa: E731
+    emb = p(model.embed.embedding)
+    x = emb[ids]
+    B, T = ids.shape
+    H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
+    pos = np.arange(T)[None, :].repeat(B, 0)
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2) / D))
+    ang = pos[..., None] * inv
+    cos, sin = np.cos(ang)[:, :, None], np.sin(ang)[:, :, None]
+
+    def rope(t):
+        a, b = t[..., : D // 2], t[..., D // 2:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    def rms(t, scale):
+        return t / np.sqrt(np.mean(t * t, -1, keepdims=True) + cfg.norm_eps) * scale
+
+    for blk in model.blocks:
+        h = rms(x, p(blk.attn_norm.scale))
+        qkv = h @ p(blk.attn.qkv.kernel)
+        q = rope(qkv[..., : H * D].reshape(B, T, H, D))
+        k = rope(qkv[..., H * D:(H + K) * D].reshape(B, T, K, D))
+        v = qkv[..., (H + K) * D:].reshape(B, T, K, D)
+        out = np.zeros((B, T, H, D))
+        mask = np.tril(np.ones((T, T), bool))
+        for head in range(H):
+            kv = head // (H // K)
+            s = np.einsum("btd,bsd->bts", q[:, :, head], k[:, :, kv]) / np.sqrt(D)
+            s = np.where(mask, s, -np.inf)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            out[:, :, head] = np.einsum("bts,bsd->btd", w, v[:, :, kv])
+        x = x + out.reshape(B, T, H * D) @ p(blk.attn.out.kernel)
+        h = rms(x, p(blk.mlp_norm.scale))
+        gate, up = np.split(h @ p(blk.mlp.gate_up.kernel), 2, -1)
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ p(blk.mlp.down.kernel)
+    return rms(x, p(model.final_norm.scale)) @ emb.T
+
+
+@pytest.fixture
+def tiny():
+    return tiny_config
+
+
+def spiky_model(cfg: dx.ModelConfig, seed: int = 0, qk_scale: float = 12.0):
+    """A random model whose query/key projections are scaled up so attention is far from uniform: a wrong
+    position, mask or head mapping then changes the logits by much more than the test tolerances."""
+    model = dx.build_model(cfg, seed)
+    for blk in model.blocks:
+        kernel = blk.attn.qkv.kernel
+        width = (cfg.n_heads + cfg.kv_heads) * cfg.head_size
+        kernel[...] = kernel[...].at[:, :width].multiply(qk_scale)
+    return model
