@@ -26,7 +26,8 @@ def _save(tmp_path, name="run"):
 
 def test_round_trip_gives_identical_logits(tmp_path):
     out, model, cfg, tok = _save(tmp_path)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "model_summary.json", "tokenizer.json"]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "model_summary.json",
+                                       "tokenizer.json"]
     assert ModelConfig.from_dict(json.loads((out / "config.json").read_text())) == cfg
     loaded, cfg2, tok2, summary = load_run(out)
     assert cfg2 == cfg and tok2.encode(TEXT) == tok.encode(TEXT)
@@ -105,4 +106,5 @@ def test_tokenizer_vocab_disagrees_with_config(tmp_path):
         load_run(out)
     tok = train_tokenizer(TEXT, "char")
     with pytest.raises(RunDirError, match="vocab_size"):
-        save_run(tmp_path / "x", build_model(ModelConfig.from_preset("tiny")), ModelConfig.from_preset("tiny"), tok)
+        cfg = ModelConfig.from_preset("tiny")
+        save_run(tmp_path / "x", build_model(cfg), cfg, tok)

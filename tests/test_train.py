@@ -1,7 +1,7 @@
 """Data splits and batches, the training loop, checkpoints (resume, atomic writes) and the CLI mapping.
 
-Every training run uses the tiny preset, batch 4 and seq_len 16 on one short text, so the compiled steps
-are shared through the persistent compilation cache.
+Every training run uses the tiny preset, batch 4 and seq_len 16 on one short text, and the resume and CLI
+tests share their optimizer options, so the whole file compiles two training steps and one evaluation.
 """
 
 import argparse
@@ -34,7 +34,7 @@ def data_file(tmp_path):
     return path
 
 
-def tiny():
+def tiny_cfg():
     return ModelConfig.from_preset("tiny")
 
 
@@ -75,7 +75,7 @@ def test_split_and_batches():
 
 def test_training_reduces_loss(data_file, tmp_path):
     out = tmp_path / "run"
-    summary = train(tiny(), data_file, out, steps=24, checkpoint_every=0, **RUN)
+    summary = train(tiny_cfg(), data_file, out, steps=24, checkpoint_every=0, **RUN)
     with open(out / "training_log.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(3, 25, 3))
@@ -91,11 +91,11 @@ def test_training_reduces_loss(data_file, tmp_path):
 
 def test_resume_gives_the_same_parameters(data_file, tmp_path):
     opts = dict(steps=6, checkpoint_every=3, **RUN)
-    train(tiny(), data_file, tmp_path / "straight", **opts)
-    train(tiny(), data_file, tmp_path / "split", stop_at=3, **opts)
+    train(tiny_cfg(), data_file, tmp_path / "straight", **opts)
+    train(tiny_cfg(), data_file, tmp_path / "split", stop_at=3, **opts)
     assert json.loads((tmp_path / "split" / "checkpoint" / "meta.json").read_text())["step"] == 3
     lines = []
-    summary = train(tiny(), data_file, tmp_path / "split", **{**opts, "log": lines.append})
+    summary = train(tiny_cfg(), data_file, tmp_path / "split", **{**opts, "log": lines.append})
     assert any("resumed" in line and "step 3" in line for line in lines)
     assert summary["steps"] == 6
     a = safetensors.numpy.load_file(tmp_path / "straight" / "model.safetensors")
@@ -107,18 +107,18 @@ def test_resume_gives_the_same_parameters(data_file, tmp_path):
     log_b = (tmp_path / "split" / "training_log.csv").read_text().splitlines()
     assert [r.split(",")[:4] for r in log_a] == [r.split(",")[:4] for r in log_b]
     with pytest.raises(TrainError, match="batch_size=4, not 8"):
-        train(tiny(), data_file, tmp_path / "split", **{**opts, "batch_size": 8})
+        train(tiny_cfg(), data_file, tmp_path / "split", **{**opts, "batch_size": 8})
 
 
 def test_training_option_errors(data_file, tmp_path):
     with pytest.raises(TrainError, match="seq_len=64.*max_context=32"):
-        train(tiny(), data_file, tmp_path / "r", steps=2, seq_len=64, progress=False)
+        train(tiny_cfg(), data_file, tmp_path / "r", steps=2, seq_len=64, progress=False)
     with pytest.raises(TrainError, match="unknown training option"):
-        train(tiny(), data_file, tmp_path / "r", stepz=2)
+        train(tiny_cfg(), data_file, tmp_path / "r", stepz=2)
     with pytest.raises(TrainError, match="warmup_steps=5.*steps=5"):
-        train(tiny(), data_file, tmp_path / "r", steps=5, warmup_steps=5)
+        train(tiny_cfg(), data_file, tmp_path / "r", steps=5, warmup_steps=5)
     with pytest.raises(TrainError, match="tokenizer='word'"):
-        train(tiny(), data_file, tmp_path / "r", tokenizer="word")
+        train(tiny_cfg(), data_file, tmp_path / "r", tokenizer="word")
 
 
 # Checkpoints -----------------------------------------------------------------------------------------------
@@ -181,8 +181,12 @@ def test_run_train_from_args(data_file, tmp_path):
     add_train_arguments(parser)
     out = tmp_path / "cli"
     args = parser.parse_args(["--data", str(data_file), "--out", str(out), "--preset", "tiny",
-                              "--set", "num_blocks=1", "--steps", "3", "--batch_size", "4", "--seq_len", "16",
-                              "--eval_every", "3", "--warmup_steps", "1", "--no_resume", "--no_progress"])
+                              "--set", "tie_embeddings=true", "--steps", "6", "--batch_size", "4", "--seq_len",
+                              "16", "--eval_every", "3", "--eval_batches", "2", "--warmup_steps", "1", "--lr",
+                              "1e-2", "--min_lr", "1e-3", "--no_resume", "--no_progress"])
     summary = run_train_from_args(args)
-    assert summary["steps"] == 3
-    assert json.loads((out / "config.json").read_text())["num_blocks"] == 1
+    assert summary["steps"] == 6
+    assert json.loads((out / "config.json").read_text())["num_blocks"] == 2
+    with pytest.raises(ConfigError, match="num_blocks='two'"):
+        run_train_from_args(parser.parse_args(["--data", str(data_file), "--out", str(out),
+                                               "--set", "num_blocks=two"]))

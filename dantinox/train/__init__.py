@@ -15,6 +15,6 @@ from .trainer import (TrainConfig, TrainError, add_train_arguments, resolve_cli_
 __all__ = [
     "CheckpointError", "DataError", "RunDirError", "StreamDecoder", "TextTokenizer", "TokenData",
     "TrainConfig", "TrainError", "add_train_arguments", "atomic_write_bytes", "load_checkpoint", "load_run",
-    "read_summary", "read_text", "resolve_cli_config", "run_train_from_args", "sample_batch", "save_checkpoint",
-    "save_run", "split_text", "train", "train_tokenizer", "val_batches",
+    "read_summary", "read_text", "resolve_cli_config", "run_train_from_args", "sample_batch",
+    "save_checkpoint", "save_run", "split_text", "train", "train_tokenizer", "val_batches",
 ]

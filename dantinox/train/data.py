@@ -82,9 +82,9 @@ class TokenData:
                    np.asarray(tokenizer.encode(val_text, unknown="replace"), np.int32), len(val_text))
         for name, ids, text in (("training", data.train, train_text), ("validation", data.val, val_text)):
             if ids.size < seq_len + 1:
-                raise DataError(f"the {name} split has {ids.size} tokens ({len(text)} characters); it needs at "
-                                f"least seq_len + 1 = {seq_len + 1}. Use a longer text, a smaller --seq_len, "
-                                "or a different val_fraction")
+                raise DataError(f"the {name} split has {ids.size} tokens ({len(text)} characters); it "
+                                f"needs at least seq_len + 1 = {seq_len + 1}. Use a longer text, a smaller "
+                                "--seq_len, or a different val_fraction")
         return data
 
     @property
@@ -109,9 +109,10 @@ def val_batches(ids: np.ndarray, batch_size: int, seq_len: int,
     """Deterministic validation batches over ``ids`` (1-D int32): yields (windows, weights).
 
     windows: [B, seq_len + 1] int32, consecutive windows that overlap by one token, so each held-out token
-    after the first is a target at most once (a tail shorter than seq_len is not evaluated). weights: [B, seq_len] float32, 1 for real targets and 0 for
-    padding (the last batch is padded to B rows so every batch has the same shape). At most max_batches
-    batches (None: all). Raises DataError if ids is shorter than seq_len + 1.
+    after the first is a target at most once (a tail shorter than seq_len is not evaluated).
+    weights: [B, seq_len] float32, 1 for real targets and 0 for padding (the last batch is padded to B rows
+    with token 0 so every batch has the same shape). At most max_batches batches (None: all).
+    Raises DataError if ids is shorter than seq_len + 1.
     """
     if ids.size < seq_len + 1:
         raise DataError(f"{ids.size} validation tokens cannot fill a window of seq_len + 1 = {seq_len + 1}")

@@ -68,7 +68,8 @@ def save_run(out_dir: str | os.PathLike, model: nnx.Module, cfg: ModelConfig, to
     Raises RunDirError if the tokenizer's vocab_size differs from cfg.vocab_size; OSError from the disk.
     """
     if tokenizer.vocab_size != cfg.vocab_size:
-        raise RunDirError(f"tokenizer vocab_size {tokenizer.vocab_size} != config vocab_size {cfg.vocab_size}")
+        raise RunDirError(f"tokenizer vocab_size {tokenizer.vocab_size} != config vocab_size "
+                          f"{cfg.vocab_size}")
     from .. import __version__
 
     out_dir = os.fspath(out_dir)
@@ -95,7 +96,7 @@ def append_log_row(out_dir: str | os.PathLike, row: dict[str, Any]) -> None:
 
 
 def truncate_log(out_dir: str | os.PathLike, last_step: int) -> None:
-    """Drop training_log.csv rows after ``last_step`` (rows logged after the checkpoint a run resumes from)."""
+    """Drop training_log.csv rows after ``last_step`` (logged after the checkpoint a run resumes from)."""
     path = os.path.join(os.fspath(out_dir), LOG_FILE)
     if not os.path.exists(path):
         return
@@ -127,7 +128,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, Text
     cfg = _load_config(os.path.join(run_dir, CONFIG_FILE))
     tokenizer = _load_tokenizer(os.path.join(run_dir, TOKENIZER_FILE), cfg)
     arrays = _load_weights(os.path.join(run_dir, WEIGHTS_FILE))
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
     _fill_params(model, arrays, os.path.join(run_dir, WEIGHTS_FILE))
     summary_path = os.path.join(run_dir, SUMMARY_FILE)
     summary = _read_json(summary_path) if os.path.isfile(summary_path) else {}
@@ -135,7 +136,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, Text
 
 
 def read_summary(run_dir: str | os.PathLike) -> dict:
-    """The model_summary.json dict of ``run_dir``. Raises RunDirError naming the file if missing or unreadable."""
+    """The model_summary.json dict of ``run_dir``. Raises RunDirError naming the file if absent/unreadable."""
     path = os.path.join(os.fspath(run_dir), SUMMARY_FILE)
     if not os.path.isfile(path):
         raise RunDirError(f"run directory {os.fspath(run_dir)!r} has no {SUMMARY_FILE}")

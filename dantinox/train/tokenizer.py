@@ -189,7 +189,7 @@ class StreamDecoder:
         self._emitted = 0  # characters of decode(_pending) already returned
 
     def push(self, token_id: int) -> str:
-        """Add one token id; return the newly completed text (possibly ""). Raises ValueError if out of range."""
+        """Add one token id; return the newly completed text (maybe ""). Raises ValueError if out of range."""
         self._pending.append(int(token_id))
         text = self.tokenizer.decode(self._pending)
         if text.endswith(_REPLACEMENT):

@@ -20,6 +20,7 @@ loss by tokens per character of the held-out text (equal to the loss for a char 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import shutil
@@ -152,22 +153,42 @@ def token_nll(graphdef, params, rest, windows: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
 
 
-def make_step_functions(graphdef, rest, tx: optax.GradientTransformation):
-    """(train_step, eval_step), both jitted.
+# Options baked into the compiled update (the learning-rate schedule and the optimizer).
+OPTIMIZER_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
 
-    train_step(params, opt_state, windows [B, T+1] int32) -> (params, opt_state, mean loss [] float32).
-    eval_step(params, windows [B, T+1] int32, weights [B, T] float32) -> (summed nats [], weight sum []).
+
+def make_step_functions(graphdef, opts: TrainConfig):
+    """(train_step, eval_step), both jitted; opts must be resolved (see TrainConfig.resolved).
+
+    train_step(params, opt_state, rest, windows [B, T+1] int32) -> (params, opt_state, mean loss []
+      float32); params and opt_state are donated.
+    eval_step(params, rest, windows [B, T+1] int32, weights [B, T] float32) -> (summed nats [], weight sum []).
+    Cached per (model graph, optimizer options), so repeated train() calls in one process compile once.
     """
-    def train_step(params, opt_state, windows):
+    return _train_step(graphdef, tuple(getattr(opts, f) for f in OPTIMIZER_FIELDS)), _eval_step(graphdef)
+
+
+@functools.lru_cache(maxsize=8)
+def _train_step(graphdef, optimizer_key: tuple):
+    tx = make_optimizer(TrainConfig(**dict(zip(OPTIMIZER_FIELDS, optimizer_key))))
+
+    def train_step(params, opt_state, rest, windows):
+        """One AdamW update on the mean next-token loss of windows [B, T+1]."""
         loss, grads = jax.value_and_grad(lambda p: token_nll(graphdef, p, rest, windows).mean())(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    def eval_step(params, windows, weights):
+    return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+@functools.lru_cache(maxsize=8)
+def _eval_step(graphdef):
+    def eval_step(params, rest, windows, weights):
+        """Weighted sum of per-token losses and the sum of weights."""
         nll = token_nll(graphdef, params, rest, windows)
         return (nll * weights).sum(), weights.sum()
 
-    return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
+    return jax.jit(eval_step)
 
 
 # The training session ------------------------------------------------------------------------------------
@@ -198,10 +219,12 @@ class _Session:
 
     @property
     def ckpt_dir(self) -> str:
+        """out_dir/checkpoint."""
         return os.path.join(self.out_dir, "checkpoint")
 
     @property
     def tokens_seen(self) -> int:
+        """Training tokens consumed so far: step * B * T."""
         return self.step * self.opts.batch_size * self.opts.seq_len
 
 
@@ -217,8 +240,9 @@ def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.Path
     log: receives one line per evaluation and a start / end line.  progress: show a tqdm bar (only on a TTY).
     stop_at: stop after this step (writing a checkpoint and the run directory) even if steps is larger;
       a later call with the same options resumes from there.
-    Returns the model_summary.json dict (val_loss and train_loss in nats/token, val_nats_per_char, steps,
-    tokens_seen, training_time_s, tokens_per_s, parameters, ...).
+    Returns the model_summary.json dict: val_loss and train_loss (nats/token), val_nats_per_char, steps,
+    tokens_seen, training_time_s (steps + evaluations, all sessions), tokens_per_s (training tokens per
+    second of step time, compilation included), parameters, kv_bytes_per_token, data_file, data_sha256.
     Raises TrainError (bad option, checkpoint made with other options / data), FileNotFoundError / DataError
     (data file), ConfigError (model config), CheckpointError (unreadable checkpoint).
     """
@@ -270,8 +294,8 @@ def _check_resumable(meta: dict, cfg: ModelConfig, opts: TrainConfig, sha: str, 
     saved_cfg = meta.get("model_config", {})
     for name, value in cfg.to_dict().items():
         if saved_cfg.get(name) != value:
-            raise TrainError(f"checkpoint {ckpt_dir} was made with ModelConfig.{name}={saved_cfg.get(name)!r}, "
-                             f"not {value!r}{hint}")
+            raise TrainError(f"checkpoint {ckpt_dir} was made with ModelConfig.{name}="
+                             f"{saved_cfg.get(name)!r}, not {value!r}{hint}")
     saved_opts = meta.get("train_options", {})
     for name in TRAJECTORY_FIELDS:
         if saved_opts.get(name) != getattr(opts, name):
@@ -294,15 +318,18 @@ def _restore(s: _Session, ckpt_dir: str) -> None:
     state, meta = ckpt.load_checkpoint(ckpt_dir, {"params": s.params, "opt_state": s.opt_state})
     s.params, s.opt_state = state["params"], state["opt_state"]
     s.rng.bit_generator.state = meta["rng_state"]
-    s.step, s.elapsed_s, s.step_time_s = int(meta["step"]), float(meta["elapsed_s"]), float(meta["step_time_s"])
+    s.step, s.elapsed_s = int(meta["step"]), float(meta["elapsed_s"])
+    s.step_time_s = float(meta["step_time_s"])
     s.last_val = float("nan") if meta.get("val_loss") is None else float(meta["val_loss"])
+    s.train_loss = float("nan") if meta.get("train_loss") is None else float(meta["train_loss"])
     s.saved_step = s.step
 
 
 def _save_checkpoint(s: _Session) -> None:
     meta = {"step": s.step, "rng_state": s.rng.bit_generator.state, "elapsed_s": s.elapsed_s,
             "step_time_s": s.step_time_s, "tokens_seen": s.tokens_seen,
-            "val_loss": s.last_val if math.isfinite(s.last_val) else None, "model_config": s.cfg.to_dict(),
+            "val_loss": s.last_val if math.isfinite(s.last_val) else None,
+            "train_loss": s.train_loss if math.isfinite(s.train_loss) else None, "model_config": s.cfg.to_dict(),
             "train_options": dataclasses.asdict(s.opts), "data_sha256": s.data_sha256,
             "tokenizer": s.tokenizer.to_json()}
     ckpt.save_checkpoint(s.ckpt_dir, {"params": s.params, "opt_state": s.opt_state}, meta)
@@ -310,7 +337,7 @@ def _save_checkpoint(s: _Session) -> None:
 
 
 def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
-    train_step, eval_step = make_step_functions(s.graphdef, s.rest, make_optimizer(s.opts))
+    train_step, eval_step = make_step_functions(s.graphdef, s.opts)
     s.eval_step = eval_step
     schedule = learning_rate_schedule(s.opts)
     bar = tqdm(total=s.opts.steps, initial=s.step, unit="step", dynamic_ncols=True,
@@ -321,7 +348,7 @@ def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
     while s.step < until:
         batch = sample_batch(s.data.train, s.rng, s.opts.batch_size, s.opts.seq_len)
         t0 = time.perf_counter()
-        s.params, s.opt_state, loss_arr = train_step(s.params, s.opt_state, jnp.asarray(batch))
+        s.params, s.opt_state, loss_arr = train_step(s.params, s.opt_state, s.rest, jnp.asarray(batch))
         loss = float(loss_arr)
         dt = time.perf_counter() - t0
         s.step += 1
@@ -347,7 +374,7 @@ def evaluate(s: _Session) -> float:
     """Mean validation loss (nats/token) over up to opts.eval_batches deterministic batches."""
     total, count = 0.0, 0.0
     for windows, weights in val_batches(s.data.val, s.opts.batch_size, s.opts.seq_len, s.opts.eval_batches):
-        nats, n = s.eval_step(s.params, jnp.asarray(windows), jnp.asarray(weights))
+        nats, n = s.eval_step(s.params, s.rest, jnp.asarray(windows), jnp.asarray(weights))
         total, count = total + float(nats), count + float(n)
     return total / count
 
@@ -357,7 +384,8 @@ def _evaluate_and_log(s: _Session, train_loss: float, lr: float, tok_s: float, e
     t0 = time.perf_counter()
     s.last_val = evaluate(s)
     spent = time.perf_counter() - t0
-    row = {"step": s.step, "lr": f"{lr:.6g}", "train_loss": f"{train_loss:.6f}", "val_loss": f"{s.last_val:.6f}",
+    row = {"step": s.step, "lr": f"{lr:.6g}", "train_loss": f"{train_loss:.6f}",
+           "val_loss": f"{s.last_val:.6f}",
            "tokens_per_s": f"{tok_s:.1f}", "elapsed_s": f"{s.elapsed_s + spent:.3f}"}
     rd.append_log_row(s.out_dir, row)
     emit(f"step {s.step}/{s.opts.steps}  train {train_loss:.4f}  val {s.last_val:.4f} nats/token "
@@ -367,7 +395,7 @@ def _evaluate_and_log(s: _Session, train_loss: float, lr: float, tok_s: float, e
 
 def _finish(s: _Session, log) -> dict:
     if s.eval_step is None:
-        s.eval_step = make_step_functions(s.graphdef, s.rest, make_optimizer(s.opts))[1]
+        s.eval_step = make_step_functions(s.graphdef, s.opts)[1]
     if not math.isfinite(s.last_val) or s.step % s.opts.eval_every:
         s.last_val = evaluate(s)
     if s.saved_step != s.step:
@@ -384,7 +412,7 @@ def _finish(s: _Session, log) -> dict:
     return rd.read_summary(s.out_dir)
 
 
-# Command-line mapping (the `dantinox train` subcommand calls these) ------------------------------------------
+# Command-line mapping (the `dantinox train` subcommand calls these) -------------------------------------
 
 _CLI_TRAIN_OPTIONS = {  # option -> (type, help)
     "tokenizer": (str, "tokenizer kind: char or bpe"),
