@@ -17,7 +17,7 @@ import safetensors.numpy
 from dantinox import ConfigError, ModelConfig
 from dantinox.train import checkpoint as ckpt
 from dantinox.train.data import DataError, TokenData, read_text, sample_batch, split_text, val_batches
-from dantinox.train.run_dir import load_run
+from dantinox.train.run_dir import load_run, read_summary
 from dantinox.train.tokenizer import train_tokenizer
 from dantinox.train.trainer import (TrainError, add_train_arguments, parse_overrides, resolve_cli_config,
                                     run_train_from_args, train)
@@ -184,8 +184,8 @@ def test_run_train_from_args(data_file, tmp_path):
                               "--set", "tie_embeddings=true", "--steps", "6", "--batch_size", "4", "--seq_len",
                               "16", "--eval_every", "3", "--eval_batches", "2", "--warmup_steps", "1", "--lr",
                               "1e-2", "--min_lr", "1e-3", "--no_resume", "--no_progress"])
-    summary = run_train_from_args(args)
-    assert summary["steps"] == 6
+    assert run_train_from_args(args) == 0
+    assert read_summary(out)["steps"] == 6
     assert json.loads((out / "config.json").read_text())["num_blocks"] == 2
     with pytest.raises(ConfigError, match="num_blocks='two'"):
         run_train_from_args(parser.parse_args(["--data", str(data_file), "--out", str(out),

@@ -449,8 +449,10 @@ def add_train_arguments(parser) -> None:
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
 
 
-def run_train_from_args(args) -> dict:
-    """Run training from parsed `dantinox train` arguments; returns the model summary dict.
+def run_train_from_args(args) -> int:
+    """Run training from parsed `dantinox train` arguments; returns the exit status 0.
+
+    The summary is in ``<out>/model_summary.json`` (see dantinox.train.run_dir.read_summary).
 
     Precedence: TrainConfig defaults < the YAML train: section < command-line options; the model config is
     the preset (or YAML) with --set overrides applied. Raises ConfigError / TrainError naming the field.
@@ -461,7 +463,8 @@ def run_train_from_args(args) -> dict:
             options[name] = getattr(args, name)
     if args.no_resume:
         options["resume"] = False
-    return train(cfg, args.data, args.out, progress=not args.no_progress, **options)
+    train(cfg, args.data, args.out, progress=not args.no_progress, **options)
+    return 0
 
 
 def resolve_cli_config(preset: str | None, config_path: str | None,
