@@ -83,7 +83,6 @@ def cmd_verify(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .budget_cli import add_budget_arguments, run_budget
     from .train.trainer import add_train_arguments, run_train_from_args
 
     parser = argparse.ArgumentParser(prog="dantinox", description=__doc__.splitlines()[0])
@@ -107,9 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--tolerance", type=float, default=1e-4)
     ver.add_argument("--range", type=int, default=32, help="positions per printed range")
     ver.set_defaults(func=cmd_verify)
-    budget = sub.add_parser("budget", help="KV cache bytes, max batch and capacity for a model shape")
-    add_budget_arguments(budget)
-    budget.set_defaults(func=run_budget)
+    try:
+        from .budget_cli import add_budget_arguments, run_budget
+    except ImportError:  # pragma: no cover - planner not installed yet
+        pass
+    else:
+        budget = sub.add_parser("budget", help="KV cache bytes, max batch and capacity for a model shape")
+        add_budget_arguments(budget)
+        budget.set_defaults(func=run_budget)
     return parser
 
 

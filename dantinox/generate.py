@@ -199,7 +199,7 @@ def _run(req: _Request, model, use_cache: bool) -> GenerationResult:
     if not use_cache:
         return _finish(_recompute_all(graphdef, params, req, model.cfg.max_context), req)
     cache = init_cache(model.cfg, len(req.ids))
-    state = prefill(graphdef, params, jnp.asarray(req.ids), jnp.asarray(req.lengths), cache, req.key,
+    state = prefill(graphdef, params, req.ids, req.lengths, cache, req.key,
                     req.sampling, req.eos_id, req.fill)
     state = decode(graphdef, params, state, jnp.int32(req.max_new_tokens), req.key, req.sampling,
                    req.eos_id, req.fill)
@@ -239,7 +239,7 @@ def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: in
         raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     graphdef, params = nnx.split(model)
-    state = prefill(graphdef, params, jnp.asarray(req.ids), jnp.asarray(req.lengths),
+    state = prefill(graphdef, params, req.ids, req.lengths,
                     init_cache(model.cfg, len(req.ids)), req.key, req.sampling, req.eos_id, req.fill)
     sent = 0
     while True:
@@ -292,7 +292,7 @@ def _recompute_all(graphdef, params, req: _Request, max_context: int) -> np.ndar
                            jnp.full((B, max_context), req.fill, jnp.int32))
     window = bucket_length(int(req.lengths.max()), max_context)
     while True:
-        state = recompute_segment(graphdef, params, state, jnp.asarray(req.lengths), jnp.int32(req.max_new_tokens),
+        state = recompute_segment(graphdef, params, state, req.lengths, jnp.int32(req.max_new_tokens),
                                   req.key, req.sampling, req.eos_id, req.fill, window=window)
         if int(state.step) >= req.max_new_tokens or bool(np.all(np.asarray(state.done))):
             return jax.device_get(state.out)

@@ -1,0 +1,108 @@
+"""Bad input gets a clear error naming the field, the value and what is allowed (issue 2)."""
+
+import numpy as np
+import pytest
+
+import dantinox as dx
+from conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dx.build_model(tiny_config())
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([], "empty"),
+    ([[1, 2], []], "prompt 1 is empty"),
+    ([[]], "prompt 0 is empty"),
+    ([1, 2, 128], r"token id 128 outside \[0, vocab_size=128\)"),
+    ([[1, -3]], r"token id -3 outside"),
+    ([1.5, 2.0], "non-integer"),
+    ("Nel mezzo", "not text"),
+])
+def test_bad_prompts(model, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        dx.generate(model, prompt, 3)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), r"temperature=-1.0 .*>= 0"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), r"top_p=0.0 .*\(0, 1\]"),
+    (dict(top_p=1.5), r"top_p=1.5"),
+    (dict(top_k=-1), r"top_k=-1 .*>= 0"),
+    (dict(top_k=2.5), r"top_k=2.5"),
+    (dict(temperature=[0.5, 0.5, 0.5]), "3 values for a batch of 1"),
+    (dict(seed=-1), r"seed=-1"),
+    (dict(eos_id=128), r"eos_id=128"),
+])
+def test_bad_sampling_settings(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dx.generate(model, [1, 2, 3], 3, **kwargs)
+
+
+@pytest.mark.parametrize("n", [0, -5, 2.0, True])
+def test_bad_max_new_tokens(model, n):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dx.generate(model, [1, 2, 3], n)
+
+
+def test_capacity_errors_name_both_numbers(model):
+    with pytest.raises(dx.CapacityError, match=r"prompt of 20 tokens \+ max_new_tokens=13 = 33 exceeds "
+                                                r"max_context=32; use at most 12"):
+        dx.generate(model, list(range(20)), 13)
+    with pytest.raises(dx.CapacityError):
+        dx.generate(model, [[1], list(range(20))], 13, use_cache=False)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(attention="gqa", kv_heads=3), r"kv_heads=3 .*divisor of n_heads=8.*\[1, 2, 4, 8\]"),
+    (dict(attention="mha", kv_heads=2), r"kv_heads=2 .*equal to n_heads=8"),
+    (dict(attention="mqa", kv_heads=2), r"kv_heads=2 .*1 for attention='mqa'"),
+    (dict(attention="sparse"), r"attention='sparse'"),
+    (dict(dim=60), r"dim=60 .*n_heads \* head_size"),
+    (dict(num_blocks=0), r"num_blocks=0 .*positive integer"),
+    (dict(compute_dtype="float16"), r"compute_dtype='float16'"),
+    (dict(cache_dtype="int8"), r"cache_dtype='int8'"),
+    (dict(sliding_window=0), r"sliding_window=0"),
+    (dict(paradigm="encoder"), r"paradigm='encoder'"),
+])
+def test_bad_config_fields(fields, match):
+    with pytest.raises(dx.ConfigError, match=match):
+        tiny_config(**fields)
+
+
+def test_unknown_config_field_and_preset():
+    with pytest.raises(dx.ConfigError, match="unknown ModelConfig field"):
+        dx.ModelConfig.from_dict({"dimension": 3})
+    with pytest.raises(dx.ConfigError, match="unknown preset 'huge'"):
+        dx.ModelConfig.from_preset("huge")
+
+
+def test_model_call_errors(model):
+    cfg = model.cfg
+    with pytest.raises(ValueError, match="needs kv_caches"):
+        model(np.array([[1, 2]]), use_cache=True)
+    with pytest.raises(ValueError, match="do not match"):
+        model(np.array([[1, 2]]), use_cache=True, kv_caches=dx.init_cache(cfg, 2), cache_index=0)
+    with pytest.raises(ValueError, match=r"vocab_size=128"):
+        model(np.array([[1, 500]]))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        model(np.array([1, 2]))
+    with pytest.raises(ValueError, match="batch_size"):
+        dx.init_cache(cfg, 0)
+
+
+def test_sliding_window_masks_old_positions():
+    """With a window of 4 and one layer, logits depend only on the last 4 tokens; cached == uncached."""
+    cfg = tiny_config(sliding_window=4, num_blocks=1)
+    model = dx.build_model(cfg, 3)
+    a = np.array([[1, 2, 3, 9, 8, 7, 6]], np.int32)
+    b = np.array([[5, 5, 5, 9, 8, 7, 6]], np.int32)
+    la, lb = np.asarray(model(a)[0]), np.asarray(model(b)[0])
+    assert np.abs(la[0, -1] - lb[0, -1]).max() < 1e-6  # positions 3..6 are identical
+    assert np.abs(la[0, 2] - lb[0, 2]).max() > 1e-4
+    out_on = dx.generate(model, a[0].tolist(), 10)
+    out_off = dx.generate(model, a[0].tolist(), 10, use_cache=False)
+    np.testing.assert_array_equal(out_on, out_off)

@@ -1,0 +1,76 @@
+"""No recompilation between decode steps or across requests (issue 2, point 5), and no cache-sized copies
+inside the compiled decode loop (../shared/PERFORMANCE.md, item 1)."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dantinox as dx
+from conftest import tiny_config
+
+
+def test_compile_count_across_prompts_sampling_and_lengths():
+    model = dx.build_model(tiny_config(max_context=128))
+    rng = np.random.default_rng(0)
+    with dx.CompileCounter() as first:
+        dx.generate(model, [[1, 2, 3], [4, 5, 6, 7, 8]], 20)
+    assert first.compilations >= 2  # prefill (bucket 16) and the decode loop at least
+    with dx.CompileCounter() as warm:
+        for length_a, length_b in ((1, 16), (9, 2), (12, 12)):
+            prompts = [rng.integers(0, 128, length_a).tolist(), rng.integers(0, 128, length_b).tolist()]
+            dx.generate(model, prompts, 20)
+            dx.generate(model, prompts, 50, temperature=0.7, top_k=5, top_p=0.9, seed=length_a)
+            dx.generate(model, prompts, 33, temperature=[0.0, 1.3], top_k=[0, 3], top_p=[1.0, 0.5], seed=7)
+            list(dx.stream_tokens(model, prompts, 20, chunk_size=4))
+    assert warm.compilations == 0, warm
+    with dx.CompileCounter() as bucket:
+        dx.generate(model, [rng.integers(0, 128, 17).tolist(), [3]], 20)  # a new prompt bucket (32)
+        dx.generate(model, [rng.integers(0, 128, 30).tolist(), [3]], 50, temperature=0.5)
+    assert bucket.compilations == 1, bucket  # only the prefill for the new bucket
+
+
+def decode_hlo(cfg: dx.ModelConfig, batch: int) -> str:
+    """Optimised HLO text of the compiled decode loop."""
+    gen = sys.modules["dantinox.generate"]
+    model = dx.build_model(cfg)
+    graphdef, params = nnx.split(model)
+    state = gen.DecodeState(jnp.int32(1), jnp.zeros((batch,), jnp.int32), jnp.full((batch,), 3, jnp.int32),
+                            jnp.zeros((batch,), bool), jnp.zeros((batch, cfg.max_context), jnp.int32),
+                            dx.init_cache(cfg, batch))
+    lowered = gen.decode.lower(graphdef, params, state, jnp.int32(5), jax.random.key(0),
+                               dx.make_sampling_params(batch), jnp.int32(-1), jnp.int32(0))
+    return lowered.compile().as_text()
+
+
+def cache_shaped_copies(hlo: str, cfg: dx.ModelConfig, batch: int) -> int:
+    shape = f"[{batch},{cfg.kv_heads},{cfg.max_context},{cfg.head_size}]"
+    return sum(1 for line in hlo.splitlines() if " copy(" in line and shape in line)
+
+
+SHAPES = [dict(attention="mha", kv_heads=None), dict(attention="gqa", kv_heads=2),
+          dict(attention="mqa", kv_heads=None)]
+
+
+@pytest.mark.parametrize("attn", SHAPES, ids=lambda a: a["attention"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_no_cache_copies_in_compiled_decode_loop(attn, batch):
+    cfg = dx.ModelConfig.from_preset("reference", num_blocks=2, max_context=128, **attn)
+    assert cache_shaped_copies(decode_hlo(cfg, batch), cfg, batch) == 0
+
+
+def test_copy_counter_sees_copies_when_the_xla_flag_is_off():
+    """Guards the test above: without region analysis XLA does copy the cache, and the counter sees it."""
+    code = ("import sys; sys.path.insert(0, %r); import test_compilation as t, dantinox as dx;"
+            "cfg = dx.ModelConfig.from_preset('reference', num_blocks=2, max_context=128);"
+            "print(t.cache_shaped_copies(t.decode_hlo(cfg, 1), cfg, 1))") % os.path.dirname(__file__)
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_copy_insertion_use_region_analysis=false",
+               DANTINOX_XLA_CACHE="off")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.strip().splitlines()[-1]) > 0
