@@ -16,8 +16,12 @@ import argparse
 import sys
 import time
 
+import numpy as np
+
 from .cache import CapacityError
 from .config import ConfigError
+from .generate import check_request
+from .sampling import make_sampling_params
 
 USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
 
@@ -36,6 +40,10 @@ def cmd_generate(args) -> int:
 
     gen = Generator(args.run_dir)
     ids = gen.encode(args.prompt, args.unknown)
+    check_request(np.array([len(ids)]), args.max_new_tokens, gen.cfg.max_context)  # fail before printing
+    make_sampling_params(1, args.temperature, args.top_k, args.top_p)
+    if args.stream and args.no_cache:
+        raise ValueError("--stream needs the cache: drop --no_cache to stream")
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
           f"({gen.warmup.compilations} compilations, {gen.warmup.cache_hits} from the persistent cache)",
           file=sys.stderr)
@@ -44,8 +52,6 @@ def cmd_generate(args) -> int:
     start = time.perf_counter()
     print(args.prompt, end="", flush=True)
     if args.stream:
-        if args.no_cache:
-            raise ValueError("--stream needs the cache: drop --no_cache to stream")
         for piece in gen.stream(args.prompt, args.max_new_tokens, **kwargs):
             print(piece, end="", flush=True)
     else:

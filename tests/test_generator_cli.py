@@ -1,0 +1,94 @@
+"""Generator, streaming, cache verification and the CLI on a tiny run directory written by save_run."""
+
+import jax
+import pytest
+
+import dantinox as dx
+from dantinox import cli
+from dantinox.generator import Generator
+from dantinox.train import save_run, train_tokenizer
+from dantinox.verify import verify_cache
+from conftest import spiky_model, tiny_config
+
+TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, ché la diritta via era smarrita.\n" * 3
+
+
+def make_run(path, kind="char", **cfg_fields):
+    tokenizer = train_tokenizer(TEXT, kind, 260 if kind == "bpe" else None)
+    cfg = tiny_config(vocab_size=tokenizer.vocab_size, max_context=64, **cfg_fields)
+    save_run(path, spiky_model(cfg, qk_scale=3.0), cfg, tokenizer)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("run") / "tiny", attention="gqa", kv_heads=2)
+
+
+def test_generator_generate_stream_and_batch(run_dir):
+    gen = Generator(run_dir)
+    assert gen.warmup.compilations >= 0 and gen.load_seconds > 0
+    greedy = gen.generate("Nel mezzo", 20, temperature=0)
+    assert isinstance(greedy, str) and len(greedy) > 0
+    assert "".join(gen.stream("Nel mezzo", 20, temperature=0, chunk_size=3)) == greedy
+    sampled = gen.generate("Nel mezzo", 20, temperature=1.0, seed=5)
+    assert "".join(gen.stream("Nel mezzo", 20, temperature=1.0, seed=5, chunk_size=7)) == sampled
+    batch = gen.generate(["Nel mezzo", "selva"], 20, temperature=0)
+    assert batch[0] == greedy and batch[1] == gen.generate("selva", 20, temperature=0)
+    assert gen.generate("Nel mezzo", 20, temperature=0, use_cache=False) == greedy
+
+
+def test_generator_unknown_characters_and_empty_prompt(run_dir):
+    gen = Generator(run_dir, warmup=False)
+    with pytest.raises(ValueError, match="Z"):
+        gen.generate("Zorro", 5)
+    assert isinstance(gen.generate("Zorro", 5, unknown="replace"), str)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        gen.generate("", 5)
+
+
+def test_stream_never_splits_a_character(tmp_path):
+    gen = Generator(make_run(tmp_path / "bpe", kind="bpe"))
+    # A random byte-level model emits invalid byte sequences too (decoded as U+FFFD in both paths); a character
+    # split across two pieces would show up as U+FFFD in the stream where the whole text holds the character.
+    for seed in range(3):
+        pieces = list(gen.stream("ché la", 40, temperature=1.0, seed=seed, chunk_size=1))
+        for piece in pieces:
+            piece.encode("utf-8")
+        assert "".join(pieces) == gen.generate("ché la", 40, temperature=1.0, seed=seed)
+
+
+def test_verify_passes_and_detects_a_broken_cache(monkeypatch):
+    model = spiky_model(tiny_config(attention="gqa", kv_heads=4))
+    report = verify_cache(model, [3, 1, 4, 1, 5], 20)
+    assert report.passed and report.max_diff.max() <= 1e-4 and len(report.positions) == 5 + 19
+    import dantinox.attention as attention
+
+    real_write = attention.write_layer
+    monkeypatch.setattr(attention, "write_layer", lambda layer, k, v, i: real_write(layer, k * 0.5, v, i))
+    jax.clear_caches()  # drop the compiled steps traced with the real write
+    broken = verify_cache(model, [3, 1, 4, 1, 5], 20)
+    monkeypatch.undo()
+    jax.clear_caches()
+    assert not broken.passed and broken.max_diff[:5].max() <= 1e-4  # prefill positions do not read the cache
+
+
+def test_cli_generate_verify_and_errors(run_dir, capsys):
+    assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--max_new_tokens", "10",
+                     "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("Nel")
+    assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--max_new_tokens", "10",
+                     "--stream", "--seed", "1"]) == 0
+    assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--max_new_tokens", "10",
+                     "--no_cache", "--temperature", "0"]) == 0
+    assert cli.main(["verify", "--run_dir", run_dir, "--new_tokens", "25"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--max_new_tokens", "100"]) == 2
+    assert "max_context=64" in capsys.readouterr().err
+    for bad, message in ((["--temperature", "-1"], "temperature=-1.0"), (["--top_p", "0"], "top_p=0.0"),
+                         (["--top_k", "-2"], "top_k=-2"), (["--stream", "--no_cache"], "--stream needs")):
+        assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--max_new_tokens", "9"] + bad) == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and captured.out == ""
+    assert cli.main(["generate", "--run_dir", run_dir + "-missing", "--prompt", "Nel"]) == 2
+    assert "does not exist" in capsys.readouterr().err
