@@ -55,6 +55,9 @@ class Attention(nnx.Module):
         """x: [B, T, E]; rope: (cos, sin) each [B, T, D/2]; layer_cache: LayerKV of [B, K, S, D] or None;
         cache_index: [B] int32 slot of the first new token; key_start: [B] int32 or None;
         read_cache: False when the cache is known to be empty (prefill at slot 0).
+        A layer cache with an ``attend_and_write(q, k, v, cache_index, key_start, window) -> (y, new cache)``
+        method (the paged cache's PagedView) does its own attention and write; q, k, v are passed as
+        [B, K, G, T, D] (scaled) and [B, K, T, D].
 
         Returns (y [B, T, E], updated LayerKV or None).
         """
@@ -67,10 +70,13 @@ class Attention(nnx.Module):
         v = v.reshape(B, T, K, D)
         q = (q * (1.0 / math.sqrt(D))).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,D]
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
-        use_old = layer_cache is not None and read_cache
-        y = attend(q, k, v, layer_cache if use_old else None, cache_index, key_start, cfg.sliding_window)
+        if hasattr(layer_cache, "attend_and_write"):  # another cache layout, e.g. dantinox.serving.paged_cache
+            y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window)
+        else:
+            use_old = layer_cache is not None and read_cache
+            y = attend(q, k, v, layer_cache if use_old else None, cache_index, key_start, cfg.sliding_window)
+            new_cache = None if layer_cache is None else write_layer(layer_cache, k, v, cache_index)
         y = y.transpose(0, 3, 1, 2, 4).reshape(B, T, H * D).astype(x.dtype)
-        new_cache = None if layer_cache is None else write_layer(layer_cache, k, v, cache_index)
         return self.out(y), new_cache
 
 

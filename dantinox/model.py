@@ -79,8 +79,9 @@ class Transformer(nnx.Module):
         B, T = ids.shape
         fresh = isinstance(cache_index, int) and cache_index == 0 and key_start is None
         if use_cache:
-            _check_cache(kv_caches, cfg, B)
-            check_cache_capacity(cache_index, T, cfg.max_context)
+            if not _attends_itself(kv_caches):
+                _check_cache(kv_caches, cfg, B)
+                check_cache_capacity(cache_index, T, cfg.max_context)
         elif T > cfg.max_context:
             raise ValueError(f"ids has T={T} tokens, more than max_context={cfg.max_context}")
         index = jnp.broadcast_to(jnp.asarray(cache_index if use_cache else 0, jnp.int32), (B,))
@@ -106,6 +107,11 @@ class Transformer(nnx.Module):
 def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     """A freshly initialised Transformer for ``cfg`` with parameters drawn from ``seed``."""
     return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def _attends_itself(kv_caches) -> bool:
+    """True for layer caches that run their own attention and checks (dantinox.serving.paged_cache)."""
+    return bool(kv_caches) and hasattr(kv_caches[0], "attend_and_write")
 
 
 def _check_ids(ids, vocab_size: int):

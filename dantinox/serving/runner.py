@@ -1,0 +1,73 @@
+"""Device side of the engine: compiled functions over the paged pool (forward + sample, block copies, swap).
+
+Every function has static shapes chosen by the caller (a batch bucket B and a chunk bucket T for the forward;
+fixed-length, padded index lists for the copies), so each compiles once per bucket. The pool is donated, so
+XLA updates it in place. Letters: see ``dantinox.serving.paged_cache``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..sampling import GREEDY_TEMPERATURE, SamplingParams, sample_next
+from .paged_cache import PagedLayerKV, PagedPool, paged_views
+
+
+def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, sampling: SamplingParams) -> jax.Array:
+    """One token per row with each row's own PRNG stream. logits: [B, V] float32; seeds: [B] uint32;
+    steps: [B] int32 (tokens the row has generated so far). Returns [B] int32.
+
+    Row b draws with ``fold_in(key(seeds[b]), steps[b])``: the key ``dantinox.generate`` uses for a batch-1
+    request with that seed, so a sampled request gets the same tokens here as alone. All-greedy batches
+    skip the draw.
+    """
+    def one(row, seed, step, temperature, top_k, top_p):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return sample_next(row[None], key, SamplingParams(temperature[None], top_k[None], top_p[None]))[0]
+
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    draw = lambda: jax.vmap(one)(logits, seeds, steps, *sampling)  # noqa: E731
+    return jax.lax.cond(jnp.all(sampling.temperature <= GREEDY_TEMPERATURE), lambda: greedy, draw)
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
+def forward_step(graphdef, params, pool: PagedPool, ids, start, num_new, block_table, seeds, steps,
+                 sampling: SamplingParams):
+    """Run T new tokens per row through the model over the paged pool and sample each row's next token.
+
+    ids: [B, T] int32 (row b's tokens in ids[b, :num_new[b]], the rest padding); start: [B] int32 tokens
+    already cached per row (the RoPE position of ids[b, 0]); num_new: [B] int32 (0 for an unused row);
+    block_table: [B, M] int32; seeds: [B] uint32; steps: [B] int32; sampling: per-row settings [B].
+    Returns (tokens [B] int32 sampled from each row's last valid position, the updated pool).
+    """
+    model = nnx.merge(graphdef, params)
+    views = paged_views(pool, block_table, num_new)
+    logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start)
+    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    tokens = sample_rows(last, seeds, steps, sampling)
+    return tokens, tuple(view.pool for view in views)
+
+
+@partial(jax.jit, donate_argnames=("pool",))
+def copy_blocks(pool: PagedPool, src, dst) -> PagedPool:
+    """pool[dst[i]] = pool[src[i]] in every layer. src, dst: [C] int32; dst = N marks padding (dropped)."""
+    return tuple(PagedLayerKV(layer.k.at[dst].set(layer.k[src], mode="drop"),
+                              layer.v.at[dst].set(layer.v[src], mode="drop")) for layer in pool)
+
+
+@jax.jit
+def read_blocks(pool: PagedPool, blocks):
+    """Contents of ``blocks`` ([M] int32) in every layer: a tuple of PagedLayerKV of [M, P, K, D]."""
+    return tuple(PagedLayerKV(layer.k[blocks], layer.v[blocks]) for layer in pool)
+
+
+@partial(jax.jit, donate_argnames=("pool",))
+def write_blocks(pool: PagedPool, blocks, data) -> PagedPool:
+    """pool[blocks[i]] = data[i] in every layer. blocks: [M] int32 (N = padding, dropped); data: as returned
+    by ``read_blocks``."""
+    return tuple(PagedLayerKV(layer.k.at[blocks].set(d.k, mode="drop"), layer.v.at[blocks].set(d.v, mode="drop"))
+                 for layer, d in zip(pool, data))

@@ -1,0 +1,96 @@
+"""Paged attention: logits through the block pool equal the static cache's, for ragged batches, chunked prefill
+and decode, with MHA, GQA and MQA; padding positions never reach the pool."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dantinox as dx
+from dantinox.serving.paged_cache import (block_bytes, init_pool, num_blocks_for_memory, paged_views,
+                                          pool_nbytes)
+from conftest import spiky_model, tiny_config
+
+P = 4  # block size
+M = 8  # block-table entries (max_context 32 / P)
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def paged_logits(graphdef, params, pool, ids, start, num_new, table):
+    model = nnx.merge(graphdef, params)
+    views = paged_views(pool, table, num_new)
+    logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start)
+    return logits, tuple(v.pool for v in views)
+
+
+def static_logits(model, tokens):
+    cache = dx.init_cache(model.cfg, 1)
+    logits, _, _ = model(jnp.asarray([tokens], jnp.int32), use_cache=True, kv_caches=cache, cache_index=0)
+    return np.asarray(logits[0])
+
+
+SHAPES = [dict(attention="mha", kv_heads=None), dict(attention="gqa", kv_heads=2),
+          dict(attention="mqa", kv_heads=None)]
+
+
+@pytest.mark.parametrize("attn", SHAPES, ids=lambda a: a["attention"])
+def test_paged_logits_equal_static_ragged_chunked(attn):
+    cfg = tiny_config(**attn)
+    model = spiky_model(cfg)
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(1)
+    lengths = [5, 11, 17]
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+    # Non-contiguous, interleaved block tables; unused entries point at block 0 (masked, never written).
+    perm = 1 + rng.permutation(16)  # block 0 is only ever a padding entry
+    tables = np.zeros((3, M), np.int32)
+    tables[0, :2], tables[1, :3], tables[2, :5] = perm[:2], perm[2:5], perm[5:10]
+    pool = init_pool(cfg, 17, P)
+    chunks = [(3, 6, 8), (2, 5, 7), (0, 0, 1), (0, 0, 1)]  # prefill chunks, then decode-sized steps
+    done = [0, 0, 0]
+    got = [[], [], []]
+    for sizes in chunks:
+        T = max(8 if max(sizes) > 1 else 1, max(sizes))
+        ids = np.zeros((4, T), np.int32)  # a fourth, unused row (num_new 0)
+        for b, n in enumerate(sizes):
+            ids[b, :n] = seqs[b][done[b]:done[b] + n]
+        start = np.array(done + [0], np.int32)
+        num_new = np.array(list(sizes) + [0], np.int32)
+        table = np.concatenate([tables, np.zeros((1, M), np.int32)])
+        logits, pool = paged_logits(graphdef, params, pool, ids, start, num_new, table)
+        for b, n in enumerate(sizes):
+            got[b].append(np.asarray(logits[b, :n]))
+            done[b] += n
+    assert done == lengths
+    for b in range(3):
+        want = static_logits(model, seqs[b])
+        np.testing.assert_allclose(np.concatenate(got[b]), want, atol=1e-5, rtol=0)
+    # Blocks never listed in a table stay zero: padding and unused rows wrote nothing.
+    untouched = np.concatenate([[0], perm[10:]])
+    for layer in pool:
+        assert float(jnp.abs(layer.k[untouched]).max()) == 0.0 and float(jnp.abs(layer.v[untouched]).max()) == 0.0
+
+
+def test_padding_is_dropped_and_pool_is_sized_from_memory():
+    cfg = tiny_config(attention="gqa", kv_heads=2)
+    model = spiky_model(cfg)
+    graphdef, params = nnx.split(model)
+    pool = init_pool(cfg, 6, P)
+    table = np.array([[1, 2, 0, 0, 0, 0, 0, 0]], np.int32)
+    ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
+    _, pool = paged_logits(graphdef, params, pool, ids, np.array([0], np.int32), np.array([5], np.int32), table)
+    for layer in pool:
+        k = np.asarray(layer.k)
+        assert np.abs(k[1]).min() > 0 and np.abs(k[2, 0]).min() > 0  # tokens 0..4 written
+        assert np.abs(k[2, 1:]).max() == 0 and np.abs(k[[0, 3, 4, 5]]).max() == 0  # padding dropped
+    per_block = block_bytes(cfg, P)
+    assert per_block == P * cfg.num_blocks * dx.bytes_per_token_per_layer(cfg)
+    assert pool_nbytes(init_pool(cfg, 7, P)) == 7 * per_block
+    assert num_blocks_for_memory(cfg, 7 * per_block + per_block - 1, P) == 7
+    with pytest.raises(ValueError, match="holds no block"):
+        num_blocks_for_memory(cfg, per_block - 1, P)
+    with pytest.raises(ValueError, match="mla"):
+        init_pool(dx.ModelConfig.from_preset("tiny-mla"), 4, P)
