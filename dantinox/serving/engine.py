@@ -1,0 +1,338 @@
+"""The engine: a narrow interface (add a request, step, abort, stats) and its paged, continuously batched
+JAX implementation.
+
+``PagedEngine.step()`` is one iteration of continuous batching:
+  1. the Scheduler decides the step's chunks (one decode token per running request plus prefill chunks
+     under the token budget), its preemptions and its admissions;
+  2. block contents move: swapped-out requests' blocks are read to host memory, swapped-in requests'
+     blocks are written back, copy-on-write copies are made;
+  3. the chunks run through the model over the paged pool in at most a few compiled calls: decode rows
+     ([B, 1]) and prefill rows ([B, T]), with B and T rounded up to fixed buckets so no step recompiles
+     after ``warmup()``;
+  4. each request advances by the tokens it fed; a request whose last token was fed gets the sampled
+     token, and finishes on a stop token or at max_new_tokens.
+Every admitted request ends with finish reason "stop", "length", "abort" or "error": never dropped.
+
+Not thread-safe: one thread drives an engine (the server runs it in a background thread).
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ..compile_count import CompileCounter
+from ..sampling import SamplingParams
+from .allocator import BlockAllocator
+from .paged_cache import init_pool, num_blocks_for_memory, pool_nbytes
+from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions
+from .runner import copy_blocks, forward_step, read_blocks, write_blocks
+from .scheduler import Chunk, ContextPolicy, Schedule, Scheduler
+
+log = logging.getLogger("dantinox.serving")
+
+
+class Engine(abc.ABC):
+    """What the server (and tests) need from an engine. One thread calls it; nothing here blocks for long."""
+
+    vocab_size: int
+    max_context: int
+
+    @abc.abstractmethod
+    def add_request(self, prompt_ids, options: SamplingOptions, request_id: str | None = None) -> str:
+        """Queue a request; returns its id. Raises RequestError (invalid, or can never fit; ``field`` names the
+        input) or QueueFullError (queue at its bound)."""
+
+    @abc.abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every request that got a token or finished."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; its final output (finish reason "abort") comes from the next
+        step(). Returns False if the id is unknown or already finished."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        """Counters and gauges: waiting, running, swapped, blocks_total/used/free, preemptions, ..."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any request is queued, running or has an unreported final output."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizes. Pool: num_blocks blocks of block_size tokens, or as many as fit in kv_memory_bytes, or
+    by default enough for max_running sequences of max_context tokens. See ContextPolicy for the bounds.
+    decode_buckets / prefill_buckets: batch sizes of the compiled calls (default: powers of two up to
+    max_running, and (1, 2, 4)); chunk_buckets: prefill chunk lengths (default: powers of two from 8 up to
+    min(max_batched_tokens, max_context))."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    max_running: int = 16
+    max_queued: int = 256
+    max_batched_tokens: int = 64
+    max_prompt_tokens: int | None = None
+    max_total_tokens: int | None = None
+    preemption: str = "recompute"
+    enable_prefix_caching: bool = True
+    swap_space_blocks: int | None = None
+    decode_buckets: tuple | None = None
+    prefill_buckets: tuple = (1, 2, 4)
+    chunk_buckets: tuple | None = None
+
+
+def _powers_of_two(first: int, last: int) -> tuple:
+    out = [first]
+    while out[-1] < last:
+        out.append(min(out[-1] * 2, last))
+    return tuple(out)
+
+
+def _bucket(n: int, buckets: tuple) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+class PagedEngine(Engine):
+    """Continuous batching over a paged KV cache for a dantinox Transformer (MHA / GQA / MQA).
+
+    Args: model: a Transformer; config: EngineConfig. Raises ValueError for invalid sizes (field named).
+    """
+
+    def __init__(self, model, config: EngineConfig = EngineConfig()):
+        cfg = model.cfg
+        self.cfg, self.config = cfg, config
+        self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_context
+        self.graphdef, self.params = nnx.split(model)
+        P = config.block_size
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        elif config.kv_memory_bytes is not None:
+            num_blocks = num_blocks_for_memory(cfg, config.kv_memory_bytes, P)
+        else:
+            num_blocks = config.max_running * -(-cfg.max_context // P)
+        self.pool = init_pool(cfg, num_blocks, P)
+        self.allocator = BlockAllocator(num_blocks, P, config.enable_prefix_caching)
+        self.policy = ContextPolicy(
+            max_prompt_tokens=min(config.max_prompt_tokens or cfg.max_context - 1, cfg.max_context - 1),
+            max_total_tokens=min(config.max_total_tokens or cfg.max_context, cfg.max_context),
+            max_running=config.max_running, max_queued=config.max_queued,
+            max_batched_tokens=config.max_batched_tokens, preemption=config.preemption,
+            swap_space_blocks=config.swap_space_blocks or 1 << 20)
+        self.scheduler = Scheduler(self.policy, self.allocator)
+        self.table_width = -(-cfg.max_context // P)  # M
+        self.decode_buckets = tuple(config.decode_buckets or _powers_of_two(1, config.max_running))
+        self.prefill_buckets = tuple(config.prefill_buckets)
+        self.chunk_buckets = tuple(config.chunk_buckets or _powers_of_two(
+            min(8, config.max_batched_tokens), min(config.max_batched_tokens, cfg.max_context)))
+        if self.chunk_buckets[-1] < min(config.max_batched_tokens, cfg.max_context):
+            raise ValueError(f"chunk_buckets={self.chunk_buckets} is not allowed: the largest must be >= "
+                             f"min(max_batched_tokens, max_context) = {min(config.max_batched_tokens, cfg.max_context)}")
+        self.requests: dict[str, Request] = {}
+        self.finished: deque[Request] = deque(maxlen=1024)  # most recent finished requests, for inspection
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self.counters = dict(steps=0, forward_calls=0, computed_tokens=0, generated_tokens=0, finished=0,
+                             aborted=0, errors=0)
+
+    # Interface ------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids, options: SamplingOptions = SamplingOptions(),
+                    request_id: str | None = None) -> str:
+        ids = _check_prompt(prompt_ids, self.vocab_size)
+        options.validate(self.vocab_size)
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError("request_id", f"request_id={rid!r} is already in use")
+        req = Request(rid, ids, options)
+        self.scheduler.check_admission(req)
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        outputs, self._pending = self._pending, []
+        try:
+            self._move_blocks(sched)
+            tokens = self._run(sched.chunks)
+        except Exception as err:  # a device failure: the pool may be gone; fail what it held, keep serving
+            log.exception("engine step failed")
+            return outputs + self._fail_running(f"engine step failed: {err!r}")
+        for chunk, token in zip(sched.chunks, tokens):
+            outputs.extend(self._advance(chunk, token))
+        self.counters["steps"] += 1
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "abort")
+        self._pending.append(self._output(req, []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._pending)
+
+    def stats(self) -> dict:
+        sched, alloc = self.scheduler, self.allocator
+        swapped = sum(r.status is RequestStatus.SWAPPED for r in sched.waiting)
+        return dict(waiting=len(sched.waiting) - swapped, swapped=swapped, running=len(sched.running),
+                    blocks_total=alloc.num_blocks, blocks_used=alloc.num_used, blocks_free=alloc.num_free,
+                    block_size=alloc.block_size, kv_cache_bytes=pool_nbytes(self.pool),
+                    preemptions=sched.num_preemptions, prefix_cache_queries=alloc.prefix_queries,
+                    prefix_cache_hits=alloc.prefix_hits, cow_copies=alloc.cow_copies, **self.counters)
+
+    # Warm-up --------------------------------------------------------------------------------------
+    def warmup(self) -> CompileCounter:
+        """Compile every bucket (decode, prefill x chunk) and the block moves with empty batches (nothing is
+        written). Returns the CompileCounter of the warm-up; later steps compile nothing."""
+        with CompileCounter() as counted:
+            shapes = [(B, 1) for B in self.decode_buckets]
+            shapes += [(B, T) for B in self.prefill_buckets for T in self.chunk_buckets]
+            for B, T in shapes:
+                self._call_forward([], B, T)
+            self.pool = copy_blocks(self.pool, *self._pad_copies([]))
+            data = self._read_host([0])
+            self._write_host([], data)
+        return counted
+
+    # Internals ------------------------------------------------------------------------------------
+    def _move_blocks(self, sched: Schedule) -> None:
+        for req, blocks in sched.swap_out:
+            req.swap_data = self._read_host(blocks)
+        for req, blocks in sched.swap_in:
+            self._write_host(blocks, req.swap_data)
+            req.swap_data = None
+        copies = sched.copies
+        while copies:
+            part, copies = copies[:self.policy.max_running], copies[self.policy.max_running:]
+            self.pool = copy_blocks(self.pool, *self._pad_copies(part))
+
+    def _pad_copies(self, pairs: list) -> tuple[np.ndarray, np.ndarray]:
+        C = self.policy.max_running
+        src = np.zeros(C, np.int32)
+        dst = np.full(C, self.allocator.num_blocks, np.int32)  # N: dropped
+        for i, (s, d) in enumerate(pairs):
+            src[i], dst[i] = s, d
+        return src, dst
+
+    def _read_host(self, blocks: list) -> tuple:
+        ids = np.zeros(self.table_width, np.int32)
+        ids[:len(blocks)] = blocks
+        data = jax.device_get(read_blocks(self.pool, ids))
+        return tuple(type(layer)(layer.k[:len(blocks)].copy(), layer.v[:len(blocks)].copy()) for layer in data)
+
+    def _write_host(self, blocks: list, data: tuple) -> None:
+        M = self.table_width
+        ids = np.full(M, self.allocator.num_blocks, np.int32)
+        ids[:len(blocks)] = blocks
+
+        def pad(a):
+            return np.concatenate([a, np.zeros((M - len(a),) + a.shape[1:], a.dtype)])
+
+        padded = tuple(type(layer)(pad(layer.k), pad(layer.v)) for layer in data)
+        self.pool = write_blocks(self.pool, ids, padded)
+
+    def _run(self, chunks: list[Chunk]) -> list[int]:
+        """Run the chunks in bucketed calls; returns each chunk's sampled token (meaningful for chunks that
+        reach their request's last token)."""
+        tokens: dict[int, int] = {}
+        decode = [c for c in chunks if c.num_tokens == 1]
+        prefill = [c for c in chunks if c.num_tokens > 1]
+        for group, buckets in ((decode, self.decode_buckets), (prefill, self.prefill_buckets)):
+            for i in range(0, len(group), buckets[-1]):
+                part = group[i:i + buckets[-1]]
+                T = 1 if group is decode else _bucket(max(c.num_tokens for c in part), self.chunk_buckets)
+                for chunk, token in zip(part, self._call_forward(part, _bucket(len(part), buckets), T)):
+                    tokens[id(chunk)] = int(token)
+        return [tokens[id(c)] for c in chunks]
+
+    def _call_forward(self, part: list[Chunk], B: int, T: int) -> np.ndarray:
+        ids = np.zeros((B, T), np.int32)
+        start, num_new, steps = (np.zeros(B, np.int32) for _ in range(3))
+        table = np.zeros((B, self.table_width), np.int32)
+        seeds = np.zeros(B, np.uint32)
+        temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
+        top_k = np.zeros(B, np.int32)
+        for b, chunk in enumerate(part):
+            req, opts = chunk.request, chunk.request.options
+            ids[b, :chunk.num_tokens] = req.all_tokens[chunk.start:chunk.start + chunk.num_tokens]
+            start[b], num_new[b], steps[b] = chunk.start, chunk.num_tokens, len(req.output_ids)
+            blocks = self.allocator.table(req.request_id)
+            table[b, :len(blocks)] = blocks
+            seeds[b], temperature[b], top_p[b] = opts.seed, opts.temperature, opts.top_p
+            top_k[b] = min(opts.top_k, self.vocab_size)
+        sampling = SamplingParams(temperature, top_k, top_p)
+        out, self.pool = forward_step(self.graphdef, self.params, self.pool, ids, start, num_new, table, seeds,
+                                      steps, sampling)
+        self.counters["forward_calls"] += bool(part)
+        return np.asarray(out)
+
+    def _advance(self, chunk: Chunk, token: int) -> list[RequestOutput]:
+        req = chunk.request
+        if req.finished:  # aborted while its step ran
+            return []
+        req.events.append(("chunk", chunk.start, chunk.num_tokens))
+        req.num_computed += chunk.num_tokens
+        self.counters["computed_tokens"] += chunk.num_tokens
+        if chunk.start < len(req.prompt_ids):
+            self.allocator.commit(req.request_id, req.prompt_ids, req.num_computed)
+        if req.num_computed < req.num_tokens:
+            return []  # a prefill chunk that has not reached the last token yet
+        now = time.perf_counter()
+        req.output_ids.append(token)
+        req.events.append(("token", token))
+        req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
+        self.counters["generated_tokens"] += 1
+        if token in req.options.stop_token_ids:
+            self._finish(req, "stop")
+        elif len(req.output_ids) >= req.options.max_new_tokens:
+            self._finish(req, "length")
+        return [self._output(req, [token])]
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        self.scheduler.remove(req)
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        del self.requests[req.request_id]
+        self.finished.append(req)
+        self.counters[{"abort": "aborted", "error": "errors"}.get(reason, "finished")] += 1
+
+    def _output(self, req: Request, new_tokens: list) -> RequestOutput:
+        return RequestOutput(req.request_id, new_tokens, req.finished, req.finish_reason, req.error,
+                             len(req.prompt_ids), len(req.output_ids))
+
+    def _fail_running(self, message: str) -> list[RequestOutput]:
+        """After a failed device step: end every running request with an error and rebuild the pool."""
+        failed = list(self.scheduler.running)
+        for req in failed:
+            self._finish(req, "error", message)
+        self.pool = init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size)
+        return [self._output(req, []) for req in failed]
+
+
+def _check_prompt(prompt_ids, vocab_size: int) -> list:
+    """Token ids as a list of ints; RequestError("prompt", ...) for an empty, non-integer or out-of-range
+    prompt."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise RequestError("prompt", "prompt_ids must be token ids, not text: encode the text first")
+    ids = list(prompt_ids)
+    if not ids:
+        raise RequestError("prompt", "prompt is empty: give at least one token")
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab_size:
+            raise RequestError("prompt", f"prompt token {i} = {token!r} is not allowed: an integer id in "
+                               f"[0, {vocab_size})")
+    return [int(t) for t in ids]

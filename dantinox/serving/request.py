@@ -1,0 +1,137 @@
+"""One request: its options, its tokens and where it stands (plain Python).
+
+The engine never keeps a "phase" for a request. It keeps two numbers: ``num_tokens`` (prompt + generated)
+and ``num_computed`` (how many of those have their keys and values in the cache). A step feeds tokens
+``all_tokens[num_computed : num_computed + n]``; when that reaches the last token, the step's logits give the
+next token. Prefill, chunked prefill, decode and re-prefill after a recompute preemption (num_computed reset
+to 0 while the generated tokens are kept) are all the same operation.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class RequestError(ValueError):
+    """A request is invalid or can never be served. ``field`` names the offending input."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Per-request generation settings.
+
+    max_new_tokens: tokens to generate (>= 1).  temperature: >= 0, 0 = greedy.  top_k: >= 0, 0 = off.
+    top_p: in (0, 1], 1 = off.  seed: in [0, 2**32): the request's PRNG stream (the same tokens as
+    ``dantinox.generate`` with that seed).  stop_token_ids: generation ends after any of these ids
+    (finish reason "stop"; the id is part of the output).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple = ()
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise RequestError naming the field, the value and what is allowed."""
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise RequestError("max_tokens", f"max_tokens={self.max_new_tokens!r} is not allowed: an integer >= 1")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise RequestError("temperature", f"temperature={t!r} is not allowed: a finite number >= 0")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise RequestError("top_k", f"top_k={self.top_k!r} is not allowed: an integer >= 0 (0 = off)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise RequestError("top_p", f"top_p={p!r} is not allowed: a number in (0, 1]")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise RequestError("seed", f"seed={self.seed!r} is not allowed: an integer in [0, 2**32)")
+        for token in self.stop_token_ids:
+            if not _is_int(token) or not 0 <= token < vocab_size:
+                raise RequestError("stop_token_ids", f"stop token id {token!r} is not allowed: an integer in "
+                                   f"[0, {vocab_size})")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued: never started, or preempted with recompute (num_computed = 0)
+    RUNNING = "running"      # holds blocks and is scheduled every step
+    SWAPPED = "swapped"      # preempted with swap: its blocks' contents wait in host memory
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A request inside the engine. Times are ``time.perf_counter()`` seconds."""
+
+    request_id: str
+    prompt_ids: list
+    options: SamplingOptions
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_ids: list = field(default_factory=list)
+    num_computed: int = 0            # tokens of all_tokens whose keys/values are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0       # prompt tokens served by the prefix cache at the last admission
+    swap_data: Any = None            # host copy of the blocks while SWAPPED: tuple of PagedLayerKV (numpy)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    events: list = field(default_factory=list)  # ("chunk", start, n), ("token", id), ("preempt", policy), ...
+
+    @property
+    def all_tokens(self) -> list:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next token can be sampled (1 while decoding)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request.
+
+    new_token_ids: tokens generated in this step (0 or 1 of them).  finished: no more output will come;
+    finish_reason is then one of FINISH_REASONS and error holds the message for "error".
+    """
+
+    request_id: str
+    new_token_ids: list
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0

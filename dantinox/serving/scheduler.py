@@ -1,0 +1,216 @@
+"""Scheduler: which requests run in the next step, how many tokens each, and who is preempted (plain Python).
+
+Each step (iteration-level scheduling, no separate prefill and decode phases):
+  1. Running requests, decoding ones first, then the ones still prefilling, each in admission order. A
+     decoding request gets 1 token; a prefilling one gets a chunk of at most the remaining prefill budget
+     (``max_batched_tokens`` per step), shrunk to the blocks free if need be. When a request cannot get even
+     one block, the most recently admitted running request is preempted (possibly itself), and so on
+     until it fits: ``recompute`` frees its blocks and later re-prefills prompt + generated tokens,
+     ``swap`` copies its blocks to host memory first and later copies them back.
+  2. Only if nobody was preempted in this step: waiting requests in order (preempted ones first, at the head
+     of the queue) are admitted while there are free running slots, budget and blocks.
+Copy-on-write copies arise only when an admitted request's prompt is wholly cached (step 2), after every
+preemption of the step, so a preempted request never has a pending copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from .allocator import BlockAllocator
+from .request import QueueFullError, Request, RequestError, RequestStatus
+
+log = logging.getLogger("dantinox.serving")
+
+PREEMPTION_POLICIES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class ContextPolicy:
+    """Admission and eviction bounds (token counts are tokens, not bytes).
+
+    max_prompt_tokens: longest prompt accepted.  max_total_tokens: prompt + max_new_tokens bound (at most
+    max_context).  max_running: sequences holding blocks at once.  max_queued: waiting requests (beyond it,
+    QueueFullError).  max_batched_tokens: prefill tokens per step (chunked prefill budget).
+    preemption: "recompute" or "swap".  swap_space_blocks: host blocks for swapped requests (beyond it a
+    swap preemption falls back to recompute).
+    """
+
+    max_prompt_tokens: int
+    max_total_tokens: int
+    max_running: int = 16
+    max_queued: int = 256
+    max_batched_tokens: int = 64
+    preemption: str = "recompute"
+    swap_space_blocks: int = 1 << 20
+
+    def __post_init__(self):
+        for name in ("max_prompt_tokens", "max_total_tokens", "max_running", "max_queued", "max_batched_tokens",
+                     "swap_space_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ContextPolicy.{name}={value!r} is not allowed: a positive integer")
+        if self.preemption not in PREEMPTION_POLICIES:
+            raise ValueError(f"ContextPolicy.preemption={self.preemption!r} is not allowed: one of "
+                             f"{PREEMPTION_POLICIES}")
+
+
+@dataclass
+class Chunk:
+    request: Request
+    start: int                  # first position fed (= num_computed)
+    num_tokens: int             # tokens fed this step
+    copies: list = field(default_factory=list)   # copy-on-write (source, destination) blocks
+
+
+@dataclass
+class Schedule:
+    chunks: list = field(default_factory=list)      # Chunk, one per scheduled request
+    swap_out: list = field(default_factory=list)    # (request, blocks to read before anything is written)
+    swap_in: list = field(default_factory=list)     # (request, new blocks to fill from its host copy)
+    preempted: list = field(default_factory=list)
+
+    @property
+    def copies(self) -> list:
+        return [pair for chunk in self.chunks for pair in chunk.copies]
+
+
+class Scheduler:
+    """Waiting queue + running list over a BlockAllocator, under a ContextPolicy."""
+
+    def __init__(self, policy: ContextPolicy, allocator: BlockAllocator):
+        self.policy = policy
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.swapped_blocks = 0
+
+    def check_admission(self, req: Request) -> None:
+        """Raise RequestError for a request that can never run, QueueFullError when the queue is full."""
+        p, n = len(req.prompt_ids), req.options.max_new_tokens
+        if p > self.policy.max_prompt_tokens:
+            raise RequestError("prompt", f"prompt has {p} tokens; the limit is max_prompt_tokens="
+                               f"{self.policy.max_prompt_tokens}")
+        if p + n > self.policy.max_total_tokens:
+            raise RequestError("max_tokens", f"prompt of {p} tokens + max_tokens={n} = {p + n} exceeds the "
+                               f"context limit of {self.policy.max_total_tokens} tokens; use max_tokens <= "
+                               f"{max(self.policy.max_total_tokens - p, 0)} or a shorter prompt")
+        need = self.allocator.blocks_for(p + n)
+        if need > self.allocator.num_blocks:
+            raise RequestError("max_tokens", f"prompt + max_tokens = {p + n} tokens need {need} KV blocks; the "
+                               f"whole cache has {self.allocator.num_blocks}")
+        if len(self.waiting) >= self.policy.max_queued:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queued="
+                                 f"{self.policy.max_queued}); retry later")
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take ``req`` out of the queues and free its blocks (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.status is RequestStatus.SWAPPED:
+            self.swapped_blocks -= self.allocator.blocks_for(req.num_computed)
+        req.swap_data = None
+        self.allocator.free(req.request_id)
+
+    # One step -------------------------------------------------------------------------------------
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        budget = self.policy.max_batched_tokens
+        decoding = [r for r in self.running if r.remaining == 1]
+        prefilling = [r for r in self.running if r.remaining > 1]
+        for req in decoding + prefilling:
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            want = 1 if req.remaining == 1 else min(req.remaining, budget)
+            if want == 0:
+                continue
+            n, copies = self._fit(req, want, out)
+            if n:
+                out.chunks.append(Chunk(req, req.num_computed, n, copies))
+                budget -= n if want > 1 else 0
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _fit(self, req: Request, want: int, out: Schedule) -> tuple[int, list]:
+        """Reserve blocks for up to ``want`` tokens of ``req`` (fewer if only fewer fit); when not even one
+        token fits, preempt the most recently admitted running request and retry. Returns (tokens, copies);
+        (0, []) when ``req`` itself was preempted."""
+        alloc, start = self.allocator, req.num_computed
+        while True:
+            held = len(alloc.table(req.request_id)) * alloc.block_size - start
+            n = min(want, held + alloc.num_free * alloc.block_size)
+            copies = alloc.grow(req.request_id, start, start + n) if n > 0 else None
+            if copies is not None:
+                return n, copies
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return 0, []
+
+    def _admit(self, out: Schedule, budget: int) -> None:
+        alloc = self.allocator
+        while self.waiting and len(self.running) < self.policy.max_running:
+            req = self.waiting[0]
+            swapped = req.status is RequestStatus.SWAPPED
+            if swapped:
+                blocks = alloc.allocate_blocks(req.request_id, alloc.blocks_for(req.num_computed))
+                if blocks is None:
+                    return
+            else:
+                req.num_cached_tokens = alloc.match_prefix(req.request_id, req.prompt_ids)
+                req.num_computed = min(req.num_cached_tokens, req.num_tokens - 1)
+            n = 1 if req.remaining == 1 else min(req.remaining, budget)
+            copies = alloc.grow(req.request_id, req.num_computed, req.num_computed + n) if n else None
+            if copies is None:
+                alloc.free(req.request_id)
+                if not swapped:
+                    req.num_computed = 0
+                return
+            self.waiting.popleft()
+            if swapped:
+                out.swap_in.append((req, list(blocks)))
+                self.swapped_blocks -= len(blocks)
+                req.events.append(("swap_in", req.num_computed))
+            elif req.num_preemptions:
+                req.events.append(("resume", req.num_computed))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(Chunk(req, req.num_computed, n, copies))
+            budget -= n if n > 1 else 0
+
+    def _preempt(self, victim: Request, out: Schedule) -> None:
+        """Evict ``victim`` (running): unschedule it, free its blocks, put it at the head of the queue."""
+        self.running.remove(victim)
+        assert not any(c.copies for c in out.chunks if c.request is victim), "preempted with a pending copy"
+        out.chunks = [c for c in out.chunks if c.request is not victim]
+        self.num_preemptions += 1
+        victim.num_preemptions += 1
+        computed = self.allocator.blocks_for(victim.num_computed)
+        policy = self.policy.preemption
+        if policy == "swap" and self.swapped_blocks + computed > self.policy.swap_space_blocks:
+            policy = "recompute"
+            log.warning("swap space full (%d blocks): preempting %s with recompute", self.swapped_blocks,
+                        victim.request_id)
+        if policy == "swap" and computed:
+            out.swap_out.append((victim, self.allocator.table(victim.request_id)[:computed]))
+            victim.status = RequestStatus.SWAPPED
+            self.swapped_blocks += computed
+        else:
+            victim.num_computed = 0
+            victim.status = RequestStatus.WAITING
+        victim.events.append(("preempt", policy, len(victim.output_ids)))
+        log.info("preempted %s (%s): %d tokens computed, %d generated; preemptions so far: %d",
+                 victim.request_id, policy, victim.num_computed, len(victim.output_ids), self.num_preemptions)
+        self.allocator.free(victim.request_id)
+        out.preempted.append(victim)
+        self.waiting.appendleft(victim)
+
