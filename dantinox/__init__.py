@@ -3,7 +3,10 @@
 from . import _xla_setup  # noqa: F401  (XLA flags and the persistent compilation cache, before jax is used)
 from .cache import CapacityError, KVCache, LayerKV, bytes_per_token_per_layer, cache_nbytes, init_cache
 from .config import PRESETS, ConfigError, ModelConfig
+from .mla import LatentKV, MLAttention
 from .model import Transformer, build_model
+from .planner import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, max_batch_size, memory_split,
+                      param_bytes, plan_capacity)
 
 __version__ = "0.1.0"
 from .compile_count import CompileCounter, compile_totals

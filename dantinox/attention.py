@@ -4,6 +4,9 @@ Shape legend (used throughout the package; no letter is reused):
   B batch            T new tokens in this call      S cache slots (max_context)
   H query heads      K KV heads                      G = H // K query heads per KV head
   D head size        E model width (dim)             V vocabulary
+  C MLA latent width (kv_latent_dim)   R MLA RoPE width (rope_head_dim)   Q MLA query latent (q_latent_dim)
+
+Multi-head latent attention (attention="mla") lives in ``dantinox.mla`` and shares the masks below.
 
 Grouped heads: query head h uses KV head h // G (contiguous groups), so q is reshaped from
 [B, T, H, D] to [B, K, G, T, D]. MHA is K = H, MQA is K = 1 (Ainslie et al. 2023, "GQA", section 2).
@@ -80,6 +83,36 @@ class Attention(nnx.Module):
         return self.out(y), new_cache
 
 
+def new_token_mask(T: int, cache_index, key_start, window: int | None) -> jax.Array:
+    """May new query i see new key j? [1 or B, T, T] bool (causal, sliding window, left padding).
+
+    cache_index: [B] int32; key_start: [B] int32 or None.
+    """
+    i = jnp.arange(T)[:, None]
+    j = jnp.arange(T)[None, :]
+    mask = (j <= i)[None]                                              # [1, T, T]
+    if window is not None:
+        mask = mask & ((i - j) < window)[None]
+    if key_start is not None:
+        mask = mask & ((cache_index[:, None, None] + j[None]) >= key_start[:, None, None])
+    return mask
+
+
+def old_slot_mask(S: int, T: int, cache_index, key_start, window: int | None) -> jax.Array:
+    """May new query i see cache slot s (written by an earlier call)? [B, 1 or T, S] bool.
+
+    cache_index: [B] int32; key_start: [B] int32 or None.
+    """
+    s = jnp.arange(S)[None, None, :]                                   # [1, 1, S]
+    mask = s < cache_index[:, None, None]                              # [B, 1, S]
+    if key_start is not None:
+        mask = mask & (s >= key_start[:, None, None])
+    if window is not None:
+        query_slot = cache_index[:, None, None] + jnp.arange(T)[None, :, None]   # [B, T, 1]
+        mask = mask & ((query_slot - s) < window)
+    return mask
+
+
 def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None):
     """Softmax attention of q over [old cache slots ; new keys], computed jointly in float32.
 
@@ -89,25 +122,13 @@ def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | N
     T = q.shape[3]
     f32 = jnp.float32
     new_scores = jnp.einsum("bkgtd,bkjd->bkgtj", q, k, preferred_element_type=f32)
-    i = jnp.arange(T)[:, None]
-    j = jnp.arange(T)[None, :]
-    new_mask = (j <= i)[None]                                          # [1, T, T]
-    if window is not None:
-        new_mask = new_mask & ((i - j) < window)[None]
-    if key_start is not None:
-        new_mask = new_mask & ((cache_index[:, None, None] + j[None]) >= key_start[:, None, None])
+    new_mask = new_token_mask(T, cache_index, key_start, window)
     new_scores = jnp.where(new_mask[:, None, None], new_scores, NEG_INF)
     if old is None:
         probs = jax.nn.softmax(new_scores, axis=-1)
         return jnp.einsum("bkgtj,bkjd->bkgtd", probs, v.astype(f32), preferred_element_type=f32)
     S = old.k.shape[2]
-    s = jnp.arange(S)[None, None, :]                                   # [1, 1, S]
-    old_mask = s < cache_index[:, None, None]                          # [B, 1, S]
-    if key_start is not None:
-        old_mask = old_mask & (s >= key_start[:, None, None])
-    if window is not None:
-        query_slot = cache_index[:, None, None] + i[None]              # [B, T, 1]
-        old_mask = old_mask & ((query_slot - s) < window)
+    old_mask = old_slot_mask(S, T, cache_index, key_start, window)
     old_scores = jnp.einsum("bkgtd,bksd->bkgts", q, old.k.astype(q.dtype), preferred_element_type=f32)
     old_scores = jnp.where(old_mask[:, None, None], old_scores, NEG_INF)
     probs = jax.nn.softmax(jnp.concatenate([old_scores, new_scores], axis=-1), axis=-1)

@@ -1,8 +1,10 @@
 """The static KV cache: a pytree allocated up front, passed into the model and returned updated.
 
 Layout per layer: k and v of shape [B, K, S, D] (batch, KV heads, max_context slots, head size), in
-``cfg.cache_dtype``. The cache holds no write index of its own: the caller passes ``cache_index`` (a scalar or
-one slot per row, [B] int32) so rows of different lengths share a batch.
+``cfg.cache_dtype``; for attention="mla" a ``dantinox.mla.LatentKV`` of c_kv [B, S, C] and k_rope [B, S, R]
+instead (the latent and the shared RoPE key, never per-head keys and values). The cache holds no write index
+of its own: the caller passes ``cache_index`` (a scalar or one slot per row, [B] int32) so rows of different
+lengths share a batch.
 
 Writes go through :func:`write_layer`, which uses ``lax.dynamic_update_slice``. That primitive clamps an
 out-of-range start index silently (a write at slot S would overwrite slot S-1), so every public entry point
@@ -31,28 +33,48 @@ class LayerKV(NamedTuple):
     v: jax.Array
 
 
-KVCache = tuple  # tuple[LayerKV, ...], one entry per decoder block
+KVCache = tuple  # tuple[LayerKV, ...] (or tuple[LatentKV, ...] for MLA), one entry per decoder block
 
 
 def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int:
-    """Bytes one token occupies in one layer's cache: 2 * K * D * bytes_per_element (keys and values).
+    """Bytes one token occupies in one layer's cache, as each attention kind stores it.
 
+    MHA / GQA / MQA: 2 * K * D * bytes_per_element (keys and values).
+    MLA: (C + R) * bytes_per_element (the latent c_kv and the shared RoPE key).
     dtype: cache dtype name (default cfg.cache_dtype). Raises ConfigError for an unknown dtype name.
     """
     itemsize = np.dtype(DTYPES[canonical_dtype("cache_dtype", dtype or cfg.cache_dtype)]).itemsize
+    if cfg.attention == "mla":
+        return (cfg.kv_latent_dim + cfg.rope_head_dim) * itemsize
     return 2 * cfg.kv_heads * cfg.head_size * itemsize
 
 
+def layer_cache_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's two cache arrays: (k, v) [B, K, S, D] each, or for MLA (c_kv [B, S, C], k_rope
+    [B, S, R])."""
+    B, S = int(batch_size), cfg.max_context
+    if cfg.attention == "mla":
+        return (B, S, cfg.kv_latent_dim), (B, S, cfg.rope_head_dim)
+    shape = (B, cfg.kv_heads, S, cfg.head_size)
+    return shape, shape
+
+
 def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
-    """Allocate the whole cache up front: per layer LayerKV(k, v), each [B, K, S, D] zeros in cfg.cache_dtype.
+    """Allocate the whole cache up front, zeros in cfg.cache_dtype, one entry per layer:
+    LayerKV(k, v) of [B, K, S, D] each, or for attention="mla" LatentKV(c_kv [B, S, C], k_rope [B, S, R]).
 
     Raises ValueError if batch_size is not a positive integer.
     """
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r} is not allowed: a positive integer")
-    shape = (int(batch_size), cfg.kv_heads, cfg.max_context, cfg.head_size)
+    if cfg.attention == "mla":
+        from .mla import LatentKV  # mla imports attention, which imports this module
+        layer_type = LatentKV
+    else:
+        layer_type = LayerKV
+    first, second = layer_cache_shapes(cfg, batch_size)
     dtype = cfg.jnp_cache_dtype
-    return tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_blocks))
+    return tuple(layer_type(jnp.zeros(first, dtype), jnp.zeros(second, dtype)) for _ in range(cfg.num_blocks))
 
 
 def cache_nbytes(cache: KVCache) -> int:

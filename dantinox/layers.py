@@ -2,7 +2,8 @@
 
 Shape letters (used in every docstring of the package):
   B batch, T new tokens in this call, S cache length (max_context), H query heads, K KV heads,
-  G = H // K query heads per KV head, D head size, E model width (dim), F MLP hidden width, V vocabulary.
+  G = H // K query heads per KV head, D head size, E model width (dim), F MLP hidden width, V vocabulary;
+  MLA only: C latent width (kv_latent_dim), R RoPE width (rope_head_dim), Q query latent (q_latent_dim).
 """
 
 from __future__ import annotations

@@ -17,17 +17,21 @@ import numpy as np
 from flax import nnx
 
 from .attention import Attention
-from .cache import KVCache, check_cache_capacity
+from .cache import KVCache, check_cache_capacity, layer_cache_shapes
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, rope_angles
+from .mla import MLAttention
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))."""
+    """Pre-norm decoder block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).
+
+    The attention is MLAttention for cfg.attention == "mla", Attention (MHA / GQA / MQA) otherwise.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = MLAttention(cfg, rngs=rngs) if cfg.attention == "mla" else Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden, cfg.jnp_compute_dtype, rngs=rngs)
 
@@ -62,8 +66,8 @@ class Transformer(nnx.Module):
         Args:
           ids: [B, T] integer token ids in [0, V).
           use_cache: attend over and write into ``kv_caches``; False runs the plain causal forward.
-          kv_caches: from ``init_cache(cfg, B)``: per layer LayerKV(k, v) of [B, K, S, D]. Required when
-            use_cache is True (it is never allocated lazily).
+          kv_caches: from ``init_cache(cfg, B)``: per layer LayerKV(k, v) of [B, K, S, D] (MLA: LatentKV(c_kv
+            [B, S, C], k_rope [B, S, R])). Required when use_cache is True (it is never allocated lazily).
           cache_index: int or [B] int32: slot of each row's first new token. The Python int 0 marks a fresh
             prefill (the old cache is not read).
           key_start: optional [B] int32: number of left-padding slots per row; those slots are never
@@ -89,7 +93,7 @@ class Transformer(nnx.Module):
         if key_start is not None:
             key_start = jnp.asarray(key_start, jnp.int32)
             positions = jnp.maximum(positions - key_start[:, None], 0)
-        rope = rope_angles(positions, cfg.head_size, cfg.rope_theta)
+        rope = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
         x = self.embed(ids)
         new_caches = []
         for n, block in enumerate(self.blocks):
@@ -135,7 +139,8 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
         raise ValueError("use_cache=True needs kv_caches: allocate them with dantinox.init_cache(cfg, batch_size)")
     if len(kv_caches) != cfg.num_blocks:
         raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has num_blocks={cfg.num_blocks}")
-    want = (batch, cfg.kv_heads, cfg.max_context, cfg.head_size)
-    got = tuple(kv_caches[0].k.shape)
+    want = layer_cache_shapes(cfg, batch)
+    got = tuple(tuple(a.shape) for a in kv_caches[0])
     if got != want:
-        raise ValueError(f"kv_caches layer shape {got} does not match [B, K, S, D] = {want}")
+        layout = "c_kv [B, S, C], k_rope [B, S, R]" if cfg.attention == "mla" else "k, v [B, K, S, D]"
+        raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}")

@@ -1,0 +1,252 @@
+"""``dantinox budget``: KV cache bytes per sequence and the largest batch, per attention kind and context length.
+
+    dantinox budget --preset reference --device-memory 40GB --context 512 1024 4096 --dtype bf16 [--measure]
+
+The model shape comes from --preset, --config (a YAML or JSON file of ModelConfig fields, optionally under a
+``model:`` key) or --run_dir (its config.json). Tables are printed for the MHA, GQA, MQA and MLA variants of
+that shape (same width, heads and layers; the given config's own kind is marked with *):
+
+1. KV cache MiB per sequence at each context length (``dantinox.planner.kv_cache_bytes``);
+2. the largest batch that fits in --device-memory beside the float32 weights (counted from the parameter
+   tree, built abstractly) and a --reserve-fraction of headroom (``dantinox.planner.max_batch_size``).
+
+With --measure every variant's cache is allocated with ``init_cache`` (batch 1, max_context = the context
+length, in --dtype) and the bytes actually allocated are printed next to the formula: the arrays' own nbytes
+and the change in device memory (``memory_stats()["bytes_in_use"]`` where the backend reports it, the total
+of ``jax.live_arrays()`` otherwise, as on CPU). Exit status 1 if any array size disagrees with the formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from decimal import Decimal, InvalidOperation
+
+import jax
+
+from .cache import cache_nbytes, init_cache
+from .config import PRESETS, ModelConfig, canonical_dtype
+from .planner import kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes
+
+MIB = 2 ** 20
+UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+         "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_memory_size(text: str | int) -> int:
+    """Bytes from "40GB" (10^9), "40GiB" (2^30), "512MiB", "2e9", "1.5 TB" (units are case-insensitive).
+
+    Raises ValueError for anything else: no number, a negative or zero size, an unknown unit, or the
+    ambiguous single letters K/M/G/T (write GB for 10^9 or GiB for 2^30).
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        text = str(text)
+    if not isinstance(text, str):
+        raise ValueError(f"memory size {text!r} is not allowed: a string like 40GB, 40GiB, 512MiB or 2e9")
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"memory size {text!r} is not allowed: a positive number with an optional unit "
+                         f"({', '.join(['B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'])}), e.g. 40GB")
+    number, unit = match.groups()
+    if unit.lower() in ("k", "m", "g", "t"):
+        raise ValueError(f"memory size {text!r}: unit {unit!r} is ambiguous; write {unit.upper()}B "
+                         f"(powers of 1000) or {unit.upper()}iB (powers of 1024)")
+    if unit and unit.lower() not in UNITS:
+        raise ValueError(f"memory size {text!r}: unknown unit {unit!r}; allowed: B, KB, MB, GB, TB, KiB, MiB, "
+                         "GiB, TiB")
+    try:
+        size = int(Decimal(number) * UNITS[unit.lower() if unit else "b"])
+    except InvalidOperation as err:  # pragma: no cover - the regex admits only valid decimals
+        raise ValueError(f"memory size {text!r} is not a number") from err
+    if size <= 0:
+        raise ValueError(f"memory size {text!r} is not allowed: at least 1 byte")
+    return size
+
+
+def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``budget`` options to ``parser`` (a subcommand parser)."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a named model shape (default: reference)")
+    source.add_argument("--config", help="YAML or JSON file of ModelConfig fields (optionally under 'model:')")
+    source.add_argument("--run_dir", help="a run directory (reads its config.json)")
+    parser.add_argument("--device-memory", dest="device_memory", default="40GB",
+                        help="device memory, e.g. 40GB, 40GiB, 512MiB, 2e9 (default 40GB)")
+    parser.add_argument("--context", type=int, nargs="+", default=[512, 1024, 4096],
+                        help="context lengths in tokens (default 512 1024 4096)")
+    parser.add_argument("--dtype", default="bf16", help="cache dtype: bf16 or fp32 (default bf16)")
+    parser.add_argument("--reserve-fraction", dest="reserve_fraction", type=float, default=0.1,
+                        help="device memory kept free for activations and workspaces (default 0.1)")
+    parser.add_argument("--kv-heads", dest="kv_heads", type=int, default=None,
+                        help="KV heads of the GQA row (default: the config's, else n_heads / 4)")
+    parser.add_argument("--kv-latent-dim", dest="kv_latent_dim", type=int, default=None,
+                        help="d_c of the MLA row (default: the config's, else 4 * head_size)")
+    parser.add_argument("--rope-head-dim", dest="rope_head_dim", type=int, default=None,
+                        help="d_rope of the MLA row; 0 = no RoPE key (default: the config's, else head_size / 2)")
+    parser.add_argument("--measure", action="store_true",
+                        help="allocate each cache with init_cache and print measured bytes next to the formula")
+
+
+def run_budget(args: argparse.Namespace) -> int:
+    """Print the tables; returns 0, or 1 when --measure finds a measured size that differs from the formula.
+
+    Raises ValueError / ConfigError / FileNotFoundError for bad input (the CLI prints them as one line).
+    """
+    cfg = load_config(args)
+    dtype = canonical_dtype("dtype", args.dtype)
+    device_bytes = parse_memory_size(args.device_memory)
+    contexts = [int(c) for c in args.context]
+    for c in contexts:
+        if c <= 0:
+            raise ValueError(f"--context {c} is not allowed: context lengths are positive integers")
+    rows = attention_variants(cfg, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
+    print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
+          f"vocab {cfg.vocab_size}; cache dtype {dtype}")
+    print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes)\n")
+    print_table(["attention", "bytes/token"] + [f"{c} tok" for c in contexts],
+                [[label, str(kv_bytes_per_token(v, dtype))]
+                 + [_mib(kv_cache_bytes(v, 1, c, dtype)) for c in contexts] for label, v in rows],
+                title="KV cache per sequence (MiB)")
+    print_table(["attention", "weights MiB"] + [f"{c} tok" for c in contexts],
+                [_batch_row(label, v, device_bytes, contexts, args.reserve_fraction, dtype) for label, v in rows],
+                title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
+                      f"{args.reserve_fraction:.0%}, float32 weights")
+    return measure(rows, contexts, dtype) if args.measure else 0
+
+
+def load_config(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig named by --preset, --config or --run_dir (default: the "reference" preset)."""
+    if getattr(args, "config", None):
+        return ModelConfig.from_dict(_model_fields(_read_mapping(args.config), args.config))
+    if getattr(args, "run_dir", None):
+        path = os.path.join(args.run_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--run_dir {args.run_dir}: no config.json there")
+        return ModelConfig.from_dict(_model_fields(_read_mapping(path), path))
+    return ModelConfig.from_preset(getattr(args, "preset", None) or "reference")
+
+
+def _read_mapping(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        if path.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml
+            data = yaml.safe_load(text)
+    except (ValueError, ImportError) as err:
+        raise ValueError(f"config file {path} could not be parsed: {err}") from err
+    except Exception as err:  # yaml.YAMLError
+        raise ValueError(f"config file {path} is not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of ModelConfig fields")
+    return data
+
+
+def _model_fields(data: dict, path: str) -> dict:
+    model = data.get("model", data)
+    if not isinstance(model, dict):
+        raise ValueError(f"config file {path}: 'model' must be a mapping of ModelConfig fields")
+    return model
+
+
+def attention_variants(cfg: ModelConfig, kv_heads: int | None = None, kv_latent_dim: int | None = None,
+                       rope_head_dim: int | None = None) -> list[tuple[str, ModelConfig]]:
+    """(label, config) for the MHA, GQA, MQA and MLA variants of cfg's shape; cfg's own kind is starred.
+
+    GQA uses kv_heads, else cfg.kv_heads for a GQA config, else n_heads / 4 (or the largest divisor of n_heads
+    between 1 and n_heads; no GQA row if there is none). MLA uses kv_latent_dim / rope_head_dim, else cfg's,
+    else 4 * head_size and head_size / 2 (DeepSeek-V2's ratios); its query latent is cfg's.
+    """
+    H = cfg.n_heads
+    plain = dict(kv_latent_dim=None, rope_head_dim=None, q_latent_dim=None)
+    out = [("mha", cfg.replace(attention="mha", kv_heads=None, **plain), f"H_kv={H}")]
+    gqa = kv_heads or (cfg.kv_heads if cfg.attention == "gqa" else None) or _default_gqa_heads(H)
+    if gqa is not None:
+        out.append(("gqa", cfg.replace(attention="gqa", kv_heads=gqa, **plain), f"H_kv={gqa}"))
+    out.append(("mqa", cfg.replace(attention="mqa", kv_heads=None, **plain), "H_kv=1"))
+    mla = cfg.attention == "mla"
+    latent = kv_latent_dim or (cfg.kv_latent_dim if mla else 4 * cfg.head_size)
+    rope = rope_head_dim if rope_head_dim is not None else (cfg.rope_head_dim if mla else None)
+    mla_cfg = cfg.replace(attention="mla", kv_heads=None, kv_latent_dim=latent, rope_head_dim=rope,
+                          q_latent_dim=cfg.q_latent_dim if mla else None)
+    out.append(("mla", mla_cfg, f"d_c={mla_cfg.kv_latent_dim}, d_rope={mla_cfg.rope_head_dim}"))
+    return [(f"{'*' if kind == cfg.attention else ' '}{kind} ({detail})", v) for kind, v, detail in out]
+
+
+def _default_gqa_heads(n_heads: int) -> int | None:
+    if n_heads % 4 == 0 and n_heads // 4 > 1:
+        return n_heads // 4
+    divisors = [d for d in range(2, n_heads) if n_heads % d == 0]
+    return divisors[-1] if divisors else None
+
+
+def _batch_row(label: str, cfg: ModelConfig, device_bytes: int, contexts: list[int], reserve: float,
+               dtype: str) -> list[str]:
+    weights = param_bytes(cfg)
+    try:
+        budget = memory_split(cfg, device_bytes, weights, reserve).kv_budget_bytes
+    except ValueError as err:
+        return [label, _mib(weights)] + ["-" for _ in contexts[:-1]] + [f"does not fit: {err}"]
+    return [label, _mib(weights)] + [str(budget // kv_cache_bytes(cfg, 1, c, dtype)) for c in contexts]
+
+
+def measure(rows: list[tuple[str, ModelConfig]], contexts: list[int], dtype: str) -> int:
+    """Allocate each cache (batch 1) and compare its bytes with the formula; 1 if any differ, else 0.
+
+    A device allocator may round allocations up; such a difference between the arrays' nbytes and the change
+    in device memory is printed next to the row but is not a mismatch of the formula.
+    """
+    device = jax.devices()[0]
+    stats = device.memory_stats()
+    source = "memory_stats bytes_in_use" if stats else "jax.live_arrays() total"
+    table, mismatches = [], 0
+    for label, cfg in rows:
+        for ctx in contexts:
+            sized = cfg.replace(max_context=ctx, cache_dtype=dtype)
+            before = _device_bytes_in_use(device)
+            cache = jax.block_until_ready(init_cache(sized, 1))
+            allocated = _device_bytes_in_use(device) - before
+            formula, nbytes = kv_cache_bytes(cfg, 1, ctx, dtype), cache_nbytes(cache)
+            del cache
+            mismatches += formula != nbytes
+            status = ("MISMATCH" if formula != nbytes else "ok" if allocated == nbytes
+                      else f"ok (device {allocated - nbytes:+d} B)")
+            table.append([label, str(ctx), str(formula), str(nbytes), str(allocated), status])
+    print_table(["attention", "context", "formula B", "nbytes B", "allocated B", ""], table,
+                title=f"Measured on {device.platform}:{device.id} (allocated = change in {source})")
+    if stats:
+        print("memory_stats: " + ", ".join(f"{k}={stats[k]}" for k in
+                                           ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats))
+    else:
+        print(f"memory_stats: None on {device.platform}; live arrays now hold "
+              f"{sum(a.nbytes for a in jax.live_arrays())} B")
+    return 1 if mismatches else 0
+
+
+def _device_bytes_in_use(device) -> int:
+    stats = device.memory_stats()
+    if stats and "bytes_in_use" in stats:
+        return int(stats["bytes_in_use"])
+    return int(sum(a.nbytes for a in jax.live_arrays()))
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.4g}"
+
+
+def print_table(header: list[str], rows: list[list[str]], title: str) -> None:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    print(title)
+    for n, row in enumerate([header] + rows):
+        print("  " + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+    print()
+

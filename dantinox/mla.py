@@ -1,0 +1,181 @@
+"""Multi-head latent attention (MLA) over a compressed latent cache.
+
+DeepSeek-V2 (DeepSeek-AI 2024, arXiv 2405.04434), section 2.1. Shape letters as in ``dantinox.attention``;
+the MLA ones are C = kv_latent_dim (d_c), R = rope_head_dim (d_rope), Q = q_latent_dim (d_c').
+
+Per token with input h [E] (section 2.1.2, eqs. 9-13, and 2.1.3, eqs. 14-19):
+  c_kv = RMSNorm(W_DKV h)                 [C]      the latent, the only per-head-free thing cached
+  k_R  = RoPE(W_KR h)                     [R]      decoupled RoPE key shared by all heads, also cached
+  c_q  = RMSNorm(W_DQ h)                  [Q]      (or c_q = h without query compression)
+  q_C  = W_UQ c_q                         [H, D]   and  q_R = RoPE(W_QR c_q)  [H, R]
+  k_C  = W_UK c_kv, v_C = W_UV c_kv       [H, D]   each head's key and value, up-projected from the latent
+  score(h, t, s) = (q_C[t, h] . k_C[s, h] + q_R[t, h] . k_R[s]) / sqrt(D + R)
+  y = W_O [softmax(score) v_C]_heads      [E]
+W_DQ, W_DKV and W_KR are fused in ``down`` ([E, Q + C + R]); W_UQ and W_QR in ``q_up``; W_UK and W_UV are
+``w_uk`` [H, D, C] and ``w_uv`` [H, C, D]. The RMSNorms on the latents follow section 3.1.2 ("additional RMSNorm
+layers after the compressed latent vectors").
+
+Two ways to run the same attention (``cfg.mla_absorb``), same parameters, same logits:
+  naive     expand the latents (old cache and new tokens) to per-head k_C, v_C and run ordinary multi-head
+            attention (``dantinox.attention.attend`` with K = H). Costs S * C * H * 2D per step: a reference.
+  absorbed  q_C . (W_UK c) = (W_UK^T q_C) . c, so fold W_UK into the query (q_lat = W_UK^T q_C, [H, C]) and
+            attend against c_kv directly; the value side sums probabilities times latents first
+            (o_lat [H, C]) and applies W_UV afterwards (section 2.1.2: "W_UK can be absorbed into W_UQ, and
+            W_UV can be absorbed into W_O"). Per step the cache is read by einsums against c_kv [B, S, C] and
+            k_R [B, S, R] only; nothing cache-sized is expanded per head.
+
+Both attend over the old cache slots plus the new tokens' own latents jointly and write afterwards (see
+``dantinox.attention`` for why), with the same masks (causal, sliding window, left padding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import NEG_INF, attend, new_token_mask, old_slot_mask
+from .cache import LayerKV
+from .config import ModelConfig
+from .layers import RMSNorm, apply_rope
+
+
+class LatentKV(NamedTuple):
+    """One MLA layer's cache. c_kv: [B, S, C] normalised latents; k_rope: [B, S, R] RoPE-rotated shared keys."""
+
+    c_kv: jax.Array
+    k_rope: jax.Array
+
+
+def write_latent(layer: LatentKV, c_new: jax.Array, kr_new: jax.Array, cache_index: jax.Array) -> LatentKV:
+    """Write T new latents at slots cache_index .. cache_index+T-1.
+
+    c_new: [B, T, C]; kr_new: [B, T, R]; cache_index: scalar or [B] int32. Returns the updated LatentKV.
+    """
+    c_new = c_new.astype(layer.c_kv.dtype)
+    kr_new = kr_new.astype(layer.k_rope.dtype)
+    if jnp.ndim(cache_index) == 0:
+        start = (0, cache_index, 0)
+        return LatentKV(jax.lax.dynamic_update_slice(layer.c_kv, c_new, start),
+                        jax.lax.dynamic_update_slice(layer.k_rope, kr_new, start))
+    row_write = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0)))
+    return LatentKV(row_write(layer.c_kv, c_new, cache_index), row_write(layer.k_rope, kr_new, cache_index))
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2 section 2.1) with a cache of LatentKV(c_kv, k_rope).
+
+    Same call as ``dantinox.attention.Attention``. Projections (no biases): down [E, Q + C + R] (the query
+    latent, the kv latent and the RoPE key in one matmul; Q = 0 without query compression), q_norm, q_up
+    [Q, H (D + R)] (or [E, H (D + R)]), kv_norm, the up-projections w_uk [H, D, C] and w_uv [H, C, D], out
+    [H D, E]. The up-projections are stored in the
+    layouts the absorbed einsums consume (contraction axis second), so no weight is transposed per step.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        H, D, C, R, E = cfg.n_heads, cfg.head_size, cfg.kv_latent_dim, cfg.rope_head_dim, cfg.dim
+
+        def linear(n_in, n_out, stddev=0.02):
+            return nnx.Linear(n_in, n_out, use_bias=False, dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
+                              kernel_init=nnx.initializers.normal(stddev=stddev), rngs=rngs)
+
+        Q = cfg.q_latent_dim or 0
+        self.down = linear(E, Q + C + R)                       # [W_DQ ; W_DKV ; W_KR], one matmul over x
+        self.q_norm = RMSNorm(Q, cfg.norm_eps) if Q else None
+        self.q_up = linear(Q or E, H * (D + R))                # [W_UQ ; W_QR]
+        self.kv_norm = RMSNorm(C, cfg.norm_eps)
+        up_init = nnx.initializers.normal(stddev=0.02)
+        self.w_uk = nnx.Param(up_init(rngs.params(), (H, D, C), jnp.float32))   # W_UK, stored [H, D, C]
+        self.w_uv = nnx.Param(up_init(rngs.params(), (H, C, D), jnp.float32))   # W_UV, stored [H, C, D]
+        self.out = linear(H * D, E, stddev=0.02 / math.sqrt(2 * cfg.num_blocks))
+
+    def __call__(self, x, rope, layer_cache: LatentKV | None, cache_index, key_start, read_cache: bool):
+        """x: [B, T, E]; rope: (cos, sin) each [B, T, R/2]; layer_cache: LatentKV (c_kv [B, S, C], k_rope
+        [B, S, R]) or None; cache_index: [B] int32 slot of the first new token; key_start: [B] int32 or None;
+        read_cache: False when the cache is known to be empty (prefill at slot 0).
+
+        Returns (y [B, T, E], updated LatentKV or None).
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, D, C, R = cfg.n_heads, cfg.head_size, cfg.kv_latent_dim, cfg.rope_head_dim
+        Q = cfg.q_latent_dim or 0
+        c_q, c_new, kr_new = jnp.split(self.down(x), [Q, Q + C], axis=-1)
+        q = self.q_up(self.q_norm(c_q) if Q else x).reshape(B, T, H, D + R) * (1.0 / math.sqrt(D + R))
+        q_nope, q_rope = q[..., :D], apply_rope(q[..., D:], *rope)              # [B,T,H,D], [B,T,H,R]
+        c_new = self.kv_norm(c_new)                                              # [B, T, C]
+        kr_new = apply_rope(kr_new[:, :, None, :], *rope)[:, :, 0, :]            # [B, T, R]
+        old = layer_cache if layer_cache is not None and read_cache else None
+        attention = self._absorbed if cfg.mla_absorb else self._naive
+        o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, D] float32
+        y = self.out(o.reshape(B, T, H * D).astype(x.dtype))
+        new_cache = None if layer_cache is None else write_latent(layer_cache, c_new, kr_new, cache_index)
+        return y, new_cache
+
+    def _absorbed(self, q_nope, q_rope, c_new, kr_new, old: LatentKV | None, cache_index, key_start):
+        """Attention against the latent (W_UK folded into the query, W_UV applied after the sum).
+
+        q_nope: [B, T, H, D]; q_rope: [B, T, H, R] (both scaled); c_new: [B, T, C]; kr_new: [B, T, R];
+        old: LatentKV or None. Returns [B, T, H, D] float32.
+
+        Layouts (what XLA on CPU runs fastest; see benchmarks/mla_decode.py): the T x H queries are flattened
+        to N = T H. Scores are the product c_kv [S, C] @ q_lat [C, N] with the cache as the left operand in its
+        stored layout (no per-step transpose of the cache); the small [S, N] result is then transposed to
+        [N, S] so that masking and the softmax run along the minor axis, and the values are probs [N, S] @
+        c_kv [S, C].
+        """
+        f32, dt = jnp.float32, q_nope.dtype
+        B, T, H, _ = q_nope.shape
+        q_lat = jnp.einsum("bthd,hdc->bthc", q_nope, self.w_uk[...].astype(dt), preferred_element_type=f32)
+        q_lat = q_lat.astype(dt).reshape(B, T * H, -1).transpose(0, 2, 1)             # [B, C, N]
+        q_rot = q_rope.reshape(B, T * H, -1).transpose(0, 2, 1)                        # [B, R, N]
+
+        def scores(c, kr):  # c: [B, S', C], kr: [B, S', R] -> [B, T, H, S'] float32
+            s = (jnp.einsum("bsc,bcn->bsn", c, q_lat, preferred_element_type=f32)
+                 + jnp.einsum("bsr,brn->bsn", kr, q_rot, preferred_element_type=f32))
+            return s.transpose(0, 2, 1).reshape(B, T, H, -1)
+
+        window = self.cfg.sliding_window
+        new_mask = new_token_mask(T, cache_index, key_start, window)                   # [1|B, T, T]
+        new_scores = jnp.where(new_mask[:, :, None, :], scores(c_new, kr_new), NEG_INF)
+        if old is None:
+            probs = jax.nn.softmax(new_scores, axis=-1).reshape(B, T * H, T)
+            o_lat = jnp.einsum("bnj,bjc->bnc", probs, c_new.astype(f32), preferred_element_type=f32)
+        else:
+            S = old.c_kv.shape[1]
+            c_old = old.c_kv.astype(dt)
+            old_mask = old_slot_mask(S, T, cache_index, key_start, window)             # [B, 1|T, S]
+            old_scores = jnp.where(old_mask[:, :, None, :], scores(c_old, old.k_rope.astype(dt)), NEG_INF)
+            probs = jax.nn.softmax(jnp.concatenate([old_scores, new_scores], axis=-1), axis=-1)
+            probs = probs.reshape(B, T * H, S + T)
+            o_lat = jnp.einsum("bns,bsc->bnc", probs[..., :S].astype(dt), c_old, preferred_element_type=f32)
+            o_lat = o_lat + jnp.einsum("bnj,bjc->bnc", probs[..., S:], c_new.astype(f32),
+                                       preferred_element_type=f32)
+        o_lat = o_lat.astype(dt).reshape(B, T, H, -1)
+        return jnp.einsum("bthc,hcd->bthd", o_lat, self.w_uv[...].astype(dt), preferred_element_type=f32)
+
+    def _naive(self, q_nope, q_rope, c_new, kr_new, old: LatentKV | None, cache_index, key_start):
+        """Expand the latents to per-head keys [k_C ; k_R] and values v_C, then ordinary attention (K = H).
+
+        Same arguments and result as ``_absorbed``.
+        """
+        B, T, H, _ = q_nope.shape
+        q = jnp.concatenate([q_nope, q_rope], axis=-1).transpose(0, 2, 1, 3)[:, :, None]  # [B, H, 1, T, D+R]
+        k, v = self._expand(c_new, kr_new)
+        old_kv = None if old is None else LayerKV(*self._expand(old.c_kv.astype(q.dtype),
+                                                                old.k_rope.astype(q.dtype)))
+        y = attend(q, k, v, old_kv, cache_index, key_start, self.cfg.sliding_window)  # [B, H, 1, T, D]
+        return y[:, :, 0].transpose(0, 2, 1, 3)
+
+    def _expand(self, c, kr):
+        """c: [B, N, C], kr: [B, N, R] -> keys [B, H, N, D + R], values [B, H, N, D] (compute dtype)."""
+        dt = self.cfg.jnp_compute_dtype
+        c = c.astype(dt)
+        k = jnp.einsum("bnc,hdc->bhnd", c, self.w_uk[...].astype(dt))
+        v = jnp.einsum("bnc,hcd->bhnd", c, self.w_uv[...].astype(dt))
+        kr = jnp.broadcast_to(kr.astype(k.dtype)[:, None], (k.shape[0], k.shape[1], kr.shape[1], kr.shape[2]))
+        return jnp.concatenate([k, kr], axis=-1), v

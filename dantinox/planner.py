@@ -1,0 +1,196 @@
+"""KV memory budgeting: bytes per sequence, the largest batch that fits, capacity for a mix of requests.
+
+Every figure comes from ``dantinox.cache.bytes_per_token_per_layer``, the same per-attention-kind number the
+allocator's shapes give, so ``kv_cache_bytes(cfg, B, cfg.max_context)`` equals, byte for byte, what
+``init_cache(cfg, B)`` allocates (tests/test_planner.py checks it for every attention kind and dtype):
+
+  MHA / GQA / MQA   L x 2 x S x K x D x bytes_per_element        per sequence of S tokens
+  MLA               L x S x (C + R) x bytes_per_element          (latent plus shared RoPE key)
+
+Device memory is split as  device_bytes = reserve + weights + B x bytes_per_sequence, where
+reserve = ceil(reserve_fraction x device_bytes) is explicit headroom for activations, XLA workspaces and
+fragmentation, and weights are counted from a real parameter tree (``nnx.state(model, nnx.Param)``) or, from a
+config, from the same tree built abstractly with ``nnx.eval_shape`` (no memory is allocated).
+
+Admission rules for ``plan_capacity`` (how many tokens a sequence holds while it runs):
+  "max_context"  every sequence reserves all max_context slots: the static cache of ``init_cache``.
+  "request"      a sequence reserves prompt_tokens + max_new_tokens: what a paged cache allocating on demand
+                 needs at its peak for that request.
+Shapes and letters: see ``dantinox.attention``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from .cache import bytes_per_token_per_layer
+from .config import ModelConfig
+from .model import Transformer
+
+ADMISSION_RULES = ("max_context", "request")
+
+
+def _as_config(cfg: ModelConfig | Mapping[str, Any]) -> ModelConfig:
+    return cfg if isinstance(cfg, ModelConfig) else ModelConfig.from_dict(cfg)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
+    return int(value)
+
+
+def kv_bytes_per_token(cfg: ModelConfig | Mapping[str, Any], dtype: str | None = None) -> int:
+    """Cache bytes one token takes across all layers: L x bytes_per_token_per_layer(cfg, dtype).
+
+    dtype: cache dtype name ("float32", "bfloat16", "fp32", "bf16"; default cfg.cache_dtype).
+    Raises ConfigError for an unknown dtype name.
+    """
+    cfg = _as_config(cfg)
+    return cfg.num_blocks * bytes_per_token_per_layer(cfg, dtype)
+
+
+def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: int,
+                   dtype: str | None = None) -> int:
+    """Exact bytes of the KV cache for `batch` sequences of `seq_len` tokens each.
+
+    seq_len may exceed cfg.max_context (to budget a longer context for the same shape); init_cache itself
+    always allocates cfg.max_context slots, so kv_cache_bytes(cfg, B, cfg.max_context) is its size.
+    Raises ValueError for a non-positive batch or seq_len, ConfigError for an unknown dtype name.
+    """
+    batch = _positive_int("batch", batch)
+    seq_len = _positive_int("seq_len", seq_len)
+    return batch * seq_len * kv_bytes_per_token(cfg, dtype)
+
+
+def param_bytes(source: ModelConfig | Mapping[str, Any] | nnx.Module) -> int:
+    """Bytes of the model's parameters (nnx.Param leaves).
+
+    source: a built model (counted from its real parameter tree) or a config (the Transformer is built with
+    nnx.eval_shape, so only shapes and dtypes exist and nothing is allocated).
+    """
+    if isinstance(source, nnx.Module):
+        state = nnx.state(source, nnx.Param)
+    else:
+        cfg = _as_config(source)
+        state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(state)))
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    """How device memory divides before any sequence is admitted (all in bytes)."""
+
+    device_bytes: int
+    reserve_bytes: int     # ceil(reserve_fraction x device_bytes): activations, workspaces, fragmentation
+    weights_bytes: int
+    kv_budget_bytes: int   # device - reserve - weights, what the KV cache may use (never negative)
+
+
+def memory_split(cfg: ModelConfig | Mapping[str, Any], device_bytes: int, weights_bytes: int | None = None,
+                 reserve_fraction: float = 0.1) -> MemorySplit:
+    """Split device memory into reserve, weights and KV budget.
+
+    weights_bytes: default param_bytes(cfg). Raises ValueError for a non-positive device_bytes, a negative
+    weights_bytes, reserve_fraction outside [0, 1), or weights plus reserve larger than the device (the
+    message says how many bytes are missing).
+    """
+    device_bytes = _positive_int("device_bytes", device_bytes)
+    if not isinstance(reserve_fraction, (int, float)) or not 0 <= reserve_fraction < 1:
+        raise ValueError(f"reserve_fraction={reserve_fraction!r} is not allowed: a number in [0, 1)")
+    if weights_bytes is None:
+        weights_bytes = param_bytes(cfg)
+    elif isinstance(weights_bytes, bool) or not isinstance(weights_bytes, (int, np.integer)) or weights_bytes < 0:
+        raise ValueError(f"weights_bytes={weights_bytes!r} is not allowed: an integer >= 0 or None")
+    reserve = math.ceil(round(device_bytes * reserve_fraction, 6))
+    budget = device_bytes - reserve - int(weights_bytes)
+    if budget < 0:
+        raise ValueError(
+            f"device memory {device_bytes} B is too small: weights {int(weights_bytes)} B plus reserve {reserve} B "
+            f"({reserve_fraction:.0%}) need {reserve + int(weights_bytes)} B, {-budget} B more than the device has")
+    return MemorySplit(device_bytes, reserve, int(weights_bytes), budget)
+
+
+def max_batch_size(cfg: ModelConfig | Mapping[str, Any], device_bytes: int, seq_len: int,
+                   weights_bytes: int | None = None, reserve_fraction: float = 0.1,
+                   dtype: str | None = None) -> int:
+    """The largest number of sequences of seq_len tokens whose cache fits beside the weights and the reserve.
+
+    floor((device_bytes - reserve - weights) / kv_cache_bytes(cfg, 1, seq_len, dtype)); 0 when the weights fit
+    but not one sequence. For the static cache pass seq_len = cfg.max_context (init_cache allocates all slots).
+    Raises ValueError (see memory_split, kv_cache_bytes) for bad sizes or weights that do not fit.
+    """
+    per_sequence = kv_cache_bytes(cfg, 1, seq_len, dtype)
+    return memory_split(cfg, device_bytes, weights_bytes, reserve_fraction).kv_budget_bytes // per_sequence
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """How many sequences of a request mix fit at once (bytes are whole-model, all layers)."""
+
+    admission: str                # "max_context" or "request" (see the module docstring)
+    split: MemorySplit
+    requests: int                 # requests in the mix (sum of the histogram counts)
+    tokens_per_request: float     # mean cache slots a request reserves under the admission rule
+    bytes_per_request: float      # mean cache bytes a request reserves
+    max_concurrent: int           # floor(kv_budget / bytes_per_request): sequences in the mix's proportions
+    mix_copies: int               # how many whole copies of the mix fit at once
+    utilization: float            # tokens the mix uses / tokens it reserves (1.0 under "request")
+
+
+def _normalise_mix(mix) -> list[tuple[int, int, int]]:
+    """(prompt_tokens, max_new_tokens, count) triples from a list of pairs or a {pair: count} histogram."""
+    items = mix.items() if isinstance(mix, Mapping) else ((pair, 1) for pair in mix)
+    out = []
+    for pair, count in items:
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(f"mix entry {pair!r} is not allowed: a (prompt_tokens, max_new_tokens) pair")
+        prompt = _positive_int("prompt_tokens", pair[0])
+        new = pair[1]
+        if isinstance(new, bool) or not isinstance(new, (int, np.integer)) or new < 0:
+            raise ValueError(f"max_new_tokens={new!r} in mix entry {tuple(pair)} is not allowed: an integer >= 0")
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+            raise ValueError(f"count={count!r} for mix entry {tuple(pair)} is not allowed: an integer >= 0")
+        out.append((prompt, int(new), int(count)))
+    if sum(c for _, _, c in out) == 0:
+        raise ValueError("mix is empty: give (prompt_tokens, max_new_tokens) pairs or a histogram of them")
+    return out
+
+
+def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
+                  mix: Sequence[tuple[int, int]] | Mapping[tuple[int, int], int], admission: str = "max_context",
+                  weights_bytes: int | None = None, reserve_fraction: float = 0.1,
+                  dtype: str | None = None) -> CapacityPlan:
+    """How many concurrent sequences of a request mix fit in device memory.
+
+    mix: a list of (prompt_tokens, max_new_tokens) requests, or a histogram {(prompt, max_new): count}.
+    admission: "max_context" (each sequence reserves all max_context slots, the static cache) or "request"
+      (each reserves prompt + max_new_tokens).
+    Raises ValueError for an unknown admission rule, a malformed or empty mix, a request longer than
+    cfg.max_context (it could never be served), and everything memory_split / kv_cache_bytes reject.
+    """
+    cfg = _as_config(cfg)
+    if admission not in ADMISSION_RULES:
+        raise ValueError(f"admission={admission!r} is not allowed: one of {ADMISSION_RULES}")
+    entries = _normalise_mix(mix)
+    for prompt, new, _ in entries:
+        if prompt + new > cfg.max_context:
+            raise ValueError(f"request (prompt {prompt}, max_new_tokens {new}) needs {prompt + new} cache slots, "
+                             f"more than max_context={cfg.max_context}")
+    per_token = kv_bytes_per_token(cfg, dtype)
+    split = memory_split(cfg, device_bytes, weights_bytes, reserve_fraction)
+    requests = sum(c for _, _, c in entries)
+    used = sum((p + n) * c for p, n, c in entries)
+    reserved = cfg.max_context * requests if admission == "max_context" else used
+    bytes_per_request = reserved * per_token / requests
+    return CapacityPlan(
+        admission=admission, split=split, requests=requests, tokens_per_request=reserved / requests,
+        bytes_per_request=bytes_per_request,
+        max_concurrent=int(split.kv_budget_bytes * requests // (reserved * per_token)),
+        mix_copies=split.kv_budget_bytes // (reserved * per_token), utilization=used / reserved)

@@ -1,0 +1,134 @@
+"""``dantinox budget``: memory-size parsing, the per-sequence and max-batch tables, --measure against real
+allocations, the three config sources, and bad input."""
+
+import argparse
+import json
+import re
+
+import pytest
+
+import dantinox as dx
+from dantinox.budget_cli import add_budget_arguments, attention_variants, parse_memory_size, run_budget
+
+
+def budget(argv, capsys):
+    """Run the subcommand through its own parser; returns (exit status, stdout)."""
+    parser = argparse.ArgumentParser()
+    add_budget_arguments(parser)
+    status = run_budget(parser.parse_args(argv))
+    return status, capsys.readouterr().out
+
+
+def row(out: str, prefix: str, title: str) -> list[str]:
+    """The cells of the row starting with `prefix` in the table titled `title`."""
+    section = out.split(title, 1)[1]
+    line = next(ln for ln in section.splitlines() if ln.strip().lstrip("*").startswith(prefix))
+    return line.split(")", 1)[1].split()
+
+
+@pytest.mark.parametrize("text, size", [
+    ("40GB", 40 * 10 ** 9), ("40GiB", 40 * 2 ** 30), ("512MiB", 512 * 2 ** 20), ("2e9", 2 * 10 ** 9),
+    ("1.5 gb", 1_500_000_000), ("100", 100), ("1KiB", 1024), ("3 TB", 3 * 10 ** 12), (2048, 2048),
+])
+def test_parse_memory_size(text, size):
+    assert parse_memory_size(text) == size
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", "not allowed"), ("GB", "not allowed"), ("-1GB", "not allowed"), ("0", "at least 1 byte"),
+    ("1e-9", "at least 1 byte"), ("40G", "ambiguous"), ("40XB", "unknown unit 'XB'"), ("abc", "not allowed"),
+    ("nan", "not allowed"), ("inf", "not allowed"), ("4 0GB", "not allowed"), (None, "not allowed"),
+])
+def test_parse_memory_size_rejects(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_memory_size(text)
+
+
+def test_seed_reference_table_from_the_cli(capsys):
+    """The corrected seed table: 12 blocks, head_size 32, bf16: MHA 6, GQA 1.5, MQA 0.75, MLA d_c=96 without
+    a RoPE key 1.125 MiB per sequence at 512 tokens (and x2, x8 at 1024, 4096)."""
+    status, out = budget(["--preset", "reference", "--context", "512", "1024", "4096", "--dtype", "bf16",
+                          "--kv-latent-dim", "96", "--rope-head-dim", "0"], capsys)
+    assert status == 0
+    title = "KV cache per sequence (MiB)"
+    assert row(out, "mha", title)[1:] == ["6", "12", "48"]
+    assert row(out, "gqa", title)[1:] == ["1.5", "3", "12"]
+    assert row(out, "mqa", title)[1:] == ["0.75", "1.5", "6"]
+    assert row(out, "mla", title)[1:] == ["1.125", "2.25", "9"]
+    assert "*gqa (H_kv=2)" in out and "mla (d_c=96, d_rope=0)" in out
+
+
+def test_max_batch_table_equals_max_batch_size(capsys):
+    status, out = budget(["--preset", "tiny", "--device-memory", "8MiB", "--context", "16", "32", "--dtype",
+                          "fp32"], capsys)
+    assert status == 0
+    for label, cfg in attention_variants(dx.ModelConfig.from_preset("tiny")):
+        kind = label.strip().lstrip("*").split()[0]
+        cells = row(out, kind, "Max batch at 8MiB")
+        expected = [dx.max_batch_size(cfg, 8 * 2 ** 20, n, dtype="fp32") for n in (16, 32)]
+        assert [int(c) for c in cells[1:]] == expected, kind
+        assert float(cells[0]) == pytest.approx(dx.param_bytes(cfg) / 2 ** 20, rel=1e-3)
+
+
+def test_measure_prints_allocations_equal_to_the_formula(capsys):
+    status, out = budget(["--preset", "tiny-mla", "--context", "8", "32", "--measure"], capsys)
+    assert status == 0 and "MISMATCH" not in out
+    measured = out.split("Measured on", 1)[1]
+    rows = [ln.split() for ln in measured.splitlines() if ln.strip().endswith(" ok")]
+    assert len(rows) == 4 * 2                                   # mha, gqa, mqa, mla x 2 contexts
+    for cells in rows:
+        assert cells[-4] == cells[-3] == cells[-2]              # formula == nbytes == allocated
+    assert "*mla (d_c=16, d_rope=8)" in out
+    assert "memory_stats" in out
+
+
+def test_config_sources_yaml_json_and_run_dir(tmp_path, capsys):
+    fields = dict(dx.PRESETS["tiny"], attention="gqa", kv_heads=4)
+    (tmp_path / "model.yaml").write_text("model:\n" + "".join(f"  {k}: {json.dumps(v)}\n"
+                                                              for k, v in fields.items()))
+    (tmp_path / "flat.json").write_text(json.dumps(fields))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(dx.ModelConfig.from_dict(fields).to_json())
+    for argv in (["--config", str(tmp_path / "model.yaml")], ["--config", str(tmp_path / "flat.json")],
+                 ["--run_dir", str(run_dir)]):
+        status, out = budget(argv + ["--context", "32"], capsys)
+        assert status == 0 and "*gqa (H_kv=4)" in out and "2 blocks, dim 64" in out
+
+
+def test_bad_input(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        budget(["--config", str(tmp_path / "missing.yaml")], capsys)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        budget(["--run_dir", str(tmp_path)], capsys)
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        budget(["--config", str(tmp_path / "bad.yaml")], capsys)
+    (tmp_path / "unknown.yaml").write_text("dim: 64\nlearning_rate: 0.1\n")
+    with pytest.raises(dx.ConfigError, match="learning_rate"):
+        budget(["--config", str(tmp_path / "unknown.yaml")], capsys)
+    with pytest.raises(ValueError, match="--context 0"):
+        budget(["--preset", "tiny", "--context", "0"], capsys)
+    with pytest.raises(dx.ConfigError, match="'fp8'"):
+        budget(["--preset", "tiny", "--dtype", "fp8"], capsys)
+    with pytest.raises(ValueError, match="ambiguous"):
+        budget(["--preset", "tiny", "--device-memory", "40G"], capsys)
+    with pytest.raises(SystemExit):
+        budget(["--preset", "tiny", "--config", "x.yaml"], capsys)   # one source only
+
+
+def test_device_smaller_than_the_weights_says_how_much_is_missing(capsys):
+    status, out = budget(["--preset", "reference", "--device-memory", "10MB", "--context", "512"], capsys)
+    assert status == 0
+    weights = dx.param_bytes(dx.ModelConfig.from_preset("reference"))
+    missing = weights + 1_000_000 - 10_000_000
+    assert "does not fit: device memory 10000000 B is too small" in out
+    assert f"{missing} B more than the device has" in out
+    assert not re.search(r"\s-\d", out.split("Max batch at 10MB", 1)[1])     # never a negative batch
+
+
+def test_cli_wiring_exit_status():
+    """Through ``dantinox.cli.main`` (the CLI owner wires the subcommand): 0 on success, 2 on bad input."""
+    cli = pytest.importorskip("dantinox.cli")
+    assert cli.main(["budget", "--preset", "tiny", "--context", "32"]) == 0
+    assert cli.main(["budget", "--preset", "tiny", "--device-memory", "lots"]) == 2
