@@ -5,6 +5,7 @@
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F]
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
+  dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
 exit with status 2 and one line on stderr; verify exits with status 1 when the cache is not exact.
@@ -120,7 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
         budget = sub.add_parser("budget", help="KV cache bytes, max batch and capacity for a model shape")
         add_budget_arguments(budget)
         budget.set_defaults(func=run_budget)
+    _add_serve(sub)
     return parser
+
+
+def _add_serve(sub) -> None:
+    from .serving.serve_cli import add_serve_arguments, run_serve
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
 
 
 def main(argv: list[str] | None = None) -> int:

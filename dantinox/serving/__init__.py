@@ -1,0 +1,26 @@
+"""Serving many users: a paged KV cache, continuous batching, an explicit context policy, an HTTP server.
+
+  allocator.py / block_pool.py   block tables, reference counts, prefix caching, copy-on-write (plain Python)
+  paged_cache.py                 the device pool [N, P, K, D] per layer and the paged attention view
+  runner.py                      compiled forward/sample and block-move functions
+  request.py                     one request's options, tokens and state
+  scheduler.py                   chunked prefill + decode under a token budget; admission; preemption
+  engine.py                      the Engine interface and PagedEngine
+  worker.py / server.py          the engine thread and the OpenAI-compatible FastAPI app
+  metrics.py / protocol.py       Prometheus metrics; the completions request/response format
+  serve_cli.py                   ``dantinox serve``
+
+The HTTP modules (server, worker, metrics, protocol) are not imported here, so the engine works without
+FastAPI installed.
+"""
+
+from .allocator import BlockAllocator
+from .block_pool import BlockPool, NoFreeBlocksError
+from .engine import Engine, EngineConfig, PagedEngine
+from .paged_cache import init_pool, num_blocks_for_memory
+from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
+from .scheduler import ContextPolicy
+
+__all__ = ["BlockAllocator", "BlockPool", "ContextPolicy", "Engine", "EngineConfig", "NoFreeBlocksError",
+           "PagedEngine", "QueueFullError", "RequestError", "RequestOutput", "SamplingOptions", "init_pool",
+           "num_blocks_for_memory"]

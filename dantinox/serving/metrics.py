@@ -1,0 +1,61 @@
+"""Prometheus metrics of a server, in their own registry (several servers can live in one process).
+
+Latencies are in seconds, measured by the engine thread: time to first token (TTFT) from the moment the
+request was submitted, inter-token latency (ITL) between consecutive tokens of one request.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# engine.stats() counters mirrored as Prometheus counters (increased by their change since the last update)
+_COUNTERS = {"preemptions": "Sequences preempted (recompute or swap)",
+             "prefix_cache_hits": "Prompt blocks served from the prefix cache",
+             "prefix_cache_queries": "Prompt blocks looked up in the prefix cache",
+             "generated_tokens": "Tokens generated",
+             "computed_tokens": "Tokens fed through the model (prefill, re-prefill and decode)"}
+_GAUGES = {"waiting": "Requests waiting in the queue", "running": "Sequences running (holding KV blocks)",
+           "swapped": "Preempted sequences whose KV blocks wait in host memory",
+           "blocks_used": "KV blocks in use", "blocks_free": "KV blocks free"}
+
+
+class ServerMetrics:
+    """TTFT / ITL histograms, queue and cache gauges, counters. ``render()`` gives the text exposition."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("dantinox_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("dantinox_inter_token_latency_seconds", "Time between consecutive tokens",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.requests = Counter("dantinox_requests_finished", "Requests finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.rejections = Counter("dantinox_requests_rejected", "Requests rejected at admission, by reason",
+                                  ["reason"], registry=r)
+        self.gauges = {k: Gauge(f"dantinox_{k}", text, registry=r) for k, text in _GAUGES.items()}
+        self.counters = {k: Counter(f"dantinox_{k}", text, registry=r) for k, text in _COUNTERS.items()}
+        self._last = {k: 0 for k in _COUNTERS}
+
+    def token(self, seconds: float, first: bool) -> None:
+        (self.ttft if first else self.itl).observe(seconds)
+
+    def finished(self, reason: str | None) -> None:
+        self.requests.labels(finish_reason=reason or "unknown").inc()
+
+    def rejected(self, err: Exception) -> None:
+        self.rejections.labels(reason="queue_full" if type(err).__name__ == "QueueFullError" else "invalid").inc()
+
+    def update(self, stats: dict) -> None:
+        for key, gauge in self.gauges.items():
+            gauge.set(stats.get(key, 0))
+        for key, counter in self.counters.items():
+            value = stats.get(key, 0)
+            if value > self._last[key]:
+                counter.inc(value - self._last[key])
+            self._last[key] = value
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

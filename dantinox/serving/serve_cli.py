@@ -1,0 +1,88 @@
+"""``dantinox serve``: load a run directory, size the paged KV pool from a memory budget, serve over HTTP.
+
+  dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
+                 [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
+                 [--no-prefix-caching] [--no-warmup]
+
+Without --kv-memory the pool holds max-running sequences of max_context tokens. At start the server logs
+"KV cache: N blocks = T tokens, max concurrency C at L tokens per request" (L = max_context).
+FastAPI and uvicorn are imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000. Raises ValueError naming the value."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"--kv-memory={text!r} is not allowed: a size such as 2GB, 512MiB or 1000000 (bytes)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 2GB or 512MiB")
+    p.add_argument("--policy", choices=("recompute", "swap"), default="recompute",
+                   help="what a preempted sequence does with its KV blocks (default recompute)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-running", type=int, default=16, help="sequences decoding at once")
+    p.add_argument("--max-queued", type=int, default=256, help="waiting requests before answering 429")
+    p.add_argument("--max-batched-tokens", type=int, default=64, help="prefill tokens per engine step")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
+    p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: run dir name)")
+
+
+def kv_summary(engine) -> str:
+    """The start-up line: blocks, tokens, and how many max_context requests fit at once."""
+    alloc, L = engine.allocator, engine.max_context
+    tokens = alloc.num_blocks * alloc.block_size
+    concurrency = alloc.num_blocks // alloc.blocks_for(L)
+    return (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} tokens "
+            f"per request ({engine.stats()['kv_cache_bytes'] / 2**20:.1f} MiB, block size {alloc.block_size})")
+
+
+def build_engine(args: argparse.Namespace):
+    """(engine, tokenizer, model name) from the parsed arguments. Raises RunDirError / ValueError."""
+    from ..generator import bundled_run_dir
+    from ..train.run_dir import load_run
+    from .engine import EngineConfig, PagedEngine
+
+    run_dir = args.run_dir or bundled_run_dir()
+    model, cfg, tokenizer, _ = load_run(run_dir)
+    config = EngineConfig(block_size=args.block_size, max_running=args.max_running, max_queued=args.max_queued,
+                          max_batched_tokens=args.max_batched_tokens, preemption=args.policy,
+                          kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
+                          enable_prefix_caching=not args.no_prefix_caching)
+    name = args.model_name or os.path.basename(os.path.normpath(run_dir))
+    return PagedEngine(model, config), tokenizer, name
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Entry point of ``dantinox serve``; blocks until the server stops (Ctrl-C)."""
+    import uvicorn
+
+    from .server import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("dantinox.serving")
+    engine, tokenizer, name = build_engine(args)
+    log.info(kv_summary(engine))
+    if not args.no_warmup:
+        counted = engine.warmup()
+        log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,
+                 counted.cache_hits, counted.seconds)
+    uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="info")
+    return 0

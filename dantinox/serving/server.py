@@ -1,0 +1,273 @@
+"""OpenAI-compatible HTTP server: FastAPI on uvicorn in front of one Engine running in its own thread.
+
+Design (threads and queues):
+  1. uvicorn runs the FastAPI app on one asyncio event loop. Handlers validate the body, encode the prompt
+     with the run's tokenizer and hand the request to the EngineWorker (``dantinox.serving.worker``) through
+     its thread-safe command queue, together with a fresh ``asyncio.Queue`` for the replies.
+  2. The worker thread owns the engine: it admits or rejects the request (the first reply: "accepted" or
+     "rejected" with a RequestError -> 400 naming the field, or QueueFullError -> 429 with Retry-After),
+     then steps the engine and pushes each new token to the request's queue via
+     ``loop.call_soon_threadsafe``. Only the worker thread ever calls the engine.
+  3. The handler turns tokens into text with a StreamDecoder (never splitting a multi-byte character),
+     watches for stop strings (holding back text that may begin one), and answers with one JSON body or
+     with server-sent events (``stream=true``) ending in ``data: [DONE]``.
+  4. A stop string, or a client that disconnects (the event stream is cancelled, or a non-streaming
+     request finds ``is_disconnected()``), sends an abort to the worker: the request leaves the engine and
+     its KV blocks are freed at once.
+Endpoints: POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..train.tokenizer import StreamDecoder
+from .engine import Engine
+from .metrics import ServerMetrics
+from .protocol import CompletionRequest, StopChecker, completion_body, error_body, usage_body
+from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
+from .worker import EngineWorker
+
+log = logging.getLogger("dantinox.serving")
+
+POLL_S = 0.5  # how often a waiting handler checks the worker's health and the client's connection
+
+
+def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastAPI:
+    """The FastAPI app; the engine thread starts and stops with the app's lifespan.
+
+    engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer.
+    """
+    metrics = ServerMetrics()
+    worker = EngineWorker(engine, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="dantinox", lifespan=lifespan)
+    app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine
+    service = _Service(worker, tokenizer, model_name, engine.max_context)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        return JSONResponse(error_body(f"{field}: {first.get('msg')}", field), status_code=422)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: HttpRequest):
+        return await service.complete(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "dantinox", "max_model_len": engine.max_context}]}
+
+    @app.get("/health")
+    async def health():
+        status = 200 if worker.alive else 503
+        return JSONResponse({"status": "ok" if status == 200 else "unhealthy", "error": worker.error,
+                             "engine": worker.snapshot}, status_code=status)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Service:
+    """The completions endpoint's logic (one instance per app)."""
+
+    def __init__(self, worker: EngineWorker, tokenizer, model_name: str, max_context: int):
+        self.worker, self.tokenizer, self.model_name, self.max_context = worker, tokenizer, model_name, max_context
+
+    async def complete(self, body: CompletionRequest, request: HttpRequest):
+        if not self.worker.alive:
+            return JSONResponse(error_body("the engine is not running", None, "server_error"), status_code=503)
+        try:
+            body.check_supported()
+            prompt_ids = self._encode(body.prompt)
+            options = self._options(body)
+        except RequestError as err:
+            return JSONResponse(error_body(str(err), err.field), status_code=400)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        events: asyncio.Queue = asyncio.Queue()
+        self.worker.submit(rid, prompt_ids, options, asyncio.get_running_loop(), events)
+        first = await _next_event(events, self.worker, rid, None)
+        if first[0] == "rejected":
+            return _rejection(first[1])
+        session = _Completion(self, rid, len(prompt_ids), body, events)
+        if body.stream:
+            return StreamingResponse(session.sse(), media_type="text/event-stream")
+        return await session.respond(request)
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt", "prompt is empty: give at least one character")
+            try:
+                return self.tokenizer.encode(prompt, unknown="error")
+            except ValueError as err:
+                raise RequestError("prompt", str(err)) from err
+        return list(prompt)
+
+    @staticmethod
+    def _options(body: CompletionRequest) -> SamplingOptions:
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
+        return SamplingOptions(max_new_tokens=16 if body.max_tokens is None else body.max_tokens,
+                               temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed)
+
+
+def _rejection(err: Exception) -> JSONResponse:
+    if isinstance(err, QueueFullError):
+        return JSONResponse(error_body(str(err), None, "rate_limit_error", "queue_full"), status_code=429,
+                            headers={"Retry-After": str(max(1, math.ceil(err.retry_after)))})
+    return JSONResponse(error_body(str(err), getattr(err, "field", None)), status_code=400)
+
+
+async def _next_event(events: asyncio.Queue, worker: EngineWorker, rid: str, request: HttpRequest | None):
+    """The next reply for ``rid``; an "error" output if the worker died; None if the client went away."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if not worker.alive:
+                return ("output", RequestOutput(rid, [], True, "error", f"engine stopped: {worker.error}"))
+            if request is not None and await request.is_disconnected():
+                return None
+
+
+class _Completion:
+    """One accepted request: engine outputs -> text pieces -> a JSON body or server-sent events."""
+
+    def __init__(self, service: _Service, rid: str, prompt_tokens: int, body: CompletionRequest,
+                 events: asyncio.Queue):
+        self.service, self.rid, self.body, self.events = service, rid, body, events
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
+        self.decoder = StreamDecoder(service.tokenizer)
+        self.stops = StopChecker(body.stop_strings())
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.done = False  # the engine request is over (finished, or aborted by us)
+
+    async def pieces(self, request: HttpRequest | None = None):
+        """Yield text pieces until the request finishes; sets finish_reason / error."""
+        while not self.done:
+            event = await _next_event(self.events, self.service.worker, self.rid, request)
+            if event is None:  # the client disconnected
+                self._abort()
+                return
+            out: RequestOutput = event[1]
+            self.completion_tokens += len(out.new_token_ids)
+            piece = "".join(self.decoder.push(t) for t in out.new_token_ids)
+            if out.finished:
+                piece += self.decoder.flush()
+            text, stopped = self.stops.push(piece)
+            if stopped or out.finished:
+                self.finish_reason = "stop" if stopped else out.finish_reason
+                self.error = None if stopped else out.error
+                text += "" if stopped else self.stops.flush()
+                if not out.finished:
+                    self._abort()
+                self.done = True
+            if text:
+                yield text
+
+    def _abort(self) -> None:
+        self.done = True
+        self.service.worker.abort(self.rid)
+
+    def _usage(self) -> dict:
+        return usage_body(self.prompt_tokens, self.completion_tokens)
+
+    async def respond(self, request: HttpRequest):
+        text = "".join([piece async for piece in self.pieces(request)])
+        if self.finish_reason == "error":
+            return JSONResponse(error_body(self.error or "generation failed", None, "server_error"), status_code=500)
+        if self.finish_reason is None:  # the client went away; nobody reads this
+            return JSONResponse(error_body("client disconnected", None), status_code=499)
+        return JSONResponse(completion_body(self.rid, self.service.model_name, text, self.finish_reason,
+                                            self._usage()))
+
+    async def sse(self):
+        name = self.service.model_name
+        try:
+            async for piece in self.pieces():
+                yield _event(completion_body(self.rid, name, piece, None, None))
+            if self.finish_reason == "error":
+                yield _event(error_body(self.error or "generation failed", None, "server_error"))
+            else:
+                yield _event(completion_body(self.rid, name, "", self.finish_reason, None))
+                if self.body.include_usage():
+                    usage = completion_body(self.rid, name, "", None, self._usage())
+                    usage["choices"] = []
+                    yield _event(usage)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not self.done:  # the client disconnected mid-stream (the generator was cancelled or closed)
+                self._abort()
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class ServerThread:
+    """Run an app with uvicorn in a background thread, on 127.0.0.1 and a free port by default.
+
+    >>> with ServerThread(create_app(engine, tokenizer)) as server:
+    ...     httpx.get(server.url + "/health")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, name="dantinox-http", daemon=True)
+        self.host, self.port = host, port
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        """Start serving and wait until the socket listens (a second call does nothing)."""
+        if self.thread.is_alive():
+            return self
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port} within {timeout} s")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

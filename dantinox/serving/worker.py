@@ -1,0 +1,140 @@
+"""EngineWorker: the one thread that owns an Engine, and the thread-safe queues the HTTP handlers use.
+
+  1. Handlers (on the server's asyncio loop) never touch the engine. ``submit`` and ``abort`` put a command on
+     ``commands``, a ``queue.Queue``.
+  2. The worker thread loops: take every pending command (blocking briefly only when the engine is idle), run
+     ``engine.step()``, route each output to its request's ``asyncio.Queue`` with
+     ``loop.call_soon_threadsafe``, record metrics, and publish ``engine.stats()`` as an immutable snapshot
+     that handlers read without locks.
+  3. A submit is answered first with ("accepted",) or ("rejected", error) where error is the RequestError or
+     QueueFullError the engine raised, then with ("output", RequestOutput) events until one is finished.
+  4. If the engine raises outside a step's own error handling, every request in flight gets an "error"
+     output, the worker marks itself unhealthy (``/health`` answers 503) and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from .engine import Engine
+from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
+
+log = logging.getLogger("dantinox.serving")
+
+IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    submitted: float          # perf_counter seconds
+    last_token: float | None = None
+
+    def send(self, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server shutting down)
+            pass
+
+
+class EngineWorker:
+    """Runs ``engine`` in a daemon thread. ``metrics`` (optional) is a ServerMetrics."""
+
+    def __init__(self, engine: Engine, metrics=None):
+        self.engine = engine
+        self.metrics = metrics
+        self.commands: queue.Queue = queue.Queue()
+        self.snapshot: dict = engine.stats()
+        self.healthy = True
+        self.error: str | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dantinox-engine", daemon=True)
+
+    # Called from other threads ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.healthy
+
+    def submit(self, request_id: str, prompt_ids: list, options: SamplingOptions,
+               loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
+        self.commands.put(("submit", request_id, prompt_ids, options, _Stream(loop, events, time.perf_counter())))
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    # The worker thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._take_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._route(self.engine.step())
+                self._publish()
+        except Exception as err:  # a bug outside the engine's own step handling: fail loudly, never hang
+            log.exception("engine worker stopped")
+            self.healthy, self.error = False, repr(err)
+            for rid, stream in self._streams.items():
+                stream.send(("output", RequestOutput(rid, [], True, "error", f"engine failed: {err!r}")))
+            self._streams.clear()
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(command)
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, command: tuple) -> None:
+        if command[0] == "abort":
+            self.engine.abort(command[1])
+            return
+        _, rid, prompt_ids, options, stream = command
+        try:
+            self.engine.add_request(prompt_ids, options, request_id=rid)
+        except (RequestError, QueueFullError) as err:
+            if self.metrics:
+                self.metrics.rejected(err)
+            stream.send(("rejected", err))
+            return
+        self._streams[rid] = stream
+        stream.send(("accepted",))
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.new_token_ids and self.metrics:
+                self.metrics.token(now - (stream.last_token or stream.submitted), first=stream.last_token is None)
+            if out.new_token_ids:
+                stream.last_token = now
+            if out.finished:
+                del self._streams[out.request_id]
+                if self.metrics:
+                    self.metrics.finished(out.finish_reason)
+            stream.send(("output", out))
+
+    def _publish(self) -> None:
+        self.snapshot = self.engine.stats()
+        if self.metrics:
+            self.metrics.update(self.snapshot)

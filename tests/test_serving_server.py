@@ -1,0 +1,240 @@
+"""The HTTP server on 127.0.0.1: the official openai client (completions and streaming), K05 over HTTP,
+64 concurrent greedy prompts equal to batch-1 runs, stop strings, errors naming the field, 429 with
+Retry-After, client disconnects freeing blocks, metrics and health, and the `dantinox serve` start-up line."""
+
+import asyncio
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import dantinox as dx
+from dantinox import cli
+from dantinox.serving.engine import EngineConfig, PagedEngine
+from dantinox.serving.serve_cli import build_engine, kv_summary, parse_bytes
+from dantinox.serving.server import ServerThread, create_app
+from dantinox.train import load_run, save_run, train_tokenizer
+from conftest import tiny_config
+from serving_util import SMALL_BUCKETS, lively_model
+
+TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, ché la diritta via era smarrita.\n" * 3
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tokenizer = train_tokenizer(TEXT, "bpe", 260)
+    cfg = tiny_config(attention="gqa", kv_heads=2, vocab_size=tokenizer.vocab_size)  # max_context 32
+    path = tmp_path_factory.mktemp("serve") / "tiny-bpe"
+    save_run(path, lively_model(cfg), cfg.replace(tie_embeddings=False), tokenizer)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def loaded(run_dir):
+    model, cfg, tokenizer, _ = load_run(run_dir)
+    return model, tokenizer
+
+
+def start_server(loaded, **fields) -> ServerThread:
+    model, tokenizer = loaded
+    settings = dict(block_size=4, num_blocks=48, max_running=16, max_batched_tokens=16,
+                    decode_buckets=(1, 4, 16), **SMALL_BUCKETS)
+    settings.update(fields)
+    return ServerThread(create_app(PagedEngine(model, EngineConfig(**settings)), tokenizer, "tiny")).start()
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    srv = start_server(loaded)
+    yield srv
+    srv.stop()
+
+
+def reference_text(loaded, prompt_ids, n, **sampling) -> str:
+    model, tokenizer = loaded
+    return tokenizer.decode(np.asarray(dx.generate(model, prompt_ids, n, **sampling)).tolist())
+
+
+def test_openai_client_completions_and_streaming(server, loaded):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    prompt = "Nel mezzo del"
+    ids = loaded[1].encode(prompt)
+    want = reference_text(loaded, ids, 12)
+    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert done.choices[0].text == want and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), 12)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    sampled = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=1.0, seed=11,
+                                        extra_body={"top_k": 50})
+    assert sampled.choices[0].text == reference_text(loaded, ids, 12, temperature=1.0, top_k=50, seed=11)
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="ché la", max_tokens=20, temperature=1.0, seed=3, stream=True)]
+    whole = client.completions.create(model="tiny", prompt="ché la", max_tokens=20, temperature=1.0, seed=3)
+    assert "".join(pieces) == whole.choices[0].text  # pieces never split a multi-byte character
+    for piece in pieces:
+        piece.encode("utf-8")
+
+
+def test_stop_strings_end_the_text_and_free_the_request(server, loaded):
+    ids = [5, 9, 40, 77, 3]
+    full = reference_text(loaded, ids, 16)
+    stop = full[6:8]
+    body = dict(prompt=ids, max_tokens=16, temperature=0, stop=[stop])
+    got = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert got["choices"][0]["text"] == full[:full.find(stop)]
+    assert got["choices"][0]["finish_reason"] == "stop"
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"finish_reason": "stop"' in lines[-2]
+
+
+def test_k05_prompt_longer_than_context_gets_a_4xx_then_the_server_still_works(loaded):
+    first = start_server(loaded)
+    try:
+        too_long = httpx.post(first.url + "/v1/completions", json=dict(prompt=list(range(40)), max_tokens=4),
+                              timeout=60)
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
+        assert "max_prompt_tokens=31" in too_long.json()["error"]["message"]
+        over = httpx.post(first.url + "/v1/completions", json=dict(prompt=list(range(28)), max_tokens=10),
+                          timeout=60)
+        assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+        valid = dict(prompt=list(range(10, 20)), max_tokens=8, temperature=0)
+        after = httpx.post(first.url + "/v1/completions", json=valid, timeout=60).json()
+        assert httpx.get(first.url + "/health").json()["status"] == "ok"
+    finally:
+        first.stop()
+    with start_server(loaded) as fresh:
+        assert httpx.post(fresh.url + "/v1/completions", json=valid, timeout=60).json()["choices"] == after["choices"]
+    assert after["choices"][0]["text"] == reference_text(loaded, list(range(10, 20)), 8)
+
+
+def test_64_concurrent_greedy_prompts_equal_batch_one_generate(server, loaded):
+    rng = np.random.default_rng(0)
+    vocab = loaded[1].vocab_size
+    jobs = [(rng.integers(0, vocab, 1 + i % 20).tolist(), 4 + i % 9) for i in range(64)]
+
+    async def send_all():
+        async with httpx.AsyncClient(timeout=120) as client:
+            replies = await asyncio.gather(*(client.post(server.url + "/v1/completions", json=dict(
+                prompt=p, max_tokens=n, temperature=0)) for p, n in jobs))
+        return [r.json() for r in replies]
+
+    replies = asyncio.run(send_all())
+    for (prompt, n), reply in zip(jobs, replies):
+        assert reply["choices"][0]["text"] == reference_text(loaded, prompt, n)
+        assert reply["usage"]["completion_tokens"] == n
+
+
+def test_invalid_input_names_the_field(server):
+    url = server.url + "/v1/completions"
+    bad = httpx.post(url, json=dict(prompt="x", max_tokens="many"), timeout=30)
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "max_tokens"
+    missing = httpx.post(url, json=dict(max_tokens=3), timeout=30)
+    assert missing.status_code == 422 and missing.json()["error"]["param"] == "prompt"
+    for body, field in ((dict(prompt="x", n=2), "n"), (dict(prompt="x", temperature=-1), "temperature"),
+                        (dict(prompt="x", top_p=2.0), "top_p"), (dict(prompt=[1, 10**6]), "prompt"),
+                        (dict(prompt=""), "prompt"), (dict(prompt="x", max_tokens=0), "max_tokens"),
+                        (dict(prompt=["a", "b"]), "prompt"), (dict(prompt="x", stop=list("abcde")), "stop")):
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (body, reply.text)
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+class GatedEngine(PagedEngine):
+    """An engine whose steps wait for a gate, so a test can hold the worker thread at a known point."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate, self.blocked = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def step(self):
+        if not self.gate.is_set():
+            self.blocked.set()
+            self.gate.wait(30)
+            self.blocked.clear()
+        return super().step()
+
+
+def hold(engine: GatedEngine) -> None:
+    engine.gate.clear()
+    wait_for(engine.blocked.is_set)
+
+
+def test_disconnect_frees_blocks_and_queue_bound_gives_429(loaded):
+    model, tokenizer = loaded
+    settings = dict(block_size=4, num_blocks=48, max_running=1, max_queued=1, max_batched_tokens=16,
+                    decode_buckets=(1, 4, 16), **SMALL_BUCKETS)
+    engine = GatedEngine(model, EngineConfig(**settings))
+    app = create_app(engine, tokenizer, "tiny")
+    worker = app.state.worker
+    with ServerThread(app) as srv, httpx.Client(timeout=60) as client:
+        url, health = srv.url + "/v1/completions", lambda: client.get(srv.url + "/health").json()["engine"]
+        long = dict(prompt=[1, 2, 3], max_tokens=28, temperature=0, stream=True)
+        # 1. A client that disconnects mid-stream: its request is aborted and its blocks freed.
+        with client.stream("POST", url, json=long) as streaming:
+            lines = streaming.iter_lines()  # kept alive: closing this iterator would close the response
+            assert next(lines).startswith("data: ")
+            hold(engine)
+        wait_for(lambda: worker.commands.qsize() == 1)  # the abort, sent when the stream was cancelled
+        engine.gate.set()
+        wait_for(lambda: health()["aborted"] == 1 and health()["blocks_used"] == 0)
+        # 2. With one request running and one waiting, the next one gets 429 with Retry-After.
+        replies = {}
+
+        def send(name, body):
+            replies[name] = httpx.post(url, json=body, timeout=60)
+
+        threads = [threading.Thread(target=send, args=("A", {**long, "stream": False}))]
+        threads[0].start()
+        wait_for(lambda: health()["running"] == 1)
+        hold(engine)
+        for i, name in enumerate("BC"):
+            threads.append(threading.Thread(target=send, args=(name, dict(prompt=[4 + i], max_tokens=2))))
+            threads[-1].start()
+            wait_for(lambda: worker.commands.qsize() == i + 1)
+        engine.gate.set()
+        for thread in threads:
+            thread.join(60)
+        assert replies["A"].status_code == replies["B"].status_code == 200
+        assert replies["C"].status_code == 429 and int(replies["C"].headers["Retry-After"]) >= 1
+        assert replies["C"].json()["error"]["type"] == "rate_limit_error"
+        wait_for(lambda: health()["blocks_used"] == 0 and health()["running"] == 0)
+        assert health()["blocks_free"] == health()["blocks_total"]
+        metrics = client.get(srv.url + "/metrics").text
+        for name in ("dantinox_time_to_first_token_seconds_bucket", "dantinox_inter_token_latency_seconds_count",
+                     "dantinox_waiting", "dantinox_running", "dantinox_blocks_used", "dantinox_blocks_free",
+                     "dantinox_preemptions_total", "dantinox_prefix_cache_hits_total",
+                     'dantinox_requests_rejected_total{reason="queue_full"} 1.0',
+                     'dantinox_requests_finished_total{finish_reason="abort"} 1.0'):
+            assert name in metrics, name
+        assert client.get(srv.url + "/health").json()["status"] == "ok"
+
+
+def test_serve_command_sizes_the_pool_from_memory(run_dir):
+    args = cli.build_parser().parse_args(["serve", "--run_dir", run_dir, "--kv-memory", "64KiB", "--block-size",
+                                          "4", "--policy", "swap"])
+    engine, tokenizer, name = build_engine(args)
+    per_block = 4 * engine.cfg.num_blocks * dx.bytes_per_token_per_layer(engine.cfg)
+    assert engine.allocator.num_blocks == 64 * 1024 // per_block and name == "tiny-bpe"
+    assert engine.policy.preemption == "swap"
+    line = kv_summary(engine)
+    assert line.startswith(f"KV cache: {engine.allocator.num_blocks} blocks = {engine.allocator.num_blocks * 4} "
+                           f"tokens, max concurrency {engine.allocator.num_blocks // 8} at 32 tokens per request")
+    assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512MiB") == 512 * 2**20
+    with pytest.raises(ValueError, match="kv-memory"):
+        parse_bytes("lots")
