@@ -1,9 +1,11 @@
 """Decode speed of MLA (absorbed and naive) against GQA at the seeds' reference shape, and cache bytes.
 
-Reference shape: dim 256, 12 blocks, 8 heads x 32, vocab 256, max_context 512, SwiGLU 1024, fp32; GQA kv_heads 2;
-MLA kv_latent 128, rope 16, q_latent 128. Greedy decode of --steps tokens after a --prompt-token prefill, the
-token loop inside one jitted ``lax.fori_loop`` with the cache donated (as a compiled generate loop runs it).
-Each kind is timed --repeats times, the kinds interleaved; the best is printed. Compare only runs made side by side (the host drifts).
+Reference shape: dim 256, 12 blocks, 8 heads x 32, vocab 256, max_context 512, SwiGLU 1024, fp32; GQA
+kv_heads 2; MLA kv_latent 128, rope 16, q_latent 128. Greedy decode of --steps tokens after a --prompt-token
+prefill, the token loop inside one jitted ``lax.fori_loop`` with the cache donated (as a compiled generate
+loop runs it).
+Each kind is timed --repeats times, the kinds interleaved; the best is printed. Compare only runs made side
+by side (the host drifts).
 
     python benchmarks/mla_decode.py [--batch 1] [--steps 50] [--kinds gqa mla mla-naive]
 """
@@ -47,7 +49,8 @@ def decode_fn(graphdef, steps: int):
 
 
 def prepare(kind: str, batch: int, prompt: int, steps: int):
-    """Build and compile one kind; returns a function that runs prefill + the decode loop and times the loop."""
+    """Build and compile one kind; returns (config, a function that runs prefill + the decode loop and
+    returns the loop's time in seconds)."""
     cfg = KINDS[kind]()
     graphdef, state = nnx.split(dx.build_model(cfg, seed=0))
     ids = jax.random.randint(jax.random.key(1), (batch, prompt), 0, cfg.vocab_size, jnp.int32)

@@ -5,8 +5,8 @@ from .cache import CapacityError, KVCache, LayerKV, bytes_per_token_per_layer, c
 from .config import PRESETS, ConfigError, ModelConfig
 from .mla import LatentKV, MLAttention
 from .model import Transformer, build_model
-from .planner import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, max_batch_size, memory_split,
-                      param_bytes, plan_capacity)
+from .planner import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, max_batch_size,
+                      memory_split, param_bytes, plan_capacity)
 
 __version__ = "0.1.0"
 from .compile_count import CompileCounter, compile_totals

@@ -1,4 +1,4 @@
-"""``dantinox budget``: KV cache bytes per sequence and the largest batch, per attention kind and context length.
+"""``dantinox budget``: KV cache bytes per sequence and the largest batch, per attention kind and context.
 
     dantinox budget --preset reference --device-memory 40GB --context 512 1024 4096 --dtype bf16 [--measure]
 
@@ -25,6 +25,7 @@ import re
 from decimal import Decimal, InvalidOperation
 
 import jax
+import yaml
 
 from .cache import cache_nbytes, init_cache
 from .config import PRESETS, ModelConfig, canonical_dtype
@@ -33,6 +34,7 @@ from .planner import kv_bytes_per_token, kv_cache_bytes, memory_split, param_byt
 MIB = 2 ** 20
 UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -49,14 +51,13 @@ def parse_memory_size(text: str | int) -> int:
     match = _SIZE.match(text)
     if match is None:
         raise ValueError(f"memory size {text!r} is not allowed: a positive number with an optional unit "
-                         f"({', '.join(['B', 'KB', 'MB', 'GB', 'TB', 'KiB', 'MiB', 'GiB', 'TiB'])}), e.g. 40GB")
+                         f"({UNIT_NAMES}), e.g. 40GB")
     number, unit = match.groups()
     if unit.lower() in ("k", "m", "g", "t"):
         raise ValueError(f"memory size {text!r}: unit {unit!r} is ambiguous; write {unit.upper()}B "
                          f"(powers of 1000) or {unit.upper()}iB (powers of 1024)")
     if unit and unit.lower() not in UNITS:
-        raise ValueError(f"memory size {text!r}: unknown unit {unit!r}; allowed: B, KB, MB, GB, TB, KiB, MiB, "
-                         "GiB, TiB")
+        raise ValueError(f"memory size {text!r}: unknown unit {unit!r}; allowed: {UNIT_NAMES}")
     try:
         size = int(Decimal(number) * UNITS[unit.lower() if unit else "b"])
     except InvalidOperation as err:  # pragma: no cover - the regex admits only valid decimals
@@ -70,7 +71,7 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``budget`` options to ``parser`` (a subcommand parser)."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--preset", choices=sorted(PRESETS), help="a named model shape (default: reference)")
-    source.add_argument("--config", help="YAML or JSON file of ModelConfig fields (optionally under 'model:')")
+    source.add_argument("--config", help="YAML or JSON file of ModelConfig fields (or under a 'model:' key)")
     source.add_argument("--run_dir", help="a run directory (reads its config.json)")
     parser.add_argument("--device-memory", dest="device_memory", default="40GB",
                         help="device memory, e.g. 40GB, 40GiB, 512MiB, 2e9 (default 40GB)")
@@ -84,9 +85,10 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-latent-dim", dest="kv_latent_dim", type=int, default=None,
                         help="d_c of the MLA row (default: the config's, else 4 * head_size)")
     parser.add_argument("--rope-head-dim", dest="rope_head_dim", type=int, default=None,
-                        help="d_rope of the MLA row; 0 = no RoPE key (default: the config's, else head_size / 2)")
+                        help="d_rope of the MLA row; 0 = no RoPE key (default: the config's, else "
+                             "head_size / 2)")
     parser.add_argument("--measure", action="store_true",
-                        help="allocate each cache with init_cache and print measured bytes next to the formula")
+                        help="allocate each cache with init_cache; print measured bytes next to the formula")
 
 
 def run_budget(args: argparse.Namespace) -> int:
@@ -110,7 +112,8 @@ def run_budget(args: argparse.Namespace) -> int:
                  + [_mib(kv_cache_bytes(v, 1, c, dtype)) for c in contexts] for label, v in rows],
                 title="KV cache per sequence (MiB)")
     print_table(["attention", "weights MiB"] + [f"{c} tok" for c in contexts],
-                [_batch_row(label, v, device_bytes, contexts, args.reserve_fraction, dtype) for label, v in rows],
+                [_batch_row(label, v, device_bytes, contexts, args.reserve_fraction, dtype)
+                 for label, v in rows],
                 title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
                       f"{args.reserve_fraction:.0%}, float32 weights")
     return measure(rows, contexts, dtype) if args.measure else 0
@@ -133,16 +136,11 @@ def _read_mapping(path: str) -> dict:
         raise FileNotFoundError(f"config file {path} does not exist")
     with open(path, encoding="utf-8") as f:
         text = f.read()
+    is_json = path.endswith(".json")
     try:
-        if path.endswith(".json"):
-            data = json.loads(text)
-        else:
-            import yaml
-            data = yaml.safe_load(text)
-    except (ValueError, ImportError) as err:
-        raise ValueError(f"config file {path} could not be parsed: {err}") from err
-    except Exception as err:  # yaml.YAMLError
-        raise ValueError(f"config file {path} is not valid YAML: {err}") from err
+        data = json.loads(text) if is_json else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as err:
+        raise ValueError(f"config file {path} is not valid {'JSON' if is_json else 'YAML'}: {err}") from err
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of ModelConfig fields")
     return data
@@ -221,8 +219,8 @@ def measure(rows: list[tuple[str, ModelConfig]], contexts: list[int], dtype: str
     print_table(["attention", "context", "formula B", "nbytes B", "allocated B", ""], table,
                 title=f"Measured on {device.platform}:{device.id} (allocated = change in {source})")
     if stats:
-        print("memory_stats: " + ", ".join(f"{k}={stats[k]}" for k in
-                                           ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats))
+        keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+        print("memory_stats: " + ", ".join(f"{k}={stats[k]}" for k in keys if k in stats))
     else:
         print(f"memory_stats: None on {device.platform}; live arrays now hold "
               f"{sum(a.nbytes for a in jax.live_arrays())} B")

@@ -144,8 +144,8 @@ class ModelConfig:
         if self.rope_head_dim is None:
             object.__setattr__(self, "rope_head_dim", self.head_size // 2 + (self.head_size // 2) % 2)
         elif not _is_int(self.rope_head_dim) or self.rope_head_dim < 0 or self.rope_head_dim % 2:
-            _fail("rope_head_dim", self.rope_head_dim, "an even integer >= 0 for attention='mla' (RoPE rotates "
-                  "pairs), or None for head_size // 2")
+            _fail("rope_head_dim", self.rope_head_dim, "an even integer >= 0 for attention='mla' (RoPE "
+                  "rotates pairs), or None for head_size // 2")
         if self.q_latent_dim is not None and (not _is_int(self.q_latent_dim) or self.q_latent_dim <= 0):
             _fail("q_latent_dim", self.q_latent_dim, "a positive integer or None (no query compression)")
         if not isinstance(self.mla_absorb, bool):

@@ -12,8 +12,8 @@ Per token with input h [E] (section 2.1.2, eqs. 9-13, and 2.1.3, eqs. 14-19):
   score(h, t, s) = (q_C[t, h] . k_C[s, h] + q_R[t, h] . k_R[s]) / sqrt(D + R)
   y = W_O [softmax(score) v_C]_heads      [E]
 W_DQ, W_DKV and W_KR are fused in ``down`` ([E, Q + C + R]); W_UQ and W_QR in ``q_up``; W_UK and W_UV are
-``w_uk`` [H, D, C] and ``w_uv`` [H, C, D]. The RMSNorms on the latents follow section 3.1.2 ("additional RMSNorm
-layers after the compressed latent vectors").
+``w_uk`` [H, D, C] and ``w_uv`` [H, C, D]. The RMSNorms on the latents follow section 3.1.2 ("additional
+RMSNorm layers after the compressed latent vectors").
 
 Two ways to run the same attention (``cfg.mla_absorb``), same parameters, same logits:
   naive     expand the latents (old cache and new tokens) to per-head k_C, v_C and run ordinary multi-head
@@ -44,7 +44,7 @@ from .layers import RMSNorm, apply_rope
 
 
 class LatentKV(NamedTuple):
-    """One MLA layer's cache. c_kv: [B, S, C] normalised latents; k_rope: [B, S, R] RoPE-rotated shared keys."""
+    """One MLA layer's cache. c_kv: [B, S, C] normalised latents; k_rope: [B, S, R] rotated shared keys."""
 
     c_kv: jax.Array
     k_rope: jax.Array
@@ -71,8 +71,9 @@ class MLAttention(nnx.Module):
     Same call as ``dantinox.attention.Attention``. Projections (no biases): down [E, Q + C + R] (the query
     latent, the kv latent and the RoPE key in one matmul; Q = 0 without query compression), q_norm, q_up
     [Q, H (D + R)] (or [E, H (D + R)]), kv_norm, the up-projections w_uk [H, D, C] and w_uv [H, C, D], out
-    [H D, E]. The up-projections are stored in the
-    layouts the absorbed einsums consume (contraction axis second), so no weight is transposed per step.
+    [H D, E]. The up-projections are stored in the layouts the absorbed einsums consume (contraction axis
+    second), so no weight is transposed per step. Only the static cache layout (LatentKV) is supported: a
+    layer cache with its own ``attend_and_write`` (the paged serving cache) raises NotImplementedError.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -80,8 +81,9 @@ class MLAttention(nnx.Module):
         H, D, C, R, E = cfg.n_heads, cfg.head_size, cfg.kv_latent_dim, cfg.rope_head_dim, cfg.dim
 
         def linear(n_in, n_out, stddev=0.02):
-            return nnx.Linear(n_in, n_out, use_bias=False, dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
-                              kernel_init=nnx.initializers.normal(stddev=stddev), rngs=rngs)
+            return nnx.Linear(n_in, n_out, use_bias=False, dtype=cfg.jnp_compute_dtype,
+                              param_dtype=jnp.float32, kernel_init=nnx.initializers.normal(stddev=stddev),
+                              rngs=rngs)
 
         Q = cfg.q_latent_dim or 0
         self.down = linear(E, Q + C + R)                       # [W_DQ ; W_DKV ; W_KR], one matmul over x
@@ -100,6 +102,9 @@ class MLAttention(nnx.Module):
 
         Returns (y [B, T, E], updated LatentKV or None).
         """
+        if hasattr(layer_cache, "attend_and_write"):
+            raise NotImplementedError("attention='mla' supports only its static LatentKV cache "
+                                      "(dantinox.init_cache), not a paged cache layout")
         cfg = self.cfg
         B, T, _ = x.shape
         H, D, C, R = cfg.n_heads, cfg.head_size, cfg.kv_latent_dim, cfg.rope_head_dim
@@ -122,15 +127,16 @@ class MLAttention(nnx.Module):
         q_nope: [B, T, H, D]; q_rope: [B, T, H, R] (both scaled); c_new: [B, T, C]; kr_new: [B, T, R];
         old: LatentKV or None. Returns [B, T, H, D] float32.
 
-        Layouts (what XLA on CPU runs fastest; see benchmarks/mla_decode.py): the T x H queries are flattened
-        to N = T H. Scores are the product c_kv [S, C] @ q_lat [C, N] with the cache as the left operand in its
-        stored layout (no per-step transpose of the cache); the small [S, N] result is then transposed to
-        [N, S] so that masking and the softmax run along the minor axis, and the values are probs [N, S] @
-        c_kv [S, C].
+        Layouts (what XLA on CPU runs fastest; see benchmarks/mla_decode.py): the T x H queries are
+        flattened to N = T H. Scores are the product c_kv [S, C] @ q_lat [C, N] with the cache as the left
+        operand in its stored layout (no per-step transpose of the cache); the small [S, N] result is then
+        transposed to [N, S] so that masking and the softmax run along the minor axis, and the values are
+        probs [N, S] @ c_kv [S, C]. The two per-head contractions with W_UK and W_UV run in float32 (the
+        parameters' dtype; XLA on CPU has no bf16 x bf16 -> f32 kernel for these head-batched products).
         """
         f32, dt = jnp.float32, q_nope.dtype
         B, T, H, _ = q_nope.shape
-        q_lat = jnp.einsum("bthd,hdc->bthc", q_nope, self.w_uk[...].astype(dt), preferred_element_type=f32)
+        q_lat = jnp.einsum("bthd,hdc->bthc", q_nope.astype(f32), self.w_uk[...].astype(f32))
         q_lat = q_lat.astype(dt).reshape(B, T * H, -1).transpose(0, 2, 1)             # [B, C, N]
         q_rot = q_rope.reshape(B, T * H, -1).transpose(0, 2, 1)                        # [B, R, N]
 
@@ -155,8 +161,7 @@ class MLAttention(nnx.Module):
             o_lat = jnp.einsum("bns,bsc->bnc", probs[..., :S].astype(dt), c_old, preferred_element_type=f32)
             o_lat = o_lat + jnp.einsum("bnj,bjc->bnc", probs[..., S:], c_new.astype(f32),
                                        preferred_element_type=f32)
-        o_lat = o_lat.astype(dt).reshape(B, T, H, -1)
-        return jnp.einsum("bthc,hcd->bthd", o_lat, self.w_uv[...].astype(dt), preferred_element_type=f32)
+        return jnp.einsum("bthc,hcd->bthd", o_lat.reshape(B, T, H, -1), self.w_uv[...].astype(f32))
 
     def _naive(self, q_nope, q_rope, c_new, kr_new, old: LatentKV | None, cache_index, key_start):
         """Expand the latents to per-head keys [k_C ; k_R] and values v_C, then ordinary attention (K = H).

@@ -40,6 +40,10 @@ def _as_config(cfg: ModelConfig | Mapping[str, Any]) -> ModelConfig:
     return cfg if isinstance(cfg, ModelConfig) else ModelConfig.from_dict(cfg)
 
 
+def _non_negative_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
@@ -106,14 +110,15 @@ def memory_split(cfg: ModelConfig | Mapping[str, Any], device_bytes: int, weight
         raise ValueError(f"reserve_fraction={reserve_fraction!r} is not allowed: a number in [0, 1)")
     if weights_bytes is None:
         weights_bytes = param_bytes(cfg)
-    elif isinstance(weights_bytes, bool) or not isinstance(weights_bytes, (int, np.integer)) or weights_bytes < 0:
+    elif not _non_negative_int(weights_bytes):
         raise ValueError(f"weights_bytes={weights_bytes!r} is not allowed: an integer >= 0 or None")
     reserve = math.ceil(round(device_bytes * reserve_fraction, 6))
     budget = device_bytes - reserve - int(weights_bytes)
     if budget < 0:
         raise ValueError(
-            f"device memory {device_bytes} B is too small: weights {int(weights_bytes)} B plus reserve {reserve} B "
-            f"({reserve_fraction:.0%}) need {reserve + int(weights_bytes)} B, {-budget} B more than the device has")
+            f"device memory {device_bytes} B is too small: weights {int(weights_bytes)} B plus reserve "
+            f"{reserve} B ({reserve_fraction:.0%}) need {reserve + int(weights_bytes)} B, {-budget} B more "
+            "than the device has")
     return MemorySplit(device_bytes, reserve, int(weights_bytes), budget)
 
 
@@ -123,7 +128,8 @@ def max_batch_size(cfg: ModelConfig | Mapping[str, Any], device_bytes: int, seq_
     """The largest number of sequences of seq_len tokens whose cache fits beside the weights and the reserve.
 
     floor((device_bytes - reserve - weights) / kv_cache_bytes(cfg, 1, seq_len, dtype)); 0 when the weights fit
-    but not one sequence. For the static cache pass seq_len = cfg.max_context (init_cache allocates all slots).
+    but not one sequence. For the static cache pass seq_len = cfg.max_context (init_cache allocates all
+    slots).
     Raises ValueError (see memory_split, kv_cache_bytes) for bad sizes or weights that do not fit.
     """
     per_sequence = kv_cache_bytes(cfg, 1, seq_len, dtype)
@@ -153,9 +159,10 @@ def _normalise_mix(mix) -> list[tuple[int, int, int]]:
             raise ValueError(f"mix entry {pair!r} is not allowed: a (prompt_tokens, max_new_tokens) pair")
         prompt = _positive_int("prompt_tokens", pair[0])
         new = pair[1]
-        if isinstance(new, bool) or not isinstance(new, (int, np.integer)) or new < 0:
-            raise ValueError(f"max_new_tokens={new!r} in mix entry {tuple(pair)} is not allowed: an integer >= 0")
-        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+        if not _non_negative_int(new):
+            raise ValueError(f"max_new_tokens={new!r} in mix entry {tuple(pair)} is not allowed: "
+                             "an integer >= 0")
+        if not _non_negative_int(count):
             raise ValueError(f"count={count!r} for mix entry {tuple(pair)} is not allowed: an integer >= 0")
         out.append((prompt, int(new), int(count)))
     if sum(c for _, _, c in out) == 0:
@@ -164,9 +171,9 @@ def _normalise_mix(mix) -> list[tuple[int, int, int]]:
 
 
 def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
-                  mix: Sequence[tuple[int, int]] | Mapping[tuple[int, int], int], admission: str = "max_context",
-                  weights_bytes: int | None = None, reserve_fraction: float = 0.1,
-                  dtype: str | None = None) -> CapacityPlan:
+                  mix: Sequence[tuple[int, int]] | Mapping[tuple[int, int], int],
+                  admission: str = "max_context", weights_bytes: int | None = None,
+                  reserve_fraction: float = 0.1, dtype: str | None = None) -> CapacityPlan:
     """How many concurrent sequences of a request mix fit in device memory.
 
     mix: a list of (prompt_tokens, max_new_tokens) requests, or a histogram {(prompt, max_new): count}.
@@ -181,8 +188,8 @@ def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
     entries = _normalise_mix(mix)
     for prompt, new, _ in entries:
         if prompt + new > cfg.max_context:
-            raise ValueError(f"request (prompt {prompt}, max_new_tokens {new}) needs {prompt + new} cache slots, "
-                             f"more than max_context={cfg.max_context}")
+            raise ValueError(f"request (prompt {prompt}, max_new_tokens {new}) needs {prompt + new} cache "
+                             f"slots, more than max_context={cfg.max_context}")
     per_token = kv_bytes_per_token(cfg, dtype)
     split = memory_split(cfg, device_bytes, weights_bytes, reserve_fraction)
     requests = sum(c for _, _, c in entries)
@@ -194,3 +201,4 @@ def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
         bytes_per_request=bytes_per_request,
         max_concurrent=int(split.kv_budget_bytes * requests // (reserved * per_token)),
         mix_copies=split.kv_budget_bytes // (reserved * per_token), utilization=used / reserved)
+

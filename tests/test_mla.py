@@ -2,8 +2,8 @@
 batches with per-row cache_index, left padding), the acceptance cases K01-K03 rerun with attention="mla",
 an independent per-head reference, the compiled decode loop, and config validation.
 
-Tiny shape of ../shared/cases/ACCEPTANCE.md: vocab 128, dim 64, 2 layers, 8 heads x 8, max_context 32; MLA with
-kv_latent_dim 16 and rope_head_dim 8. "Equal logits" is max |diff| <= 1e-5 in float32.
+Tiny shape of ../shared/cases/ACCEPTANCE.md: vocab 128, dim 64, 2 layers, 8 heads x 8, max_context 32; MLA
+with kv_latent_dim 16 and rope_head_dim 8. "Equal logits" is max |diff| <= 1e-5 in float32.
 """
 
 import jax
@@ -24,8 +24,8 @@ def mla_config(**overrides) -> dx.ModelConfig:
 
 
 def spiky_mla(cfg: dx.ModelConfig, seed: int = 0, scale: float = 12.0):
-    """A random MLA model with query, key up-projection and RoPE-key weights scaled up so attention is far from
-    uniform: a wrong position, mask or head mapping then moves the logits far beyond the tolerances."""
+    """A random MLA model with query, key up-projection and RoPE-key weights scaled up so attention is far
+    from uniform: a wrong position, mask or head mapping then moves the logits far beyond the tolerances."""
     model = dx.build_model(cfg, seed)
     C, Q = cfg.kv_latent_dim, cfg.q_latent_dim or 0
     for blk in model.blocks:
@@ -179,7 +179,8 @@ def test_latent_cache_layout_and_shape_check():
 
 
 def forced_run(model, ids, prompt_len):
-    """Prefill logits [B, prompt_len, V] and the decode steps' logits over the rest of ids (teacher-forced)."""
+    """Prefill logits [B, prompt_len, V] and the decode steps' logits over the rest of ids (teacher
+    forced)."""
     pre, cache = _prefill(model, ids[:, :prompt_len], dx.init_cache(model.cfg, ids.shape[0]))
     steps = []
     for t in range(prompt_len, ids.shape[1]):
@@ -202,6 +203,15 @@ def test_naive_and_absorbed_give_the_same_logits():
     for a, n in zip(results["absorbed"], results["naive"]):   # and the two paths agree
         assert np.abs(a - n).max() <= 1e-4
     np.testing.assert_allclose(results["naive"][0][0], mla_reference_logits(absorbed, ids)[0], atol=1e-4)
+
+
+def test_absorbed_path_runs_in_bfloat16():
+    """bf16 compute and cache (the head-batched W_UK / W_UV products have no bf16 -> f32 CPU kernel)."""
+    model = spiky_mla(mla_config(compute_dtype="bf16", cache_dtype="bf16"))
+    ids = np.random.default_rng(3).integers(0, 128, (1, 10)).astype(np.int32)
+    pre, steps = forced_run(model, ids, 6)
+    full = uncached(model, ids)[:, :10]
+    assert np.abs(np.concatenate([pre, steps], 1) - full).max() <= 0.05 * max(1.0, np.abs(full).max())
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -345,4 +355,5 @@ def test_generate_with_mla_follows_the_verified_greedy_decode():
     model = spiky_mla(mla_config())
     prompt = [5, 9, 14, 3, 7, 1]
     expected, _, _ = decode_greedy(model, prompt, 9)
-    np.testing.assert_array_equal(np.asarray(dx.generate(model, [prompt], max_new_tokens=10)).ravel(), expected)
+    tokens = np.asarray(dx.generate(model, [prompt], max_new_tokens=10)).ravel()
+    np.testing.assert_array_equal(tokens, expected)

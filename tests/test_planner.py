@@ -69,12 +69,14 @@ def test_seed_reference_table_corrected():
     rows = {"mha": (ref.replace(attention="mha", kv_heads=None), 6.0),
             "gqa2": (ref, 1.5),
             "gqa1": (ref.replace(attention="mqa", kv_heads=None), 0.75),
-            "mla96-no-rope": (ref.replace(attention="mla", kv_heads=None, kv_latent_dim=96, rope_head_dim=0), 1.125),
+            "mla96-no-rope": (ref.replace(attention="mla", kv_heads=None, kv_latent_dim=96, rope_head_dim=0),
+                              1.125),
             "mla96-rope16": (ref.replace(attention="mla", kv_heads=None, kv_latent_dim=96, rope_head_dim=16),
                              1.3125)}
     for name, (cfg, mib_at_512) in rows.items():
         for tokens in (512, 1024, 4096):
-            assert dx.kv_cache_bytes(cfg, 1, tokens, "bf16") == mib_at_512 * MIB * tokens // 512, (name, tokens)
+            expected = mib_at_512 * MIB * tokens // 512
+            assert dx.kv_cache_bytes(cfg, 1, tokens, "bf16") == expected, (name, tokens)
 
 
 def test_param_bytes_from_config_equals_the_real_parameter_tree():
@@ -110,7 +112,8 @@ def test_max_batch_size_verified_by_allocation(kind):
 def test_weights_larger_than_the_device_say_how_much_is_missing():
     cfg = tiny()
     weights = dx.param_bytes(cfg)
-    with pytest.raises(ValueError, match=rf"need {weights + 100} B, {weights + 100 - 1000} B more than the device"):
+    missing = weights + 100 - 1000
+    with pytest.raises(ValueError, match=rf"need {weights + 100} B, {missing} B more than the device"):
         dx.max_batch_size(cfg, 1000, 32, weights_bytes=weights + 100, reserve_fraction=0.0)
     with pytest.raises(ValueError, match="more than the device has"):
         dx.max_batch_size(cfg, weights, 32)                                 # the 10% reserve does not fit
@@ -119,7 +122,8 @@ def test_weights_larger_than_the_device_say_how_much_is_missing():
 
 def test_split_of_device_memory():
     split = dx.memory_split(tiny(), 10_000_000, weights_bytes=1_000_000, reserve_fraction=0.25)
-    assert (split.reserve_bytes, split.weights_bytes, split.kv_budget_bytes) == (2_500_000, 1_000_000, 6_500_000)
+    got = (split.reserve_bytes, split.weights_bytes, split.kv_budget_bytes)
+    assert got == (2_500_000, 1_000_000, 6_500_000)
 
 
 @pytest.mark.parametrize("call, match", [
