@@ -1,0 +1,126 @@
+"""Load test against a live dantinox server on 127.0.0.1: a mixed trace arriving faster than it is served,
+on a KV pool small enough to force preemption.
+
+The server (PagedEngine behind the FastAPI app, in a background thread of this process) holds --blocks
+blocks of 16 tokens: far fewer than the running sequences could fill, so sequences get preempted
+(--policy recompute or swap). The client replays the trace of benchmarks/serve_common.py (--requests
+requests, Poisson arrivals at --rate per second, greedy, streamed) with httpx.
+Checks: every request either completes with exactly its max_tokens tokens or gets 429; each completed
+text equals the batch-1 ``dantinox.generate`` output for its prompt; once idle, every KV block is free and
+/health answers "ok". Prints TTFT p50/p99 and TPOT p50/p99 (client side, ms), output throughput
+(tokens/s over the wall time of the run), completed / rejected counts, preemptions and prefix-cache hits.
+Bounded: one pass over the trace, a 120 s client timeout per request.
+
+Run:  python benchmarks/serve_load.py [--requests 200] [--rate 100] [--blocks 24] [--policy recompute]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import httpx
+import numpy as np
+
+import dantinox as dx
+from dantinox.serving import EngineConfig, PagedEngine
+from dantinox.serving.server import ServerThread, create_app
+from dantinox.train import train_tokenizer
+from serve_common import mixed_trace, pct, small_model
+
+
+async def one_request(client: httpx.AsyncClient, url: str, req, start: float) -> dict:
+    await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - start)))
+    sent = time.perf_counter()
+    body = dict(prompt=req.prompt, max_tokens=req.max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+    text, first, usage, finish = [], None, None, None
+    async with client.stream("POST", url, json=body) as reply:
+        if reply.status_code != 200:
+            await reply.aread()
+            return dict(status=reply.status_code, retry_after=reply.headers.get("Retry-After"))
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", []):
+                if choice["text"]:
+                    first = first or time.perf_counter()
+                    text.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+    done = time.perf_counter()
+    return dict(status=200, text="".join(text), ttft=(first or done) - sent, end=done - start,
+                tpot=(done - (first or done)) / max(usage["completion_tokens"] - 1, 1),
+                tokens=usage["completion_tokens"], finish=finish)
+
+
+async def replay(url: str, trace) -> tuple[list, float]:
+    limits = httpx.Limits(max_connections=len(trace), max_keepalive_connections=len(trace))
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, url, r, start) for r in trace))
+    return results, time.perf_counter() - start
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(url + "/health").json()
+        if health["engine"]["running"] == 0 and health["engine"]["waiting"] == 0 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=100.0, help="mean arrivals per second")
+    parser.add_argument("--blocks", type=int, default=24, help="KV blocks of 16 tokens in the pool")
+    parser.add_argument("--policy", choices=("recompute", "swap"), default="recompute")
+    parser.add_argument("--max-queued", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    model = small_model()
+    tokenizer = train_tokenizer("".join(chr(32 + i % 95) for i in range(2000)), "bpe", 256)  # bytes only
+    assert tokenizer.vocab_size == model.cfg.vocab_size, (tokenizer.vocab_size, model.cfg.vocab_size)
+    config = EngineConfig(block_size=16, num_blocks=args.blocks, max_running=16, max_queued=args.max_queued,
+                          max_batched_tokens=64, preemption=args.policy, decode_buckets=(1, 4, 8, 16),
+                          prefill_buckets=(1, 2, 4), chunk_buckets=(16, 32, 64))
+    engine = PagedEngine(model, config)
+    warm = engine.warmup()
+    trace = mixed_trace(args.requests, args.rate, args.seed, vocab=tokenizer.vocab_size)
+    with ServerThread(create_app(engine, tokenizer, "small")) as server:
+        results, wall = asyncio.run(replay(server.url + "/v1/completions", trace))
+        health = wait_idle(server.url)
+    ok = [(r, res) for r, res in zip(trace, results) if res["status"] == 200]
+    rejected = [res for res in results if res["status"] == 429]
+    others = [res for res in results if res["status"] not in (200, 429)]
+    wrong = [i for i, (r, res) in enumerate(ok)
+             if res["tokens"] != r.max_tokens
+             or res["text"] != tokenizer.decode(np.asarray(dx.generate(model, r.prompt, r.max_tokens)).tolist())]
+    stats = health["engine"]
+    tokens = sum(res["tokens"] for _, res in ok)
+    print(f"trace: {len(trace)} requests at {args.rate:g}/s, prompts 4-64, 8-48 new tokens; pool {args.blocks} "
+          f"blocks x 16 tokens, policy {args.policy}; warm-up compiled {warm.compilations} executables")
+    print(f"completed {len(ok)}, rejected with 429: {len(rejected)}, other statuses: {len(others)}, "
+          f"outputs differing from batch-1 generate: {len(wrong)}")
+    print(f"TTFT p50 {1e3 * pct([x['ttft'] for _, x in ok], 50):.1f} ms, p99 "
+          f"{1e3 * pct([x['ttft'] for _, x in ok], 99):.1f} ms; TPOT p50 {1e3 * pct([x['tpot'] for _, x in ok], 50):.2f}"
+          f" ms, p99 {1e3 * pct([x['tpot'] for _, x in ok], 99):.2f} ms")
+    print(f"throughput {tokens / wall:.1f} output tokens/s ({tokens} tokens in {wall:.2f} s); preemptions "
+          f"{stats['preemptions']}, prefix-cache hits {stats['prefix_cache_hits']} blocks")
+    print(f"after the run: health {health['status']}, blocks used {stats['blocks_used']} / free "
+          f"{stats['blocks_free']} of {stats['blocks_total']}")
+    passed = (not others and not wrong and stats["blocks_used"] == 0 and health["status"] == "ok"
+              and stats["preemptions"] > 0 and all(res["finish"] == "length" for _, res in ok))
+    print("PASS" if passed else "FAIL")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
