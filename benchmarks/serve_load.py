@@ -71,7 +71,8 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         health = httpx.get(url + "/health").json()
-        if health["engine"]["running"] == 0 and health["engine"]["waiting"] == 0 or time.monotonic() > deadline:
+        idle = health["engine"]["running"] == 0 and health["engine"]["waiting"] == 0
+        if idle or time.monotonic() > deadline:
             return health
         time.sleep(0.05)
 
@@ -100,18 +101,20 @@ def main() -> int:
     ok = [(r, res) for r, res in zip(trace, results) if res["status"] == 200]
     rejected = [res for res in results if res["status"] == 429]
     others = [res for res in results if res["status"] not in (200, 429)]
-    wrong = [i for i, (r, res) in enumerate(ok)
-             if res["tokens"] != r.max_tokens
-             or res["text"] != tokenizer.decode(np.asarray(dx.generate(model, r.prompt, r.max_tokens)).tolist())]
+    def reference(r) -> str:
+        return tokenizer.decode(np.asarray(dx.generate(model, r.prompt, r.max_tokens)).tolist())
+
+    wrong = [i for i, (r, x) in enumerate(ok) if x["tokens"] != r.max_tokens or x["text"] != reference(r)]
     stats = health["engine"]
     tokens = sum(res["tokens"] for _, res in ok)
-    print(f"trace: {len(trace)} requests at {args.rate:g}/s, prompts 4-64, 8-48 new tokens; pool {args.blocks} "
-          f"blocks x 16 tokens, policy {args.policy}; warm-up compiled {warm.compilations} executables")
+    print(f"trace: {len(trace)} requests at {args.rate:g}/s, prompts 4-64, 8-48 new tokens; pool "
+          f"{args.blocks} blocks x 16 tokens, policy {args.policy}; warm-up compiled {warm.compilations} "
+          "executables")
     print(f"completed {len(ok)}, rejected with 429: {len(rejected)}, other statuses: {len(others)}, "
           f"outputs differing from batch-1 generate: {len(wrong)}")
-    print(f"TTFT p50 {1e3 * pct([x['ttft'] for _, x in ok], 50):.1f} ms, p99 "
-          f"{1e3 * pct([x['ttft'] for _, x in ok], 99):.1f} ms; TPOT p50 {1e3 * pct([x['tpot'] for _, x in ok], 50):.2f}"
-          f" ms, p99 {1e3 * pct([x['tpot'] for _, x in ok], 99):.2f} ms")
+    ttft, tpot = [1e3 * x["ttft"] for _, x in ok], [1e3 * x["tpot"] for _, x in ok]
+    print(f"TTFT p50 {pct(ttft, 50):.1f} ms, p99 {pct(ttft, 99):.1f} ms; TPOT p50 {pct(tpot, 50):.2f} ms, "
+          f"p99 {pct(tpot, 99):.2f} ms")
     print(f"throughput {tokens / wall:.1f} output tokens/s ({tokens} tokens in {wall:.2f} s); preemptions "
           f"{stats['preemptions']}, prefix-cache hits {stats['prefix_cache_hits']} blocks")
     print(f"after the run: health {health['status']}, blocks used {stats['blocks_used']} / free "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
 
 import dantinox as dx
 from dantinox.serving import EngineConfig, PagedEngine, SamplingOptions
@@ -101,7 +100,8 @@ def main() -> None:
     trace = mixed_trace(args.requests, args.rate, args.seed)
     config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, decode_buckets=(1, 4, 8, 16),
                           prefill_buckets=(1, 2, 4), chunk_buckets=(16, 32, 64))
-    results = {"continuous": run_continuous(model, trace, config), "static": run_static(model, trace, args.batch)}
+    results = {"continuous": run_continuous(model, trace, config),
+               "static": run_static(model, trace, args.batch)}
     same = sum(results["continuous"]["tokens"].get(i) == results["static"]["tokens"].get(i)
                for i in range(len(trace)))
     print(f"trace: {len(trace)} requests, prompts 4-64 tokens, 8-48 new tokens, {args.rate:g} req/s; "
@@ -109,8 +109,9 @@ def main() -> None:
     print(f"{'mode':<11} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'TPOT p50 ms':>12} "
           f"{'wall s':>7} {'preempt':>8}")
     for mode, r in results.items():
-        print(f"{mode:<11} {r['tokens_per_s']:>10.1f} {1e3 * r['ttft_p50']:>12.1f} {1e3 * r['ttft_p99']:>12.1f} "
-              f"{1e3 * r['tpot_p50']:>12.2f} {r['wall_s']:>7.2f} {r['preemptions']:>8}")
+        print(f"{mode:<11} {r['tokens_per_s']:>10.1f} {1e3 * r['ttft_p50']:>12.1f} "
+              f"{1e3 * r['ttft_p99']:>12.1f} {1e3 * r['tpot_p50']:>12.2f} {r['wall_s']:>7.2f} "
+              f"{r['preemptions']:>8}")
     c, s = results["continuous"], results["static"]
     print(f"continuous / static: {c['tokens_per_s'] / s['tokens_per_s']:.2f}x output tokens/s, p99 TTFT "
           f"{1e3 * c['ttft_p99']:.0f} ms vs {1e3 * s['ttft_p99']:.0f} ms; identical greedy outputs: "

@@ -19,7 +19,8 @@ def lively_model(cfg: dx.ModelConfig, seed: int = 3):
 
 
 def make_engine(model, **fields) -> PagedEngine:
-    settings = dict(block_size=4, max_running=4, max_batched_tokens=16, decode_buckets=(1, 4), **SMALL_BUCKETS)
+    settings = dict(block_size=4, max_running=4, max_batched_tokens=16, decode_buckets=(1, 4),
+                    **SMALL_BUCKETS)
     settings.update(fields)
     return PagedEngine(model, EngineConfig(**settings))
 

@@ -1,4 +1,5 @@
-"""Block pool and allocator in plain Python: free list, reference counts, prefix caching, copy-on-write, LRU."""
+"""Block pool and allocator in plain Python: free list, reference counts, prefix caching, copy-on-write,
+LRU reuse."""
 
 import pytest
 

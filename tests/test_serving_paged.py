@@ -1,5 +1,5 @@
-"""Paged attention: logits through the block pool equal the static cache's, for ragged batches, chunked prefill
-and decode, with MHA, GQA and MQA; padding positions never reach the pool."""
+"""Paged attention: logits through the block pool equal the static cache's, for ragged batches, chunked
+prefill and decode, with MHA, GQA and MQA; padding positions never reach the pool."""
 
 from functools import partial
 
@@ -71,7 +71,8 @@ def test_paged_logits_equal_static_ragged_chunked(attn):
     # Blocks never listed in a table stay zero: padding and unused rows wrote nothing.
     untouched = np.concatenate([[0], perm[10:]])
     for layer in pool:
-        assert float(jnp.abs(layer.k[untouched]).max()) == 0.0 and float(jnp.abs(layer.v[untouched]).max()) == 0.0
+        assert float(jnp.abs(layer.k[untouched]).max()) == 0.0
+        assert float(jnp.abs(layer.v[untouched]).max()) == 0.0
 
 
 def test_padding_is_dropped_and_pool_is_sized_from_memory():
@@ -81,7 +82,8 @@ def test_padding_is_dropped_and_pool_is_sized_from_memory():
     pool = init_pool(cfg, 6, P)
     table = np.array([[1, 2, 0, 0, 0, 0, 0, 0]], np.int32)
     ids = np.array([[5, 6, 7, 8, 9, 10, 11, 12]], np.int32)
-    _, pool = paged_logits(graphdef, params, pool, ids, np.array([0], np.int32), np.array([5], np.int32), table)
+    start, num_new = np.array([0], np.int32), np.array([5], np.int32)
+    _, pool = paged_logits(graphdef, params, pool, ids, start, num_new, table)
     for layer in pool:
         k = np.asarray(layer.k)
         assert np.abs(k[1]).min() > 0 and np.abs(k[2, 0]).min() > 0  # tokens 0..4 written

@@ -20,7 +20,8 @@ from dantinox.train import load_run, save_run, train_tokenizer
 from conftest import tiny_config
 from serving_util import SMALL_BUCKETS, lively_model
 
-TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, ché la diritta via era smarrita.\n" * 3
+TEXT = ("Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, ché la diritta via era "
+        "smarrita.\n") * 3
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +113,8 @@ def test_k05_prompt_longer_than_context_gets_a_4xx_then_the_server_still_works(l
     finally:
         first.stop()
     with start_server(loaded) as fresh:
-        assert httpx.post(fresh.url + "/v1/completions", json=valid, timeout=60).json()["choices"] == after["choices"]
+        again = httpx.post(fresh.url + "/v1/completions", json=valid, timeout=60).json()
+    assert again["choices"] == after["choices"]
     assert after["choices"][0]["text"] == reference_text(loaded, list(range(10, 20)), 8)
 
 
@@ -216,7 +218,8 @@ def test_disconnect_frees_blocks_and_queue_bound_gives_429(loaded):
         wait_for(lambda: health()["blocks_used"] == 0 and health()["running"] == 0)
         assert health()["blocks_free"] == health()["blocks_total"]
         metrics = client.get(srv.url + "/metrics").text
-        for name in ("dantinox_time_to_first_token_seconds_bucket", "dantinox_inter_token_latency_seconds_count",
+        for name in ("dantinox_time_to_first_token_seconds_bucket",
+                     "dantinox_inter_token_latency_seconds_count",
                      "dantinox_waiting", "dantinox_running", "dantinox_blocks_used", "dantinox_blocks_free",
                      "dantinox_preemptions_total", "dantinox_prefix_cache_hits_total",
                      'dantinox_requests_rejected_total{reason="queue_full"} 1.0',
@@ -226,15 +229,16 @@ def test_disconnect_frees_blocks_and_queue_bound_gives_429(loaded):
 
 
 def test_serve_command_sizes_the_pool_from_memory(run_dir):
-    args = cli.build_parser().parse_args(["serve", "--run_dir", run_dir, "--kv-memory", "64KiB", "--block-size",
-                                          "4", "--policy", "swap"])
+    args = cli.build_parser().parse_args(["serve", "--run_dir", run_dir, "--kv-memory", "64KiB",
+                                          "--block-size", "4", "--policy", "swap"])
     engine, tokenizer, name = build_engine(args)
     per_block = 4 * engine.cfg.num_blocks * dx.bytes_per_token_per_layer(engine.cfg)
     assert engine.allocator.num_blocks == 64 * 1024 // per_block and name == "tiny-bpe"
     assert engine.policy.preemption == "swap"
     line = kv_summary(engine)
-    assert line.startswith(f"KV cache: {engine.allocator.num_blocks} blocks = {engine.allocator.num_blocks * 4} "
-                           f"tokens, max concurrency {engine.allocator.num_blocks // 8} at 32 tokens per request")
+    n = engine.allocator.num_blocks
+    assert line.startswith(f"KV cache: {n} blocks = {n * 4} tokens, max concurrency {n // 8} at 32 tokens "
+                           "per request")
     assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512MiB") == 512 * 2**20
     with pytest.raises(ValueError, match="kv-memory"):
         parse_bytes("lots")

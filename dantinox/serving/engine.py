@@ -48,8 +48,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def add_request(self, prompt_ids, options: SamplingOptions, request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Raises RequestError (invalid, or can never fit; ``field`` names the
-        input) or QueueFullError (queue at its bound)."""
+        """Queue a request; returns its id. Raises RequestError (invalid, or can never fit; ``field``
+        names the input) or QueueFullError (queue at its bound)."""
 
     @abc.abstractmethod
     def step(self) -> list[RequestOutput]:
@@ -136,9 +136,10 @@ class PagedEngine(Engine):
         self.prefill_buckets = tuple(config.prefill_buckets)
         self.chunk_buckets = tuple(config.chunk_buckets or _powers_of_two(
             min(8, config.max_batched_tokens), min(config.max_batched_tokens, cfg.max_context)))
-        if self.chunk_buckets[-1] < min(config.max_batched_tokens, cfg.max_context):
+        widest = min(config.max_batched_tokens, cfg.max_context)
+        if self.chunk_buckets[-1] < widest:
             raise ValueError(f"chunk_buckets={self.chunk_buckets} is not allowed: the largest must be >= "
-                             f"min(max_batched_tokens, max_context) = {min(config.max_batched_tokens, cfg.max_context)}")
+                             f"min(max_batched_tokens, max_context) = {widest}")
         self.requests: dict[str, Request] = {}
         self.finished: deque[Request] = deque(maxlen=1024)  # most recent finished requests, for inspection
         self._pending: list[RequestOutput] = []
@@ -232,7 +233,8 @@ class PagedEngine(Engine):
         ids = np.zeros(self.table_width, np.int32)
         ids[:len(blocks)] = blocks
         data = jax.device_get(read_blocks(self.pool, ids))
-        return tuple(type(layer)(layer.k[:len(blocks)].copy(), layer.v[:len(blocks)].copy()) for layer in data)
+        n = len(blocks)
+        return tuple(type(layer)(layer.k[:n].copy(), layer.v[:n].copy()) for layer in data)
 
     def _write_host(self, blocks: list, data: tuple) -> None:
         M = self.table_width
@@ -275,8 +277,8 @@ class PagedEngine(Engine):
             seeds[b], temperature[b], top_p[b] = opts.seed, opts.temperature, opts.top_p
             top_k[b] = min(opts.top_k, self.vocab_size)
         sampling = SamplingParams(temperature, top_k, top_p)
-        out, self.pool = forward_step(self.graphdef, self.params, self.pool, ids, start, num_new, table, seeds,
-                                      steps, sampling)
+        out, self.pool = forward_step(self.graphdef, self.params, self.pool, ids, start, num_new, table,
+                                      seeds, steps, sampling)
         self.counters["forward_calls"] += bool(part)
         return np.asarray(out)
 

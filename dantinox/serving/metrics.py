@@ -46,7 +46,8 @@ class ServerMetrics:
         self.requests.labels(finish_reason=reason or "unknown").inc()
 
     def rejected(self, err: Exception) -> None:
-        self.rejections.labels(reason="queue_full" if type(err).__name__ == "QueueFullError" else "invalid").inc()
+        reason = "queue_full" if type(err).__name__ == "QueueFullError" else "invalid"
+        self.rejections.labels(reason=reason).inc()
 
     def update(self, stats: dict) -> None:
         for key, gauge in self.gauges.items():

@@ -58,8 +58,8 @@ def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int) 
     per_block = block_bytes(cfg, block_size)
     count = int(memory_bytes) // per_block
     if count < 1:
-        raise ValueError(f"kv memory {int(memory_bytes)} bytes holds no block: one block of {block_size} tokens "
-                         f"takes {per_block} bytes for this model")
+        raise ValueError(f"kv memory {int(memory_bytes)} bytes holds no block: one block of {block_size} "
+                         f"tokens takes {per_block} bytes for this model")
     return count
 
 
@@ -76,7 +76,8 @@ def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int) -> PagedPool:
             raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
     shape = (num_blocks, block_size, cfg.kv_heads, cfg.head_size)
     dtype = cfg.jnp_cache_dtype
-    return tuple(PagedLayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_blocks))
+    return tuple(PagedLayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                 for _ in range(cfg.num_blocks))
 
 
 def pool_nbytes(pool: PagedPool) -> int:

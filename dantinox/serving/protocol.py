@@ -44,10 +44,11 @@ class CompletionRequest(BaseModel):
             raise RequestError("logprobs", "logprobs are not supported: leave logprobs null")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
             if len(self.prompt) != 1:
-                raise RequestError("prompt", f"a batch of {len(self.prompt)} prompts is not supported: send one "
-                                   "prompt per request")
+                raise RequestError("prompt", f"a batch of {len(self.prompt)} prompts is not supported: send "
+                                   "one prompt per request")
         if len(self.stop_strings()) > MAX_STOP_STRINGS:
-            raise RequestError("stop", f"{len(self.stop_strings())} stop strings given; at most {MAX_STOP_STRINGS}")
+            raise RequestError("stop", f"{len(self.stop_strings())} stop strings given; at most "
+                               f"{MAX_STOP_STRINGS}")
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

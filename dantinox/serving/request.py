@@ -58,7 +58,8 @@ class SamplingOptions:
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError naming the field, the value and what is allowed."""
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise RequestError("max_tokens", f"max_tokens={self.max_new_tokens!r} is not allowed: an integer >= 1")
+            raise RequestError("max_tokens", f"max_tokens={self.max_new_tokens!r} is not allowed: an "
+                               "integer >= 1")
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise RequestError("temperature", f"temperature={t!r} is not allowed: a finite number >= 0")

@@ -69,5 +69,5 @@ def read_blocks(pool: PagedPool, blocks):
 def write_blocks(pool: PagedPool, blocks, data) -> PagedPool:
     """pool[blocks[i]] = data[i] in every layer. blocks: [M] int32 (N = padding, dropped); data: as returned
     by ``read_blocks``."""
-    return tuple(PagedLayerKV(layer.k.at[blocks].set(d.k, mode="drop"), layer.v.at[blocks].set(d.v, mode="drop"))
-                 for layer, d in zip(pool, data))
+    return tuple(PagedLayerKV(layer.k.at[blocks].set(d.k, mode="drop"),
+                              layer.v.at[blocks].set(d.v, mode="drop")) for layer, d in zip(pool, data))

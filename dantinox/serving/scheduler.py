@@ -47,8 +47,8 @@ class ContextPolicy:
     swap_space_blocks: int = 1 << 20
 
     def __post_init__(self):
-        for name in ("max_prompt_tokens", "max_total_tokens", "max_running", "max_queued", "max_batched_tokens",
-                     "swap_space_blocks"):
+        for name in ("max_prompt_tokens", "max_total_tokens", "max_running", "max_queued",
+                     "max_batched_tokens", "swap_space_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ContextPolicy.{name}={value!r} is not allowed: a positive integer")
@@ -100,8 +100,8 @@ class Scheduler:
                                f"{max(self.policy.max_total_tokens - p, 0)} or a shorter prompt")
         need = self.allocator.blocks_for(p + n)
         if need > self.allocator.num_blocks:
-            raise RequestError("max_tokens", f"prompt + max_tokens = {p + n} tokens need {need} KV blocks; the "
-                               f"whole cache has {self.allocator.num_blocks}")
+            raise RequestError("max_tokens", f"prompt + max_tokens = {p + n} tokens need {need} KV blocks; "
+                               f"the whole cache has {self.allocator.num_blocks}")
         if len(self.waiting) >= self.policy.max_queued:
             raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queued="
                                  f"{self.policy.max_queued}); retry later")

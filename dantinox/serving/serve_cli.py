@@ -25,7 +25,8 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"--kv-memory={text!r} is not allowed: a size such as 2GB, 512MiB or 1000000 (bytes)")
+        raise ValueError(f"--kv-memory={text!r} is not allowed: a size such as 2GB, 512MiB or 1000000 "
+                         "(bytes)")
     return int(float(match.group(1)) * _UNITS[unit])
 
 
@@ -50,8 +51,9 @@ def kv_summary(engine) -> str:
     alloc, L = engine.allocator, engine.max_context
     tokens = alloc.num_blocks * alloc.block_size
     concurrency = alloc.num_blocks // alloc.blocks_for(L)
-    return (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} tokens "
-            f"per request ({engine.stats()['kv_cache_bytes'] / 2**20:.1f} MiB, block size {alloc.block_size})")
+    mib = engine.stats()["kv_cache_bytes"] / 2**20
+    return (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
+            f"tokens per request ({mib:.1f} MiB, block size {alloc.block_size})")
 
 
 def build_engine(args: argparse.Namespace):
@@ -62,8 +64,9 @@ def build_engine(args: argparse.Namespace):
 
     run_dir = args.run_dir or bundled_run_dir()
     model, cfg, tokenizer, _ = load_run(run_dir)
-    config = EngineConfig(block_size=args.block_size, max_running=args.max_running, max_queued=args.max_queued,
-                          max_batched_tokens=args.max_batched_tokens, preemption=args.policy,
+    config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
+                          max_queued=args.max_queued, max_batched_tokens=args.max_batched_tokens,
+                          preemption=args.policy,
                           kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
                           enable_prefix_caching=not args.no_prefix_caching)
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))

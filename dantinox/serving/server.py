@@ -97,11 +97,13 @@ class _Service:
     """The completions endpoint's logic (one instance per app)."""
 
     def __init__(self, worker: EngineWorker, tokenizer, model_name: str, max_context: int):
-        self.worker, self.tokenizer, self.model_name, self.max_context = worker, tokenizer, model_name, max_context
+        self.worker, self.tokenizer = worker, tokenizer
+        self.model_name, self.max_context = model_name, max_context
 
     async def complete(self, body: CompletionRequest, request: HttpRequest):
         if not self.worker.alive:
-            return JSONResponse(error_body("the engine is not running", None, "server_error"), status_code=503)
+            return JSONResponse(error_body("the engine is not running", None, "server_error"),
+                                status_code=503)
         try:
             body.check_supported()
             prompt_ids = self._encode(body.prompt)
@@ -203,7 +205,8 @@ class _Completion:
     async def respond(self, request: HttpRequest):
         text = "".join([piece async for piece in self.pieces(request)])
         if self.finish_reason == "error":
-            return JSONResponse(error_body(self.error or "generation failed", None, "server_error"), status_code=500)
+            return JSONResponse(error_body(self.error or "generation failed", None, "server_error"),
+                                status_code=500)
         if self.finish_reason is None:  # the client went away; nobody reads this
             return JSONResponse(error_body("client disconnected", None), status_code=499)
         return JSONResponse(completion_body(self.rid, self.service.model_name, text, self.finish_reason,

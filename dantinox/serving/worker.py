@@ -71,7 +71,8 @@ class EngineWorker:
 
     def submit(self, request_id: str, prompt_ids: list, options: SamplingOptions,
                loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
-        self.commands.put(("submit", request_id, prompt_ids, options, _Stream(loop, events, time.perf_counter())))
+        stream = _Stream(loop, events, time.perf_counter())
+        self.commands.put(("submit", request_id, prompt_ids, options, stream))
 
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
@@ -124,9 +125,10 @@ class EngineWorker:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.new_token_ids and self.metrics:
-                self.metrics.token(now - (stream.last_token or stream.submitted), first=stream.last_token is None)
             if out.new_token_ids:
+                if self.metrics:
+                    since = now - (stream.last_token or stream.submitted)
+                    self.metrics.token(since, first=stream.last_token is None)
                 stream.last_token = now
             if out.finished:
                 del self._streams[out.request_id]
