@@ -107,6 +107,8 @@ def test_k05_prompt_longer_than_context_gets_a_4xx_then_the_server_still_works(l
         over = httpx.post(first.url + "/v1/completions", json=dict(prompt=list(range(28)), max_tokens=10),
                           timeout=60)
         assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+        rest = httpx.post(first.url + "/v1/completions", json=dict(prompt=list(range(28))), timeout=60).json()
+        assert rest["usage"]["completion_tokens"] == 4 and rest["choices"][0]["finish_reason"] == "length"
         valid = dict(prompt=list(range(10, 20)), max_tokens=8, temperature=0)
         after = httpx.post(first.url + "/v1/completions", json=valid, timeout=60).json()
         assert httpx.get(first.url + "/health").json()["status"] == "ok"

@@ -132,10 +132,10 @@ class PagedEngine(Engine):
             swap_space_blocks=config.swap_space_blocks or 1 << 20)
         self.scheduler = Scheduler(self.policy, self.allocator)
         self.table_width = -(-cfg.max_context // P)  # M
-        self.decode_buckets = tuple(config.decode_buckets or _powers_of_two(1, config.max_running))
-        self.prefill_buckets = tuple(config.prefill_buckets)
-        self.chunk_buckets = tuple(config.chunk_buckets or _powers_of_two(
-            min(8, config.max_batched_tokens), min(config.max_batched_tokens, cfg.max_context)))
+        self.decode_buckets = tuple(sorted(config.decode_buckets or _powers_of_two(1, config.max_running)))
+        self.prefill_buckets = tuple(sorted(config.prefill_buckets))
+        self.chunk_buckets = tuple(sorted(config.chunk_buckets or _powers_of_two(
+            min(8, config.max_batched_tokens), min(config.max_batched_tokens, cfg.max_context))))
         widest = min(config.max_batched_tokens, cfg.max_context)
         if self.chunk_buckets[-1] < widest:
             raise ValueError(f"chunk_buckets={self.chunk_buckets} is not allowed: the largest must be >= "

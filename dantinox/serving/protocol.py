@@ -1,9 +1,10 @@
 """The OpenAI completions protocol: the request body, response bodies, and stop-string handling.
 
 Supported fields of ``POST /v1/completions``: model, prompt (a string, a list of token ids, or a list of one
-string), max_tokens (default 16), temperature (default 1.0; 0 = greedy), top_p, top_k (an extension; 0 =
-off), seed, stop (a string or up to 4), stream, stream_options.include_usage, n (must be 1), echo (must be
-false), logprobs (must be null). Other fields are accepted and ignored, as OpenAI-compatible servers do.
+string), max_tokens (default: 16, or what is left of the context if less), temperature (default 1.0;
+0 = greedy), top_p, top_k (an extension; 0 = off), seed, stop (a string or up to 4), stream,
+stream_options.include_usage, n (must be 1), echo (must be false), logprobs (must be null). Other fields are
+accepted and ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class CompletionRequest(BaseModel):
 
     model: str | None = None
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

@@ -44,6 +44,7 @@ from .worker import EngineWorker
 
 log = logging.getLogger("dantinox.serving")
 
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions, cut to what is left of the context
 POLL_S = 0.5  # how often a waiting handler checks the worker's health and the client's connection
 
 
@@ -107,7 +108,7 @@ class _Service:
         try:
             body.check_supported()
             prompt_ids = self._encode(body.prompt)
-            options = self._options(body)
+            options = self._options(body, len(prompt_ids))
         except RequestError as err:
             return JSONResponse(error_body(str(err), err.field), status_code=400)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -133,10 +134,10 @@ class _Service:
                 raise RequestError("prompt", str(err)) from err
         return list(prompt)
 
-    @staticmethod
-    def _options(body: CompletionRequest) -> SamplingOptions:
+    def _options(self, body: CompletionRequest, prompt_tokens: int) -> SamplingOptions:
         seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
-        return SamplingOptions(max_new_tokens=16 if body.max_tokens is None else body.max_tokens,
+        default = max(1, min(DEFAULT_MAX_TOKENS, self.max_context - prompt_tokens))
+        return SamplingOptions(max_new_tokens=default if body.max_tokens is None else body.max_tokens,
                                temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed)
 
 
