@@ -11,7 +11,7 @@ Figures (medians over --repeats runs, all in this process):
   KV bytes/seq  bytes of the allocated cache for one sequence (from the arrays)
   on/off ratio  cache-on over cache-off tokens/s at 128, 320 and 512 total tokens (64-token prompt)
 
-Run:  python benchmarks/bench_decode.py [--attention mha gqa mqa] [--batch 1 8] [--repeats 3] [--ratios]
+Run:  python benchmarks/bench_decode.py [--attention mha gqa mqa mla mla-naive] [--batch 1 8] [--repeats 3] [--ratios]
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ VARIANTS = {
     "mha": dict(attention="mha", kv_heads=None),
     "gqa": dict(attention="gqa", kv_heads=2),
     "mqa": dict(attention="mqa", kv_heads=None),
+    # MLA with the latent sizes ../shared/peers measures (kv and q latent 128, rope 16); see dantinox.mla
+    "mla": dict(attention="mla", kv_heads=None, kv_latent_dim=128, rope_head_dim=16, q_latent_dim=128),
+    "mla-naive": dict(attention="mla", kv_heads=None, kv_latent_dim=128, rope_head_dim=16, q_latent_dim=128,
+                      mla_absorb=False),
 }
 
 
