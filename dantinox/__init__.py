@@ -12,3 +12,4 @@ __version__ = "0.1.0"
 from .compile_count import CompileCounter, compile_totals
 from .generate import GenerationResult, generate, generate_result, stream_tokens
 from .sampling import SamplingParams, make_sampling_params, sample_next
+from .diffusion import DiffusionResult, DualCache, diffusion_generate, diffusion_generate_result, init_dual_cache

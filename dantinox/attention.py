@@ -77,20 +77,22 @@ class Attention(nnx.Module):
             y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window)
         else:
             use_old = layer_cache is not None and read_cache
-            y = attend(q, k, v, layer_cache if use_old else None, cache_index, key_start, cfg.sliding_window)
+            y = attend(q, k, v, layer_cache if use_old else None, cache_index, key_start, cfg.sliding_window,
+                       causal=cfg.paradigm != "diffusion")
             new_cache = None if layer_cache is None else write_layer(layer_cache, k, v, cache_index)
         y = y.transpose(0, 3, 1, 2, 4).reshape(B, T, H * D).astype(x.dtype)
         return self.out(y), new_cache
 
 
-def new_token_mask(T: int, cache_index, key_start, window: int | None) -> jax.Array:
+def new_token_mask(T: int, cache_index, key_start, window: int | None, causal: bool = True) -> jax.Array:
     """May new query i see new key j? [1 or B, T, T] bool (causal, sliding window, left padding).
 
-    cache_index: [B] int32; key_start: [B] int32 or None.
+    cache_index: [B] int32; key_start: [B] int32 or None. causal=False (paradigm="diffusion") lets every
+    query see every new key (bidirectional) except left padding.
     """
     i = jnp.arange(T)[:, None]
     j = jnp.arange(T)[None, :]
-    mask = (j <= i)[None]                                              # [1, T, T]
+    mask = (j <= i)[None] if causal else jnp.ones((1, T, T), bool)      # [1, T, T]
     if window is not None:
         mask = mask & ((i - j) < window)[None]
     if key_start is not None:
@@ -113,16 +115,17 @@ def old_slot_mask(S: int, T: int, cache_index, key_start, window: int | None) ->
     return mask
 
 
-def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None):
+def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None, causal: bool = True):
     """Softmax attention of q over [old cache slots ; new keys], computed jointly in float32.
 
     q: [B, K, G, T, D] (already scaled by 1/sqrt(D)); k, v: [B, K, T, D]; old: LayerKV [B, K, S, D] or None;
-    cache_index: [B] int32; key_start: [B] int32 or None. Returns [B, K, G, T, D] float32.
+    cache_index: [B] int32; key_start: [B] int32 or None; causal: see new_token_mask.
+    Returns [B, K, G, T, D] float32.
     """
     T = q.shape[3]
     f32 = jnp.float32
     new_scores = grouped_scores(q, k)
-    new_mask = new_token_mask(T, cache_index, key_start, window)
+    new_mask = new_token_mask(T, cache_index, key_start, window, causal)
     new_scores = jnp.where(new_mask[:, None, None], new_scores, NEG_INF)
     if old is None:
         probs = jax.nn.softmax(new_scores, axis=-1)

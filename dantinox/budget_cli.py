@@ -87,6 +87,9 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rope-head-dim", dest="rope_head_dim", type=int, default=None,
                         help="d_rope of the MLA row; 0 = no RoPE key (default: the config's, else "
                              "head_size / 2)")
+    parser.add_argument("--gen-len", dest="gen_len", type=int, default=None,
+                        help="masked diffusion: tokens generated per context; prints the DualCache table "
+                             "(default for paradigm=diffusion models: context / 2)")
     parser.add_argument("--measure", action="store_true",
                         help="allocate each cache with init_cache; print measured bytes next to the formula")
 
@@ -103,7 +106,8 @@ def run_budget(args: argparse.Namespace) -> int:
     for c in contexts:
         if c <= 0:
             raise ValueError(f"--context {c} is not allowed: context lengths are positive integers")
-    rows = attention_variants(cfg, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
+    shape = cfg.replace(paradigm="ar", mask_token_id=None)  # KV sizes do not depend on the paradigm
+    rows = attention_variants(shape, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
     print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
           f"vocab {cfg.vocab_size}; cache dtype {dtype}")
     print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes)\n")
@@ -116,7 +120,27 @@ def run_budget(args: argparse.Namespace) -> int:
                  for label, v in rows],
                 title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
                       f"{args.reserve_fraction:.0%}, float32 weights")
+    if cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None):
+        print_diffusion_table(cfg, contexts, dtype, args.gen_len)
     return measure(rows, contexts, dtype) if args.measure else 0
+
+
+def print_diffusion_table(cfg: ModelConfig, contexts: list[int], dtype: str, gen_len: int | None) -> None:
+    """DualCache peak bytes (dantinox.planner.diffusion_cache_bytes) next to the AR cache, one row per context:
+    prompt = context - gen_len tokens (gen_len default context // 2)."""
+    from .planner import diffusion_cache_bytes
+
+    rows = []
+    for c in contexts:
+        g = gen_len if gen_len is not None else c // 2
+        if not 0 < g < c:
+            raise ValueError(f"--gen-len {g} is not allowed for context {c}: between 1 and {c - 1}")
+        shape = cfg.replace(max_context=max(c, cfg.max_context), cache_dtype=dtype)
+        r = diffusion_cache_bytes(shape, c - g, g)
+        rows.append([str(c), str(c - g), str(g), _mib(r["dual_cache"]), _mib(r["ar_same_length"]),
+                     f"{r['ratio_same_length']:.3f}"])
+    print_table(["context", "prompt", "gen_len", "DualCache", "AR cache", "ratio"], rows,
+                title="Masked diffusion: DualCache (prefix + suffix KV) vs AR cache per sequence (MiB)")
 
 
 def load_config(args: argparse.Namespace) -> ModelConfig:

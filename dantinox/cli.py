@@ -3,6 +3,8 @@
   dantinox train    --data FILE --out runs/NAME [--preset NAME | --config YAML] [--set field=value ...]
   dantinox generate [--run_dir R] --prompt P [--no_cache] [--stream] [--max_new_tokens N] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
+                    diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
+                    [--refresh block|prompt_once|step]
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F]
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
@@ -35,12 +37,30 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_diffusion(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("masked diffusion models (paradigm=diffusion)")
+    g.add_argument("--gen_len", type=int, default=None, help="tokens to generate (default 128)")
+    g.add_argument("--block_size", type=int, default=None, help="tokens per block (default min(32, gen_len))")
+    g.add_argument("--steps_per_block", type=int, default=None, help="denoising steps per block (default "
+                   "block_size: one token per step)")
+    g.add_argument("--threshold", type=float, default=None, help="parallel decoding: commit every token whose "
+                   "confidence exceeds this, in (0, 1]")
+    g.add_argument("--refresh", choices=("block", "prompt_once", "step"), default=None,
+                   help="DualCache refresh policy (default block)")
+
+
 def cmd_generate(args) -> int:
     """Print the prompt followed by the generated text; timings go to stderr."""
     from .generator import Generator
 
     gen = Generator(args.run_dir)
     ids = gen.encode(args.prompt, args.unknown)
+    if gen.cfg.paradigm == "diffusion":
+        return _generate_diffusion(args, gen, ids)
+    given = [f"--{k}" for k in DIFFUSION_ARGS if getattr(args, k, None) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to paradigm='diffusion' models only; {gen.run_dir} holds "
+                         f"a paradigm={gen.cfg.paradigm!r} model")
     check_request(np.array([len(ids)]), args.max_new_tokens, gen.cfg.max_context)  # fail before printing
     make_sampling_params(1, args.temperature, args.top_k, args.top_p)
     if args.stream and args.no_cache:
@@ -61,6 +81,34 @@ def cmd_generate(args) -> int:
     seconds = time.perf_counter() - start
     print(f"[dantinox] prompt {len(ids)} tokens, {args.max_new_tokens} new tokens in {seconds:.2f} s "
           f"({args.max_new_tokens / seconds:.1f} tokens/s, cache {'off' if args.no_cache else 'on'})",
+          file=sys.stderr)
+    return 0
+
+
+DIFFUSION_ARGS = ("gen_len", "block_size", "steps_per_block", "threshold", "refresh")
+
+
+def _generate_diffusion(args, gen, ids) -> int:
+    """cmd_generate for a masked-diffusion model: --gen_len tokens (default 128) in --block_size blocks."""
+    from .diffusion import check_diffusion_request
+
+    if args.stream or args.top_k != 0 or args.top_p != 1.0:
+        raise ValueError("--stream, --top_k and --top_p apply to autoregressive models only; "
+                         f"{gen.run_dir} holds a paradigm='diffusion' model")
+    gen_len = args.gen_len or 128
+    opts = dict(block_size=args.block_size or min(32, gen_len), steps_per_block=args.steps_per_block,
+                threshold=args.threshold, refresh=args.refresh or "block")
+    check_diffusion_request(gen.cfg, len(ids), gen_len, opts["block_size"],
+                            opts["steps_per_block"] or opts["block_size"], args.threshold, args.temperature,
+                            opts["refresh"])
+    print(f"[dantinox] {gen.run_dir}: loaded in {gen.load_seconds:.2f} s (masked diffusion)", file=sys.stderr)
+    start = time.perf_counter()
+    print(args.prompt, end="", flush=True)
+    print(gen.generate(args.prompt, gen_len, use_cache=not args.no_cache, temperature=args.temperature,
+                       seed=args.seed, unknown=args.unknown, **opts))
+    seconds = time.perf_counter() - start
+    print(f"[dantinox] prompt {len(ids)} tokens, {gen_len} new tokens in {seconds:.2f} s ({gen_len / seconds:.1f}"
+          f" tokens/s incl. compilation, DualCache {'off' if args.no_cache else 'on, refresh=' + opts['refresh']})",
           file=sys.stderr)
     return 0
 
@@ -105,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--unknown", choices=("error", "replace"), default="error",
                      help="characters outside the vocabulary: error (default) or replace with <unk>")
     _add_sampling(gen)
+    _add_diffusion(gen)
     gen.set_defaults(func=cmd_generate)
     ver = sub.add_parser("verify", help="check cached against uncached logits at every generated position")
     ver.add_argument("--run_dir", default=None)

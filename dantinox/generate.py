@@ -163,6 +163,9 @@ class _Request(NamedTuple):
 
 def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id) -> _Request:
     cfg = model.cfg
+    if cfg.paradigm != "ar":
+        raise ValueError(f"this function decodes autoregressive models; the model has paradigm={cfg.paradigm!r}"
+                         ": use dantinox.generate or dantinox.diffusion.diffusion_generate")
     ids, lengths, single = prepare_prompts(prompt_ids, cfg.vocab_size, cfg.max_context)
     check_request(lengths, max_new_tokens, cfg.max_context)
     sampling = make_sampling_params(len(ids), temperature, top_k, top_p, cfg.vocab_size)
@@ -206,9 +209,33 @@ def _run(req: _Request, model, use_cache: bool) -> GenerationResult:
     return _finish(jax.device_get(state.out), req)
 
 
+DIFFUSION_OPTIONS = ("block_size", "steps_per_block", "threshold", "refresh")
+
+
+def _check_paradigm_options(cfg, top_k, top_p, eos_id, diffusion: dict) -> None:
+    """Raise ValueError for AR-only options on a diffusion model and diffusion options on an AR model."""
+    if cfg.paradigm == "diffusion":
+        ar_only = {"top_k": (top_k, 0), "top_p": (top_p, 1.0), "eos_id": (eos_id, None)}
+        bad = [f"{k}={v!r}" for k, (v, default) in ar_only.items() if v is not None and v != default]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} not allowed for a paradigm='diffusion' model: top_k, top_p and "
+                             f"eos_id apply to autoregressive models only; diffusion takes {DIFFUSION_OPTIONS}")
+        return
+    given = [f"{k}={v!r}" for k, v in diffusion.items() if v is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} not allowed for a paradigm={cfg.paradigm!r} model: "
+                         f"{DIFFUSION_OPTIONS} apply to paradigm='diffusion' models only")
+
+
 def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True, temperature=0.0,
-             top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None) -> np.ndarray:
+             top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None, block_size: int | None = None,
+             steps_per_block: int | None = None, threshold: float | None = None,
+             refresh: str | None = None) -> np.ndarray:
     """Generate up to max_new_tokens for one prompt or a batch of prompts of different lengths.
+
+    A model with ``paradigm="diffusion"`` is dispatched to :func:`dantinox.diffusion.diffusion_generate`
+    with gen_len = max_new_tokens, block_size (default min(32, max_new_tokens)), steps_per_block (default
+    block_size), threshold and refresh (default "block"); top_k, top_p and eos_id are then not allowed.
 
     Args:
       model: a dantinox Transformer.
@@ -222,9 +249,20 @@ def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = T
       int32 array of new tokens, [N] for a single prompt or [B, N] for a batch; after a row's EOS the
       remaining positions hold eos_id.
     Raises:
-      ValueError: empty prompt or batch, ids outside the vocabulary, bad sampling settings, bad seed/eos_id.
+      ValueError: empty prompt or batch, ids outside the vocabulary, bad sampling settings, bad seed/eos_id,
+        AR-only options (top_k, top_p, eos_id) on a diffusion model or diffusion options on an AR model.
       CapacityError: prompt longer than max_context, or prompt_length + max_new_tokens > max_context.
     """
+    diffusion = dict(block_size=block_size, steps_per_block=steps_per_block, threshold=threshold,
+                     refresh=refresh)
+    _check_paradigm_options(model.cfg, top_k, top_p, eos_id, diffusion)
+    if model.cfg.paradigm == "diffusion":
+        from .diffusion import diffusion_generate
+
+        block = min(32, max_new_tokens) if block_size is None and isinstance(max_new_tokens, int) else block_size
+        return diffusion_generate(model, prompt_ids, max_new_tokens, block, steps_per_block, threshold=threshold,
+                                  temperature=temperature, use_cache=use_cache, refresh=refresh or "block",
+                                  seed=seed)
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     tokens = _run(req, model, use_cache).tokens
     return tokens[0] if req.single else tokens

@@ -48,7 +48,7 @@ class Generator:
         self.run_dir = os.fspath(run_dir) if run_dir is not None else bundled_run_dir()
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
         self.warmup = CompileCounter()
-        if warmup:
+        if warmup and self.cfg.paradigm == "ar":  # diffusion compiles per (bucket, gen_len, block_size)
             with self.warmup:
                 generate_result(self.model, [0], 1)
         self.load_seconds = time.perf_counter() - start
@@ -61,12 +61,21 @@ class Generator:
 
     def generate(self, text: str | list[str], max_new_tokens: int = 200, *, use_cache: bool = True,
                  temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 unknown: str = "error") -> str | list[str]:
+                 unknown: str = "error", **diffusion_options) -> str | list[str]:
         """Continue ``text`` (or each text of a list, batched) by up to max_new_tokens tokens; returns the new
-        text only. Sampling arguments as in :func:`dantinox.generate` (temperature 0 = greedy).
+        text only. Sampling arguments as in :func:`dantinox.generate` (temperature 0 = greedy); a diffusion
+        model generates exactly max_new_tokens (gen_len) tokens and takes diffusion_options (block_size,
+        steps_per_block, threshold, refresh; see dantinox.diffusion.diffusion_generate).
         Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`."""
         texts = [text] if isinstance(text, str) else list(text)
         ids = [self.encode(t, unknown) for t in texts]
+        if self.cfg.paradigm == "diffusion" or diffusion_options:
+            from .generate import generate
+
+            tokens = generate(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, **diffusion_options)
+            out = [self.tokenizer.decode(row.tolist()) for row in tokens]
+            return out[0] if isinstance(text, str) else out
         result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
                                  top_k=top_k, top_p=top_p, seed=seed)
         out = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(result.tokens, result.lengths)]
@@ -75,7 +84,11 @@ class Generator:
     def stream(self, text: str, max_new_tokens: int = 200, *, temperature: float = 0.8, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, chunk_size: int = 8, unknown: str = "error") -> Iterator[str]:
         """Yield the new text piece by piece as it is generated (chunk_size decode steps per device call).
-        Pieces never split a character; their concatenation equals :meth:`generate`'s text for the same seed."""
+        Pieces never split a character; their concatenation equals :meth:`generate`'s text for the same seed.
+        Autoregressive models only (raises ValueError for a diffusion model)."""
+        if self.cfg.paradigm != "ar":
+            raise ValueError("streaming needs an autoregressive model; this one has paradigm="
+                             f"{self.cfg.paradigm!r}: use generate()")
         decoder = StreamDecoder(self.tokenizer)
         chunks = stream_tokens(self.model, self.encode(text, unknown), max_new_tokens, chunk_size=chunk_size,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

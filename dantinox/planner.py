@@ -202,3 +202,24 @@ def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
         max_concurrent=int(split.kv_budget_bytes * requests // (reserved * per_token)),
         mix_copies=split.kv_budget_bytes // (reserved * per_token), utilization=used / reserved)
 
+
+def diffusion_cache_bytes(cfg: ModelConfig | Mapping[str, Any], prompt_len: int, gen_len: int,
+                          batch: int = 1) -> dict:
+    """DualCache peak bytes of a masked-diffusion generation next to the AR static cache of the same shape.
+
+    Returns {"dual_cache": bytes the DualCache holds (prefix [B, K, P, D] + suffix [B, K, M, D] keys and
+    values over all layers; P = the bucketed prompt slots, see dantinox.diffusion.prompt_slots),
+    "ar_same_length": an AR cache of exactly prompt_len + gen_len tokens, "ar_static": init_cache's
+    allocation (max_context slots), "ratio_same_length": dual_cache / ar_same_length}. The seeds' "+20-40%
+    over the static AR cache" is not assumed: the ratio comes from the two formulas (prompt bucket padding
+    is the only excess with this layout). Raises CapacityError if prompt_len + gen_len > max_context.
+    """
+    from .diffusion import dual_cache_bytes
+
+    cfg = _as_config(cfg)
+    batch = _positive_int("batch", batch)
+    dual = dual_cache_bytes(cfg, _positive_int("prompt_len", prompt_len), _positive_int("gen_len", gen_len),
+                            batch)
+    same = kv_cache_bytes(cfg, batch, prompt_len + gen_len)
+    return {"dual_cache": dual, "ar_same_length": same, "ar_static": kv_cache_bytes(cfg, batch, cfg.max_context),
+            "ratio_same_length": dual / same}

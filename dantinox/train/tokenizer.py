@@ -173,6 +173,22 @@ def _train_bpe(text: str, vocab_size: int) -> TextTokenizer:
     return TextTokenizer(hf, "bpe")
 
 
+MASK = "<mask>"
+
+
+def with_mask_token(tokenizer: TextTokenizer) -> TextTokenizer:
+    """The tokenizer with the masked-diffusion MASK token ``<mask>`` appended as its last id (V_old).
+
+    Idempotent: a tokenizer that already holds ``<mask>`` is returned unchanged. The token is a special
+    (added) token: the literal text "<mask>" encodes to it, and it decodes to "<mask>".
+    """
+    if tokenizer.hf.token_to_id(MASK) is not None:
+        return tokenizer
+    hf = Tokenizer.from_str(tokenizer.hf.to_str())
+    hf.add_special_tokens([MASK])
+    return TextTokenizer(hf, tokenizer.kind)
+
+
 class StreamDecoder:
     """Incremental detokenizer: feed token ids one at a time, get text as soon as it is complete.
 

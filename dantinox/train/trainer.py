@@ -15,6 +15,18 @@ Walkthrough of :func:`train`:
 
 Losses are natural-log cross-entropy per token (nats/token); ``val_nats_per_char`` rescales the validation
 loss by tokens per character of the held-out text (equal to the loss for a char tokenizer).
+
+Masked diffusion (``cfg.paradigm == "diffusion"``; LLaDA, Nie et al. 2025, "Large Language Diffusion Models",
+section 2.1, eq. 3): ``<mask>`` is appended to the tokenizer as its last id and becomes
+``cfg.mask_token_id``. Each training window x0 (its first seq_len tokens) draws a ratio t ~ U(eps, 1)
+(eps = MASK_EPS) and masks every token independently with probability t; the loss is
+``sum(CE(x0_i | x_t) * masked_i / t) / (B * T)``, the 1/t-weighted cross-entropy on masked positions
+normalised per token (train_loss reports it). The uniforms are drawn on the host from the run's seeded
+numpy generator, so resuming follows the same trajectory. The validation loss of a diffusion run is the
+*masked-token nats*: the mean cross-entropy (nats) per masked token over the held-out windows, each
+window masked the same way with a fixed seed (VAL_MASK_SEED) so that every evaluation sees the same masks;
+it is not comparable with an AR model's next-token nats, and val_nats_per_char is that figure times the
+tokens per character.
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ from ..model import build_model
 from . import checkpoint as ckpt
 from . import run_dir as rd
 from .data import TokenData, file_sha256, read_text, sample_batch, split_text, val_batches
-from .tokenizer import KINDS, TextTokenizer, train_tokenizer
+from .tokenizer import KINDS, MASK, TextTokenizer, train_tokenizer, with_mask_token
 
 
 class TrainError(ValueError):
@@ -153,6 +165,32 @@ def token_nll(graphdef, params, rest, windows: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
 
 
+MASK_EPS = 1e-3  # smallest masking ratio t of the diffusion objective
+VAL_MASK_SEED = 20250214  # fixed masks for every diffusion validation run
+
+
+def masked_nll(graphdef, params, rest, windows: jax.Array, noise: jax.Array):
+    """Masked-diffusion loss terms (LLaDA section 2.1) for the first T tokens x0 of windows [B, T + 1].
+
+    noise: [B, T + 1] float32 uniforms in [0, 1): column 0 sets t = eps + (1 - eps) u per row, columns 1..T
+    mask token i when u_i < t. Returns (cross-entropy [B, T] float32 nats, masked [B, T] bool, t [B, 1]).
+    """
+    model = nnx.merge(graphdef, params, rest)
+    x0 = windows[:, :-1]
+    t = MASK_EPS + (1.0 - MASK_EPS) * noise[:, :1]
+    masked = noise[:, 1:] < t
+    logits, _, _ = model(jnp.where(masked, model.cfg.mask_token_id, x0), use_cache=False)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, x0), masked, t
+
+
+def training_loss(graphdef, params, rest, windows: jax.Array, noise: jax.Array | None) -> jax.Array:
+    """Mean loss [] float32: next-token nats (noise None) or the 1/t-weighted masked-diffusion loss."""
+    if noise is None:
+        return token_nll(graphdef, params, rest, windows).mean()
+    nll, masked, t = masked_nll(graphdef, params, rest, windows, noise)
+    return (nll * masked / t).sum() / nll.size
+
+
 # Options baked into the compiled update (the learning-rate schedule and the optimizer).
 OPTIMIZER_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
 
@@ -160,9 +198,11 @@ OPTIMIZER_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "gr
 def make_step_functions(graphdef, opts: TrainConfig):
     """(train_step, eval_step), both jitted; opts must be resolved (see TrainConfig.resolved).
 
-    train_step(params, opt_state, rest, windows [B, T+1] int32) -> (params, opt_state, mean loss []
-      float32); params and opt_state are donated.
-    eval_step(params, rest, windows [B, T+1] int32, weights [B, T] float32) -> (summed nats [], weight sum []).
+    train_step(params, opt_state, rest, windows [B, T+1] int32, noise) -> (params, opt_state, mean loss []
+      float32); params and opt_state are donated; noise: None (AR) or [B, T+1] float32 uniforms (diffusion,
+      see masked_nll).
+    eval_step(params, rest, windows [B, T+1] int32, weights [B, T] float32, noise) -> (summed nats [], weight
+      sum []); for diffusion the sums run over masked tokens only.
     Cached per (model graph, optimizer options), so repeated train() calls in one process compile once.
     """
     return _train_step(graphdef, tuple(getattr(opts, f) for f in OPTIMIZER_FIELDS)), _eval_step(graphdef)
@@ -172,9 +212,9 @@ def make_step_functions(graphdef, opts: TrainConfig):
 def _train_step(graphdef, optimizer_key: tuple):
     tx = make_optimizer(TrainConfig(**dict(zip(OPTIMIZER_FIELDS, optimizer_key))))
 
-    def train_step(params, opt_state, rest, windows):
-        """One AdamW update on the mean next-token loss of windows [B, T+1]."""
-        loss, grads = jax.value_and_grad(lambda p: token_nll(graphdef, p, rest, windows).mean())(params)
+    def train_step(params, opt_state, rest, windows, noise=None):
+        """One AdamW update on the mean training loss of windows [B, T+1] (see training_loss)."""
+        loss, grads = jax.value_and_grad(lambda p: training_loss(graphdef, p, rest, windows, noise))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -183,9 +223,13 @@ def _train_step(graphdef, optimizer_key: tuple):
 
 @functools.lru_cache(maxsize=8)
 def _eval_step(graphdef):
-    def eval_step(params, rest, windows, weights):
-        """Weighted sum of per-token losses and the sum of weights."""
-        nll = token_nll(graphdef, params, rest, windows)
+    def eval_step(params, rest, windows, weights, noise=None):
+        """Weighted sum of per-token losses and the sum of weights (diffusion: masked tokens only)."""
+        if noise is None:
+            nll = token_nll(graphdef, params, rest, windows)
+        else:
+            nll, masked, _ = masked_nll(graphdef, params, rest, windows, noise)
+            weights = weights * masked
         return (nll * weights).sum(), weights.sum()
 
     return jax.jit(eval_step)
@@ -268,7 +312,11 @@ def _start_session(cfg: ModelConfig, data_path: str, out_dir: str, opts: TrainCo
     else:
         tokenizer = train_tokenizer(train_text, opts.tokenizer,
                                     opts.bpe_vocab_size if opts.tokenizer == "bpe" else None)
-    cfg = cfg.replace(vocab_size=tokenizer.vocab_size)
+    if cfg.paradigm == "diffusion":
+        tokenizer = with_mask_token(tokenizer)
+        cfg = cfg.replace(vocab_size=tokenizer.vocab_size, mask_token_id=tokenizer.hf.token_to_id(MASK))
+    else:
+        cfg = cfg.replace(vocab_size=tokenizer.vocab_size)
     sha = file_sha256(data_path)
     if meta is not None:
         _check_resumable(meta, cfg, opts, sha, ckpt_dir)
@@ -347,8 +395,9 @@ def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
     tokens_per_step = s.opts.batch_size * s.opts.seq_len
     while s.step < until:
         batch = sample_batch(s.data.train, s.rng, s.opts.batch_size, s.opts.seq_len)
+        noise = _mask_noise(s.cfg, s.rng, batch.shape)
         t0 = time.perf_counter()
-        s.params, s.opt_state, loss_arr = train_step(s.params, s.opt_state, s.rest, jnp.asarray(batch))
+        s.params, s.opt_state, loss_arr = train_step(s.params, s.opt_state, s.rest, jnp.asarray(batch), noise)
         loss = float(loss_arr)
         dt = time.perf_counter() - t0
         s.step += 1
@@ -370,11 +419,21 @@ def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
     bar.close()
 
 
+def _mask_noise(cfg: ModelConfig, rng: np.random.Generator, shape) -> jax.Array | None:
+    """Uniforms [B, T+1] float32 for the diffusion masks (see masked_nll); None for AR (rng untouched)."""
+    if cfg.paradigm != "diffusion":
+        return None
+    return jnp.asarray(rng.random(shape, dtype=np.float32))
+
+
 def evaluate(s: _Session) -> float:
-    """Mean validation loss (nats/token) over up to opts.eval_batches deterministic batches."""
+    """Mean validation loss over up to opts.eval_batches deterministic batches: nats/token (AR) or nats per
+    masked token (diffusion, fixed masks drawn from VAL_MASK_SEED)."""
     total, count = 0.0, 0.0
+    mask_rng = np.random.default_rng(VAL_MASK_SEED)
     for windows, weights in val_batches(s.data.val, s.opts.batch_size, s.opts.seq_len, s.opts.eval_batches):
-        nats, n = s.eval_step(s.params, s.rest, jnp.asarray(windows), jnp.asarray(weights))
+        noise = _mask_noise(s.cfg, mask_rng, windows.shape)
+        nats, n = s.eval_step(s.params, s.rest, jnp.asarray(windows), jnp.asarray(weights), noise)
         total, count = total + float(nats), count + float(n)
     return total / count
 
@@ -388,7 +447,8 @@ def _evaluate_and_log(s: _Session, train_loss: float, lr: float, tok_s: float, e
            "val_loss": f"{s.last_val:.6f}",
            "tokens_per_s": f"{tok_s:.1f}", "elapsed_s": f"{s.elapsed_s + spent:.3f}"}
     rd.append_log_row(s.out_dir, row)
-    emit(f"step {s.step}/{s.opts.steps}  train {train_loss:.4f}  val {s.last_val:.4f} nats/token "
+    unit = "nats/masked token" if s.cfg.paradigm == "diffusion" else "nats/token"
+    emit(f"step {s.step}/{s.opts.steps}  train {train_loss:.4f}  val {s.last_val:.4f} {unit} "
          f"({s.last_val * s.data.tokens_per_char:.4f} nats/char)  lr {lr:.3g}  {tok_s:,.0f} tok/s")
     return spent
 
@@ -406,9 +466,11 @@ def _finish(s: _Session, log) -> dict:
                "tokens_seen": s.tokens_seen, "training_time_s": round(s.elapsed_s, 3),
                "tokens_per_s": round(s.tokens_seen / max(s.step_time_s, 1e-9), 1),
                "data_file": os.path.basename(s.data_path), "data_sha256": s.data_sha256,
-               "seq_len": s.opts.seq_len, "batch_size": s.opts.batch_size}
+               "seq_len": s.opts.seq_len, "batch_size": s.opts.batch_size,
+               "val_loss_unit": "nats per masked token" if s.cfg.paradigm == "diffusion" else "nats per token"}
     rd.save_run(s.out_dir, model, s.cfg, s.tokenizer, summary)
-    log(f"done: step {s.step}, val {s.last_val:.4f} nats/token, run directory {s.out_dir}")
+    unit = "nats/masked token" if s.cfg.paradigm == "diffusion" else "nats/token"
+    log(f"done: step {s.step}, val {s.last_val:.4f} {unit}, run directory {s.out_dir}")
     return rd.read_summary(s.out_dir)
 
 
