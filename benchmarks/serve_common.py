@@ -4,8 +4,9 @@ Model ("small"): GQA, dim 128, 4 query heads x 32, 2 KV heads, 4 blocks, vocab 2
 untied output projection, float32, random weights from seed 0 (a random model with an untied head gives
 varied greedy text, so equality checks mean something).
 
-Trace: ``n`` requests with prompt lengths uniform in [4, 64] tokens and max_tokens uniform in [8, 48]
-(prompt + max_tokens <= max_context), greedy, arriving as a Poisson process of ``rate`` requests/s.
+Trace: ``n`` requests with prompt lengths uniform in [4, 64] tokens and max_tokens uniform in [8, 48] by
+default (``--prompt-range`` / ``--new-range``; prompt + max_tokens <= max_context), greedy, arriving as a
+Poisson process of ``rate`` requests/s.
 """
 
 from __future__ import annotations
@@ -33,12 +34,22 @@ class TraceRequest:
     max_tokens: int
 
 
-def mixed_trace(n: int, rate: float, seed: int = 0, vocab: int = 256) -> list[TraceRequest]:
+def mixed_trace(n: int, rate: float, seed: int = 0, vocab: int = 256, prompt_range=(4, 64),
+                new_range=(8, 48)) -> list[TraceRequest]:
+    """Ranges are inclusive token counts."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, n)
     arrivals = np.cumsum(gaps) - gaps[0]
-    return [TraceRequest(float(t), rng.integers(0, vocab, int(rng.integers(4, 65))).tolist(),
-                         int(rng.integers(8, 49))) for t in arrivals]
+    lo, hi = prompt_range
+    return [TraceRequest(float(t), rng.integers(0, vocab, int(rng.integers(lo, hi + 1))).tolist(),
+                         int(rng.integers(new_range[0], new_range[1] + 1))) for t in arrivals]
+
+
+def add_trace_arguments(parser) -> None:
+    parser.add_argument("--prompt-range", type=int, nargs=2, default=(4, 64), metavar=("MIN", "MAX"),
+                        help="prompt tokens, inclusive (default 4 64)")
+    parser.add_argument("--new-range", type=int, nargs=2, default=(8, 48), metavar=("MIN", "MAX"),
+                        help="max_tokens per request, inclusive (default 8 48)")
 
 
 def pct(values, q: float) -> float:

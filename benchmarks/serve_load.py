@@ -1,10 +1,13 @@
 """Load test against a live dantinox server on 127.0.0.1: a mixed trace arriving faster than it is served,
 on a KV pool small enough to force preemption.
 
-The server (PagedEngine behind the FastAPI app, in a background thread of this process) holds --blocks
-blocks of 16 tokens: far fewer than the running sequences could fill, so sequences get preempted
-(--policy recompute or swap). The client replays the trace of benchmarks/serve_common.py (--requests
-requests, Poisson arrivals at --rate per second, greedy, streamed) with httpx.
+The script saves the small random model of benchmarks/serve_common.py (with a byte-level tokenizer) to a
+temporary run directory and starts ``dantinox serve`` on it in a child process (127.0.0.1, a free port), with
+a KV pool of --blocks blocks of 16 tokens (passed as --kv-memory): far fewer than the running sequences
+could fill, so sequences get preempted (--policy recompute or swap). The client (this process) replays
+the trace of benchmarks/serve_common.py (--requests requests, Poisson arrivals at --rate per second,
+greedy, streamed) with httpx. The server's log goes to serve_load.log in the temporary directory; its
+"KV cache: ..." line is printed.
 Checks: every request either completes with exactly its max_tokens tokens or gets 429; each completed
 text equals the batch-1 ``dantinox.generate`` output for its prompt; once idle, every KV block is free and
 /health answers "ok". Prints TTFT p50/p99 and TPOT p50/p99 (client side, ms), output throughput
@@ -19,17 +22,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 import numpy as np
 
 import dantinox as dx
-from dantinox.serving import EngineConfig, PagedEngine
-from dantinox.serving.server import ServerThread, create_app
-from dantinox.train import train_tokenizer
-from serve_common import mixed_trace, pct, small_model
+from dantinox.serving.paged_cache import block_bytes
+from dantinox.train import save_run, train_tokenizer
+from serve_common import add_trace_arguments, mixed_trace, pct, small_model
 
 
 async def one_request(client: httpx.AsyncClient, url: str, req, start: float) -> dict:
@@ -77,6 +84,30 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
         time.sleep(0.05)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(run_dir: str, args, memory: int, log) -> tuple[subprocess.Popen, str]:
+    """``dantinox serve`` in a child process; returns it and its URL once /health answers (180 s at most)."""
+    port = free_port()
+    command = [sys.executable, "-m", "dantinox.cli", "serve", "--run_dir", run_dir, "--port", str(port),
+               "--kv-memory", str(memory), "--block-size", "16", "--policy", args.policy,
+               "--max-running", "16", "--max-queued", str(args.max_queued), "--max-batched-tokens", "64"]
+    child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+    while time.monotonic() < deadline and child.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return child, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    child.kill()
+    raise RuntimeError(f"dantinox serve did not start on port {port}; see {log.name}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200)
@@ -85,19 +116,25 @@ def main() -> int:
     parser.add_argument("--policy", choices=("recompute", "swap"), default="recompute")
     parser.add_argument("--max-queued", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
+    add_trace_arguments(parser)
     args = parser.parse_args()
     model = small_model()
     tokenizer = train_tokenizer("".join(chr(32 + i % 95) for i in range(2000)), "bpe", 256)  # bytes only
     assert tokenizer.vocab_size == model.cfg.vocab_size, (tokenizer.vocab_size, model.cfg.vocab_size)
-    config = EngineConfig(block_size=16, num_blocks=args.blocks, max_running=16, max_queued=args.max_queued,
-                          max_batched_tokens=64, preemption=args.policy, decode_buckets=(1, 4, 8, 16),
-                          prefill_buckets=(1, 2, 4), chunk_buckets=(16, 32, 64))
-    engine = PagedEngine(model, config)
-    warm = engine.warmup()
-    trace = mixed_trace(args.requests, args.rate, args.seed, vocab=tokenizer.vocab_size)
-    with ServerThread(create_app(engine, tokenizer, "small")) as server:
-        results, wall = asyncio.run(replay(server.url + "/v1/completions", trace))
-        health = wait_idle(server.url)
+    trace = mixed_trace(args.requests, args.rate, args.seed, vocab=tokenizer.vocab_size,
+                        prompt_range=args.prompt_range, new_range=args.new_range)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_run(tmp, model, model.cfg, tokenizer)
+        with open(os.path.join(tmp, "serve_load.log"), "w+") as log:
+            child, url = start_server(tmp, args, args.blocks * block_bytes(model.cfg, 16), log)
+            try:
+                results, wall = asyncio.run(replay(url + "/v1/completions", trace))
+                health = wait_idle(url)
+            finally:
+                child.send_signal(signal.SIGINT)
+                child.wait(30)
+            log.seek(0)
+            print(next((line.split(" INFO ")[-1].strip() for line in log if "KV cache:" in line), ""))
     ok = [(r, res) for r, res in zip(trace, results) if res["status"] == 200]
     rejected = [res for res in results if res["status"] == 429]
     others = [res for res in results if res["status"] not in (200, 429)]
@@ -107,9 +144,9 @@ def main() -> int:
     wrong = [i for i, (r, x) in enumerate(ok) if x["tokens"] != r.max_tokens or x["text"] != reference(r)]
     stats = health["engine"]
     tokens = sum(res["tokens"] for _, res in ok)
-    print(f"trace: {len(trace)} requests at {args.rate:g}/s, prompts 4-64, 8-48 new tokens; pool "
-          f"{args.blocks} blocks x 16 tokens, policy {args.policy}; warm-up compiled {warm.compilations} "
-          "executables")
+    (p0, p1), (n0, n1) = args.prompt_range, args.new_range
+    print(f"trace: {len(trace)} requests at {args.rate:g}/s, prompts {p0}-{p1}, {n0}-{n1} new tokens; pool "
+          f"{args.blocks} blocks x 16 tokens, policy {args.policy}; server in a child process")
     print(f"completed {len(ok)}, rejected with 429: {len(rejected)}, other statuses: {len(others)}, "
           f"outputs differing from batch-1 generate: {len(wrong)}")
     ttft, tpot = [1e3 * x["ttft"] for _, x in ok], [1e3 * x["tpot"] for _, x in ok]

@@ -12,7 +12,7 @@ Reported per mode: output tokens/s (useful tokens only: each request's own max_t
 from the first arrival to the last completion), TTFT p50 / p99 (arrival to first token) and TPOT p50.
 The greedy tokens of both modes are checked equal, request by request.
 
-Run:  python benchmarks/serve_vs_static.py [--requests 64] [--rate 40] [--batch 8]
+Run:  python benchmarks/serve_vs_static.py [--requests 64] [--rate 40] [--batch 16]
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import time
 
 
 import dantinox as dx
+from dantinox.generate import bucket_length
 from dantinox.serving import EngineConfig, PagedEngine, SamplingOptions
-from serve_common import mixed_trace, pct, small_model
+from serve_common import add_trace_arguments, mixed_trace, pct, small_model
 
 
 def run_continuous(model, trace, config: EngineConfig) -> dict:
@@ -75,10 +76,12 @@ def run_static(model, trace, batch: int) -> dict:
 
 def _warm_static(model, trace, batch: int) -> None:
     """Compile prefill for every prompt bucket and the decode loop at the static batch sizes used."""
+    S = model.cfg.max_context
     sizes = {min(batch, len(trace) - b) for b in range(0, len(trace), batch)}
+    buckets = {bucket_length(len(r.prompt), S) for r in trace}
     for size in sizes:
-        for length in (16, 32, 64):
-            list(dx.stream_tokens(model, [[1] * length] * size, 2, chunk_size=1))
+        for length in sorted(buckets):
+            list(dx.stream_tokens(model, [[1] * min(length, S - 2)] * size, 2, chunk_size=1))
 
 
 def _summary(trace, first, last, tokens, wall: float, preemptions: int) -> dict:
@@ -93,19 +96,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rate", type=float, default=40.0, help="mean arrivals per second")
-    parser.add_argument("--batch", type=int, default=8, help="static batch size (and decode bucket)")
+    parser.add_argument("--batch", type=int, default=16, help="static batch size (the engine runs up to 16)")
     parser.add_argument("--seed", type=int, default=0)
+    add_trace_arguments(parser)
     args = parser.parse_args()
     model = small_model()
-    trace = mixed_trace(args.requests, args.rate, args.seed)
+    trace = mixed_trace(args.requests, args.rate, args.seed, prompt_range=args.prompt_range,
+                        new_range=args.new_range)
     config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, decode_buckets=(1, 4, 8, 16),
                           prefill_buckets=(1, 2, 4), chunk_buckets=(16, 32, 64))
     results = {"continuous": run_continuous(model, trace, config),
                "static": run_static(model, trace, args.batch)}
     same = sum(results["continuous"]["tokens"].get(i) == results["static"]["tokens"].get(i)
                for i in range(len(trace)))
-    print(f"trace: {len(trace)} requests, prompts 4-64 tokens, 8-48 new tokens, {args.rate:g} req/s; "
-          f"static batch {args.batch}; model dim 128 x 4 blocks, GQA 4/2 heads, CPU")
+    (p0, p1), (n0, n1) = args.prompt_range, args.new_range
+    print(f"trace: {len(trace)} requests, prompts {p0}-{p1} tokens, {n0}-{n1} new tokens, "
+          f"{args.rate:g} req/s; static batch {args.batch}; model dim 128 x 4 blocks, GQA 4/2 heads, CPU")
     print(f"{'mode':<11} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'TPOT p50 ms':>12} "
           f"{'wall s':>7} {'preempt':>8}")
     for mode, r in results.items():

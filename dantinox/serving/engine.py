@@ -34,7 +34,7 @@ from ..sampling import SamplingParams
 from .allocator import BlockAllocator
 from .paged_cache import init_pool, num_blocks_for_memory, pool_nbytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions
-from .runner import copy_blocks, forward_step, read_blocks, write_blocks
+from .runner import copy_blocks, forward_step, read_blocks, static_graph, write_blocks
 from .scheduler import Chunk, ContextPolicy, Schedule, Scheduler
 
 log = logging.getLogger("dantinox.serving")
@@ -114,7 +114,8 @@ class PagedEngine(Engine):
         cfg = model.cfg
         self.cfg, self.config = cfg, config
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_context
-        self.graphdef, self.params = nnx.split(model)
+        graphdef, self.params = nnx.split(model)
+        self.graph = static_graph(graphdef)
         P = config.block_size
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
@@ -277,7 +278,7 @@ class PagedEngine(Engine):
             seeds[b], temperature[b], top_p[b] = opts.seed, opts.temperature, opts.top_p
             top_k[b] = min(opts.top_k, self.vocab_size)
         sampling = SamplingParams(temperature, top_k, top_p)
-        out, self.pool = forward_step(self.graphdef, self.params, self.pool, ids, start, num_new, table,
+        out, self.pool = forward_step(self.graph, self.params, self.pool, ids, start, num_new, table,
                                       seeds, steps, sampling)
         self.counters["forward_calls"] += bool(part)
         return np.asarray(out)
