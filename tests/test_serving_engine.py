@@ -176,3 +176,22 @@ def test_abort_frees_blocks_and_reports_once(model):
     results = drain(engine)
     assert results[drop][1] == "abort" and results[keep][1] == "length"
     assert engine.stats()["blocks_used"] == 0 and engine.stats()["aborted"] == 1
+
+
+def test_a_failed_step_ends_running_requests_with_an_error_and_the_engine_goes_on(model):
+    engine = make_engine(model, num_blocks=20)
+    first = engine.add_request(prompts([5], seed=9)[0], greedy(6))
+    engine.step()
+    run, calls = engine._run, []
+
+    def broken(chunks):
+        calls.append(len(chunks))
+        engine._run = run
+        raise RuntimeError("device lost")
+
+    engine._run = broken
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [(first, "error")]
+    assert "device lost" in outputs[0].error and engine.stats()["blocks_used"] == 0
+    again = engine.add_request(prompts([5], seed=9)[0], greedy(6))
+    assert drain(engine)[again] == (solo(model, prompts([5], seed=9)[0], 6), "length")

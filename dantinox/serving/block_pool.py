@@ -102,6 +102,11 @@ class BlockPool:
         """Remove ``block`` from the hash index (it is about to be written)."""
         self._forget_hash(block)
 
+    def forget_all_hashes(self) -> None:
+        """Empty the hash index (the device contents of the blocks are gone, e.g. the pool was rebuilt)."""
+        self.block_hash = [None] * self.num_blocks
+        self._by_hash.clear()
+
     def _forget_hash(self, block: int) -> None:
         old = self.block_hash[block]
         if old is not None:

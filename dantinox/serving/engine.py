@@ -318,11 +318,15 @@ class PagedEngine(Engine):
                              len(req.prompt_ids), len(req.output_ids))
 
     def _fail_running(self, message: str) -> list[RequestOutput]:
-        """After a failed device step: end every running request with an error and rebuild the pool."""
-        failed = list(self.scheduler.running)
+        """After a failed device step: end every request whose keys and values may be lost (running, or
+        swapped out without a host copy) with an error, and rebuild the pool."""
+        lost = [r for r in self.scheduler.waiting
+                if r.status is RequestStatus.SWAPPED and r.swap_data is None]
+        failed = list(self.scheduler.running) + lost
         for req in failed:
             self._finish(req, "error", message)
         self.pool = init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size)
+        self.allocator.pool.forget_all_hashes()  # cached prefixes pointed into the old pool
         return [self._output(req, []) for req in failed]
 
 
