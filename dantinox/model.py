@@ -6,6 +6,8 @@ The call follows the seeds' contract::
 
 ``cache_index`` is a scalar or one slot per row ([B] int32) so prompts of different lengths share a batch.
 ``use_cache=False`` runs the plain causal forward over ``ids`` and returns ``kv_caches=None``.
+With ``cfg.paradigm == "diffusion"`` attention is bidirectional (no causal mask; left padding still masked);
+``dantinox.diffusion`` passes its DualCache as per-layer objects with an ``attend_and_write`` method.
 Shape letters: see ``dantinox.layers``.
 """
 

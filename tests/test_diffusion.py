@@ -165,3 +165,16 @@ def test_budget_prints_the_dual_cache_table(capsys):
     assert main(["budget", "--preset", "dante-diffusion", "--context", "256", "--gen-len", "100"]) == 0
     out = capsys.readouterr().out
     assert "DualCache" in out and "156" in out
+
+
+def test_diffusion_training_appends_the_mask_token(tmp_path):
+    from dantinox.train import load_run, train
+
+    text = tmp_path / "text.txt"
+    text.write_text("Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura. " * 20, encoding="utf-8")
+    summary = train(tiny_config(paradigm="diffusion", num_blocks=1), text, tmp_path / "run", tokenizer="char", steps=2,
+                    batch_size=2, seq_len=16, eval_every=2, eval_batches=1, progress=False, log=lambda _: None)
+    model, cfg, tokenizer, _ = load_run(tmp_path / "run")
+    assert cfg.paradigm == "diffusion" and cfg.mask_token_id == cfg.vocab_size - 1
+    assert tokenizer.decode([cfg.mask_token_id]) == "<mask>"
+    assert summary["val_loss_unit"] == "nats per masked token" and np.isfinite(summary["val_loss"])
