@@ -159,24 +159,56 @@ def wait_for(predicate, timeout=30.0):
 
 
 class GatedEngine(PagedEngine):
-    """An engine whose steps wait for a gate, so a test can hold the worker thread at a known point."""
+    """An engine whose steps wait at a gate, so a test can hold the worker thread at a known point.
+
+    While held, a step runs only when the test hands out a ticket (``step_once``); ``at_gate()`` tells that the
+    worker is waiting there, ``steps`` counts finished steps."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gate, self.blocked = threading.Event(), threading.Event()
-        self.gate.set()
+        self.cond = threading.Condition()
+        self.held, self.tickets, self.waiting, self.steps = False, 0, False, 0
+
+    def at_gate(self) -> bool:
+        """True while the worker waits at the gate."""
+        with self.cond:
+            return self.waiting
 
     def step(self):
-        if not self.gate.is_set():
-            self.blocked.set()
-            self.gate.wait(30)
-            self.blocked.clear()
-        return super().step()
+        with self.cond:
+            while self.held and self.tickets == 0:
+                self.waiting = True
+                self.cond.notify_all()
+                self.cond.wait(30)
+            self.tickets -= 1 if self.held else 0
+            self.waiting = False
+        out = super().step()
+        with self.cond:
+            self.steps += 1
+            self.cond.notify_all()
+        return out
+
+    def release(self) -> None:
+        with self.cond:
+            self.held = False
+            self.cond.notify_all()
 
 
-def hold(engine: GatedEngine) -> None:
-    engine.gate.clear()
-    wait_for(engine.blocked.is_set)
+def hold(engine: GatedEngine, wait: bool = True) -> None:
+    """Stop the worker at its next step (and, with wait, until it is there)."""
+    with engine.cond:
+        engine.held = True
+    if wait:
+        wait_for(engine.at_gate)
+
+
+def step_once(engine: GatedEngine) -> None:
+    """Let a held worker run exactly one step and wait until it is back at the gate."""
+    with engine.cond:
+        done = engine.steps
+        engine.tickets += 1
+        engine.cond.notify_all()
+    wait_for(lambda: engine.steps > done and engine.at_gate())
 
 
 def test_disconnect_frees_blocks_and_queue_bound_gives_429(loaded):
@@ -195,7 +227,7 @@ def test_disconnect_frees_blocks_and_queue_bound_gives_429(loaded):
             assert next(lines).startswith("data: ")
             hold(engine)
         wait_for(lambda: worker.commands.qsize() == 1)  # the abort, sent when the stream was cancelled
-        engine.gate.set()
+        engine.release()
         wait_for(lambda: health()["aborted"] == 1 and health()["blocks_used"] == 0)
         # 2. With one request running and one waiting, the next one gets 429 with Retry-After.
         replies = {}
@@ -203,15 +235,17 @@ def test_disconnect_frees_blocks_and_queue_bound_gives_429(loaded):
         def send(name, body):
             replies[name] = httpx.post(url, json=body, timeout=60)
 
+        hold(engine, wait=False)  # A is admitted and stepped once, then held: it stays running
         threads = [threading.Thread(target=send, args=("A", {**long, "stream": False}))]
         threads[0].start()
-        wait_for(lambda: health()["running"] == 1)
-        hold(engine)
+        wait_for(engine.at_gate)
+        step_once(engine)
+        assert health()["running"] == 1
         for i, name in enumerate("BC"):
             threads.append(threading.Thread(target=send, args=(name, dict(prompt=[4 + i], max_tokens=2))))
             threads[-1].start()
             wait_for(lambda: worker.commands.qsize() == i + 1)
-        engine.gate.set()
+        engine.release()
         for thread in threads:
             thread.join(60)
         assert replies["A"].status_code == replies["B"].status_code == 200
