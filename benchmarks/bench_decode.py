@@ -65,8 +65,8 @@ def measure(variant: str, batches: list[int], repeats: int, ratios: bool) -> dic
         with dx.CompileCounter() as counted:
             dx.generate(model, prompts, NEW)
         row[f"compile_s_b{b}"] = counted.seconds
-        t_prefill = timed(lambda: dx.generate(model, prompts, 1), repeats)
-        t_full = timed(lambda: dx.generate(model, prompts, NEW), repeats)
+        t_prefill = timed(lambda p=prompts: dx.generate(model, p, 1), repeats)
+        t_full = timed(lambda p=prompts: dx.generate(model, p, NEW), repeats)
         row[f"prefill_ms_b{b}"] = 1000 * t_prefill
         row[f"decode_b{b}"] = b * (NEW - 1) / (t_full - t_prefill)
     prompt = rng.integers(0, cfg.vocab_size, (1, PROMPT)).tolist()
@@ -74,8 +74,8 @@ def measure(variant: str, batches: list[int], repeats: int, ratios: bool) -> dic
     for total in totals:
         new = total - PROMPT
         dx.generate(model, prompt, new, use_cache=False)
-        off = timed(lambda: dx.generate(model, prompt, new, use_cache=False), max(1, repeats // 2))
-        on = timed(lambda: dx.generate(model, prompt, new), repeats)
+        off = timed(lambda n=new: dx.generate(model, prompt, n, use_cache=False), max(1, repeats // 2))
+        on = timed(lambda n=new: dx.generate(model, prompt, n), repeats)
         row[f"off_tok_s_{total}"] = new / off
         row[f"on_off_ratio_{total}"] = off / on
     return row

@@ -73,7 +73,7 @@ def test_K07_committed_block_kv_is_fresh_under_block_refresh(model):
 def test_K07_prompt_once_computes_the_prefix_once(model):
     result, seen = _capture(model, "prompt_once")
     assert result.prefix_computations == 1
-    (x0, cache0), (x1, cache1) = seen[0], seen[1]
+    (_, cache0), (x1, cache1) = seen[0], seen[1]
     fresh = _fresh_kv(model, x1, np.array([10, 10], np.int32))
     for layer in range(model.cfg.num_blocks):
         for part in (0, 1):
@@ -178,3 +178,23 @@ def test_diffusion_training_appends_the_mask_token(tmp_path):
     assert cfg.paradigm == "diffusion" and cfg.mask_token_id == cfg.vocab_size - 1
     assert tokenizer.decode([cfg.mask_token_id]) == "<mask>"
     assert summary["val_loss_unit"] == "nats per masked token" and np.isfinite(summary["val_loss"])
+
+
+def test_bundled_diffusion_model_generates_with_and_without_cache(capsys):
+    import os
+
+    from dantinox.cli import main
+    from dantinox.generator import bundled_run_dir
+
+    run_dir = bundled_run_dir("dante-diffusion")
+    if not os.path.isdir(run_dir):
+        pytest.skip("the bundled diffusion model is not installed")
+    size = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir))
+    assert size <= 8 * 2**20
+    args = ["generate", "--run_dir", run_dir, "--prompt", "Nel mezzo del cammin", "--gen_len", "32",
+            "--steps_per_block", "4", "--temperature", "0"]
+    assert main(args) == 0
+    cached = capsys.readouterr().out
+    assert main(args + ["--no_cache"]) == 0
+    assert cached.startswith("Nel mezzo del cammin") and capsys.readouterr().out.startswith("Nel mezzo")
+    assert main(args + ["--top_k", "5"]) == 2  # an AR-only option on a diffusion model

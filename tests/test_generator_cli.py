@@ -3,7 +3,6 @@
 import jax
 import pytest
 
-import dantinox as dx
 from dantinox import cli
 from dantinox.generator import Generator
 from dantinox.train import save_run, train_tokenizer

@@ -244,7 +244,7 @@ def test_disconnect_frees_blocks_and_queue_bound_gives_429(loaded):
         for i, name in enumerate("BC"):
             threads.append(threading.Thread(target=send, args=(name, dict(prompt=[4 + i], max_tokens=2))))
             threads[-1].start()
-            wait_for(lambda: worker.commands.qsize() == i + 1)
+            wait_for(lambda n=i + 1: worker.commands.qsize() == n)
         engine.release()
         for thread in threads:
             thread.join(60)

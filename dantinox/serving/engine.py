@@ -149,7 +149,7 @@ class PagedEngine(Engine):
                              aborted=0, errors=0)
 
     # Interface ------------------------------------------------------------------------------------
-    def add_request(self, prompt_ids, options: SamplingOptions = SamplingOptions(),
+    def add_request(self, prompt_ids, options: SamplingOptions = SamplingOptions(),  # noqa: B008 (frozen)
                     request_id: str | None = None) -> str:
         ids = _check_prompt(prompt_ids, self.vocab_size)
         options.validate(self.vocab_size)
