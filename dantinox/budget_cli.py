@@ -77,7 +77,8 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device memory, e.g. 40GB, 40GiB, 512MiB, 2e9 (default 40GB)")
     parser.add_argument("--context", type=int, nargs="+", default=[512, 1024, 4096],
                         help="context lengths in tokens (default 512 1024 4096)")
-    parser.add_argument("--dtype", default="bf16", help="cache dtype: bf16 or fp32 (default bf16)")
+    parser.add_argument("--dtype", default=None,
+                        help="cache dtype: bf16 or fp32 (default: the model's cache_dtype)")
     parser.add_argument("--reserve-fraction", dest="reserve_fraction", type=float, default=0.1,
                         help="device memory kept free for activations and workspaces (default 0.1)")
     parser.add_argument("--kv-heads", dest="kv_heads", type=int, default=None,
@@ -100,7 +101,10 @@ def run_budget(args: argparse.Namespace) -> int:
     Raises ValueError / ConfigError / FileNotFoundError for bad input (the CLI prints them as one line).
     """
     cfg = load_config(args)
-    dtype = canonical_dtype("dtype", args.dtype)
+    try:
+        dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype)
+    except ValueError:
+        raise ValueError(f"--dtype {args.dtype!r} is not allowed: bf16, bfloat16, fp32 or float32") from None
     device_bytes = parse_memory_size(args.device_memory)
     contexts = [int(c) for c in args.context]
     for c in contexts:

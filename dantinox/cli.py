@@ -27,10 +27,12 @@ from .generate import check_request
 from .sampling import make_sampling_params
 
 USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
+DEFAULT_NEW_TOKENS = 200
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max_new_tokens", type=int, default=200, help="new tokens to generate (default 200)")
+    p.add_argument("--max_new_tokens", type=int, default=None,
+                   help="new tokens to generate (default: 200, or what is left of the context if less)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
@@ -61,8 +63,12 @@ def cmd_generate(args) -> int:
     if given:
         raise ValueError(f"{', '.join(given)} apply to paradigm='diffusion' models only; {gen.run_dir} holds "
                          f"a paradigm={gen.cfg.paradigm!r} model")
+    if args.max_new_tokens is None:  # the default never asks for more than the context holds
+        args.max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, gen.cfg.max_context - len(ids)))
     check_request(np.array([len(ids)]), args.max_new_tokens, gen.cfg.max_context)  # fail before printing
     make_sampling_params(1, args.temperature, args.top_k, args.top_p)
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
     if args.stream and args.no_cache:
         raise ValueError("--stream needs the cache: drop --no_cache to stream")
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
@@ -121,9 +127,15 @@ def cmd_verify(args) -> int:
 
     run_dir = args.run_dir or bundled_run_dir()
     model, cfg, tokenizer, _ = load_run(run_dir)
-    prompt = tokenizer.encode(args.prompt, unknown="replace") if args.prompt else [0]
-    if not prompt:
-        raise ValueError("prompt is empty: give at least one character")
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give at least one character")
+    if args.new_tokens is not None and args.new_tokens < 1:
+        raise ValueError(f"--new_tokens {args.new_tokens} is not allowed: an integer >= 1")
+    if not args.tolerance >= 0:
+        raise ValueError(f"--tolerance {args.tolerance} is not allowed: a number >= 0")
+    prompt = tokenizer.encode(args.prompt, unknown="replace")
+    if len(prompt) >= cfg.max_context:
+        raise CapacityError(f"--prompt has {len(prompt)} tokens; max_context={cfg.max_context} leaves no room")
     new_tokens = args.new_tokens or cfg.max_context - len(prompt)
     report = verify_cache(model, prompt, new_tokens, args.tolerance)
     print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype}; "

@@ -91,3 +91,45 @@ def test_cli_generate_verify_and_errors(run_dir, capsys):
         assert message in captured.err and captured.out == ""
     assert cli.main(["generate", "--run_dir", run_dir + "-missing", "--prompt", "Nel"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_non_finite_weights_are_a_corrupted_run(tmp_path):
+    import os
+
+    import safetensors.numpy
+
+    from dantinox.train import RunDirError, load_run
+
+    run = make_run(tmp_path / "nan")
+    path = os.path.join(run, "model.safetensors")
+    arrays = safetensors.numpy.load_file(path)
+    name = sorted(arrays)[0]
+    arrays[name] = arrays[name].copy()
+    arrays[name].flat[3] = float("nan")
+    safetensors.numpy.save_file(arrays, path)
+    with pytest.raises(RunDirError, match=f"{name} holds 1 non-finite"):
+        load_run(run)
+    assert cli.main(["generate", "--run_dir", run, "--prompt", "Nel"]) == 2
+
+
+def test_cli_defaults_fit_the_context_and_flags_are_checked(run_dir, capsys):
+    # max_context is 64: the default of 200 new tokens is lowered to what the context leaves
+    assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel mezzo", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "55 new tokens" in captured.err
+    for bad, message in ((["--seed", "-1"], "--seed -1"), (["--max_new_tokens", "0"], "max_new_tokens=0")):
+        assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel"] + bad) == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and captured.out == ""
+    for bad, message in ((["--new_tokens", "0"], "--new_tokens 0"), (["--tolerance", "-1"], "--tolerance -1"),
+                         (["--prompt", ""], "--prompt is empty")):
+        assert cli.main(["verify", "--run_dir", run_dir] + bad) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_budget_uses_the_run_cache_dtype(run_dir, capsys):
+    assert cli.main(["budget", "--run_dir", run_dir, "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "float32" in out and "bfloat16" not in out
+    assert cli.main(["budget", "--run_dir", run_dir, "--context", "64", "--dtype", "fp8"]) == 2
+    assert "--dtype 'fp8'" in capsys.readouterr().err

@@ -121,10 +121,14 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, Text
     """
     run_dir = os.fspath(run_dir)
     if not os.path.isdir(run_dir):
-        raise RunDirError(f"run directory {run_dir!r} does not exist")
+        what = "is a file, not a directory" if os.path.exists(run_dir) else "does not exist"
+        raise RunDirError(f"run directory {run_dir!r} {what}")
     for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):
         if not os.path.isfile(os.path.join(run_dir, name)):
-            raise RunDirError(f"run directory {run_dir!r} has no {name}")
+            unfinished = os.path.isdir(os.path.join(run_dir, "checkpoint"))
+            hint = (" (it holds only a checkpoint: the training run did not finish; rerun the same "
+                    "`dantinox train` command to resume it)") if unfinished else ""
+            raise RunDirError(f"run directory {run_dir!r} has no {name}{hint}")
     cfg = _load_config(os.path.join(run_dir, CONFIG_FILE))
     tokenizer = _load_tokenizer(os.path.join(run_dir, TOKENIZER_FILE), cfg)
     arrays = _load_weights(os.path.join(run_dir, WEIGHTS_FILE))
@@ -174,9 +178,15 @@ def _load_tokenizer(path: str, cfg: ModelConfig) -> TextTokenizer:
 
 def _load_weights(path: str) -> dict[str, np.ndarray]:
     try:
-        return safetensors.numpy.load_file(path)
+        arrays = safetensors.numpy.load_file(path)
     except Exception as err:  # safetensors raises its own error types for corrupt files
         raise RunDirError(f"{path}: corrupted or unreadable safetensors file ({err})") from err
+    for name, array in arrays.items():
+        if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+            bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+            raise RunDirError(f"{path}: parameter {name} holds {bad} non-finite values (NaN or inf); "
+                              f"the weights are corrupted")
+    return arrays
 
 
 def _fill_params(model: nnx.Module, arrays: dict[str, np.ndarray], source: str) -> None:
