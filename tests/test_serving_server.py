@@ -278,3 +278,11 @@ def test_serve_command_sizes_the_pool_from_memory(run_dir):
     assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512MiB") == 512 * 2**20
     with pytest.raises(ValueError, match="kv-memory"):
         parse_bytes("lots")
+
+
+def test_serve_warns_when_the_pool_is_smaller_than_one_request(run_dir):
+    args = cli.build_parser().parse_args(["serve", "--run_dir", run_dir, "--kv-memory", "2KiB",
+                                          "--block-size", "4"])
+    engine, _, _ = build_engine(args)
+    line = kv_summary(engine)
+    assert "max concurrency 0" in line and "warning: the pool holds" in line

@@ -52,8 +52,12 @@ def kv_summary(engine) -> str:
     tokens = alloc.num_blocks * alloc.block_size
     concurrency = alloc.num_blocks // alloc.blocks_for(L)
     mib = engine.stats()["kv_cache_bytes"] / 2**20
-    return (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
-            f"tokens per request ({mib:.1f} MiB, block size {alloc.block_size})")
+    line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
+            f"tokens per request ({mib:.2f} MiB, block size {alloc.block_size})")
+    if concurrency == 0:
+        line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
+                 f"longer requests will be rejected: raise --kv-memory")
+    return line
 
 
 def build_engine(args: argparse.Namespace):
