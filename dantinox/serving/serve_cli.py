@@ -14,20 +14,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_bytes(text: str) -> int:
-    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000. Raises ValueError naming the value."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"--kv-memory={text!r} is not allowed: a size such as 2GB, 512MiB or 1000000 "
-                         "(bytes)")
-    return int(float(match.group(1)) * _UNITS[unit])
+    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (the budget command's parser).
+    Raises ValueError naming --kv-memory and the value."""
+    from ..budget_cli import parse_memory_size
+
+    try:
+        return parse_memory_size(text)
+    except ValueError as err:
+        raise ValueError(f"--kv-memory={text!r} is not allowed: {err}") from None
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
