@@ -3,8 +3,10 @@
 Walkthrough of :func:`train`:
   1. Read the text, hold out its last ``val_fraction`` of characters, train the tokenizer on the training
      part (or take it from the checkpoint when resuming) and set ``cfg.vocab_size`` from it.
-  2. Build the model, split it into a static graph and a pytree of float32 parameters, and build the
-     optimizer: global-norm clipping, then AdamW (Loshchilov & Hutter 2019) with linear warmup and cosine
+     With ``init_from`` the tokenizer is that run's instead (token ids must match its weights).
+  2. Build the model (with ``init_from``, overwrite its parameters with that run's: see
+     ``dantinox.train.init_from``), split it into a static graph and a pytree of float32 parameters, and
+     build the optimizer: global-norm clipping, then AdamW (Loshchilov & Hutter 2019) with linear warmup and cosine
      decay to ``min_lr``; weight decay applies to matrices only (not norm scales).
   3. Restore ``out_dir/checkpoint/`` if it exists and ``resume`` is set: parameters, optimizer state, step,
      numpy RNG state. The run then follows exactly the trajectory of an uninterrupted run.
@@ -55,6 +57,7 @@ from ..model import build_model
 from . import checkpoint as ckpt
 from . import run_dir as rd
 from .data import TokenData, file_sha256, read_text, sample_batch, split_text, val_batches
+from .init_from import init_from_run, load_source_tokenizer
 from .tokenizer import KINDS, MASK, TextTokenizer, train_tokenizer, with_mask_token
 
 
@@ -74,6 +77,8 @@ class TrainConfig:
     eval_every: steps between validation runs.  eval_batches: validation batches per run (each B windows).
     checkpoint_every: steps between checkpoints (0: only at the end).  seed: model init and batch sampling.
     val_fraction: held-out fraction of the characters.  resume: continue from out_dir/checkpoint if present.
+    init_from: a run directory whose weights and tokenizer start a fresh run (see dantinox.train.init_from);
+    ignored when resuming from a checkpoint.
     """
 
     tokenizer: str = "char"
@@ -92,6 +97,7 @@ class TrainConfig:
     seed: int = 0
     val_fraction: float = 0.1
     resume: bool = True
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.tokenizer not in KINDS:
@@ -111,6 +117,10 @@ class TrainConfig:
             _bad("min_lr", self.min_lr, f"at most lr={self.lr}")
         if not isinstance(self.resume, bool):
             _bad("resume", self.resume, "True or False")
+        if self.init_from is not None:
+            if not isinstance(self.init_from, (str, os.PathLike)) or not os.fspath(self.init_from):
+                _bad("init_from", self.init_from, "None or a run directory path")
+            object.__setattr__(self, "init_from", os.fspath(self.init_from))
 
     def resolved(self, cfg: ModelConfig) -> "TrainConfig":
         """Fill seq_len and warmup_steps defaults; raise TrainError if they do not fit cfg / steps."""
@@ -260,6 +270,7 @@ class _Session:
     train_loss: float = float("nan")  # latest training-batch loss (nats/token)
     saved_step: int = -1  # step of the latest checkpoint written or restored
     eval_step: Any = None  # the jitted eval function, built on first use
+    init_val: float | None = None  # validation loss of the init_from weights before any step
 
     @property
     def ckpt_dir(self) -> str:
@@ -281,6 +292,9 @@ def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.Path
     options: TrainConfig fields (tokenizer, bpe_vocab_size, steps, batch_size, seq_len, lr, min_lr,
       warmup_steps, weight_decay, grad_clip, eval_every, eval_batches, checkpoint_every, seed,
       val_fraction, resume).
+    init_from (option): a run directory whose tokenizer (plus ``<mask>`` for diffusion) and weights start a
+      fresh run (dantinox.train.init_from: AR -> diffusion adaptation); its validation loss before the first
+      step is logged and kept as init_val_loss in the summary.
     log: receives one line per evaluation and a start / end line.  progress: show a tqdm bar (only on a TTY).
     stop_at: stop after this step (writing a checkpoint and the run directory) even if steps is larger;
       a later call with the same options resumes from there.
@@ -294,12 +308,28 @@ def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.Path
     if unknown:
         raise TrainError(f"unknown training option(s) {unknown}; allowed: "
                          f"{[f.name for f in dataclasses.fields(TrainConfig)]}")
+    if options.get("init_from") is not None:
+        options = _tokenizer_options_from(options)
     opts = TrainConfig(**options).resolved(cfg)
     if stop_at is not None:
         _check_int("stop_at", stop_at, minimum=1)
     session = _start_session(cfg, os.fspath(data_path), os.fspath(out_dir), opts, log)
     _run_steps(session, min(opts.steps, stop_at or opts.steps), log, progress)
     return _finish(session, log)
+
+
+def _tokenizer_options_from(options: dict) -> dict:
+    """options with tokenizer / bpe_vocab_size taken from the init_from run's tokenizer; TrainError if the
+    caller asked for another kind or size (the new model must keep the source's token ids)."""
+    source = load_source_tokenizer(options["init_from"])
+    base_size = source.hf.get_vocab_size(with_added_tokens=False)
+    wanted = {"tokenizer": source.kind, **({"bpe_vocab_size": base_size} if source.kind == "bpe" else {})}
+    for name, value in wanted.items():
+        if options.get(name, value) != value:
+            raise TrainError(f"training option {name}={options[name]!r} conflicts with init_from="
+                             f"{options['init_from']!r}, whose tokenizer is {source.kind} with {base_size} "
+                             f"tokens; the new model reuses that tokenizer (omit {name})")
+    return {**options, **wanted}
 
 
 def _start_session(cfg: ModelConfig, data_path: str, out_dir: str, opts: TrainConfig, log) -> _Session:
@@ -309,6 +339,8 @@ def _start_session(cfg: ModelConfig, data_path: str, out_dir: str, opts: TrainCo
     meta = ckpt.read_checkpoint_meta(ckpt_dir) if opts.resume else None
     if meta is not None:
         tokenizer = TextTokenizer.from_json(meta["tokenizer"])
+    elif opts.init_from is not None:
+        tokenizer = load_source_tokenizer(opts.init_from)
     else:
         tokenizer = train_tokenizer(train_text, opts.tokenizer,
                                     opts.bpe_vocab_size if opts.tokenizer == "bpe" else None)
@@ -322,6 +354,9 @@ def _start_session(cfg: ModelConfig, data_path: str, out_dir: str, opts: TrainCo
         _check_resumable(meta, cfg, opts, sha, ckpt_dir)
     data = TokenData.from_text(tokenizer, train_text, val_text, opts.seq_len)
     model = build_model(cfg, seed=opts.seed)
+    if meta is None and opts.init_from is not None:
+        grown = init_from_run(model, tokenizer, opts.init_from)
+        log(f"initialised from {opts.init_from}" + (f" (grown along the vocabulary: {grown})" if grown else ""))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     s = _Session(cfg, opts, out_dir, data_path, sha, tokenizer, data, graphdef, rest, params,
                  make_optimizer(opts).init(params), np.random.default_rng(opts.seed))
@@ -370,6 +405,7 @@ def _restore(s: _Session, ckpt_dir: str) -> None:
     s.step_time_s = float(meta["step_time_s"])
     s.last_val = float("nan") if meta.get("val_loss") is None else float(meta["val_loss"])
     s.train_loss = float("nan") if meta.get("train_loss") is None else float(meta["train_loss"])
+    s.init_val = meta.get("init_val_loss")
     s.saved_step = s.step
 
 
@@ -379,6 +415,7 @@ def _save_checkpoint(s: _Session) -> None:
             "val_loss": s.last_val if math.isfinite(s.last_val) else None,
             "train_loss": s.train_loss if math.isfinite(s.train_loss) else None, "model_config": s.cfg.to_dict(),
             "train_options": dataclasses.asdict(s.opts), "data_sha256": s.data_sha256,
+            "init_val_loss": s.init_val,
             "tokenizer": s.tokenizer.to_json()}
     ckpt.save_checkpoint(s.ckpt_dir, {"params": s.params, "opt_state": s.opt_state}, meta)
     s.saved_step = s.step
@@ -392,6 +429,11 @@ def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
                disable=not (progress and sys.stderr.isatty()))
     emit = bar.write if (log is print and not bar.disable) else log
     window_tokens, window_time, loss = 0, 0.0, float("nan")
+    if s.step == 0 and s.opts.init_from is not None:
+        t0 = time.perf_counter()
+        s.init_val = evaluate(s)
+        s.elapsed_s += time.perf_counter() - t0
+        emit(f"step 0: val {s.init_val:.4f} with the weights of {s.opts.init_from}")
     tokens_per_step = s.opts.batch_size * s.opts.seq_len
     while s.step < until:
         batch = sample_batch(s.data.train, s.rng, s.opts.batch_size, s.opts.seq_len)
@@ -467,6 +509,7 @@ def _finish(s: _Session, log) -> dict:
                "tokens_per_s": round(s.tokens_seen / max(s.step_time_s, 1e-9), 1),
                "data_file": os.path.basename(s.data_path), "data_sha256": s.data_sha256,
                "seq_len": s.opts.seq_len, "batch_size": s.opts.batch_size,
+               **({"init_from": s.opts.init_from, "init_val_loss": s.init_val} if s.opts.init_from else {}),
                "val_loss_unit": "nats per masked token" if s.cfg.paradigm == "diffusion" else "nats per token"}
     rd.save_run(s.out_dir, model, s.cfg, s.tokenizer, summary)
     unit = "nats/masked token" if s.cfg.paradigm == "diffusion" else "nats/token"
@@ -492,6 +535,8 @@ _CLI_TRAIN_OPTIONS = {  # option -> (type, help)
     "checkpoint_every": (int, "steps between checkpoints (0: only at the end)"),
     "seed": (int, "seed for model init and batch sampling"),
     "val_fraction": (float, "held-out fraction of the text's characters"),
+    "init_from": (str, "run directory whose weights (matching paths and shapes; <mask> row added) and "
+                       "tokenizer start the run, e.g. an AR run adapted to diffusion"),
 }
 
 
