@@ -72,8 +72,10 @@ class MLAttention(nnx.Module):
     latent, the kv latent and the RoPE key in one matmul; Q = 0 without query compression), q_norm, q_up
     [Q, H (D + R)] (or [E, H (D + R)]), kv_norm, the up-projections w_uk [H, D, C] and w_uv [H, C, D], out
     [H D, E]. The up-projections are stored in the layouts the absorbed einsums consume (contraction axis
-    second), so no weight is transposed per step. Only the static cache layout (LatentKV) is supported: a
-    layer cache with its own ``attend_and_write`` (the paged serving cache) raises NotImplementedError.
+    second), so no weight is transposed per step. The layer cache is the static LatentKV, or an object with
+    an ``attend_and_write_latent(attend_over, c_new, kr_new, cache_index, key_start) -> (o, new cache)``
+    method (the paged serving cache, ``dantinox.serving.paged_cache.PagedLatentView``) that gathers its old
+    latents as a LatentKV, calls ``attend_over`` on them and writes the new latents itself.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -103,8 +105,8 @@ class MLAttention(nnx.Module):
         Returns (y [B, T, E], updated LatentKV or None).
         """
         if hasattr(layer_cache, "attend_and_write"):
-            raise NotImplementedError("attention='mla' supports only its static LatentKV cache "
-                                      "(dantinox.init_cache), not a paged cache layout")
+            raise NotImplementedError("attention='mla' needs a latent cache (LatentKV or a paged latent view "
+                                      "with attend_and_write_latent), not a per-head key/value layout")
         cfg = self.cfg
         B, T, _ = x.shape
         H, D, C, R = cfg.n_heads, cfg.head_size, cfg.kv_latent_dim, cfg.rope_head_dim
@@ -114,6 +116,12 @@ class MLAttention(nnx.Module):
         q_nope, q_rope = q[..., :D], apply_rope(q[..., D:], *rope)              # [B,T,H,D], [B,T,H,R]
         c_new = self.kv_norm(c_new)                                              # [B, T, C]
         kr_new = apply_rope(kr_new[:, :, None, :], *rope)[:, :, 0, :]            # [B, T, R]
+        if hasattr(layer_cache, "attend_and_write_latent"):  # the paged pool (dantinox.serving.paged_cache)
+            attention = self._absorbed if cfg.mla_absorb else self._naive
+            o, new_cache = layer_cache.attend_and_write_latent(
+                lambda old: attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start),
+                c_new, kr_new, cache_index, key_start)
+            return self.out(o.reshape(B, T, H * D).astype(x.dtype)), new_cache
         old = layer_cache if layer_cache is not None and read_cache else None
         attention = self._absorbed if cfg.mla_absorb else self._naive
         o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, D] float32

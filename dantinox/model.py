@@ -117,7 +117,8 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
 
 def _attends_itself(kv_caches) -> bool:
     """True for layer caches that run their own attention and checks (dantinox.serving.paged_cache)."""
-    return bool(kv_caches) and hasattr(kv_caches[0], "attend_and_write")
+    return bool(kv_caches) and (hasattr(kv_caches[0], "attend_and_write")
+                                or hasattr(kv_caches[0], "attend_and_write_latent"))
 
 
 def _check_ids(ids, vocab_size: int):

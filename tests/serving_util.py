@@ -18,6 +18,20 @@ def lively_model(cfg: dx.ModelConfig, seed: int = 3):
     return spiky_model(cfg.replace(tie_embeddings=False), seed=seed, qk_scale=4.0)
 
 
+def lively_mla_model(cfg: dx.ModelConfig, seed: int = 3, scale: float = 8.0):
+    """The MLA counterpart of ``lively_model``: untied output projection, and the query up-projection, the key
+    up-projection W_UK and the RoPE-key projection scaled up so attention is far from uniform."""
+    cfg = cfg.replace(tie_embeddings=False)
+    model = dx.build_model(cfg, seed)
+    C, Q = cfg.kv_latent_dim, cfg.q_latent_dim or 0
+    for blk in model.blocks:
+        a = blk.attn
+        a.q_up.kernel[...] = a.q_up.kernel[...] * scale
+        a.w_uk[...] = a.w_uk[...] * scale
+        a.down.kernel[...] = a.down.kernel[...].at[:, Q + C:].multiply(scale)
+    return model
+
+
 def make_engine(model, **fields) -> PagedEngine:
     settings = dict(block_size=4, max_running=4, max_batched_tokens=16, decode_buckets=(1, 4),
                     **SMALL_BUCKETS)

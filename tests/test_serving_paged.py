@@ -94,5 +94,5 @@ def test_padding_is_dropped_and_pool_is_sized_from_memory():
     assert num_blocks_for_memory(cfg, 7 * per_block + per_block - 1, P) == 7
     with pytest.raises(ValueError, match="holds no block"):
         num_blocks_for_memory(cfg, per_block - 1, P)
-    with pytest.raises(ValueError, match="mla"):
-        init_pool(dx.ModelConfig.from_preset("tiny-mla"), 4, P)
+    with pytest.raises(ValueError, match="block_size"):
+        init_pool(cfg, 4, 0)

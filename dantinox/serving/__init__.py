@@ -1,7 +1,8 @@
 """Serving many users: a paged KV cache, continuous batching, an explicit context policy, an HTTP server.
 
   allocator.py / block_pool.py   block tables, reference counts, prefix caching, copy-on-write (plain Python)
-  paged_cache.py                 the device pool [N, P, K, D] per layer and the paged attention view
+  paged_cache.py                 the device pool per layer ([N, P, K, D] k and v, or the MLA latent pool) and
+                                 the paged attention views
   runner.py                      compiled forward/sample and block-move functions
   request.py                     one request's options, tokens and state
   scheduler.py                   chunked prefill + decode under a token budget; admission; preemption

@@ -105,7 +105,8 @@ def _bucket(n: int, buckets: tuple) -> int:
 
 
 class PagedEngine(Engine):
-    """Continuous batching over a paged KV cache for a dantinox Transformer (MHA / GQA / MQA).
+    """Continuous batching over a paged KV cache for a dantinox Transformer (MHA / GQA / MQA, or MLA with a
+    latent pool).
 
     Args: model: a Transformer; config: EngineConfig. Raises ValueError for invalid sizes (field named).
     """
@@ -235,7 +236,7 @@ class PagedEngine(Engine):
         ids[:len(blocks)] = blocks
         data = jax.device_get(read_blocks(self.pool, ids))
         n = len(blocks)
-        return tuple(type(layer)(layer.k[:n].copy(), layer.v[:n].copy()) for layer in data)
+        return tuple(type(layer)(*(a[:n].copy() for a in layer)) for layer in data)
 
     def _write_host(self, blocks: list, data: tuple) -> None:
         M = self.table_width
@@ -245,7 +246,7 @@ class PagedEngine(Engine):
         def pad(a):
             return np.concatenate([a, np.zeros((M - len(a),) + a.shape[1:], a.dtype)])
 
-        padded = tuple(type(layer)(pad(layer.k), pad(layer.v)) for layer in data)
+        padded = tuple(type(layer)(*(pad(a) for a in layer)) for layer in data)
         self.pool = write_blocks(self.pool, ids, padded)
 
     def _run(self, chunks: list[Chunk]) -> list[int]:

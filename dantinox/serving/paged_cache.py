@@ -3,24 +3,30 @@
 Letters (besides the legend in ``dantinox.attention``): N blocks in the pool, P tokens per block (block size),
 M block-table entries per sequence (M = ceil(max_context / P)).
 
-Layout per layer (MHA / GQA / MQA): ``PagedLayerKV(k, v)``, each [N, P, K, D] in cfg.cache_dtype. Token t of
-a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``. The pool is
-sized from a memory budget with ``dantinox.cache.bytes_per_token_per_layer``, the figure the planner sums,
-so N x P x L x bytes_per_token_per_layer equals the bytes allocated (``pool_nbytes``). A latent pool for
-attention="mla" (c_kv [N, P, C], k_rope [N, P, R]) would be a second layer type with the same view
-protocol; it is not implemented yet and ``init_pool`` refuses MLA configs.
+Layout per layer, the static cache's layout with the slot axis cut into blocks, in cfg.cache_dtype:
+  MHA / GQA / MQA   ``PagedLayerKV(k, v)``, each [N, P, K, D];
+  MLA               ``PagedLatentKV(c_kv, k_rope)``: the latent [N, P, C] and the shared RoPE key [N, P, R]
+                    (what ``dantinox.mla.LatentKV`` holds per slot; never per-head keys and values).
+Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
+The pool is sized from a memory budget with ``dantinox.cache.bytes_per_token_per_layer``, the figure the
+planner sums (2 K D or C + R elements per token and layer), so N x P x L x bytes_per_token_per_layer equals
+the bytes allocated (``pool_nbytes``).
 
-How the model reads it. The model's attention accepts any layer cache object with a method
-``attend_and_write(q, k, v, cache_index, key_start, window) -> (y, new layer cache)`` (the hook in
-``dantinox.attention.Attention``). ``PagedView`` is such an object: per call it carries the layer's pool,
-the batch's block tables [B, M] and the number of valid new tokens per row [B]. It
+How the model reads it. Each attention kind accepts a layer cache object with its own hook (see
+``dantinox.attention.Attention`` and ``dantinox.mla.MLAttention``); per call a view carries the layer's
+pool, the batch's block tables [B, M] and the number of valid new tokens per row [B]:
+  ``PagedView.attend_and_write(q, k, v, cache_index, key_start, window)`` (MHA / GQA / MQA)
   1. gathers each row's blocks into a contiguous [B, K, M*P, D] view (slots past the row's length are
      masked by ``attend``, exactly as the static cache masks its unused slots),
   2. runs the same softmax attention as the static cache (``dantinox.attention.attend``): old slots
      s < cache_index[b] together with the T new keys, causal among the new ones,
   3. scatters the new keys and values into the pool at (block, offset), dropping the padding positions
      j >= num_new[b] (rows of a bucketed batch are right-padded; unused rows have num_new = 0).
-So paged and static logits agree to float rounding (tests/test_serving_paged.py).
+  ``PagedLatentView.attend_and_write_latent(attend, c_new, kr_new, cache_index, key_start)`` (MLA) does
+  the same with latents: it gathers LatentKV(c_kv [B, M*P, C], k_rope [B, M*P, R]), hands it to the
+  model's own MLA attention (absorbed or naive, ``cfg.mla_absorb``) as the old cache, and scatters the new
+  latents.
+So paged and static logits agree to float rounding (tests/test_serving_paged.py, tests/test_serving_mla.py).
 """
 
 from __future__ import annotations
@@ -33,16 +39,24 @@ import jax.numpy as jnp
 from ..attention import attend
 from ..cache import LayerKV, bytes_per_token_per_layer
 from ..config import ModelConfig
+from ..mla import LatentKV
 
 
 class PagedLayerKV(NamedTuple):
-    """One layer's block pool. k, v: [N, P, K, D]."""
+    """One MHA / GQA / MQA layer's block pool. k, v: [N, P, K, D]."""
 
     k: jax.Array
     v: jax.Array
 
 
-PagedPool = tuple  # tuple[PagedLayerKV, ...], one entry per decoder block
+class PagedLatentKV(NamedTuple):
+    """One MLA layer's block pool. c_kv: [N, P, C] normalised latents; k_rope: [N, P, R] rotated shared keys."""
+
+    c_kv: jax.Array
+    k_rope: jax.Array
+
+
+PagedPool = tuple  # tuple[PagedLayerKV, ...] (or tuple[PagedLatentKV, ...] for MLA), one entry per block
 
 
 def block_bytes(cfg: ModelConfig, block_size: int) -> int:
@@ -64,18 +78,20 @@ def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int) 
 
 
 def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int) -> PagedPool:
-    """Zeros in cfg.cache_dtype: per layer PagedLayerKV(k, v) of [N, P, K, D] each.
+    """Zeros in cfg.cache_dtype, one entry per layer: PagedLayerKV(k, v) of [N, P, K, D] each, or for
+    attention="mla" PagedLatentKV(c_kv [N, P, C], k_rope [N, P, R]).
 
-    Raises ValueError for attention="mla" (latent pool not implemented) or non-positive sizes.
+    Raises ValueError for a non-positive num_blocks or block_size.
     """
-    if cfg.attention == "mla":
-        raise ValueError("attention='mla' is not supported by the paged cache yet: it needs a latent pool "
-                         "(c_kv [N, P, C], k_rope [N, P, R]); use attention in ('mha', 'gqa', 'mqa')")
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
-    shape = (num_blocks, block_size, cfg.kv_heads, cfg.head_size)
     dtype = cfg.jnp_cache_dtype
+    if cfg.attention == "mla":
+        return tuple(PagedLatentKV(jnp.zeros((num_blocks, block_size, cfg.kv_latent_dim), dtype),
+                                   jnp.zeros((num_blocks, block_size, cfg.rope_head_dim), dtype))
+                     for _ in range(cfg.num_blocks))
+    shape = (num_blocks, block_size, cfg.kv_heads, cfg.head_size)
     return tuple(PagedLayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
                  for _ in range(cfg.num_blocks))
 
@@ -96,30 +112,60 @@ def gather_rows(layer: PagedLayerKV, block_table: jax.Array) -> LayerKV:
     return LayerKV(rows(layer.k), rows(layer.v))
 
 
+def gather_latents(layer: PagedLatentKV, block_table: jax.Array) -> LatentKV:
+    """Each row's blocks laid end to end. block_table: [B, M] int32 -> LatentKV(c_kv [B, M*P, C],
+    k_rope [B, M*P, R])."""
+    B, M = block_table.shape
+
+    def rows(pool):
+        return pool[block_table].reshape(B, M * pool.shape[1], pool.shape[2])
+
+    return LatentKV(rows(layer.c_kv), rows(layer.k_rope))
+
+
+def _write_slots(block_table, cache_index, num_new, T: int, N: int, P: int):
+    """Pool coordinates of row b's new token j (position cache_index[b] + j): (block [B*T], offset [B*T])
+    int32, with block = N (out of range, so the write is dropped) for padding positions j >= num_new[b]."""
+    M = block_table.shape[1]
+    pos = cache_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None]          # [B, T]
+    valid = jnp.arange(T)[None] < num_new[:, None]
+    block = jnp.take_along_axis(block_table, jnp.clip(pos // P, 0, M - 1), axis=1)
+    block = jnp.where(valid, block, N).reshape(-1)
+    return block, (pos % P).reshape(-1)
+
+
+def _put(pool: jax.Array, rows: jax.Array, block, offset) -> jax.Array:
+    """pool [N, P, ...] with rows [B, T, ...] written at (block, offset) [B*T]; block N is dropped."""
+    flat = rows.reshape((-1,) + rows.shape[2:]).astype(pool.dtype)
+    return pool.at[block, offset].set(flat, mode="drop")
+
+
 def scatter_new(layer: PagedLayerKV, k_new, v_new, block_table, cache_index, num_new) -> PagedLayerKV:
     """Write row b's first num_new[b] new keys/values at token positions cache_index[b] + j.
 
     k_new, v_new: [B, K, T, D]; block_table: [B, M] int32; cache_index, num_new: [B] int32.
     Padding positions (j >= num_new[b]) are dropped, never written.
     """
-    B, K, T, D = k_new.shape
     N, P = layer.k.shape[:2]
-    M = block_table.shape[1]
-    pos = cache_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None]          # [B, T]
-    valid = jnp.arange(T)[None] < num_new[:, None]
-    block = jnp.take_along_axis(block_table, jnp.clip(pos // P, 0, M - 1), axis=1)
-    block = jnp.where(valid, block, N).reshape(-1)                              # N: out of range -> dropped
-    offset = (pos % P).reshape(-1)
+    block, offset = _write_slots(block_table, cache_index, num_new, k_new.shape[2], N, P)
+    return PagedLayerKV(_put(layer.k, k_new.transpose(0, 2, 1, 3), block, offset),
+                        _put(layer.v, v_new.transpose(0, 2, 1, 3), block, offset))
 
-    def put(pool, new):
-        rows = new.transpose(0, 2, 1, 3).reshape(B * T, K, D).astype(pool.dtype)
-        return pool.at[block, offset].set(rows, mode="drop")
 
-    return PagedLayerKV(put(layer.k, k_new), put(layer.v, v_new))
+def scatter_latents(layer: PagedLatentKV, c_new, kr_new, block_table, cache_index, num_new) -> PagedLatentKV:
+    """Write row b's first num_new[b] new latents at token positions cache_index[b] + j.
+
+    c_new: [B, T, C]; kr_new: [B, T, R]; block_table: [B, M] int32; cache_index, num_new: [B] int32.
+    Padding positions (j >= num_new[b]) are dropped, never written.
+    """
+    N, P = layer.c_kv.shape[:2]
+    block, offset = _write_slots(block_table, cache_index, num_new, c_new.shape[1], N, P)
+    return PagedLatentKV(_put(layer.c_kv, c_new, block, offset), _put(layer.k_rope, kr_new, block, offset))
 
 
 class PagedView(NamedTuple):
-    """A layer's pool plus the batch's paging metadata, handed to the model as its layer cache.
+    """An MHA / GQA / MQA layer's pool plus the batch's paging metadata, handed to the model as its layer
+    cache.
 
     pool: PagedLayerKV [N, P, K, D]; block_table: [B, M] int32; num_new: [B] int32 valid new tokens per row.
     """
@@ -133,7 +179,7 @@ class PagedView(NamedTuple):
 
         q: [B, K, G, T, D] (scaled); k, v: [B, K, T, D]; cache_index: [B] int32 tokens already cached per
         row; key_start must be None (no left padding in a paged batch). Returns (y [B, K, G, T, D] float32,
-        the PagedView with the new keys and values written).
+        the PagedView with the new keys and values written). Raises ValueError for a key_start.
         """
         if key_start is not None:
             raise ValueError("key_start (left padding) is not used with a paged cache: pass key_start=None")
@@ -142,6 +188,33 @@ class PagedView(NamedTuple):
         return y, self._replace(pool=pool)
 
 
+class PagedLatentView(NamedTuple):
+    """An MLA layer's latent pool plus the batch's paging metadata, handed to the model as its layer cache.
+
+    pool: PagedLatentKV (c_kv [N, P, C], k_rope [N, P, R]); block_table: [B, M] int32; num_new: [B] int32.
+    """
+
+    pool: PagedLatentKV
+    block_table: jax.Array
+    num_new: jax.Array
+
+    def attend_and_write_latent(self, attend_over, c_new, kr_new, cache_index, key_start):
+        """Attention hook called by ``dantinox.mla.MLAttention``.
+
+        attend_over: the layer's attention as a function of the old cache, LatentKV -> o [B, T, H, D]
+        float32 (it masks slots s >= cache_index[b] itself); c_new: [B, T, C]; kr_new: [B, T, R];
+        cache_index: [B] int32; key_start must be None. Returns (o, the PagedLatentView with the new
+        latents written). Raises ValueError for a key_start.
+        """
+        if key_start is not None:
+            raise ValueError("key_start (left padding) is not used with a paged cache: pass key_start=None")
+        o = attend_over(gather_latents(self.pool, self.block_table))
+        pool = scatter_latents(self.pool, c_new, kr_new, self.block_table, cache_index, self.num_new)
+        return o, self._replace(pool=pool)
+
+
 def paged_views(pool: PagedPool, block_table, num_new) -> tuple:
-    """One PagedView per layer, sharing the batch's block tables [B, M] and valid-token counts [B]."""
-    return tuple(PagedView(layer, block_table, num_new) for layer in pool)
+    """One view per layer (PagedView, or PagedLatentView for an MLA pool), sharing the batch's block
+    tables [B, M] int32 and valid-token counts [B] int32."""
+    view = PagedLatentView if pool and isinstance(pool[0], PagedLatentKV) else PagedView
+    return tuple(view(layer, block_table, num_new) for layer in pool)

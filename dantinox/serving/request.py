@@ -98,7 +98,8 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0       # prompt tokens served by the prefix cache at the last admission
-    swap_data: Any = None            # host copy of the blocks while SWAPPED: tuple of PagedLayerKV (numpy)
+    swap_data: Any = None            # host copy of the blocks while SWAPPED: per layer PagedLayerKV or
+                                     # PagedLatentKV of numpy arrays
     first_token_time: float | None = None
     last_token_time: float | None = None
     events: list = field(default_factory=list)  # ("chunk", start, n), ("token", id), ("preempt", policy), ...

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..sampling import GREEDY_TEMPERATURE, SamplingParams, sample_next
-from .paged_cache import PagedLayerKV, PagedPool, paged_views
+from .paged_cache import PagedPool, paged_views
 
 
 class StaticGraph:
@@ -80,22 +80,25 @@ def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_ne
     return tokens, tuple(view.pool for view in views)
 
 
+# The block moves work on every array of every layer alike (k and v [N, P, K, D], or for MLA c_kv [N, P, C]
+# and k_rope [N, P, R]): each layer is a NamedTuple whose fields all have the block axis first.
+
 @partial(jax.jit, donate_argnames=("pool",))
 def copy_blocks(pool: PagedPool, src, dst) -> PagedPool:
     """pool[dst[i]] = pool[src[i]] in every layer. src, dst: [C] int32; dst = N marks padding (dropped)."""
-    return tuple(PagedLayerKV(layer.k.at[dst].set(layer.k[src], mode="drop"),
-                              layer.v.at[dst].set(layer.v[src], mode="drop")) for layer in pool)
+    return tuple(type(layer)(*(a.at[dst].set(a[src], mode="drop") for a in layer)) for layer in pool)
 
 
 @jax.jit
 def read_blocks(pool: PagedPool, blocks):
-    """Contents of ``blocks`` ([M] int32) in every layer: a tuple of PagedLayerKV of [M, P, K, D]."""
-    return tuple(PagedLayerKV(layer.k[blocks], layer.v[blocks]) for layer in pool)
+    """Contents of ``blocks`` ([M] int32) in every layer: a tuple of the pool's layer type (PagedLayerKV of
+    [M, P, K, D], or PagedLatentKV of [M, P, C] and [M, P, R])."""
+    return tuple(type(layer)(*(a[blocks] for a in layer)) for layer in pool)
 
 
 @partial(jax.jit, donate_argnames=("pool",))
 def write_blocks(pool: PagedPool, blocks, data) -> PagedPool:
     """pool[blocks[i]] = data[i] in every layer. blocks: [M] int32 (N = padding, dropped); data: as returned
     by ``read_blocks``."""
-    return tuple(PagedLayerKV(layer.k.at[blocks].set(d.k, mode="drop"),
-                              layer.v.at[blocks].set(d.v, mode="drop")) for layer, d in zip(pool, data))
+    return tuple(type(layer)(*(a.at[blocks].set(d, mode="drop") for a, d in zip(layer, new)))
+                 for layer, new in zip(pool, data))
