@@ -53,6 +53,10 @@ class ModelConfig:
       mask_token_id: diffusion only: id of the MASK token (the trainer appends ``<mask>`` to the tokenizer as
         its last id and sets this field); None until resolved (generation then refuses to run). Must be None
         for "ar".
+      shifted_prediction: diffusion only: token i is predicted by the output at position i - 1 (the
+        next-token alignment of an AR model, kept when the diffusion model is adapted from one: the "shift
+        operation" of Gong et al. 2024, DiffuLLaMA, section 3.2, also used by Dream 7B); the first token of a
+        sequence is never masked. False: token i is predicted at position i (LLaDA). Must be False for "ar".
       attention: "mha" (kv_heads = n_heads), "gqa" (1 < kv_heads < n_heads, dividing n_heads),
         "mqa" (kv_heads = 1) or "mla" (multi-head latent attention, DeepSeek-V2, arXiv 2405.04434, section
         2.1; see dantinox.mla). GQA: Ainslie et al. 2023, "GQA"; MQA: Shazeer 2019.
@@ -105,6 +109,7 @@ class ModelConfig:
     q_latent_dim: int | None = None
     mla_absorb: bool = True
     mask_token_id: int | None = None
+    shifted_prediction: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass normalisation
@@ -139,6 +144,10 @@ class ModelConfig:
         self._check_diffusion_fields()
 
     def _check_diffusion_fields(self) -> None:
+        if not isinstance(self.shifted_prediction, bool):
+            _fail("shifted_prediction", self.shifted_prediction, "True or False")
+        if self.paradigm != "diffusion" and self.shifted_prediction:
+            _fail("shifted_prediction", True, "False for paradigm='ar' (only diffusion models shift)")
         if self.paradigm != "diffusion":
             if self.mask_token_id is not None:
                 _fail("mask_token_id", self.mask_token_id, f"None for paradigm={self.paradigm!r} (only "

@@ -19,7 +19,9 @@ Walkthrough of :func:`diffusion_generate`:
      block (greedy, or Gumbel-max sampling at ``temperature``), scores it by the probability of its
      prediction, and commits the most confident ones (low-confidence remasking): W // steps_per_block per
      step, or, with ``threshold``, every MASK whose confidence exceeds it and always at least the most
-     confident one (the block then ends when it holds no MASK, after at most W steps).
+     confident one (the block then ends when it holds no MASK, after at most W steps). With
+     ``cfg.shifted_prediction`` (models adapted from an AR model) slot i is predicted by the output at slot
+     i - 1, so a cached step runs the block's W slots and the one before them.
   3. Cache. ``DualCache(prefix_kvs, suffix_kvs)`` holds per layer the keys and values of the prompt slots
      ([B, K, P, D]) and of the generation region ([B, K, M, D]: decoded blocks and the MASK suffix). Within a
      block only the block's W positions run through the model; they attend to the cached prefix, to the
@@ -98,8 +100,9 @@ class DualView:
 
     mode (static): "full" (the call covers all N slots: attend among them, store their KV as prefix and
     suffix), "suffix" (the call covers the M generation slots: attend to the prefix and to themselves,
-    store their KV as suffix), "block" (the call covers W slots at cache_index: attend to the prefix, to the
-    suffix outside the block, and to themselves; store nothing).
+    store their KV as suffix), "block" (the call covers T slots at cache_index, the block and, with
+    shifted_prediction, the slot before it: attend to the cached prefix and suffix outside those slots, and
+    to themselves; store nothing).
     """
 
     def __init__(self, prefix: LayerKV, suffix: LayerKV, mode: str):
@@ -129,10 +132,10 @@ class DualView:
             dt = self.suffix.k.dtype
             return y, DualView(self.prefix, LayerKV(k.astype(dt), v.astype(dt)), self.mode)
         M = self.suffix.k.shape[2]
-        rel = jnp.arange(M)[None, None] - (cache_index[:, None, None] - P)             # [B, 1, M]
-        outside_block = (rel < 0) | (rel >= T)
-        y = _attend_segments(q, [(self.prefix.k, self.prefix.v, prefix_ok),
-                                 (self.suffix.k, self.suffix.v, outside_block), (k, v, new_ok)])
+        rel = jnp.arange(P + M)[None, None] - cache_index[:, None, None]               # [B, 1, P + M]
+        outside_call = (rel < 0) | (rel >= T)    # the call's own slots are attended to fresh, not cached
+        y = _attend_segments(q, [(self.prefix.k, self.prefix.v, prefix_ok & outside_call[..., :P]),
+                                 (self.suffix.k, self.suffix.v, outside_call[..., P:]), (k, v, new_ok)])
         return y, self
 
 
@@ -178,30 +181,38 @@ def _suffix_forward(model, x, cache, key_start):
     return logits, _dual(views)
 
 
+def _shift(model) -> int:
+    """1 when token i is predicted at position i - 1 (cfg.shifted_prediction), else 0."""
+    return int(model.cfg.shifted_prediction)
+
+
 def _block_forward(model, x, cache, start, key_start, W: int):
-    """The W block slots at `start` over the cached prefix and suffix; returns logits [B, W, V]."""
-    ids = jax.lax.dynamic_slice_in_dim(x, start, W, axis=1)
-    logits, _, _ = model(ids, use_cache=True, kv_caches=_views(cache, "block"), cache_index=start,
+    """The W block slots at `start` (and, with a shift, the slot before) over the cached prefix and suffix;
+    returns the block's logits [B, W, V]."""
+    s = _shift(model)
+    ids = jax.lax.dynamic_slice_in_dim(x, start - s, W + s, axis=1)
+    logits, _, _ = model(ids, use_cache=True, kv_caches=_views(cache, "block"), cache_index=start - s,
                          key_start=key_start)
-    return logits
+    return logits[:, :W]
 
 
 def _nocache_forward(model, x, start, key_start, W: int):
     """The plain bidirectional forward over all N slots; returns the block's logits [B, W, V]."""
     logits, _, _ = model(x, use_cache=False, key_start=key_start)
-    return jax.lax.dynamic_slice_in_dim(logits, start, W, axis=1)
+    return jax.lax.dynamic_slice_in_dim(logits, start - _shift(model), W, axis=1)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "block_size", "full"))
 def _refresh(graphdef, params, x, cache, start, key_start, *, block_size: int, full: bool):
     """Block-start refresh: (block logits [B, W, V], refreshed DualCache). full: prefix too (else suffix)."""
     model = nnx.merge(graphdef, params)
+    first = start - _shift(model)  # the output slot that predicts the block's first token
     if full:
         logits, cache = _full_forward(model, x, cache, key_start)
-        return jax.lax.dynamic_slice_in_dim(logits, start, block_size, axis=1), cache
-    logits, cache = _suffix_forward(model, x, cache, key_start)
+        return jax.lax.dynamic_slice_in_dim(logits, first, block_size, axis=1), cache
+    logits, cache = _suffix_forward(model, x, cache, key_start)  # only after block 0, so first >= P
     P = cache.prefix_kvs[0].k.shape[2]
-    return jax.lax.dynamic_slice_in_dim(logits, start - P, block_size, axis=1), cache
+    return jax.lax.dynamic_slice_in_dim(logits, first - P, block_size, axis=1), cache
 
 
 @partial(jax.jit, static_argnames=("graphdef", "block_size"))

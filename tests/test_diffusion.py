@@ -198,3 +198,40 @@ def test_bundled_diffusion_model_generates_with_and_without_cache(capsys):
     assert main(args + ["--no_cache"]) == 0
     assert cached.startswith("Nel mezzo del cammin") and capsys.readouterr().out.startswith("Nel mezzo")
     assert main(args + ["--top_k", "5"]) == 2  # an AR-only option on a diffusion model
+
+
+def test_shifted_prediction_cache_paths_equal_no_cache():
+    """cfg.shifted_prediction (AR-adapted models): slot i predicted at i - 1; the cached block forward also runs
+    the slot before the block (in the prompt for block 0). K07 (b) and the batch rows still hold."""
+    cfg = tiny_config(paradigm="diffusion", attention="gqa", kv_heads=2, mask_token_id=127, tie_embeddings=False,
+                      shifted_prediction=True)
+    model = dx.build_model(cfg, seed=3)
+    no_cache = diffusion_generate_result(model, PROMPTS, **K07, use_cache=False)
+    np.testing.assert_array_equal(diffusion_generate_result(model, PROMPTS, **K07, refresh="step").tokens,
+                                  no_cache.tokens)
+    for row, prompt in zip(diffusion_generate(model, PROMPTS, **K07), PROMPTS):
+        np.testing.assert_array_equal(row, diffusion_generate(model, prompt, **K07))
+    unshifted = dx.build_model(cfg.replace(shifted_prediction=False), seed=3)
+    assert not np.array_equal(diffusion_generate_result(unshifted, PROMPTS, **K07, use_cache=False).tokens,
+                              no_cache.tokens)
+    with pytest.raises(dx.ConfigError, match="shifted_prediction"):
+        tiny_config(shifted_prediction=True)
+
+
+def test_shifted_objective_scores_token_i_at_position_i_minus_1():
+    from dantinox.train.trainer import masked_nll
+
+    cfg = tiny_config(paradigm="diffusion", mask_token_id=127, shifted_prediction=True)
+    model = dx.build_model(cfg)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rng = np.random.default_rng(1)
+    windows = rng.integers(0, 127, (2, 17)).astype(np.int32)
+    noise = rng.random((2, 17), dtype=np.float32)
+    noise[:, 1] = 0.0  # token 0 would be masked, but a shifted model never masks it
+    nll, masked, t = masked_nll(graphdef, params, rest, windows, noise)
+    assert not np.asarray(masked)[:, 0].any()
+    x0 = windows[:, :-1]
+    logits = np.asarray(model(np.where(np.asarray(masked), 127, x0), use_cache=False)[0])
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = -np.take_along_axis(logp[:, :-1], x0[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(nll)[:, 1:], want, rtol=1e-4, atol=1e-5)

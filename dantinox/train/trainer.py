@@ -184,12 +184,17 @@ def masked_nll(graphdef, params, rest, windows: jax.Array, noise: jax.Array):
 
     noise: [B, T + 1] float32 uniforms in [0, 1): column 0 sets t = eps + (1 - eps) u per row, columns 1..T
     mask token i when u_i < t. Returns (cross-entropy [B, T] float32 nats, masked [B, T] bool, t [B, 1]).
+    With cfg.shifted_prediction token i is scored on the output at position i - 1, and token 0 is never masked.
     """
     model = nnx.merge(graphdef, params, rest)
     x0 = windows[:, :-1]
     t = MASK_EPS + (1.0 - MASK_EPS) * noise[:, :1]
     masked = noise[:, 1:] < t
+    if model.cfg.shifted_prediction:
+        masked = masked & (jnp.arange(x0.shape[1]) > 0)
     logits, _, _ = model(jnp.where(masked, model.cfg.mask_token_id, x0), use_cache=False)
+    if model.cfg.shifted_prediction:  # position i - 1 predicts token i; token 0 (never masked) gets a dummy row
+        logits = jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
     return optax.softmax_cross_entropy_with_integer_labels(logits, x0), masked, t
 
 
