@@ -25,8 +25,10 @@ Walkthrough of :func:`diffusion_generate`:
   3. Cache. ``DualCache(prefix_kvs, suffix_kvs)`` holds per layer the keys and values of the prompt slots
      ([B, K, P, D]) and of the generation region ([B, K, M, D]: decoded blocks and the MASK suffix). Within a
      block only the block's W positions run through the model; they attend to the cached prefix, to the
-     cached generation region except the block's own slots, and to their own fresh keys and values. Nothing
-     is written during the steps of a block. Refresh policies, at the start of each block:
+     cached generation region except the block's own slots, and to their own fresh keys and values (one key
+     set: the steps work on a copy of the cache joined to [B, K, N, D] at the block's start, whose block
+     slots each step overwrites with the fresh keys and values, in place; see StepView). The DualCache is
+     not written during the steps of a block. Refresh policies, at the start of each block:
        - ``"block"``: one forward over all N slots recomputes prefix and suffix (Fast-dLLM's reference code);
          a committed block's KV is therefore never stale;
        - ``"prompt_once"``: the prompt's KV is computed once per generation (the first block's full forward)
@@ -100,9 +102,7 @@ class DualView:
 
     mode (static): "full" (the call covers all N slots: attend among them, store their KV as prefix and
     suffix), "suffix" (the call covers the M generation slots: attend to the prefix and to themselves,
-    store their KV as suffix), "block" (the call covers T slots at cache_index, the block and, with
-    shifted_prediction, the slot before it: attend to the cached prefix and suffix outside those slots, and
-    to themselves; store nothing).
+    store their KV as suffix). The denoising steps of a block use :class:`StepView` instead.
     """
 
     def __init__(self, prefix: LayerKV, suffix: LayerKV, mode: str):
@@ -126,17 +126,41 @@ class DualView:
             return y, DualView(LayerKV(k[:, :, :P].astype(dt), v[:, :, :P].astype(dt)),
                                LayerKV(k[:, :, P:].astype(dt), v[:, :, P:].astype(dt)), self.mode)
         prefix_ok = jnp.arange(P)[None, None] >= ks                                    # [B, 1, P]
-        new_ok = jnp.ones((1, 1, T), bool)
-        if self.mode == "suffix":
-            y = _attend_segments(q, [(self.prefix.k, self.prefix.v, prefix_ok), (k, v, new_ok)])
-            dt = self.suffix.k.dtype
-            return y, DualView(self.prefix, LayerKV(k.astype(dt), v.astype(dt)), self.mode)
-        M = self.suffix.k.shape[2]
-        rel = jnp.arange(P + M)[None, None] - cache_index[:, None, None]               # [B, 1, P + M]
-        outside_call = (rel < 0) | (rel >= T)    # the call's own slots are attended to fresh, not cached
-        y = _attend_segments(q, [(self.prefix.k, self.prefix.v, prefix_ok & outside_call[..., :P]),
-                                 (self.suffix.k, self.suffix.v, outside_call[..., P:]), (k, v, new_ok)])
-        return y, self
+        y = _attend_segments(q, [(self.prefix.k, self.prefix.v, prefix_ok), (k, v, jnp.ones((1, 1, T), bool))])
+        dt = self.suffix.k.dtype
+        return y, DualView(self.prefix, LayerKV(k.astype(dt), v.astype(dt)), self.mode)
+
+
+@jax.tree_util.register_pytree_node_class
+class StepView:
+    """One layer's cache during the denoising steps of a block (the ``attend_and_write`` hook).
+
+    kv: LayerKV of [B, K, N, D], the DualCache's prefix and suffix joined into one key set (built once per
+    block). A step's call covers T slots at cache_index (the block and, with shifted_prediction, the slot
+    before it; every row shares that start): their fresh keys and values overwrite those slots, then the
+    queries attend to all N slots except left padding, one softmax over one key set. The overwrite happens
+    in the loop-carried copy, in place; those slots are rewritten by every step before being read, and the
+    DualCache itself is never written during the steps.
+    """
+
+    def __init__(self, kv: LayerKV):
+        self.kv = kv
+
+    def tree_flatten(self):
+        return (self.kv,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def attend_and_write(self, q, k, v, cache_index, key_start, window):
+        """q: [B, K, G, T, D] (scaled); k, v: [B, K, T, D]; cache_index, key_start: [B] int32.
+        Returns (y [B, K, G, T, D] float32, the StepView with the T slots overwritten)."""
+        dt, start = self.kv.k.dtype, cache_index[0]
+        keys = jax.lax.dynamic_update_slice_in_dim(self.kv.k, k.astype(dt), start, axis=2)
+        values = jax.lax.dynamic_update_slice_in_dim(self.kv.v, v.astype(dt), start, axis=2)
+        visible = jnp.arange(keys.shape[2])[None, None] >= key_start[:, None, None]      # [B, 1, N]
+        return _attend_segments(q, [(keys, values, visible)]), StepView(LayerKV(keys, values))
 
 
 def _attend_segments(q, segments):
@@ -164,6 +188,12 @@ def _dual(views) -> DualCache:
     return DualCache(tuple(v.prefix for v in views), tuple(v.suffix for v in views))
 
 
+def _joined(cache: DualCache) -> tuple:
+    """Per layer StepView(LayerKV [B, K, N, D]): prefix and suffix slots as one key set."""
+    return tuple(StepView(LayerKV(jnp.concatenate([p.k, s.k], axis=2), jnp.concatenate([p.v, s.v], axis=2)))
+                 for p, s in zip(cache.prefix_kvs, cache.suffix_kvs))
+
+
 # Forwards (each one call of the model's own __call__) ------------------------------------------------------
 
 def _full_forward(model, x, cache, key_start):
@@ -186,14 +216,13 @@ def _shift(model) -> int:
     return int(model.cfg.shifted_prediction)
 
 
-def _block_forward(model, x, cache, start, key_start, W: int):
-    """The W block slots at `start` (and, with a shift, the slot before) over the cached prefix and suffix;
-    returns the block's logits [B, W, V]."""
+def _block_forward(model, x, views, start, key_start, W: int):
+    """The W block slots at `start` (and, with a shift, the slot before) over the joined cache (StepViews);
+    returns (the block's logits [B, W, V], the StepViews with those slots overwritten)."""
     s = _shift(model)
     ids = jax.lax.dynamic_slice_in_dim(x, start - s, W + s, axis=1)
-    logits, _, _ = model(ids, use_cache=True, kv_caches=_views(cache, "block"), cache_index=start - s,
-                         key_start=key_start)
-    return logits[:, :W]
+    logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start - s, key_start=key_start)
+    return logits[:, :W], views
 
 
 def _nocache_forward(model, x, start, key_start, W: int):
@@ -231,10 +260,13 @@ def _commit(x, logits, start, settings: "_Settings", key):
     block = jax.lax.dynamic_slice_in_dim(x, start, W, axis=1)                        # [B, W]
     masked = block == settings.mask_id
     logits = jnp.where(jnp.arange(V) == settings.mask_id, NEG_INF, logits)          # never predict MASK
-    gumbel = jax.random.gumbel(key, logits.shape, jnp.float32)
-    noisy = logits / jnp.maximum(settings.temperature, 1e-6) + gumbel
-    pred = jnp.where(settings.temperature > 0, jnp.argmax(noisy, -1), jnp.argmax(logits, -1))
-    conf = jnp.take_along_axis(jax.nn.softmax(logits, -1), pred[..., None], -1)[..., 0]
+
+    def sample(logits):  # Gumbel-max; drawn only when sampling (the noise costs as much as the rest)
+        noisy = logits / jnp.maximum(settings.temperature, 1e-6) + jax.random.gumbel(key, logits.shape)
+        return jnp.argmax(noisy, -1)
+
+    pred = jax.lax.cond(settings.temperature > 0, sample, lambda lg: jnp.argmax(lg, -1), logits)
+    conf = jnp.exp(jnp.take_along_axis(logits, pred[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1))
     conf = jnp.where(masked, conf, -1.0)
     rank = jnp.argsort(jnp.argsort(-conf, axis=-1, stable=True), axis=-1, stable=True)  # 0 = most confident
     commit = masked & ((rank < settings.per_step) | (conf > settings.threshold))
@@ -255,7 +287,7 @@ class _BlockState(NamedTuple):
     step: jax.Array      # [] int32: steps run in this block
     x: jax.Array         # [B, N] int32: the sequence
     logits: jax.Array    # [B, W, V] float32: block logits for the current x
-    cache: DualCache     # as refreshed at the start of the block (or per step under "step")
+    views: tuple         # per layer StepView (None without a cache): the block-start cache joined
     calls: jax.Array     # [] int32: model forwards run in this block
     prefix: jax.Array    # [] int32: forwards that recomputed the prompt's KV
 
@@ -273,26 +305,27 @@ def _denoise_block(graphdef, params, x, cache, logits, start, key_start, setting
     def any_masked(x):
         return jnp.any(jax.lax.dynamic_slice_in_dim(x, start, W, axis=1) == settings.mask_id)
 
-    def next_logits(x, cache):
+    def next_logits(x, views):
         one, zero = jnp.int32(1), jnp.int32(0)
         if mode == "nocache":
-            return _nocache_forward(model, x, start, key_start, W), cache, one, zero
+            return _nocache_forward(model, x, start, key_start, W), views, one, zero
         if mode == "step":
-            cache = _full_forward(model, x, cache, key_start)[1]
-            return _block_forward(model, x, cache, start, key_start, W), cache, 2 * one, one
-        return _block_forward(model, x, cache, start, key_start, W), cache, one, zero
+            views = _joined(_full_forward(model, x, cache, key_start)[1])
+            return *_block_forward(model, x, views, start, key_start, W), 2 * one, one
+        return *_block_forward(model, x, views, start, key_start, W), one, zero
 
     def body(s: _BlockState):
         x = _commit(s.x, s.logits, start, settings, jax.random.fold_in(key, s.step))
-        logits, cache, calls, prefix = jax.lax.cond(
-            any_masked(x), next_logits, lambda x, c: (s.logits, c, jnp.int32(0), jnp.int32(0)), x, s.cache)
-        return _BlockState(s.step + 1, x, logits, cache, s.calls + calls, s.prefix + prefix)
+        logits, views, calls, prefix = jax.lax.cond(
+            any_masked(x), next_logits, lambda x, v: (s.logits, v, jnp.int32(0), jnp.int32(0)), x, s.views)
+        return _BlockState(s.step + 1, x, logits, views, s.calls + calls, s.prefix + prefix)
 
     def cond(s: _BlockState):
         return (s.step < settings.max_steps) & any_masked(s.x)
 
     zero = jnp.int32(0)
-    return jax.lax.while_loop(cond, body, _BlockState(zero, x, logits, cache, zero, zero))
+    views = None if mode == "nocache" else _joined(cache)
+    return jax.lax.while_loop(cond, body, _BlockState(zero, x, logits, views, zero, zero))
 
 
 # The host driver ----------------------------------------------------------------------------------------------
