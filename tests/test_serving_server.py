@@ -143,7 +143,12 @@ def test_invalid_input_names_the_field(server):
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "max_tokens"
     missing = httpx.post(url, json=dict(max_tokens=3), timeout=30)
     assert missing.status_code == 422 and missing.json()["error"]["param"] == "prompt"
-    for body, field in ((dict(prompt="x", n=2), "n"), (dict(prompt="x", temperature=-1), "temperature"),
+    for field in ("n", "logprobs"):
+        typed = httpx.post(url, json={"prompt": "x", field: "several"}, timeout=30)
+        assert typed.status_code == 422 and typed.json()["error"]["param"] == field
+    for body, field in ((dict(prompt="x", n=0), "n"), (dict(prompt="x", n=17), "n"),
+                        (dict(prompt="x", logprobs=6), "logprobs"), (dict(prompt="x", logprobs=-1), "logprobs"),
+                        (dict(prompt="x", temperature=-1), "temperature"),
                         (dict(prompt="x", top_p=2.0), "top_p"), (dict(prompt=[1, 10**6]), "prompt"),
                         (dict(prompt=""), "prompt"), (dict(prompt="x", max_tokens=0), "max_tokens"),
                         (dict(prompt=["a", "b"]), "prompt"), (dict(prompt="x", stop=list("abcde")), "stop")):

@@ -10,7 +10,8 @@ JAX implementation.
      ([B, 1]) and prefill rows ([B, T]), with B and T rounded up to fixed buckets so no step recompiles
      after ``warmup()``;
   4. each request advances by the tokens it fed; a request whose last token was fed gets the sampled
-     token, and finishes on a stop token or at max_new_tokens.
+     token (with its raw log-probabilities if it asked for logprobs), and finishes on a stop token or at
+     max_new_tokens.
 Every admitted request ends with finish reason "stop", "length", "abort" or "error": never dropped.
 
 Not thread-safe: one thread drives an engine (the server runs it in a background thread).
@@ -33,8 +34,8 @@ from ..compile_count import CompileCounter
 from ..sampling import SamplingParams
 from .allocator import BlockAllocator
 from .paged_cache import init_pool, num_blocks_for_memory, pool_nbytes
-from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions
-from .runner import copy_blocks, forward_step, read_blocks, static_graph, write_blocks
+from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
+from .runner import StepLogprobs, copy_blocks, forward_step, read_blocks, static_graph, write_blocks
 from .scheduler import Chunk, ContextPolicy, Schedule, Scheduler
 
 log = logging.getLogger("dantinox.serving")
@@ -47,9 +48,14 @@ class Engine(abc.ABC):
     max_context: int
 
     @abc.abstractmethod
-    def add_request(self, prompt_ids, options: SamplingOptions, request_id: str | None = None) -> str:
+    def add_request(self, prompt_ids, options: SamplingOptions, request_id: str | None = None,
+                    share_prompt_with: str | None = None) -> str:
         """Queue a request; returns its id. Raises RequestError (invalid, or can never fit; ``field``
-        names the input) or QueueFullError (queue at its bound)."""
+        names the input) or QueueFullError (queue at its bound).
+
+        share_prompt_with: the id of a queued or running request with the same prompt (the first of n
+        choices); this one then waits until that one's prompt is computed and takes its full prompt blocks
+        from the prefix cache instead of computing them again. An engine may ignore it."""
 
     @abc.abstractmethod
     def step(self) -> list[RequestOutput]:
@@ -151,13 +157,16 @@ class PagedEngine(Engine):
 
     # Interface ------------------------------------------------------------------------------------
     def add_request(self, prompt_ids, options: SamplingOptions = SamplingOptions(),  # noqa: B008 (frozen)
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, share_prompt_with: str | None = None) -> str:
         ids = _check_prompt(prompt_ids, self.vocab_size)
         options.validate(self.vocab_size)
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError("request_id", f"request_id={rid!r} is already in use")
         req = Request(rid, ids, options)
+        parent = self.requests.get(share_prompt_with) if share_prompt_with is not None else None
+        if parent is not None and parent.prompt_ids == ids and self.allocator.enable_prefix_caching:
+            req.prompt_parent = parent
         self.scheduler.check_admission(req)
         self.scheduler.add(req)
         self.requests[rid] = req
@@ -168,12 +177,12 @@ class PagedEngine(Engine):
         outputs, self._pending = self._pending, []
         try:
             self._move_blocks(sched)
-            tokens = self._run(sched.chunks)
+            sampled = self._run(sched.chunks)
         except Exception as err:  # a device failure: the pool may be gone; fail what it held, keep serving
             log.exception("engine step failed")
             return outputs + self._fail_running(f"engine step failed: {err!r}")
-        for chunk, token in zip(sched.chunks, tokens):
-            outputs.extend(self._advance(chunk, token))
+        for chunk, (token, logprobs) in zip(sched.chunks, sampled):
+            outputs.extend(self._advance(chunk, token, logprobs))
         self.counters["steps"] += 1
         return outputs
 
@@ -249,21 +258,22 @@ class PagedEngine(Engine):
         padded = tuple(type(layer)(*(pad(a) for a in layer)) for layer in data)
         self.pool = write_blocks(self.pool, ids, padded)
 
-    def _run(self, chunks: list[Chunk]) -> list[int]:
-        """Run the chunks in bucketed calls; returns each chunk's sampled token (meaningful for chunks that
-        reach their request's last token)."""
-        tokens: dict[int, int] = {}
+    def _run(self, chunks: list[Chunk]) -> list[tuple[int, TokenLogprobs | None]]:
+        """Run the chunks in bucketed calls; returns each chunk's sampled token and, if its request asked
+        for logprobs, their TokenLogprobs (meaningful for chunks that reach their request's last token)."""
+        sampled: dict[int, tuple] = {}
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
         for group, buckets in ((decode, self.decode_buckets), (prefill, self.prefill_buckets)):
             for i in range(0, len(group), buckets[-1]):
                 part = group[i:i + buckets[-1]]
                 T = 1 if group is decode else _bucket(max(c.num_tokens for c in part), self.chunk_buckets)
-                for chunk, token in zip(part, self._call_forward(part, _bucket(len(part), buckets), T)):
-                    tokens[id(chunk)] = int(token)
-        return [tokens[id(c)] for c in chunks]
+                tokens, logprobs = self._call_forward(part, _bucket(len(part), buckets), T)
+                for b, chunk in enumerate(part):
+                    sampled[id(chunk)] = (int(tokens[b]), _row_logprobs(chunk, int(tokens[b]), logprobs, b))
+        return [sampled[id(c)] for c in chunks]
 
-    def _call_forward(self, part: list[Chunk], B: int, T: int) -> np.ndarray:
+    def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[np.ndarray, StepLogprobs]:
         ids = np.zeros((B, T), np.int32)
         start, num_new, steps = (np.zeros(B, np.int32) for _ in range(3))
         table = np.zeros((B, self.table_width), np.int32)
@@ -279,12 +289,13 @@ class PagedEngine(Engine):
             seeds[b], temperature[b], top_p[b] = opts.seed, opts.temperature, opts.top_p
             top_k[b] = min(opts.top_k, self.vocab_size)
         sampling = SamplingParams(temperature, top_k, top_p)
-        out, self.pool = forward_step(self.graph, self.params, self.pool, ids, start, num_new, table,
-                                      seeds, steps, sampling)
+        with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
+        out, logprobs, self.pool = forward_step(self.graph, self.params, self.pool, ids, start, num_new, table,
+                                                seeds, steps, sampling, with_logprobs)
         self.counters["forward_calls"] += bool(part)
-        return np.asarray(out)
+        return jax.device_get((out, logprobs))
 
-    def _advance(self, chunk: Chunk, token: int) -> list[RequestOutput]:
+    def _advance(self, chunk: Chunk, token: int, logprobs: TokenLogprobs | None = None) -> list[RequestOutput]:
         req = chunk.request
         if req.finished:  # aborted while its step ran
             return []
@@ -305,7 +316,7 @@ class PagedEngine(Engine):
             self._finish(req, "stop")
         elif len(req.output_ids) >= req.options.max_new_tokens:
             self._finish(req, "length")
-        return [self._output(req, [token])]
+        return [self._output(req, [token], None if logprobs is None else [logprobs])]
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.remove(req)
@@ -314,9 +325,9 @@ class PagedEngine(Engine):
         self.finished.append(req)
         self.counters[{"abort": "aborted", "error": "errors"}.get(reason, "finished")] += 1
 
-    def _output(self, req: Request, new_tokens: list) -> RequestOutput:
+    def _output(self, req: Request, new_tokens: list, logprobs: list | None = None) -> RequestOutput:
         return RequestOutput(req.request_id, new_tokens, req.finished, req.finish_reason, req.error,
-                             len(req.prompt_ids), len(req.output_ids))
+                             len(req.prompt_ids), len(req.output_ids), logprobs)
 
     def _fail_running(self, message: str) -> list[RequestOutput]:
         """After a failed device step: end every request whose keys and values may be lost (running, or
@@ -329,6 +340,15 @@ class PagedEngine(Engine):
         self.pool = init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size)
         self.allocator.pool.forget_all_hashes()  # cached prefixes pointed into the old pool
         return [self._output(req, []) for req in failed]
+
+
+def _row_logprobs(chunk: Chunk, token: int, step: StepLogprobs, b: int) -> TokenLogprobs | None:
+    """Row b of a step's log-probabilities as the chunk's request asked for them (None if it did not)."""
+    k = chunk.request.options.logprobs
+    if k is None:
+        return None
+    top = tuple((int(i), float(lp)) for i, lp in zip(step.top_ids[b, :k], step.top[b, :k]))
+    return TokenLogprobs(token, float(step.chosen[b]), top)
 
 
 def _check_prompt(prompt_ids, vocab_size: int) -> list:

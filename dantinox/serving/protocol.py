@@ -3,8 +3,24 @@
 Supported fields of ``POST /v1/completions``: model, prompt (a string, a list of token ids, or a list of one
 string), max_tokens (default: 16, or what is left of the context if less), temperature (default 1.0;
 0 = greedy), top_p, top_k (an extension; 0 = off), seed, stop (a string or up to 4), stream,
-stream_options.include_usage, n (must be 1), echo (must be false), logprobs (must be null). Other fields are
-accepted and ignored, as OpenAI-compatible servers do.
+stream_options.include_usage, n (1..MAX_CHOICES choices per prompt), logprobs (null or 0..MAX_LOGPROBS),
+echo (must be false). Other fields are accepted and ignored, as OpenAI-compatible servers do.
+
+n > 1: choice i is its own engine request with seed (seed + i) mod 2**32, so with a seed every choice is
+reproducible and choice 0 equals the n = 1 completion; at temperature 0 all choices are equal. Usage counts
+the prompt once and the completion tokens of every choice. Streamed chunks carry one choice each, tagged by
+its ``index``.
+
+logprobs (OpenAI's legacy completions format): choice.logprobs = {tokens, token_logprobs, top_logprobs,
+text_offset}, one entry per generated token. The figures are the model's raw log-probabilities, log_softmax
+of the logits before temperature, top-k and top-p, not the probabilities a sampled token was drawn with.
+tokens[i] is token i decoded alone (a token holding part of a multi-byte character shows U+FFFD);
+top_logprobs[i] maps the text of the ``logprobs`` most likely tokens, and of the chosen token, to their
+log-probabilities (so up to logprobs + 1 entries; a text shared by two tokens keeps the likelier);
+text_offset[i] is the number of characters of the choice's text completed before token i, i.e. the offset of
+the first character token i contributes to (counted in the choice's text, not including the prompt). When a
+stop string ends the text, the entries run up to the token that completed it. Streamed chunks carry the
+entries of the tokens consumed since the previous chunk.
 """
 
 from __future__ import annotations
@@ -13,9 +29,10 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from .request import RequestError
+from .request import MAX_LOGPROBS, RequestError, TokenLogprobs
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16  # most choices (n) per request
 
 
 class CompletionRequest(BaseModel):
@@ -36,13 +53,15 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = None
 
     def check_supported(self) -> None:
-        """Raise RequestError naming the field for features this server does not offer."""
-        if self.n != 1:
-            raise RequestError("n", f"n={self.n} is not supported: one completion per request (n=1)")
+        """Raise RequestError naming the field for values this server does not offer (n outside
+        [1, MAX_CHOICES], logprobs outside [0, MAX_LOGPROBS], echo, several prompts, too many stops)."""
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise RequestError("n", f"n={self.n} is not allowed: an integer in [1, {MAX_CHOICES}]")
         if self.echo:
             raise RequestError("echo", "echo=true is not supported")
-        if self.logprobs is not None:
-            raise RequestError("logprobs", "logprobs are not supported: leave logprobs null")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError("logprobs", f"logprobs={self.logprobs} is not allowed: null or an integer in "
+                               f"[0, {MAX_LOGPROBS}]")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
             if len(self.prompt) != 1:
                 raise RequestError("prompt", f"a batch of {len(self.prompt)} prompts is not supported: send "
@@ -91,17 +110,57 @@ class StopChecker:
         return out
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str | None,
-                    usage: dict | None) -> dict:
-    """A ``text_completion`` object (the whole response, or one streamed chunk)."""
+class LogprobsLog:
+    """One choice's token log-probabilities in the legacy completions format, collected token by token.
+
+    ``add(lp, offset)`` records a TokenLogprobs at character ``offset`` of the choice's text; ``take()``
+    returns the entries added since the previous take as {tokens, token_logprobs, top_logprobs,
+    text_offset}; ``body()`` returns them all. ``decode``: the tokenizer's decode (list of ids -> str).
+    """
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.entries: list[tuple] = []  # (token text, logprob, {text: logprob}, offset)
+        self.taken = 0
+
+    def add(self, lp: TokenLogprobs, offset: int) -> None:
+        top: dict[str, float] = {}
+        for token_id, logprob in lp.top:  # most likely first: a shared text keeps the likelier token
+            top.setdefault(self.decode([token_id]), logprob)
+        text = self.decode([lp.token_id])
+        top.setdefault(text, lp.logprob)
+        self.entries.append((text, lp.logprob, top, offset))
+
+    def take(self) -> dict:
+        part, self.taken = self.entries[self.taken:], len(self.entries)
+        return _logprobs_body(part)
+
+    def body(self) -> dict:
+        return _logprobs_body(self.entries)
+
+
+def _logprobs_body(entries: list[tuple]) -> dict:
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+
+
+def choice_body(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    """One entry of a completion's ``choices``: {index, text, logprobs, finish_reason}."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(request_id: str, model: str, choices: list[dict], usage: dict | None) -> dict:
+    """A ``text_completion`` object (the whole response, or one streamed chunk). choices: from
+    ``choice_body``."""
     body = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": choices}
     if usage is not None:
         body["usage"] = usage
     return body
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's usage object (prompt tokens counted once; completion tokens of every choice)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_LOGPROBS = 5  # most alternatives per token a request may ask for (OpenAI's limit for completions)
 
 
 class RequestError(ValueError):
@@ -45,7 +46,8 @@ class SamplingOptions:
     max_new_tokens: tokens to generate (>= 1).  temperature: >= 0, 0 = greedy.  top_k: >= 0, 0 = off.
     top_p: in (0, 1], 1 = off.  seed: in [0, 2**32): the request's PRNG stream (the same tokens as
     ``dantinox.generate`` with that seed).  stop_token_ids: generation ends after any of these ids
-    (finish reason "stop"; the id is part of the output).
+    (finish reason "stop"; the id is part of the output).  logprobs: None, or 0..MAX_LOGPROBS: each output
+    token then carries its log-probability and that many most likely alternatives (``TokenLogprobs``).
     """
 
     max_new_tokens: int = 16
@@ -54,6 +56,7 @@ class SamplingOptions:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple = ()
+    logprobs: int | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError naming the field, the value and what is allowed."""
@@ -74,6 +77,9 @@ class SamplingOptions:
             if not _is_int(token) or not 0 <= token < vocab_size:
                 raise RequestError("stop_token_ids", f"stop token id {token!r} is not allowed: an integer in "
                                    f"[0, {vocab_size})")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError("logprobs", f"logprobs={self.logprobs!r} is not allowed: null or an integer in "
+                               f"[0, {MAX_LOGPROBS}]")
 
 
 class RequestStatus(enum.Enum):
@@ -100,6 +106,8 @@ class Request:
     num_cached_tokens: int = 0       # prompt tokens served by the prefix cache at the last admission
     swap_data: Any = None            # host copy of the blocks while SWAPPED: per layer PagedLayerKV or
                                      # PagedLatentKV of numpy arrays
+    prompt_parent: "Request | None" = None  # a request with the same prompt whose prompt blocks this one
+                                     # waits for and reuses from the prefix cache (n > 1 choices)
     first_token_time: float | None = None
     last_token_time: float | None = None
     events: list = field(default_factory=list)  # ("chunk", start, n), ("token", id), ("preempt", policy), ...
@@ -122,12 +130,29 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability under the model's raw distribution: log_softmax of the logits
+    before temperature, top-k and top-p (so a sampled token's figure is not the probability it was drawn
+    with).
+
+    token_id: the generated token.  logprob: log p(token_id), float.  top: the most likely tokens as
+    ((token id, log p), ...), most likely first, as many as the request's ``logprobs`` option asked for
+    (the generated token is among them only if it is that likely).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple = ()
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request.
 
     new_token_ids: tokens generated in this step (0 or 1 of them).  finished: no more output will come;
-    finish_reason is then one of FINISH_REASONS and error holds the message for "error".
+    finish_reason is then one of FINISH_REASONS and error holds the message for "error".  logprobs: one
+    TokenLogprobs per new token when the request asked for logprobs, else None.
     """
 
     request_id: str
@@ -137,3 +162,4 @@ class RequestOutput:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: list | None = None

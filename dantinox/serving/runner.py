@@ -12,6 +12,7 @@ graph, hashed once and compared by identity.
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from flax import nnx
 
 from ..sampling import GREEDY_TEMPERATURE, SamplingParams, sample_next
 from .paged_cache import PagedPool, paged_views
+from .request import MAX_LOGPROBS
 
 
 class StaticGraph:
@@ -62,22 +64,51 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, sampling:
     return jax.lax.cond(jnp.all(sampling.temperature <= GREEDY_TEMPERATURE), lambda: greedy, draw)
 
 
+class StepLogprobs(NamedTuple):
+    """Log-probabilities at each row's sampled position, k = min(MAX_LOGPROBS, V) alternatives.
+
+    chosen: [B] float32, log p(sampled token); top_ids: [B, k] int32 and top: [B, k] float32, the k most
+    likely tokens and their log-probabilities, most likely first (ties to the lower id).
+    """
+
+    chosen: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> StepLogprobs:
+    """log_softmax of the model's raw logits (before temperature, top-k and top-p: the model's own
+    distribution, not the one a sampled token was drawn from), at the chosen tokens and the top k.
+
+    logits: [B, V] float32; tokens: [B] int32.
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
+    top, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logits.shape[-1]))
+    return StepLogprobs(chosen, top_ids.astype(jnp.int32), top)
+
+
 @partial(jax.jit, static_argnames=("graph",), donate_argnames=("pool",))
 def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_new, block_table, seeds, steps,
-                 sampling: SamplingParams):
+                 sampling: SamplingParams, with_logprobs):
     """Run T new tokens per row through the model over the paged pool and sample each row's next token.
 
     ids: [B, T] int32 (row b's tokens in ids[b, :num_new[b]], the rest padding); start: [B] int32 tokens
     already cached per row (the RoPE position of ids[b, 0]); num_new: [B] int32 (0 for an unused row);
-    block_table: [B, M] int32; seeds: [B] uint32; steps: [B] int32; sampling: per-row settings [B].
-    Returns (tokens [B] int32 sampled from each row's last valid position, the updated pool).
+    block_table: [B, M] int32; seeds: [B] uint32; steps: [B] int32; sampling: per-row settings [B];
+    with_logprobs: bool scalar (traced, so either value runs the same compiled step): compute the
+    log-probabilities (``token_logprobs``), else return zeros and skip the work.
+    Returns (tokens [B] int32 sampled from each row's last valid position, StepLogprobs, the updated pool).
     """
     model = nnx.merge(graph.graphdef, params)
     views = paged_views(pool, block_table, num_new)
     logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start)
     last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     tokens = sample_rows(last, seeds, steps, sampling)
-    return tokens, tuple(view.pool for view in views)
+    B, k = tokens.shape[0], min(MAX_LOGPROBS, last.shape[-1])
+    skipped = StepLogprobs(jnp.zeros(B, jnp.float32), jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k), jnp.float32))
+    logprobs = jax.lax.cond(with_logprobs, lambda: token_logprobs(last, tokens), lambda: skipped)
+    return tokens, logprobs, tuple(view.pool for view in views)
 
 
 # The block moves work on every array of every layer alike (k and v [N, P, K, D], or for MLA c_kv [N, P, C]

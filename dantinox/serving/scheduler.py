@@ -8,7 +8,9 @@ Each step (iteration-level scheduling, no separate prefill and decode phases):
      until it fits: ``recompute`` frees its blocks and later re-prefills prompt + generated tokens,
      ``swap`` copies its blocks to host memory first and later copies them back.
   2. Only if nobody was preempted in this step: waiting requests in order (preempted ones first, at the head
-     of the queue) are admitted while there are free running slots, budget and blocks.
+     of the queue) are admitted while there are free running slots, budget and blocks. A request with a
+     ``prompt_parent`` (choice i > 0 of an n > 1 completion) is held until the parent's prompt is computed,
+     so its full prompt blocks come from the prefix cache instead of being computed n times.
 Copy-on-write copies arise only when an admitted request's prompt is wholly cached (step 2), after every
 preemption of the step, so a preempted request never has a pending copy.
 """
@@ -160,6 +162,9 @@ class Scheduler:
         alloc = self.allocator
         while self.waiting and len(self.running) < self.policy.max_running:
             req = self.waiting[0]
+            if _waits_for_parent(req):
+                return
+            req.prompt_parent = None
             swapped = req.status is RequestStatus.SWAPPED
             if swapped:
                 blocks = alloc.allocate_blocks(req.request_id, alloc.blocks_for(req.num_computed))
@@ -214,3 +219,10 @@ class Scheduler:
         out.preempted.append(victim)
         self.waiting.appendleft(victim)
 
+
+def _waits_for_parent(req: Request) -> bool:
+    """True while ``req.prompt_parent`` is running and still computing the shared prompt (admitting ``req``
+    now would compute the same prompt blocks a second time instead of taking them from the prefix cache)."""
+    parent = req.prompt_parent
+    return (parent is not None and parent.status is RequestStatus.RUNNING
+            and parent.num_computed < len(parent.prompt_ids))

@@ -3,14 +3,17 @@
 Design (threads and queues):
   1. uvicorn runs the FastAPI app on one asyncio event loop. Handlers validate the body, encode the prompt
      with the run's tokenizer and hand the request to the EngineWorker (``dantinox.serving.worker``) through
-     its thread-safe command queue, together with a fresh ``asyncio.Queue`` for the replies.
+     its thread-safe command queue, together with a fresh ``asyncio.Queue`` for the replies. A request for
+     n choices becomes n engine requests (ids ``<completion id>-<i>``), submitted together.
   2. The worker thread owns the engine: it admits or rejects the request (the first reply: "accepted" or
      "rejected" with a RequestError -> 400 naming the field, or QueueFullError -> 429 with Retry-After),
      then steps the engine and pushes each new token to the request's queue via
      ``loop.call_soon_threadsafe``. Only the worker thread ever calls the engine.
-  3. The handler turns tokens into text with a StreamDecoder (never splitting a multi-byte character),
-     watches for stop strings (holding back text that may begin one), and answers with one JSON body or
-     with server-sent events (``stream=true``) ending in ``data: [DONE]``.
+  3. The handler turns each choice's tokens into text with a StreamDecoder (never splitting a multi-byte
+     character), watches for stop strings (holding back text that may begin one), collects the tokens'
+     log-probabilities when asked (``logprobs``, see ``dantinox.serving.protocol``), and answers with one
+     JSON body or with server-sent events (``stream=true``, one choice per chunk) ending in
+     ``data: [DONE]``.
   4. A stop string, or a client that disconnects (the event stream is cancelled, or a non-streaming
      request finds ``is_disconnected()``), sends an abort to the worker: the request leaves the engine and
      its KV blocks are freed at once.
@@ -38,7 +41,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..train.tokenizer import StreamDecoder
 from .engine import Engine
 from .metrics import ServerMetrics
-from .protocol import CompletionRequest, StopChecker, completion_body, error_body, usage_body
+from .protocol import (CompletionRequest, LogprobsLog, StopChecker, choice_body, completion_body, error_body,
+                       usage_body)
 from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
 from .worker import EngineWorker
 
@@ -111,13 +115,16 @@ class _Service:
             options = self._options(body, len(prompt_ids))
         except RequestError as err:
             return JSONResponse(error_body(str(err), err.field), status_code=400)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        rids = [f"{cid}-{i}" for i in range(body.n)]
         events: asyncio.Queue = asyncio.Queue()
-        self.worker.submit(rid, prompt_ids, options, asyncio.get_running_loop(), events)
-        first = await _next_event(events, self.worker, rid, None)
+        self.worker.submit(rids, prompt_ids, options, asyncio.get_running_loop(), events)
+        first = await _next_event(events, self.worker, None)
+        if first[0] == "dead":
+            return JSONResponse(error_body(first[1], None, "server_error"), status_code=503)
         if first[0] == "rejected":
             return _rejection(first[1])
-        session = _Completion(self, rid, len(prompt_ids), body, events)
+        session = _Completion(self, cid, rids, len(prompt_ids), body, events)
         if body.stream:
             return StreamingResponse(session.sse(), media_type="text/event-stream")
         return await session.respond(request)
@@ -134,11 +141,14 @@ class _Service:
                 raise RequestError("prompt", str(err)) from err
         return list(prompt)
 
-    def _options(self, body: CompletionRequest, prompt_tokens: int) -> SamplingOptions:
+    def _options(self, body: CompletionRequest, prompt_tokens: int) -> list[SamplingOptions]:
+        """One SamplingOptions per choice; choice i draws with seed (seed + i) mod 2**32."""
         seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
         default = max(1, min(DEFAULT_MAX_TOKENS, self.max_context - prompt_tokens))
-        return SamplingOptions(max_new_tokens=default if body.max_tokens is None else body.max_tokens,
-                               temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, seed=seed)
+        max_tokens = default if body.max_tokens is None else body.max_tokens
+        return [SamplingOptions(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+                                top_p=body.top_p, seed=(seed + i) % 2**32, logprobs=body.logprobs)
+                for i in range(body.n)]
 
 
 def _rejection(err: Exception) -> JSONResponse:
@@ -148,84 +158,138 @@ def _rejection(err: Exception) -> JSONResponse:
     return JSONResponse(error_body(str(err), getattr(err, "field", None)), status_code=400)
 
 
-async def _next_event(events: asyncio.Queue, worker: EngineWorker, rid: str, request: HttpRequest | None):
-    """The next reply for ``rid``; an "error" output if the worker died; None if the client went away."""
+async def _next_event(events: asyncio.Queue, worker: EngineWorker, request: HttpRequest | None):
+    """The next reply on ``events``; ("dead", message) if the worker died; None if the client went away."""
     while True:
         try:
             return await asyncio.wait_for(events.get(), POLL_S)
         except asyncio.TimeoutError:
             if not worker.alive:
-                return ("output", RequestOutput(rid, [], True, "error", f"engine stopped: {worker.error}"))
+                return ("dead", f"engine stopped: {worker.error}")
             if request is not None and await request.is_disconnected():
                 return None
 
 
-class _Completion:
-    """One accepted request: engine outputs -> text pieces -> a JSON body or server-sent events."""
+class _Choice:
+    """One choice of a completion (one engine request): its tokens -> text pieces, stop strings, logprobs."""
 
-    def __init__(self, service: _Service, rid: str, prompt_tokens: int, body: CompletionRequest,
-                 events: asyncio.Queue):
-        self.service, self.rid, self.body, self.events = service, rid, body, events
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
-        self.decoder = StreamDecoder(service.tokenizer)
-        self.stops = StopChecker(body.stop_strings())
+    def __init__(self, index: int, rid: str, tokenizer, stops: list[str], logprobs: int | None):
+        self.index, self.rid = index, rid
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = StopChecker(stops)
+        self.logprobs = None if logprobs is None else LogprobsLog(tokenizer.decode)
+        self.decoded = 0  # characters the decoder has produced: the text_offset of the next token
+        self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.done = False  # the engine request is over (finished, or aborted by us)
 
+    def push(self, out: RequestOutput) -> str:
+        """Consume one engine output; returns the text now safe to emit. Sets done and finish_reason when the
+        choice ends (engine finished, or a stop string: the caller then aborts the engine request)."""
+        self.completion_tokens += len(out.new_token_ids)
+        piece = ""
+        for i, token in enumerate(out.new_token_ids):
+            if self.logprobs is not None and out.logprobs:
+                self.logprobs.add(out.logprobs[i], self.decoded)
+            text = self.decoder.push(token)
+            self.decoded += len(text)
+            piece += text
+        if out.finished:
+            piece += self.decoder.flush()
+        text, stopped = self.stops.push(piece)
+        if stopped or out.finished:
+            self.finish_reason = "stop" if stopped else out.finish_reason
+            self.error = None if stopped else out.error
+            text += "" if stopped else self.stops.flush()
+            self.done = True
+        return text
+
+    def fail(self, message: str) -> None:
+        self.finish_reason, self.error, self.done = "error", message, True
+
+    def body(self, text: str, finish_reason: str | None, stream: bool) -> dict:
+        """This choice's entry of a response (all logprobs) or of a streamed chunk (those not yet sent)."""
+        logprobs = None if self.logprobs is None else (self.logprobs.take() if stream else self.logprobs.body())
+        return choice_body(self.index, text, finish_reason, logprobs)
+
+
+class _Completion:
+    """One accepted request of n choices: engine outputs -> text pieces -> a JSON body or server-sent events."""
+
+    def __init__(self, service: _Service, cid: str, rids: list[str], prompt_tokens: int, body: CompletionRequest,
+                 events: asyncio.Queue):
+        self.service, self.cid, self.body, self.events = service, cid, body, events
+        self.prompt_tokens = prompt_tokens
+        self.choices = [_Choice(i, rid, service.tokenizer, body.stop_strings(), body.logprobs)
+                        for i, rid in enumerate(rids)]
+        self.by_rid = {c.rid: c for c in self.choices}
+
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self.choices)
+
     async def pieces(self, request: HttpRequest | None = None):
-        """Yield text pieces until the request finishes; sets finish_reason / error."""
+        """Yield (choice, text) as text arrives, and (choice, "") once when a choice ends, until every choice
+        has ended (or the client went away: then every unfinished choice is aborted and nothing more comes)."""
         while not self.done:
-            event = await _next_event(self.events, self.service.worker, self.rid, request)
+            event = await _next_event(self.events, self.service.worker, request)
             if event is None:  # the client disconnected
                 self._abort()
                 return
+            if event[0] == "dead":
+                for choice in self.choices:
+                    if not choice.done:
+                        choice.fail(event[1])
+                        yield choice, ""
+                return
             out: RequestOutput = event[1]
-            self.completion_tokens += len(out.new_token_ids)
-            piece = "".join(self.decoder.push(t) for t in out.new_token_ids)
-            if out.finished:
-                piece += self.decoder.flush()
-            text, stopped = self.stops.push(piece)
-            if stopped or out.finished:
-                self.finish_reason = "stop" if stopped else out.finish_reason
-                self.error = None if stopped else out.error
-                text += "" if stopped else self.stops.flush()
-                if not out.finished:
-                    self._abort()
-                self.done = True
-            if text:
-                yield text
+            choice = self.by_rid.get(out.request_id)
+            if choice is None or choice.done:  # e.g. the final "abort" output after a stop string
+                continue
+            text = choice.push(out)
+            if choice.done and not out.finished:
+                self.service.worker.abort(choice.rid)
+            if text or choice.done:
+                yield choice, text
 
     def _abort(self) -> None:
-        self.done = True
-        self.service.worker.abort(self.rid)
+        for choice in self.choices:
+            if not choice.done:
+                choice.done = True
+                self.service.worker.abort(choice.rid)
 
     def _usage(self) -> dict:
-        return usage_body(self.prompt_tokens, self.completion_tokens)
+        return usage_body(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
 
     async def respond(self, request: HttpRequest):
-        text = "".join([piece async for piece in self.pieces(request)])
-        if self.finish_reason == "error":
-            return JSONResponse(error_body(self.error or "generation failed", None, "server_error"),
+        texts = {c.index: "" for c in self.choices}
+        async for choice, text in self.pieces(request):
+            texts[choice.index] += text
+        failed = next((c for c in self.choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            return JSONResponse(error_body(failed.error or "generation failed", None, "server_error"),
                                 status_code=500)
-        if self.finish_reason is None:  # the client went away; nobody reads this
+        if any(c.finish_reason is None for c in self.choices):  # the client went away; nobody reads this
             return JSONResponse(error_body("client disconnected", None), status_code=499)
-        return JSONResponse(completion_body(self.rid, self.service.model_name, text, self.finish_reason,
-                                            self._usage()))
+        choices = [c.body(texts[c.index], c.finish_reason, stream=False) for c in self.choices]
+        return JSONResponse(completion_body(self.cid, self.service.model_name, choices, self._usage()))
 
     async def sse(self):
         name = self.service.model_name
         try:
-            async for piece in self.pieces():
-                yield _event(completion_body(self.rid, name, piece, None, None))
-            if self.finish_reason == "error":
-                yield _event(error_body(self.error or "generation failed", None, "server_error"))
-            else:
-                yield _event(completion_body(self.rid, name, "", self.finish_reason, None))
-                if self.body.include_usage():
-                    usage = completion_body(self.rid, name, "", None, self._usage())
-                    usage["choices"] = []
-                    yield _event(usage)
+            async for choice, text in self.pieces():
+                if text:
+                    yield _event(completion_body(self.cid, name, [choice.body(text, None, True)], None))
+                if not choice.done:
+                    continue
+                if choice.finish_reason == "error":
+                    yield _event(error_body(choice.error or "generation failed", None, "server_error"))
+                else:
+                    yield _event(completion_body(self.cid, name, [choice.body("", choice.finish_reason, True)],
+                                                 None))
+            if self.body.include_usage():
+                yield _event(completion_body(self.cid, name, [], self._usage()))
             yield "data: [DONE]\n\n"
         finally:
             if not self.done:  # the client disconnected mid-stream (the generator was cancelled or closed)

@@ -6,8 +6,10 @@
      ``engine.step()``, route each output to its request's ``asyncio.Queue`` with
      ``loop.call_soon_threadsafe``, record metrics, and publish ``engine.stats()`` as an immutable snapshot
      that handlers read without locks.
-  3. A submit is answered first with ("accepted",) or ("rejected", error) where error is the RequestError or
-     QueueFullError the engine raised, then with ("output", RequestOutput) events until one is finished.
+  3. A submit carries the n engine requests of one completion (one per choice, same prompt); the worker adds
+     all of them or none. It is answered first with ("accepted",) or ("rejected", error) where error is the
+     RequestError or QueueFullError the engine raised, then with ("output", RequestOutput) events, each
+     naming its request, until every one of them is finished.
   4. If the engine raises outside a step's own error handling, every request in flight gets an "error"
      output, the worker marks itself unhealthy (``/health`` answers 503) and stops.
 """
@@ -69,12 +71,16 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.healthy
 
-    def submit(self, request_id: str, prompt_ids: list, options: SamplingOptions,
+    def submit(self, request_ids: list[str], prompt_ids: list, options: list[SamplingOptions],
                loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
-        stream = _Stream(loop, events, time.perf_counter())
-        self.commands.put(("submit", request_id, prompt_ids, options, stream))
+        """Queue one completion: request_ids[i] runs with options[i] on the same prompt_ids (choice i).
+        Replies go to ``events`` on ``loop`` (see the module docstring); choices i > 0 share the first
+        one's prompt blocks through the engine's prefix cache (``share_prompt_with``)."""
+        self.commands.put(("submit", list(request_ids), prompt_ids, list(options), loop, events,
+                           time.perf_counter()))
 
     def abort(self, request_id: str) -> None:
+        """Ask the worker to stop ``request_id`` (one engine request) and free its blocks."""
         self.commands.put(("abort", request_id))
 
     # The worker thread -----------------------------------------------------------------------------
@@ -108,16 +114,23 @@ class EngineWorker:
         if command[0] == "abort":
             self.engine.abort(command[1])
             return
-        _, rid, prompt_ids, options, stream = command
+        _, rids, prompt_ids, options, loop, events, submitted = command
+        added = []
         try:
-            self.engine.add_request(prompt_ids, options, request_id=rid)
+            for rid, opts in zip(rids, options):
+                self.engine.add_request(prompt_ids, opts, request_id=rid,
+                                        share_prompt_with=None if rid == rids[0] else rids[0])
+                added.append(rid)
         except (RequestError, QueueFullError) as err:
+            for rid in added:  # all or none: the choices already queued leave again
+                self.engine.abort(rid)
             if self.metrics:
                 self.metrics.rejected(err)
-            stream.send(("rejected", err))
+            _Stream(loop, events, submitted).send(("rejected", err))
             return
-        self._streams[rid] = stream
-        stream.send(("accepted",))
+        for rid in rids:
+            self._streams[rid] = _Stream(loop, events, submitted)
+        self._streams[rids[0]].send(("accepted",))
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
