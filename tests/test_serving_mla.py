@@ -133,7 +133,7 @@ def test_mla_preempted_requests_resume_with_the_right_output(model, policy):
 def test_mla_serve_start_line_holds_more_tokens_than_gqa_for_the_same_bytes(tmp_path):
     tokenizer = train_tokenizer("Nel mezzo del cammin di nostra vita\n" * 4, "char")
     budget = 64 * 1024
-    lines = {}
+    tokens = {}
     for name, cfg in (("mla", mla_config(vocab_size=tokenizer.vocab_size)),
                       ("gqa", tiny_config(attention="gqa", kv_heads=2, vocab_size=tokenizer.vocab_size))):
         build = lively_mla_model if name == "mla" else lively_model
@@ -147,8 +147,8 @@ def test_mla_serve_start_line_holds_more_tokens_than_gqa_for_the_same_bytes(tmp_
         assert dx.kv_bytes_per_token(cfg) == per_token
         n = budget // (4 * per_token)
         assert engine.allocator.num_blocks == n and engine.stats()["kv_cache_bytes"] == n * 4 * per_token
-        lines[name] = kv_summary(engine)
-        assert lines[name].startswith(f"KV cache: {n} blocks = {4 * n} tokens, max concurrency {n // 8} at 32 "
-                                      "tokens per request"), lines[name]
-        lines[name + "_tokens"] = 4 * n
-    assert lines["mla_tokens"] > lines["gqa_tokens"]  # 24 elements per token and layer against 64
+        line = kv_summary(engine)
+        assert line.startswith(f"KV cache: {n} blocks = {4 * n} tokens, max concurrency {n // 8} at 32 tokens "
+                               "per request"), line
+        tokens[name] = 4 * n
+    assert tokens["mla"] > tokens["gqa"]  # 24 elements per token and layer against 32
