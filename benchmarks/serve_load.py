@@ -122,7 +122,7 @@ def main() -> int:
     tokenizer = train_tokenizer("".join(chr(32 + i % 95) for i in range(2000)), "bpe", 256)  # bytes only
     assert tokenizer.vocab_size == model.cfg.vocab_size, (tokenizer.vocab_size, model.cfg.vocab_size)
     trace = mixed_trace(args.requests, args.rate, args.seed, vocab=tokenizer.vocab_size,
-                        prompt_range=args.prompt_range, new_range=args.new_range)
+                        prompt_range=args.prompt_range, new_range=args.new_range, new_dist=args.new_dist)
     with tempfile.TemporaryDirectory() as tmp:
         save_run(tmp, model, model.cfg, tokenizer)
         with open(os.path.join(tmp, "serve_load.log"), "w+") as log:

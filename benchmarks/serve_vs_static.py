@@ -102,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     model = small_model()
     trace = mixed_trace(args.requests, args.rate, args.seed, prompt_range=args.prompt_range,
-                        new_range=args.new_range)
+                        new_range=args.new_range, new_dist=args.new_dist)
     config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, decode_buckets=(1, 4, 8, 16),
                           prefill_buckets=(1, 2, 4), chunk_buckets=(16, 32, 64))
     results = {"continuous": run_continuous(model, trace, config),
@@ -110,7 +110,8 @@ def main() -> None:
     same = sum(results["continuous"]["tokens"].get(i) == results["static"]["tokens"].get(i)
                for i in range(len(trace)))
     (p0, p1), (n0, n1) = args.prompt_range, args.new_range
-    print(f"trace: {len(trace)} requests, prompts {p0}-{p1} tokens, {n0}-{n1} new tokens, "
+    print(f"trace: {len(trace)} requests, prompts {p0}-{p1} tokens, {n0}-{n1} new tokens ({args.new_dist}; "
+          f"mean {sum(r.max_tokens for r in trace) / len(trace):.1f}), "
           f"{args.rate:g} req/s; static batch {args.batch}; model dim 128 x 4 blocks, GQA 4/2 heads, CPU")
     print(f"{'mode':<11} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'TPOT p50 ms':>12} "
           f"{'wall s':>7} {'preempt':>8}")

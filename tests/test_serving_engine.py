@@ -64,9 +64,10 @@ def test_k06_preempted_requests_resume_with_the_right_output(model, policy):
     assert stats["blocks_free"] == 10 and stats["blocks_used"] == 0 and not engine.allocator.tables
 
 
-def run_k08_schedule(model) -> dict:
-    """K08: A joins; after A's 5th token B and C join; after B finishes D joins. Returns outputs by name."""
-    engine = make_engine(model, num_blocks=40)
+def run_k08_schedule(model, max_decode_steps: int = 1) -> dict:
+    """K08: A joins; after A's 5th token B and C join; after B finishes D joins. Returns outputs by name.
+    With multi-step decoding A may be past its 5th token when B and C join (A decodes alone until then)."""
+    engine = make_engine(model, num_blocks=40, max_decode_steps=max_decode_steps)
     p = dict(zip("ABCD", prompts([5, 11, 2, 7], seed=8)))
     n = dict(A=30, B=10, C=15, D=12)
     ids = {"A": engine.add_request(p["A"], greedy(n["A"]))}
@@ -79,7 +80,7 @@ def run_k08_schedule(model) -> dict:
             if out.finished:
                 reasons[out.request_id] = out.finish_reason
         if "B" not in ids and len(tokens.get(ids["A"], [])) >= 5:
-            assert len(tokens[ids["A"]]) == 5
+            assert len(tokens[ids["A"]]) == 5 or max_decode_steps > 1
             ids["B"] = engine.add_request(p["B"], greedy(n["B"]))
             ids["C"] = engine.add_request(p["C"], greedy(n["C"]))
         if "B" in ids and "D" not in ids and ids["B"] in reasons:
@@ -90,8 +91,9 @@ def run_k08_schedule(model) -> dict:
     return {name: (tokens[rid], p[name], n[name]) for name, rid in ids.items()}
 
 
-def test_k08_requests_join_and_leave_the_batch(model):
-    runs = [run_k08_schedule(model) for _ in range(3)]
+@pytest.mark.parametrize("max_decode_steps", [1, 8])
+def test_k08_requests_join_and_leave_the_batch(model, max_decode_steps):
+    runs = [run_k08_schedule(model, max_decode_steps) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
     for name, (tokens, prompt, n) in runs[0].items():
         assert tokens == solo(model, prompt, n), name
@@ -195,3 +197,31 @@ def test_a_failed_step_ends_running_requests_with_an_error_and_the_engine_goes_o
     assert "device lost" in outputs[0].error and engine.stats()["blocks_used"] == 0
     again = engine.add_request(prompts([5], seed=9)[0], greedy(6))
     assert drain(engine)[again] == (solo(model, prompts([5], seed=9)[0], 6), "length")
+
+
+def test_multi_step_decoding_gives_the_single_step_tokens(model):
+    """Multi-step decode calls (max_decode_steps=8) give every request exactly the tokens of one-token steps
+    and of batch-1 dx.generate: greedy and seeded sampling, a stop token, a waiting queue, a tight pool."""
+    batch = prompts([3, 9, 14, 5, 11, 7], seed=12)
+    options = [greedy(20), SamplingOptions(max_new_tokens=17, temperature=0.9, top_k=20, seed=5), greedy(3),
+               SamplingOptions(max_new_tokens=25, temperature=1.3, top_p=0.8, seed=11), greedy(12), greedy(9)]
+    reference = drain_all(make_engine(model, num_blocks=40, max_decode_steps=1), batch, options)
+    stop = reference[0][0][6]  # request 0 stops at its 7th token (or earlier, at an earlier equal token)
+    options[0] = SamplingOptions(max_new_tokens=20, stop_token_ids=(stop,))
+    reference = drain_all(make_engine(model, num_blocks=40, max_decode_steps=1), batch, options)
+    for blocks in (40, 14):  # 14 blocks of 4 tokens: requests wait for blocks and rows run out of them
+        engine = make_engine(model, num_blocks=blocks, max_decode_steps=8)
+        assert drain_all(engine, batch, options) == reference
+        stats = engine.stats()
+        assert stats["multi_step_calls"] > 0 and stats["blocks_used"] == 0 and stats["errors"] == 0
+    assert reference[0][1] == "stop" and len(reference[0][0]) <= 7
+    for prompt, opts, (tokens, _) in zip(batch, options, reference):
+        want = dx.generate(model, [prompt], opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
+                           top_p=opts.top_p, seed=opts.seed)[0].tolist()
+        assert tokens == want[:len(tokens)]
+
+
+def drain_all(engine, batch, options) -> list:
+    ids = [engine.add_request(p, o) for p, o in zip(batch, options)]
+    results = drain(engine)
+    return [results[rid] for rid in ids]

@@ -219,7 +219,7 @@ def step_once(engine: GatedEngine) -> None:
 def test_disconnect_frees_blocks_and_queue_bound_gives_429(loaded):
     model, tokenizer = loaded
     settings = dict(block_size=4, num_blocks=48, max_running=1, max_queued=1, max_batched_tokens=16,
-                    decode_buckets=(1, 4, 16), **SMALL_BUCKETS)
+                    decode_buckets=(1, 4, 16), max_decode_steps=1, **SMALL_BUCKETS)  # one token per held step
     engine = GatedEngine(model, EngineConfig(**settings))
     app = create_app(engine, tokenizer, "tiny")
     worker = app.state.worker

@@ -35,7 +35,8 @@ from ..sampling import SamplingParams
 from .allocator import BlockAllocator
 from .paged_cache import init_pool, num_blocks_for_memory, pool_nbytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
-from .runner import StepLogprobs, copy_blocks, forward_step, read_blocks, static_graph, write_blocks
+from .runner import (StepLogprobs, copy_blocks, decode_steps, forward_step, read_blocks, static_graph,
+                     write_blocks)
 from .scheduler import Chunk, ContextPolicy, Schedule, Scheduler
 
 log = logging.getLogger("dantinox.serving")
@@ -79,6 +80,9 @@ class Engine(abc.ABC):
 class EngineConfig:
     """Engine sizes. Pool: num_blocks blocks of block_size tokens, or as many as fit in kv_memory_bytes, or
     by default enough for max_running sequences of max_context tokens. See ContextPolicy for the bounds.
+    max_decode_steps: when a step would only decode, run up to this many decode steps in one compiled call
+    (multi-step decoding; 1 turns it off). With requests waiting, it runs only as many steps as the running
+    request closest to its max_new_tokens needs, so no slot sits finished while a request waits.
     decode_buckets / prefill_buckets: batch sizes of the compiled calls (default: powers of two up to
     max_running, and (1, 2, 4)); chunk_buckets: prefill chunk lengths (default: powers of two from 8 up to
     min(max_batched_tokens, max_context))."""
@@ -97,6 +101,7 @@ class EngineConfig:
     decode_buckets: tuple | None = None
     prefill_buckets: tuple = (1, 2, 4)
     chunk_buckets: tuple | None = None
+    max_decode_steps: int = 8
 
 
 def _powers_of_two(first: int, last: int) -> tuple:
@@ -152,8 +157,10 @@ class PagedEngine(Engine):
         self.finished: deque[Request] = deque(maxlen=1024)  # most recent finished requests, for inspection
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
-        self.counters = dict(steps=0, forward_calls=0, computed_tokens=0, generated_tokens=0, finished=0,
-                             aborted=0, errors=0)
+        if not isinstance(config.max_decode_steps, int) or not 1 <= config.max_decode_steps <= 64:
+            raise ValueError(f"max_decode_steps={config.max_decode_steps!r} is not allowed: an integer in [1, 64]")
+        self.counters = dict(steps=0, forward_calls=0, multi_step_calls=0, computed_tokens=0, generated_tokens=0,
+                             finished=0, aborted=0, errors=0)
 
     # Interface ------------------------------------------------------------------------------------
     def add_request(self, prompt_ids, options: SamplingOptions = SamplingOptions(),  # noqa: B008 (frozen)
@@ -181,8 +188,10 @@ class PagedEngine(Engine):
         except Exception as err:  # a device failure: the pool may be gone; fail what it held, keep serving
             log.exception("engine step failed")
             return outputs + self._fail_running(f"engine step failed: {err!r}")
-        for chunk, (token, logprobs) in zip(sched.chunks, sampled):
-            outputs.extend(self._advance(chunk, token, logprobs))
+        for chunk, (tokens, logprobs) in zip(sched.chunks, sampled):
+            outputs.extend(self._advance(chunk, tokens[0], logprobs))
+            for j, token in enumerate(tokens[1:], 1):  # further tokens of a multi-step decode call
+                outputs.extend(self._advance(Chunk(chunk.request, chunk.start + j, 1), token))
         self.counters["steps"] += 1
         return outputs
 
@@ -215,6 +224,9 @@ class PagedEngine(Engine):
             shapes += [(B, T) for B in self.prefill_buckets for T in self.chunk_buckets]
             for B, T in shapes:
                 self._call_forward([], B, T)
+            if self.config.max_decode_steps > 1:
+                for B in self.decode_buckets:
+                    self._call_decode_steps([], [], B)
             self.pool = copy_blocks(self.pool, *self._pad_copies([]))
             data = self._read_host([0])
             self._write_host([], data)
@@ -258,9 +270,13 @@ class PagedEngine(Engine):
         padded = tuple(type(layer)(*(pad(a) for a in layer)) for layer in data)
         self.pool = write_blocks(self.pool, ids, padded)
 
-    def _run(self, chunks: list[Chunk]) -> list[tuple[int, TokenLogprobs | None]]:
-        """Run the chunks in bucketed calls; returns each chunk's sampled token and, if its request asked
-        for logprobs, their TokenLogprobs (meaningful for chunks that reach their request's last token)."""
+    def _run(self, chunks: list[Chunk]) -> list[tuple[list[int], TokenLogprobs | None]]:
+        """Run the chunks in bucketed calls; returns each chunk's sampled tokens (one, or several from a
+        multi-step decode call) and, if its request asked for logprobs, the TokenLogprobs of its token
+        (meaningful for chunks that reach their request's last token)."""
+        counts = self._plan_decode_steps(chunks)
+        if counts:
+            return [(tokens, None) for tokens in self._run_decode_steps(chunks, counts)]
         sampled: dict[int, tuple] = {}
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
@@ -270,8 +286,69 @@ class PagedEngine(Engine):
                 T = 1 if group is decode else _bucket(max(c.num_tokens for c in part), self.chunk_buckets)
                 tokens, logprobs = self._call_forward(part, _bucket(len(part), buckets), T)
                 for b, chunk in enumerate(part):
-                    sampled[id(chunk)] = (int(tokens[b]), _row_logprobs(chunk, int(tokens[b]), logprobs, b))
+                    sampled[id(chunk)] = ([int(tokens[b])], _row_logprobs(chunk, int(tokens[b]), logprobs, b))
         return [sampled[id(c)] for c in chunks]
+
+    def _plan_decode_steps(self, chunks: list[Chunk]) -> list[int] | None:
+        """Decode steps per chunk for a multi-step call, or None for an ordinary step.
+
+        Only a step of decode chunks alone (no prefill, no logprobs asked) qualifies. Row b runs up to
+        min(max_decode_steps, tokens it may still generate); while requests wait, every row runs the fewest
+        any row may still generate. Blocks for the extra positions are taken now (copy-on-write copies
+        done); a row that cannot get them runs only as far as the blocks it holds.
+        """
+        K = self.config.max_decode_steps
+        if K == 1 or not chunks or any(c.num_tokens != 1 or c.request.options.logprobs is not None
+                                       for c in chunks):
+            return None
+        left = [c.request.options.max_new_tokens - len(c.request.output_ids) for c in chunks]
+        counts = [min(K, n) for n in left]
+        if self.scheduler.waiting:
+            counts = [min(counts)] * len(chunks)
+        if max(counts) == 1:
+            return None
+        alloc, copies = self.allocator, []
+        for i, chunk in enumerate(chunks):
+            grown = alloc.grow(chunk.request.request_id, chunk.start, chunk.start + counts[i])
+            if grown is None:
+                held = len(alloc.table(chunk.request.request_id)) * alloc.block_size - chunk.start
+                counts[i] = max(1, min(counts[i], held))
+            else:
+                copies += grown
+        while copies:
+            part, copies = copies[:self.policy.max_running], copies[self.policy.max_running:]
+            self.pool = copy_blocks(self.pool, *self._pad_copies(part))
+        return counts
+
+    def _run_decode_steps(self, chunks: list[Chunk], counts: list[int]) -> list[list[int]]:
+        """Run the multi-step decode call(s); returns each chunk's counts[i] sampled tokens."""
+        out, width = [], self.decode_buckets[-1]
+        for i in range(0, len(chunks), width):
+            part = chunks[i:i + width]
+            tokens = self._call_decode_steps(part, counts[i:i + width], _bucket(len(part), self.decode_buckets))
+            out += [tokens[b, :counts[i + b]].tolist() for b in range(len(part))]
+        return out
+
+    def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int) -> np.ndarray:
+        tokens, start, num_steps, steps = (np.zeros(B, np.int32) for _ in range(4))
+        table = np.zeros((B, self.table_width), np.int32)
+        seeds = np.zeros(B, np.uint32)
+        temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
+        top_k = np.zeros(B, np.int32)
+        for b, (chunk, count) in enumerate(zip(part, counts)):
+            req, opts = chunk.request, chunk.request.options
+            tokens[b], start[b], num_steps[b], steps[b] = req.all_tokens[chunk.start], chunk.start, count, \
+                len(req.output_ids)
+            blocks = self.allocator.table(req.request_id)
+            table[b, :len(blocks)] = blocks
+            seeds[b], temperature[b], top_p[b] = opts.seed, opts.temperature, opts.top_p
+            top_k[b] = min(opts.top_k, self.vocab_size)
+        out, self.pool = decode_steps(self.graph, self.params, self.pool, tokens, start, num_steps, table, seeds,
+                                      steps, SamplingParams(temperature, top_k, top_p),
+                                      max_steps=self.config.max_decode_steps)
+        self.counters["forward_calls"] += bool(part)
+        self.counters["multi_step_calls"] += bool(part)
+        return jax.device_get(out)
 
     def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[np.ndarray, StepLogprobs]:
         ids = np.zeros((B, T), np.int32)

@@ -111,6 +111,36 @@ def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_ne
     return tokens, logprobs, tuple(view.pool for view in views)
 
 
+@partial(jax.jit, static_argnames=("graph", "max_steps"), donate_argnames=("pool",))
+def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num_steps, block_table, seeds, steps,
+                 sampling: SamplingParams, *, max_steps: int):
+    """Up to ``max_steps`` decode steps for every row in one compiled loop (multi-step decoding).
+
+    tokens: [B] int32 each row's last token, not yet cached, at position start [B] int32; num_steps: [B] int32
+    steps to run for row b (0 for an unused row; at most max_steps; its blocks must cover positions
+    start .. start + num_steps - 1); block_table: [B, M] int32; seeds: [B] uint32; steps: [B] int32 tokens
+    generated so far; sampling: per-row settings [B]. Step j of row b feeds its previous token at position
+    start + j and samples with ``fold_in(key(seed), steps + j)``: exactly what j + 1 calls of
+    ``forward_step`` would do. A row stops writing after its num_steps (its later keys are never written).
+    Returns (out [B, max_steps] int32, row b's first num_steps[b] entries valid; the updated pool).
+    The loop runs max(num_steps) iterations (a traced bound: one compile per (B, max_steps)).
+    """
+    model = nnx.merge(graph.graphdef, params)
+    out = jnp.zeros((tokens.shape[0], max_steps), jnp.int32)
+
+    def body(j, carry):
+        token, out, pool = carry
+        active = (j < num_steps).astype(jnp.int32)
+        views = paged_views(pool, block_table, active)
+        logits, views, _ = model(token[:, None], use_cache=True, kv_caches=views, cache_index=start + j)
+        token = sample_rows(logits[:, 0], seeds, steps + j, sampling)
+        out = jax.lax.dynamic_update_slice(out, token[:, None], (0, j))
+        return token, out, tuple(view.pool for view in views)
+
+    _, out, pool = jax.lax.fori_loop(0, jnp.minimum(jnp.max(num_steps), max_steps), body, (tokens, out, pool))
+    return out, pool
+
+
 # The block moves work on every array of every layer alike (k and v [N, P, K, D], or for MLA c_kv [N, P, C]
 # and k_rope [N, P, R]): each layer is a NamedTuple whose fields all have the block axis first.
 

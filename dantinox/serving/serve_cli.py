@@ -38,6 +38,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-running", type=int, default=16, help="sequences decoding at once")
     p.add_argument("--max-queued", type=int, default=256, help="waiting requests before answering 429")
     p.add_argument("--max-batched-tokens", type=int, default=64, help="prefill tokens per engine step")
+    p.add_argument("--max-decode-steps", type=int, default=8,
+                   help="decode steps per compiled call when a step only decodes (1 = one token per call)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: run dir name)")
@@ -67,7 +69,7 @@ def build_engine(args: argparse.Namespace):
     model, cfg, tokenizer, _ = load_run(run_dir)
     config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
                           max_queued=args.max_queued, max_batched_tokens=args.max_batched_tokens,
-                          preemption=args.policy,
+                          preemption=args.policy, max_decode_steps=args.max_decode_steps,
                           kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
                           enable_prefix_caching=not args.no_prefix_caching)
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))
