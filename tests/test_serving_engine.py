@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import dantinox as dx
+import dantinox.serving.engine as engine_module
 from dantinox.serving.request import QueueFullError, RequestError, SamplingOptions
 from conftest import tiny_config
 from serving_util import drain, greedy, lively_model, make_engine, solo
@@ -199,7 +200,7 @@ def test_a_failed_step_ends_running_requests_with_an_error_and_the_engine_goes_o
     assert drain(engine)[again] == (solo(model, prompts([5], seed=9)[0], 6), "length")
 
 
-def test_multi_step_decoding_gives_the_single_step_tokens(model):
+def test_multi_step_decoding_gives_the_single_step_tokens(model, monkeypatch):
     """Multi-step decode calls (max_decode_steps=8) give every request exactly the tokens of one-token steps
     and of batch-1 dx.generate: greedy and seeded sampling, a stop token, a waiting queue, a tight pool."""
     batch = prompts([3, 9, 14, 5, 11, 7], seed=12)
@@ -209,8 +210,10 @@ def test_multi_step_decoding_gives_the_single_step_tokens(model):
     stop = reference[0][0][6]  # request 0 stops at its 7th token (or earlier, at an earlier equal token)
     options[0] = SamplingOptions(max_new_tokens=20, stop_token_ids=(stop,))
     reference = drain_all(make_engine(model, num_blocks=40, max_decode_steps=1), batch, options)
+    monkeypatch.setattr(engine_module, "MIN_TABLE_TOKENS", 16)  # block tables cut to 4, 8 or 16 entries
     for blocks in (40, 14):  # 14 blocks of 4 tokens: requests wait for blocks and rows run out of them
         engine = make_engine(model, num_blocks=blocks, max_decode_steps=8)
+        assert engine.table_buckets == (4, 8, 16)
         assert drain_all(engine, batch, options) == reference
         stats = engine.stats()
         assert stats["multi_step_calls"] > 0 and stats["blocks_used"] == 0 and stats["errors"] == 0

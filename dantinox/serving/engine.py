@@ -41,6 +41,8 @@ from .scheduler import Chunk, ContextPolicy, Schedule, Scheduler
 
 log = logging.getLogger("dantinox.serving")
 
+MIN_TABLE_TOKENS = 64  # the narrowest block-table width of a multi-step decode call, in tokens
+
 
 class Engine(abc.ABC):
     """What the server (and tests) need from an engine. One thread calls it; nothing here blocks for long."""
@@ -145,6 +147,10 @@ class PagedEngine(Engine):
             swap_space_blocks=config.swap_space_blocks or 1 << 20)
         self.scheduler = Scheduler(self.policy, self.allocator)
         self.table_width = -(-cfg.max_context // P)  # M
+        # Block-table widths of the multi-step decode call: it gathers only the blocks the batch's longest
+        # row reaches, rounded up to a power of two of at least 64 tokens (the gather is most of a decode
+        # step's attention cost on the CPU).
+        self.table_buckets = _powers_of_two(min(self.table_width, max(1, MIN_TABLE_TOKENS // P)), self.table_width)
         self.decode_buckets = tuple(sorted(config.decode_buckets or _powers_of_two(1, config.max_running)))
         self.prefill_buckets = tuple(sorted(config.prefill_buckets))
         self.chunk_buckets = tuple(sorted(config.chunk_buckets or _powers_of_two(
@@ -226,7 +232,8 @@ class PagedEngine(Engine):
                 self._call_forward([], B, T)
             if self.config.max_decode_steps > 1:
                 for B in self.decode_buckets:
-                    self._call_decode_steps([], [], B)
+                    for M in self.table_buckets:
+                        self._call_decode_steps([], [], B, M)
             self.pool = copy_blocks(self.pool, *self._pad_copies([]))
             data = self._read_host([0])
             self._write_host([], data)
@@ -324,14 +331,17 @@ class PagedEngine(Engine):
         """Run the multi-step decode call(s); returns each chunk's counts[i] sampled tokens."""
         out, width = [], self.decode_buckets[-1]
         for i in range(0, len(chunks), width):
-            part = chunks[i:i + width]
-            tokens = self._call_decode_steps(part, counts[i:i + width], _bucket(len(part), self.decode_buckets))
+            part, part_counts = chunks[i:i + width], counts[i:i + width]
+            reach = max(c.start + n for c, n in zip(part, part_counts))  # positions written: < reach
+            M = _bucket(self.allocator.blocks_for(reach), self.table_buckets)
+            tokens = self._call_decode_steps(part, part_counts, _bucket(len(part), self.decode_buckets), M)
             out += [tokens[b, :counts[i + b]].tolist() for b in range(len(part))]
         return out
 
-    def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int) -> np.ndarray:
+    def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int, M: int) -> np.ndarray:
+        """One decode_steps call for ``part`` padded to B rows, over block tables cut to M entries."""
         tokens, start, num_steps, steps = (np.zeros(B, np.int32) for _ in range(4))
-        table = np.zeros((B, self.table_width), np.int32)
+        table = np.zeros((B, M), np.int32)
         seeds = np.zeros(B, np.uint32)
         temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
         top_k = np.zeros(B, np.int32)
@@ -339,7 +349,7 @@ class PagedEngine(Engine):
             req, opts = chunk.request, chunk.request.options
             tokens[b], start[b], num_steps[b], steps[b] = req.all_tokens[chunk.start], chunk.start, count, \
                 len(req.output_ids)
-            blocks = self.allocator.table(req.request_id)
+            blocks = self.allocator.table(req.request_id)[:M]
             table[b, :len(blocks)] = blocks
             seeds[b], temperature[b], top_p[b] = opts.seed, opts.temperature, opts.top_p
             top_k[b] = min(opts.top_k, self.vocab_size)
