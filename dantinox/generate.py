@@ -224,8 +224,9 @@ def _run(req: _Request, model, use_cache: bool) -> GenerationResult:
     if not use_cache:
         return _finish(_recompute_all(graphdef, params, req, model.cfg.max_context), req)
     state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
-    state = decode(graphdef, params, state, jnp.int32(req.max_new_tokens), req.key, req.sampling,
-                   req.eos_id, req.fill)
+    if req.max_new_tokens > 1:  # prefill already sampled the first token
+        state = decode(graphdef, params, state, jnp.int32(req.max_new_tokens), req.key, req.sampling,
+                       req.eos_id, req.fill)
     return _finish(jax.device_get(state.out), req)
 
 
