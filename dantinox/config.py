@@ -55,7 +55,7 @@ class ModelConfig:
         for "ar".
       shifted_prediction: diffusion only: token i is predicted by the output at position i - 1 (the
         next-token alignment of an AR model, kept when the diffusion model is adapted from one: the "shift
-        operation" of Gong et al. 2024, DiffuLLaMA, section 3.2, also used by Dream 7B); the first token of a
+        operation" of Gong et al. 2024, DiffuLLaMA, also used by Dream 7B); the first token of a
         sequence is never masked. False: token i is predicted at position i (LLaDA). Must be False for "ar".
       attention: "mha" (kv_heads = n_heads), "gqa" (1 < kv_heads < n_heads, dividing n_heads),
         "mqa" (kv_heads = 1) or "mla" (multi-head latent attention, DeepSeek-V2, arXiv 2405.04434, section
