@@ -60,7 +60,8 @@ class ModelConfig:
       attention: "mha" (kv_heads = n_heads), "gqa" (1 < kv_heads < n_heads, dividing n_heads),
         "mqa" (kv_heads = 1) or "mla" (multi-head latent attention, DeepSeek-V2, arXiv 2405.04434, section
         2.1; see dantinox.mla). GQA: Ainslie et al. 2023, "GQA"; MQA: Shazeer 2019.
-      kv_heads: number of key/value heads K; defaults to n_heads for "mha" and 1 for "mqa". Must be None for
+      kv_heads: number of key/value heads K; defaults to n_heads for "mha", 1 for "mqa" and 2 for "gqa"; switching
+        `attention` alone (replace, presets, --set) resets it to that default. Must be None for
         "mla": there every query head has its own key and value, up-projected from one shared latent, so the
         cache holds no KV heads at all (kv_heads stays None and group_size is 1).
       dim: model width; must equal n_heads * head_size.
@@ -90,7 +91,7 @@ class ModelConfig:
 
     paradigm: str = "ar"
     attention: str = "gqa"
-    kv_heads: int | None = 2
+    kv_heads: int | None = None
     dim: int = 256
     n_heads: int = 8
     head_size: int = 32
@@ -197,6 +198,8 @@ class ModelConfig:
             if k not in (None, 1):
                 _fail("kv_heads", k, "1 for attention='mqa' (or None)")
             return 1
+        if k is None and isinstance(h, int) and h > 2 and h % 2 == 0:
+            return DEFAULT_GQA_KV_HEADS
         if k is None or not isinstance(k, int) or k <= 0 or h % k:
             divisors = [d for d in range(1, h + 1) if h % d == 0]
             _fail("kv_heads", k, f"a divisor of n_heads={h} for attention='gqa': one of {divisors}")
@@ -225,8 +228,9 @@ class ModelConfig:
         return DTYPES[self.cache_dtype]
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        """A copy with `changes` applied and validated again."""
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes` applied and validated again. Changing ``attention`` alone resets the fields
+        of the old kind (see ``switch_attention``)."""
+        return dataclasses.replace(self, **switch_attention(self.to_dict(), changes))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -248,7 +252,30 @@ class ModelConfig:
         """A named preset (see PRESETS) with `overrides` applied."""
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; allowed: {sorted(PRESETS)}")
-        return cls.from_dict({**PRESETS[name], **overrides})
+        return cls.from_dict({**PRESETS[name], **switch_attention(PRESETS[name], overrides)})
+
+
+DEFAULT_GQA_KV_HEADS = 2  # kv_heads of attention="gqa" when not given (the seeds' reference shape)
+MLA_FIELDS = ("kv_latent_dim", "rope_head_dim", "q_latent_dim")
+
+
+def switch_attention(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict:
+    """``changes`` plus the resets a change of attention kind implies, so one field switches it.
+
+    When ``changes`` sets ``attention`` to another kind than ``base`` has and does not set ``kv_heads``,
+    kv_heads goes back to None (derived: n_heads for mha, 1 for mqa, 2 for gqa, none for mla); leaving "mla",
+    the MLA sizes (kv_latent_dim, rope_head_dim, q_latent_dim) not given go back to None. Switching *to*
+    "mla" still needs kv_latent_dim and rope_head_dim (a ConfigError names them).
+    """
+    out = dict(changes)
+    new, old = changes.get("attention"), base.get("attention", "gqa")
+    if new is None or new == old:
+        return out
+    out.setdefault("kv_heads", None)
+    if old == "mla":
+        for name in MLA_FIELDS:
+            out.setdefault(name, None)
+    return out
 
 
 PRESETS: dict[str, dict[str, Any]] = {

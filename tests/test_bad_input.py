@@ -106,3 +106,24 @@ def test_sliding_window_masks_old_positions():
     out_on = dx.generate(model, a[0].tolist(), 10)
     out_off = dx.generate(model, a[0].tolist(), 10, use_cache=False)
     np.testing.assert_array_equal(out_on, out_off)
+
+
+def test_one_field_switches_the_attention_kind(tmp_path):
+    """Changing `attention` alone resets the old kind's kv_heads / MLA sizes, in the constructor, presets,
+    replace, YAML configs and --set overrides; MLA still needs its latent sizes (named in the error)."""
+    from dantinox.train.trainer import resolve_cli_config as resolve_config
+
+    assert [dx.ModelConfig(attention=a).kv_heads for a in ("mha", "gqa", "mqa")] == [8, 2, 1]
+    gqa = dx.ModelConfig.from_preset("reference")
+    assert gqa.replace(attention="mha").kv_heads == 8 and gqa.replace(attention="mqa").kv_heads == 1
+    assert dx.ModelConfig.from_preset("reference", attention="mha").kv_heads == 8
+    mla = dx.ModelConfig.from_preset("reference-mla")
+    back = mla.replace(attention="gqa")
+    assert (back.kv_heads, back.kv_latent_dim, back.rope_head_dim, back.q_latent_dim) == (2, None, None, None)
+    assert gqa.replace(attention="gqa", kv_heads=4).kv_heads == 4
+    with pytest.raises(dx.ConfigError, match="kv_latent_dim=None .*attention='mla'"):
+        gqa.replace(attention="mla")
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("preset: reference\nattention: mqa\n")
+    assert resolve_config(None, str(yaml_file), [])[0].kv_heads == 1
+    assert resolve_config("tiny-mla", None, ["attention=gqa"])[0].kv_heads == 2

@@ -52,7 +52,7 @@ import yaml
 from flax import nnx
 from tqdm.auto import tqdm
 
-from ..config import ConfigError, ModelConfig, config_field_names
+from ..config import ConfigError, ModelConfig, config_field_names, switch_attention
 from ..model import build_model
 from . import checkpoint as ckpt
 from . import run_dir as rd
@@ -592,8 +592,9 @@ def resolve_cli_config(preset: str | None, config_path: str | None,
         fields, options = load_yaml_config(config_path)
         preset = fields.pop("preset", None)
     base = ModelConfig.from_preset(preset or "dante").to_dict()
-    base.update(fields)
-    base.update(parse_overrides(overrides))
+    base.update(switch_attention(base, fields))
+    changes = parse_overrides(overrides)
+    base.update(switch_attention(base, changes))
     return ModelConfig.from_dict(base), options
 
 
