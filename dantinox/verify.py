@@ -57,9 +57,14 @@ def verify_cache(model, prompt_ids, new_tokens: int = 64, tolerance: float = 1e-
     """Compare cached and uncached logits for one prompt and ``new_tokens`` greedy decode steps.
 
     prompt_ids: one prompt (sequence of ints). tolerance: max |diff| allowed (float32 logits).
-    Raises ValueError / CapacityError for a bad prompt or prompt_length + new_tokens > max_context.
+    Raises ValueError / CapacityError for a bad prompt or prompt_length + new_tokens > max_context, and
+    ValueError for a paradigm="diffusion" model (it has no causal static cache to check).
     """
     cfg = model.cfg
+    if cfg.paradigm != "ar":
+        raise ValueError(f"verify checks the autoregressive static cache; this model has paradigm={cfg.paradigm!r}"
+                         ": its DualCache is checked by diffusion generation with refresh='step' against "
+                         "use_cache=False (dantinox generate --refresh step vs --no_cache; case K07 in the tests)")
     ids, lengths, _ = prepare_prompts(list(prompt_ids), cfg.vocab_size, cfg.max_context)
     check_request(lengths, new_tokens, cfg.max_context)
     n = int(lengths[0])

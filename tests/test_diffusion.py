@@ -198,6 +198,10 @@ def test_bundled_diffusion_model_generates_with_and_without_cache(capsys):
     assert main(args + ["--no_cache"]) == 0
     assert cached.startswith("Nel mezzo del cammin") and capsys.readouterr().out.startswith("Nel mezzo")
     assert main(args + ["--top_k", "5"]) == 2  # an AR-only option on a diffusion model
+    capsys.readouterr()
+    assert main(["verify", "--run_dir", run_dir]) == 2  # no causal static cache to verify
+    assert main(["serve", "--run_dir", run_dir, "--port", "1"]) == 2  # the engine decodes AR models only
+    assert capsys.readouterr().err.count("paradigm='diffusion'") == 2
 
 
 def test_shifted_prediction_cache_paths_equal_no_cache():

@@ -121,11 +121,15 @@ class PagedEngine(Engine):
     """Continuous batching over a paged KV cache for a dantinox Transformer (MHA / GQA / MQA, or MLA with a
     latent pool).
 
-    Args: model: a Transformer; config: EngineConfig. Raises ValueError for invalid sizes (field named).
+    Args: model: a Transformer; config: EngineConfig. Raises ValueError for invalid sizes (field named) and
+    for a paradigm="diffusion" model.
     """
 
     def __init__(self, model, config: EngineConfig = EngineConfig()):
         cfg = model.cfg
+        if cfg.paradigm != "ar":
+            raise ValueError(f"the serving engine decodes autoregressive models; this model has paradigm="
+                             f"{cfg.paradigm!r} (masked diffusion is served by dantinox generate, not serve)")
         self.cfg, self.config = cfg, config
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_context
         graphdef, self.params = nnx.split(model)
