@@ -35,14 +35,15 @@ MIB = 2 ** 20
 UNITS = {"b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 UNIT_NAMES = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+MAX_MEMORY_BYTES = 2 ** 60  # 1 EiB: anything larger is a typo, and would overflow float arithmetic
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_memory_size(text: str | int) -> int:
     """Bytes from "40GB" (10^9), "40GiB" (2^30), "512MiB", "2e9", "1.5 TB" (units are case-insensitive).
 
-    Raises ValueError for anything else: no number, a negative or zero size, an unknown unit, or the
-    ambiguous single letters K/M/G/T (write GB for 10^9 or GiB for 2^30).
+    Raises ValueError for anything else: no number, a negative or zero size, a size above 2^60 bytes (1 EiB),
+    an unknown unit, or the ambiguous single letters K/M/G/T (write GB for 10^9 or GiB for 2^30).
     """
     if isinstance(text, int) and not isinstance(text, bool):
         text = str(text)
@@ -59,9 +60,12 @@ def parse_memory_size(text: str | int) -> int:
     if unit and unit.lower() not in UNITS:
         raise ValueError(f"memory size {text!r}: unknown unit {unit!r}; allowed: {UNIT_NAMES}")
     try:
-        size = int(Decimal(number) * UNITS[unit.lower() if unit else "b"])
+        exact = Decimal(number) * UNITS[unit.lower() if unit else "b"]
     except InvalidOperation as err:  # pragma: no cover - the regex admits only valid decimals
         raise ValueError(f"memory size {text!r} is not a number") from err
+    if not exact.is_finite() or exact > MAX_MEMORY_BYTES:
+        raise ValueError(f"memory size {text!r} is not allowed: at most 2^60 bytes (1 EiB)")
+    size = int(exact)
     if size <= 0:
         raise ValueError(f"memory size {text!r} is not allowed: at least 1 byte")
     return size
@@ -70,13 +74,14 @@ def parse_memory_size(text: str | int) -> int:
 def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``budget`` options to ``parser`` (a subcommand parser)."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--preset", choices=sorted(PRESETS), help="a named model shape (default: reference)")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a named model shape")
     source.add_argument("--config", help="YAML or JSON file of ModelConfig fields (or under a 'model:' key)")
     source.add_argument("--run_dir", help="a run directory (reads its config.json)")
-    parser.add_argument("--device-memory", dest="device_memory", default="40GB",
+    parser.add_argument("--device-memory", dest="device_memory", default="40GB", metavar="SIZE",
                         help="device memory, e.g. 40GB, 40GiB, 512MiB, 2e9 (default 40GB)")
-    parser.add_argument("--context", type=int, nargs="+", default=[512, 1024, 4096],
-                        help="context lengths in tokens (default 512 1024 4096)")
+    parser.add_argument("--context", type=int, nargs="+", default=None,
+                        help="context lengths in tokens (default: max_context / 4, max_context / 2 and "
+                             "max_context of the model; longer ones are marked ^: the model cannot run them)")
     parser.add_argument("--dtype", default=None,
                         help="cache dtype: bf16 or fp32 (default: the model's cache_dtype)")
     parser.add_argument("--reserve-fraction", dest="reserve_fraction", type=float, default=0.1,
@@ -105,8 +110,11 @@ def run_budget(args: argparse.Namespace) -> int:
         dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype)
     except ValueError:
         raise ValueError(f"--dtype {args.dtype!r} is not allowed: bf16, bfloat16, fp32 or float32") from None
-    device_bytes = parse_memory_size(args.device_memory)
-    contexts = [int(c) for c in args.context]
+    try:
+        device_bytes = parse_memory_size(args.device_memory)
+    except ValueError as err:
+        raise ValueError(f"--device-memory {args.device_memory!r}: {err}") from None
+    contexts = [int(c) for c in args.context] if args.context else default_contexts(cfg.max_context)
     for c in contexts:
         if c <= 0:
             raise ValueError(f"--context {c} is not allowed: context lengths are positive integers")
@@ -115,11 +123,15 @@ def run_budget(args: argparse.Namespace) -> int:
     print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
           f"vocab {cfg.vocab_size}; cache dtype {dtype}")
     print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes)\n")
-    print_table(["attention", "bytes/token"] + [f"{c} tok" for c in contexts],
+    heads = [f"{c} tok" + ("^" if c > cfg.max_context else "") for c in contexts]
+    if any(c > cfg.max_context for c in contexts):
+        print(f"^ longer than the model's max_context={cfg.max_context}: the model cannot run it; the figures "
+              "are for the same shape with a longer context\n")
+    print_table(["attention", "bytes/token"] + heads,
                 [[label, str(kv_bytes_per_token(v, dtype))]
                  + [_mib(kv_cache_bytes(v, 1, c, dtype)) for c in contexts] for label, v in rows],
                 title="KV cache per sequence (MiB)")
-    print_table(["attention", "weights MiB"] + [f"{c} tok" for c in contexts],
+    print_table(["attention", "weights MiB"] + heads,
                 [_batch_row(label, v, device_bytes, contexts, args.reserve_fraction, dtype)
                  for label, v in rows],
                 title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
@@ -147,8 +159,13 @@ def print_diffusion_table(cfg: ModelConfig, contexts: list[int], dtype: str, gen
                 title="Masked diffusion: DualCache (prefix + suffix KV) vs AR cache per sequence (MiB)")
 
 
+def default_contexts(max_context: int) -> list[int]:
+    """max_context / 4, max_context / 2 and max_context (distinct, >= 1): lengths the model can run."""
+    return sorted({max(1, max_context // 4), max(1, max_context // 2), max_context})
+
+
 def load_config(args: argparse.Namespace) -> ModelConfig:
-    """The ModelConfig named by --preset, --config or --run_dir (default: the "reference" preset)."""
+    """The ModelConfig named by --preset, --config or --run_dir; ValueError when none is given."""
     if getattr(args, "config", None):
         return ModelConfig.from_dict(_model_fields(_read_mapping(args.config), args.config))
     if getattr(args, "run_dir", None):
@@ -156,7 +173,10 @@ def load_config(args: argparse.Namespace) -> ModelConfig:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--run_dir {args.run_dir}: no config.json there")
         return ModelConfig.from_dict(_model_fields(_read_mapping(path), path))
-    return ModelConfig.from_preset(getattr(args, "preset", None) or "reference")
+    if getattr(args, "preset", None):
+        return ModelConfig.from_preset(args.preset)
+    raise ValueError("no model shape given: pass one of --preset NAME (e.g. --preset reference), "
+                     "--config FILE or --run_dir DIR")
 
 
 def _read_mapping(path: str) -> dict:

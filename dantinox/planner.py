@@ -34,6 +34,7 @@ from .config import ModelConfig
 from .model import Transformer
 
 ADMISSION_RULES = ("max_context", "request")
+MAX_DEVICE_BYTES = 2 ** 60  # 1 EiB: larger sizes are typos (and overflow the float reserve arithmetic)
 
 
 def _as_config(cfg: ModelConfig | Mapping[str, Any]) -> ModelConfig:
@@ -106,6 +107,8 @@ def memory_split(cfg: ModelConfig | Mapping[str, Any], device_bytes: int, weight
     message says how many bytes are missing).
     """
     device_bytes = _positive_int("device_bytes", device_bytes)
+    if device_bytes > MAX_DEVICE_BYTES:
+        raise ValueError(f"device_bytes={device_bytes} is not allowed: at most 2**60 (1 EiB)")
     if not isinstance(reserve_fraction, (int, float)) or not 0 <= reserve_fraction < 1:
         raise ValueError(f"reserve_fraction={reserve_fraction!r} is not allowed: a number in [0, 1)")
     if weights_bytes is None:
@@ -130,8 +133,13 @@ def max_batch_size(cfg: ModelConfig | Mapping[str, Any], device_bytes: int, seq_
     floor((device_bytes - reserve - weights) / kv_cache_bytes(cfg, 1, seq_len, dtype)); 0 when the weights fit
     but not one sequence. For the static cache pass seq_len = cfg.max_context (init_cache allocates all
     slots).
-    Raises ValueError (see memory_split, kv_cache_bytes) for bad sizes or weights that do not fit.
+    Raises ValueError (see memory_split, kv_cache_bytes) for bad sizes or weights that do not fit, and for a
+    seq_len above cfg.max_context (the model cannot run it; use kv_cache_bytes to size a longer context).
     """
+    cfg = _as_config(cfg)
+    seq_len = _positive_int("seq_len", seq_len)
+    if seq_len > cfg.max_context:
+        raise ValueError(f"seq_len={seq_len} is not allowed: at most max_context={cfg.max_context}")
     per_sequence = kv_cache_bytes(cfg, 1, seq_len, dtype)
     return memory_split(cfg, device_bytes, weights_bytes, reserve_fraction).kv_budget_bytes // per_sequence
 

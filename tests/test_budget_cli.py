@@ -132,3 +132,25 @@ def test_cli_wiring_exit_status():
     cli = pytest.importorskip("dantinox.cli")
     assert cli.main(["budget", "--preset", "tiny", "--context", "32"]) == 0
     assert cli.main(["budget", "--preset", "tiny", "--device-memory", "lots"]) == 2
+
+
+@pytest.mark.parametrize("size", ["1e400GB", "1e30GB", "2000000TiB", "1e19"])
+def test_absurd_device_memory_names_the_flag(size, capsys):
+    with pytest.raises(ValueError, match=r"--device-memory .*at most 2\^60 bytes"):
+        budget(["--preset", "tiny", "--device-memory", size], capsys)
+    cli = pytest.importorskip("dantinox.cli")
+    assert cli.main(["budget", "--preset", "tiny", "--device-memory", size]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device-memory" in err
+
+
+def test_default_contexts_fit_the_model_and_longer_ones_are_marked(capsys):
+    status, out = budget(["--preset", "tiny"], capsys)                  # max_context 32
+    assert status == 0 and "8 tok" in out and "16 tok" in out and "32 tok" in out and "^" not in out
+    status, out = budget(["--preset", "tiny", "--context", "32", "64"], capsys)
+    assert status == 0 and "64 tok^" in out and "max_context=32: the model cannot run it" in out
+
+
+def test_a_model_source_is_required(capsys):
+    with pytest.raises(ValueError, match="no model shape given: pass one of --preset"):
+        budget([], capsys)

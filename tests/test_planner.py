@@ -190,3 +190,11 @@ def test_plan_capacity_under_both_admission_rules():
 def test_plan_capacity_bad_input(mix, admission, match):
     with pytest.raises(ValueError, match=match):
         dx.plan_capacity(tiny(), 10 ** 7, mix, admission=admission)
+
+
+def test_max_batch_size_rejects_seq_len_beyond_max_context_and_huge_devices():
+    cfg = dx.ModelConfig.from_preset("tiny")
+    with pytest.raises(ValueError, match=r"seq_len=33 is not allowed: at most max_context=32"):
+        dx.max_batch_size(cfg, 10 ** 9, 33)
+    with pytest.raises(ValueError, match=r"device_bytes=.* at most 2\*\*60"):
+        dx.max_batch_size(cfg, 2 ** 61, 32)
