@@ -291,3 +291,31 @@ def test_serve_warns_when_the_pool_is_smaller_than_one_request(run_dir):
     engine, _, _ = build_engine(args)
     line = kv_summary(engine)
     assert "max concurrency 0" in line and "warning: the pool holds" in line
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--block-size", "0"], "--block-size 0 is not allowed: an integer >= 1"),
+    (["--block-size", "-4"], "--block-size -4 is not allowed"),
+    (["--max-running", "0"], "--max-running 0 is not allowed"),
+    (["--max-queued", "0"], "--max-queued 0 is not allowed"),
+    (["--max-batched-tokens", "-1"], "--max-batched-tokens -1 is not allowed"),
+    (["--max-decode-steps", "0"], "--max-decode-steps 0 is not allowed"),
+    (["--port", "70000"], r"--port 70000 is not allowed: an integer in 1..65535"),
+    (["--port", "0"], "--port 0 is not allowed"),
+    (["--host", "not a host!"], "--host 'not a host!' is not allowed"),
+    (["--kv-memory", "1e400GB"], "--kv-memory"),
+])
+def test_serve_flags_are_checked_before_loading(flags, match, tmp_path, capsys):
+    """Bad serve flags fail before the run dir is even read (a missing run dir would say otherwise)."""
+    missing = str(tmp_path / "no-such-run")
+    with pytest.raises(ValueError, match=match):
+        build_engine(cli.build_parser().parse_args(["serve", "--run_dir", missing] + flags))
+    assert cli.main(["serve", "--run_dir", missing] + flags) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and match.split()[0] in err
+
+
+def test_serve_accepts_ordinary_hosts():
+    from dantinox.serving.serve_cli import check_serve_args
+    for host in ("127.0.0.1", "0.0.0.0", "::1", "localhost", "my-host.example.org"):
+        check_serve_args(cli.build_parser().parse_args(["serve", "--host", host]))

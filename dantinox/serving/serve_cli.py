@@ -12,8 +12,17 @@ FastAPI and uvicorn are imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import re
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+# flag -> (attribute, smallest allowed value); checked before the model loads or warms up
+_INT_FLAGS = (("--block-size", "block_size", 1), ("--max-running", "max_running", 1),
+              ("--max-queued", "max_queued", 1), ("--max-batched-tokens", "max_batched_tokens", 1),
+              ("--max-decode-steps", "max_decode_steps", 1))
 
 
 def parse_bytes(text: str) -> int:
@@ -59,12 +68,32 @@ def kv_summary(engine) -> str:
     return line
 
 
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag for a bad number, port or host (before any loading or warm-up)."""
+    for flag, attr, low in _INT_FLAGS:
+        value = getattr(args, attr)
+        if value < low:
+            raise ValueError(f"{flag} {value} is not allowed: an integer >= {low}")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not allowed: an integer in 1..65535")
+    host = args.host
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        if not _HOSTNAME.match(host):
+            raise ValueError(f"--host {host!r} is not allowed: an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) "
+                             "or a host name") from None
+    if args.kv_memory is not None:
+        parse_bytes(args.kv_memory)
+
+
 def build_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the parsed arguments. Raises RunDirError / ValueError."""
     from ..generator import bundled_run_dir
     from ..train.run_dir import load_run
     from .engine import EngineConfig, PagedEngine
 
+    check_serve_args(args)
     run_dir = args.run_dir or bundled_run_dir()
     model, cfg, tokenizer, _ = load_run(run_dir)
     config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
@@ -78,6 +107,7 @@ def build_engine(args: argparse.Namespace):
 
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``dantinox serve``; blocks until the server stops (Ctrl-C)."""
+    check_serve_args(args)  # before uvicorn and the model are imported / loaded
     import uvicorn
 
     from .server import create_app
