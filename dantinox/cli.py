@@ -34,14 +34,16 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_new_tokens", type=int, default=None,
                    help="new tokens to generate (default: 200, or what is left of the context if less)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens; 0 = off (a k above the "
+                   "vocabulary size keeps every token, like 0)")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
     p.add_argument("--seed", type=int, default=0)
 
 
 def _add_diffusion(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("masked diffusion models (paradigm=diffusion)")
-    g.add_argument("--gen_len", type=int, default=None, help="tokens to generate (default 128)")
+    g.add_argument("--gen_len", type=int, default=None, help="tokens to generate (default --max_new_tokens if "
+                   "given, else 128; giving both with different values is an error)")
     g.add_argument("--block_size", type=int, default=None, help="tokens per block (default min(32, gen_len))")
     g.add_argument("--steps_per_block", type=int, default=None, help="denoising steps per block (default "
                    "block_size: one token per step)")
@@ -55,6 +57,12 @@ def cmd_generate(args) -> int:
     """Print the prompt followed by the generated text; timings go to stderr."""
     from .generator import Generator
 
+    for flag in ("max_new_tokens",) + DIFFUSION_INT_ARGS:
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag} {value} is not allowed: an integer >= 1")
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
     gen = Generator(args.run_dir)
     ids = gen.encode(args.prompt, args.unknown)
     if gen.cfg.paradigm == "diffusion":
@@ -67,8 +75,6 @@ def cmd_generate(args) -> int:
         args.max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, gen.cfg.max_context - len(ids)))
     check_request(np.array([len(ids)]), args.max_new_tokens, gen.cfg.max_context)  # fail before printing
     make_sampling_params(1, args.temperature, args.top_k, args.top_p)
-    if not 0 <= args.seed < 2**32:
-        raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
     if args.stream and args.no_cache:
         raise ValueError("--stream needs the cache: drop --no_cache to stream")
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
@@ -92,20 +98,31 @@ def cmd_generate(args) -> int:
 
 
 DIFFUSION_ARGS = ("gen_len", "block_size", "steps_per_block", "threshold", "refresh")
+DIFFUSION_INT_ARGS = ("gen_len", "block_size", "steps_per_block")
+DEFAULT_GEN_LEN = 128
 
 
 def _generate_diffusion(args, gen, ids) -> int:
-    """cmd_generate for a masked-diffusion model: --gen_len tokens (default 128) in --block_size blocks."""
+    """cmd_generate for a masked-diffusion model: --gen_len tokens in --block_size blocks.
+
+    gen_len is --gen_len, else --max_new_tokens, else 128; --gen_len and --max_new_tokens with different values
+    are an error. Every value is checked (cmd_generate rejects values < 1) before anything is printed.
+    """
     from .diffusion import check_diffusion_request
 
     if args.stream or args.top_k != 0 or args.top_p != 1.0:
         raise ValueError("--stream, --top_k and --top_p apply to autoregressive models only; "
                          f"{gen.run_dir} holds a paradigm='diffusion' model")
-    gen_len = args.gen_len or 128
-    opts = dict(block_size=args.block_size or min(32, gen_len), steps_per_block=args.steps_per_block,
+    if args.gen_len is not None and args.max_new_tokens is not None and args.gen_len != args.max_new_tokens:
+        raise ValueError(f"--gen_len {args.gen_len} and --max_new_tokens {args.max_new_tokens} disagree: on a "
+                         "diffusion model both set the tokens to generate; give one of them")
+    gen_len = next(v for v in (args.gen_len, args.max_new_tokens, DEFAULT_GEN_LEN) if v is not None)
+    block_size = args.block_size if args.block_size is not None else min(32, gen_len)
+    opts = dict(block_size=block_size, steps_per_block=args.steps_per_block,
                 threshold=args.threshold, refresh=args.refresh or "block")
     check_diffusion_request(gen.cfg, len(ids), gen_len, opts["block_size"],
-                            opts["steps_per_block"] or opts["block_size"], args.threshold, args.temperature,
+                            opts["steps_per_block"] if opts["steps_per_block"] is not None else block_size,
+                            args.threshold, args.temperature,
                             opts["refresh"])
     print(f"[dantinox] {gen.run_dir}: loaded in {gen.load_seconds:.2f} s (masked diffusion)", file=sys.stderr)
     start = time.perf_counter()
@@ -133,6 +150,8 @@ def cmd_verify(args) -> int:
         raise ValueError(f"--new_tokens {args.new_tokens} is not allowed: an integer >= 1")
     if not args.tolerance >= 0:
         raise ValueError(f"--tolerance {args.tolerance} is not allowed: a number >= 0")
+    if args.range < 1:
+        raise ValueError(f"--range {args.range} is not allowed: an integer >= 1 (positions per printed range)")
     prompt = tokenizer.encode(args.prompt, unknown="replace")
     if len(prompt) >= cfg.max_context:
         raise CapacityError(f"--prompt has {len(prompt)} tokens; max_context={cfg.max_context} leaves no room")

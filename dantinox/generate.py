@@ -108,6 +108,10 @@ def check_request(lengths: np.ndarray, max_new_tokens: int, max_context: int) ->
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} is not allowed: an integer >= 1")
     longest = int(lengths.max())
+    if longest >= max_context:
+        raise CapacityError(
+            f"prompt of {longest} tokens is too long: max_context={max_context} holds at most "
+            f"{max_context - 1} prompt tokens (leaving room for 1 new token); shorten the prompt")
     if longest + max_new_tokens > max_context:
         raise CapacityError(
             f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} = {longest + max_new_tokens} "

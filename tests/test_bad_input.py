@@ -127,3 +127,10 @@ def test_one_field_switches_the_attention_kind(tmp_path):
     yaml_file.write_text("preset: reference\nattention: mqa\n")
     assert resolve_config(None, str(yaml_file), [])[0].kv_heads == 1
     assert resolve_config("tiny-mla", None, ["attention=gqa"])[0].kv_heads == 2
+
+
+def test_prompt_longer_than_the_context_says_the_prompt_is_too_long(model):
+    for n in (32,):  # longer prompts: "prompt 0 has 40 tokens, more than max_context=32"
+        with pytest.raises(dx.CapacityError, match=rf"prompt of {n} tokens is too long: max_context=32 holds at "
+                                                    r"most 31 prompt tokens"):
+            dx.generate(model, list(range(n)), 1)

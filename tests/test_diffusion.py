@@ -239,3 +239,41 @@ def test_shifted_objective_scores_token_i_at_position_i_minus_1():
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     want = -np.take_along_axis(logp[:, :-1], x0[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(nll)[:, 1:], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gen_len", "0"], "--gen_len 0 is not allowed: an integer >= 1"),
+    (["--gen_len", "-8"], "--gen_len -8 is not allowed"),
+    (["--block_size", "0"], "--block_size 0 is not allowed"),
+    (["--steps_per_block", "0"], "--steps_per_block 0 is not allowed"),
+    (["--max_new_tokens", "0"], "--max_new_tokens 0 is not allowed"),
+    (["--gen_len", "32", "--max_new_tokens", "5"], "--gen_len 32 and --max_new_tokens 5 disagree"),
+    (["--gen_len", "32", "--seed", "-1"], "--seed -1 is not allowed"),
+    (["--gen_len", "32", "--steps_per_block", "3"], "steps_per_block=3 is not allowed"),
+])
+def test_diffusion_cli_flags_are_checked_before_printing(flags, message, capsys):
+    import os
+
+    from dantinox.cli import main
+    from dantinox.generator import bundled_run_dir
+
+    run_dir = bundled_run_dir("dante-diffusion")
+    if not os.path.isdir(run_dir):
+        pytest.skip("the bundled diffusion model is not installed")
+    assert main(["generate", "--run_dir", run_dir, "--prompt", "Nel mezzo"] + flags) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_diffusion_cli_uses_max_new_tokens_as_gen_len(capsys):
+    import os
+
+    from dantinox.cli import main
+    from dantinox.generator import bundled_run_dir
+
+    run_dir = bundled_run_dir("dante-diffusion")
+    if not os.path.isdir(run_dir):
+        pytest.skip("the bundled diffusion model is not installed")
+    assert main(["generate", "--run_dir", run_dir, "--prompt", "Nel mezzo", "--max_new_tokens", "8",
+                 "--temperature", "0"]) == 0
+    assert "8 new tokens" in capsys.readouterr().err

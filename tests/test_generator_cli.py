@@ -117,12 +117,15 @@ def test_cli_defaults_fit_the_context_and_flags_are_checked(run_dir, capsys):
     assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel mezzo", "--temperature", "0"]) == 0
     captured = capsys.readouterr()
     assert "55 new tokens" in captured.err
-    for bad, message in ((["--seed", "-1"], "--seed -1"), (["--max_new_tokens", "0"], "max_new_tokens=0")):
+    for bad, message in ((["--seed", "-1"], "--seed -1"), (["--max_new_tokens", "0"], "--max_new_tokens 0"),
+                         (["--max_new_tokens", "-3"], "--max_new_tokens -3"),
+                         (["--prompt", "Nel mezzo " * 8], "prompt of 80 tokens is too long: max_context=64")):
         assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel"] + bad) == 2
         captured = capsys.readouterr()
         assert message in captured.err and captured.out == ""
     for bad, message in ((["--new_tokens", "0"], "--new_tokens 0"), (["--tolerance", "-1"], "--tolerance -1"),
-                         (["--prompt", ""], "--prompt is empty")):
+                         (["--prompt", ""], "--prompt is empty"), (["--range", "0"], "--range 0"),
+                         (["--range", "-3"], "--range -3 is not allowed")):
         assert cli.main(["verify", "--run_dir", run_dir] + bad) == 2
         assert message in capsys.readouterr().err
 
