@@ -319,3 +319,30 @@ def test_serve_accepts_ordinary_hosts():
     from dantinox.serving.serve_cli import check_serve_args
     for host in ("127.0.0.1", "0.0.0.0", "::1", "localhost", "my-host.example.org"):
         check_serve_args(cli.build_parser().parse_args(["serve", "--host", host]))
+
+
+def test_strict_types_seed_range_unsupported_fields_and_bad_bodies(server):
+    url = server.url + "/v1/completions"
+    for body, field in ((dict(prompt="x", max_tokens=True), "max_tokens"),
+                        (dict(prompt="x", max_tokens="5"), "max_tokens"),
+                        (dict(prompt="x", stream="yes"), "stream"), (dict(prompt="x", seed="3"), "seed"),
+                        (dict(prompt="x", temperature="0.5"), "temperature"), (dict(prompt=["1", 2]), "prompt")):
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code == 422 and reply.json()["error"]["param"] == field, (body, reply.text)
+        assert field in reply.json()["error"]["message"]
+    for body, field in ((dict(prompt="x", seed=-1), "seed"), (dict(prompt="x", seed=2**32), "seed"),
+                        (dict(prompt="x", best_of=2), "best_of"), (dict(prompt="x", suffix="!"), "suffix"),
+                        (dict(prompt="x", model="gpt-4"), "model"), (dict(prompt="x", stop=[""]), "stop"),
+                        (dict(prompt="x", stop=""), "stop"), (dict(prompt="x", echo=True), "echo")):
+        reply = httpx.post(url, json=body, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (body, reply.text)
+        assert field in reply.json()["error"]["message"]
+    ok = httpx.post(url, json=dict(prompt="Nel", max_tokens=2, model="tiny", best_of=1, suffix=None,
+                                   seed=2**32 - 1, temperature=1), timeout=30)
+    assert ok.status_code == 200, ok.text
+    garbled = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
+    assert garbled.status_code == 400 and garbled.json()["error"]["param"] == "body"
+    assert "not valid JSON" in garbled.json()["error"]["message"]
+    empty = httpx.post(url, timeout=30)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "body"
+    assert "body is missing" in empty.json()["error"]["message"]

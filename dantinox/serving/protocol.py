@@ -4,7 +4,11 @@ Supported fields of ``POST /v1/completions``: model, prompt (a string, a list of
 string), max_tokens (default: 16, or what is left of the context if less), temperature (default 1.0;
 0 = greedy), top_p, top_k (an extension; 0 = off), seed, stop (a string or up to 4), stream,
 stream_options.include_usage, n (1..MAX_CHOICES choices per prompt), logprobs (null or 0..MAX_LOGPROBS),
-echo (must be false). Other fields are accepted and ignored, as OpenAI-compatible servers do.
+echo (must be false), user (ignored). Types are strict: max_tokens: "5" or true, stream: "yes" get 422
+naming the field. seed must be in [0, 2**32); model, when given, must be the served model's name; stop strings
+must not be empty. OpenAI fields this server does not implement (best_of, suffix, frequency_penalty,
+presence_penalty, logit_bias) are rejected with 400 naming the field unless they hold their no-op value
+(null, best_of 1, penalties 0, logit_bias {}); other unknown fields are ignored.
 
 n > 1: choice i is its own engine request with seed (seed + i) mod 2**32, so with a seed every choice is
 reproducible and choice 0 equals the n = 1 completion; at temperature 0 all choices are equal. Usage counts
@@ -27,30 +31,33 @@ from __future__ import annotations
 
 import time
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from .request import MAX_LOGPROBS, RequestError, TokenLogprobs
 
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16  # most choices (n) per request
+# OpenAI completions fields this server does not implement -> the values that change nothing
+UNSUPPORTED_FIELDS = {"best_of": (None, 1), "suffix": (None,), "frequency_penalty": (None, 0),
+                      "presence_penalty": (None, 0), "logit_bias": (None, {})}
 
 
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    model: StrictStr | None = None
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | StrictInt = 1.0
+    top_p: StrictFloat | StrictInt = 1.0
+    top_k: StrictInt = 0
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
     stream_options: dict | None = None
-    n: int = 1
-    echo: bool = False
-    logprobs: int | None = None
+    n: StrictInt = 1
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
 
     def check_supported(self) -> None:
         """Raise RequestError naming the field for values this server does not offer (n outside
@@ -59,6 +66,16 @@ class CompletionRequest(BaseModel):
             raise RequestError("n", f"n={self.n} is not allowed: an integer in [1, {MAX_CHOICES}]")
         if self.echo:
             raise RequestError("echo", "echo=true is not supported")
+        for name, no_op in UNSUPPORTED_FIELDS.items():
+            value = (self.model_extra or {}).get(name)
+            if not any(value == v and type(value) is not bool for v in no_op) and value is not None:
+                raise RequestError(name, f"{name}={value!r} is not supported by this server (allowed: "
+                                   f"{' or '.join('null' if v is None else repr(v) for v in no_op)})")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise RequestError("seed", f"seed={self.seed} is not allowed: null or an integer in [0, 2**32)")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise RequestError("stop", f"stop={self.stop!r} is not allowed: stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise RequestError("logprobs", f"logprobs={self.logprobs} is not allowed: null or an integer in "
                                f"[0, {MAX_LOGPROBS}]")

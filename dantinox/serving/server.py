@@ -73,8 +73,18 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastA
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request, exc: RequestValidationError):
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return JSONResponse(error_body(f"{field}: {first.get('msg')}", field), status_code=422)
+        loc = tuple(first.get("loc", ()))
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", first.get("msg"))
+            return JSONResponse(error_body(f"the request body is not valid JSON: {detail}", "body"),
+                                status_code=400)
+        if loc == ("body",):
+            what = "missing" if first.get("type") == "missing" else "not a JSON object"
+            return JSONResponse(error_body(f"the request body is {what}: send a JSON object with at least "
+                                           "'prompt'", "body"), status_code=400)
+        field = str(loc[1]) if len(loc) > 1 else None  # the top-level field (later parts name union members)
+        return JSONResponse(error_body(f"{field}: {first.get('msg')} (got {first.get('input')!r})", field),
+                            status_code=422)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest):
@@ -111,6 +121,9 @@ class _Service:
                                 status_code=503)
         try:
             body.check_supported()
+            if body.model is not None and body.model != self.model_name:
+                raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
+                                   f"{self.model_name!r}")
             prompt_ids = self._encode(body.prompt)
             options = self._options(body, len(prompt_ids))
         except RequestError as err:
