@@ -67,6 +67,8 @@ class Generator:
         model generates exactly max_new_tokens (gen_len) tokens and takes diffusion_options (block_size,
         steps_per_block, threshold, refresh; see dantinox.diffusion.diffusion_generate).
         Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`."""
+        if not isinstance(text, (str, list, tuple)) or (not isinstance(text, str) and not text):
+            raise ValueError(f"text={text!r} is not allowed: a non-empty string or a non-empty list of strings")
         texts = [text] if isinstance(text, str) else list(text)
         ids = [self.encode(t, unknown) for t in texts]
         if self.cfg.paradigm == "diffusion" or diffusion_options:

@@ -44,6 +44,9 @@ def test_generator_unknown_characters_and_empty_prompt(run_dir):
     assert isinstance(gen.generate("Zorro", 5, unknown="replace"), str)
     with pytest.raises(ValueError, match="prompt is empty"):
         gen.generate("", 5)
+    for text in (None, [], 7):
+        with pytest.raises(ValueError, match="text=.* is not allowed"):
+            gen.generate(text, 5)
 
 
 def test_stream_never_splits_a_character(tmp_path):

@@ -46,6 +46,8 @@ def test_data_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(DataError, match="empty"):
         read_text(tmp_path / "empty.txt")
+    with pytest.raises(DataError, match="not a regular file"):
+        read_text(tmp_path)
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
     with pytest.raises(DataError, match="UTF-8"):
         read_text(tmp_path / "latin1.txt")

@@ -28,8 +28,11 @@ def read_text(path: str | os.PathLike) -> str:
     Raises FileNotFoundError (naming the path) if it does not exist, DataError if it is empty or not UTF-8.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"training data file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise DataError(f"training data file {path!r} is not a regular file (a directory or a device): give a "
+                        "UTF-8 text file")
     with open(path, "rb") as f:
         raw = f.read()
     try:

@@ -126,7 +126,8 @@ def _unknown_message(text: str, where: np.ndarray) -> str:
     more = f" and {where.size - 10} more" if where.size > 10 else ""
     distinct = sorted({text[i] for i in where})
     return (f"{where.size} character(s) outside the char vocabulary: {shown}{more}; distinct: {distinct}. "
-            f"Pass unknown='replace' to map them to {UNK!r}, or train the tokenizer on text that has them.")
+            f"Pass unknown='replace' (command line: --unknown replace) to map them to {UNK!r}, or train the "
+            "tokenizer on text that has them.")
 
 
 def train_tokenizer(text: str, kind: str = "char", vocab_size: int | None = None) -> TextTokenizer:
