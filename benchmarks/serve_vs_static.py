@@ -12,7 +12,8 @@ Reported per mode: output tokens/s (useful tokens only: each request's own max_t
 from the first arrival to the last completion), TTFT p50 / p99 (arrival to first token) and TPOT p50.
 The greedy tokens of both modes are checked equal, request by request.
 
-Run:  python benchmarks/serve_vs_static.py [--requests 64] [--rate 40] [--batch 16]
+Run:  python benchmarks/serve_vs_static.py [--requests 64] [--rate 40] [--batch 16] [--max-batched-tokens 64]
+          [--repeats 1] [--prompt-range 4 64] [--new-range 8 48] [--new-dist uniform|lognormal]
 """
 
 from __future__ import annotations
@@ -98,21 +99,30 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=40.0, help="mean arrivals per second")
     parser.add_argument("--batch", type=int, default=16, help="static batch size (the engine runs up to 16)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-batched-tokens", type=int, default=64, help="the engine's prefill budget per step")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each mode, alternating; the run with the median tokens/s is printed")
     add_trace_arguments(parser)
     args = parser.parse_args()
     model = small_model()
     trace = mixed_trace(args.requests, args.rate, args.seed, prompt_range=args.prompt_range,
                         new_range=args.new_range, new_dist=args.new_dist)
-    config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, decode_buckets=(1, 4, 8, 16),
-                          prefill_buckets=(1, 2, 4), chunk_buckets=(16, 32, 64))
-    results = {"continuous": run_continuous(model, trace, config),
-               "static": run_static(model, trace, args.batch)}
+    budget = args.max_batched_tokens
+    config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=budget, decode_buckets=(1, 4, 8, 16),
+                          prefill_buckets=tuple(b for b in (1, 2, 4, 8, 16) if b == 1 or 16 * b <= budget),
+                          chunk_buckets=tuple(c for c in (16, 32, 64, 128) if c < 2 * min(budget, 128))[-4:])
+    runs = {"continuous": [], "static": []}
+    for _ in range(args.repeats):  # alternate, so both modes see the same drift of the host
+        runs["continuous"].append(run_continuous(model, trace, config))
+        runs["static"].append(run_static(model, trace, args.batch))
+    results = {mode: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for mode, rs in runs.items()}
     same = sum(results["continuous"]["tokens"].get(i) == results["static"]["tokens"].get(i)
                for i in range(len(trace)))
     (p0, p1), (n0, n1) = args.prompt_range, args.new_range
     print(f"trace: {len(trace)} requests, prompts {p0}-{p1} tokens, {n0}-{n1} new tokens ({args.new_dist}; "
           f"mean {sum(r.max_tokens for r in trace) / len(trace):.1f}), "
-          f"{args.rate:g} req/s; static batch {args.batch}; model dim 128 x 4 blocks, GQA 4/2 heads, CPU")
+          f"{args.rate:g} req/s; static batch {args.batch}; engine: 16 running, {budget} prefill tokens per step; "
+          f"model dim 128 x 4 blocks, GQA 4/2 heads, CPU; median of {args.repeats} alternating runs")
     print(f"{'mode':<11} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'TPOT p50 ms':>12} "
           f"{'wall s':>7} {'preempt':>8}")
     for mode, r in results.items():
