@@ -118,7 +118,7 @@ def run_budget(args: argparse.Namespace) -> int:
     for c in contexts:
         if c <= 0:
             raise ValueError(f"--context {c} is not allowed: context lengths are positive integers")
-    shape = cfg.replace(paradigm="ar", mask_token_id=None)  # KV sizes do not depend on the paradigm
+    shape = cfg.replace(paradigm="ar", mask_token_id=None, shifted_prediction=False)  # KV sizes: paradigm-free
     rows = attention_variants(shape, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
     print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
           f"vocab {cfg.vocab_size}; cache dtype {dtype}")

@@ -154,3 +154,13 @@ def test_default_contexts_fit_the_model_and_longer_ones_are_marked(capsys):
 def test_a_model_source_is_required(capsys):
     with pytest.raises(ValueError, match="no model shape given: pass one of --preset"):
         budget([], capsys)
+
+
+def test_diffusion_run_with_shifted_prediction(tmp_path, capsys):
+    """An AR-adapted diffusion run (shifted_prediction=True) is budgeted with its DualCache next to the AR cache."""
+    cfg = dx.ModelConfig.from_preset("tiny", paradigm="diffusion", mask_token_id=127, shifted_prediction=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(cfg.to_json())
+    status, out = budget(["--run_dir", str(run_dir)], capsys)
+    assert status == 0 and "DualCache" in out
