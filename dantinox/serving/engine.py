@@ -237,7 +237,7 @@ class PagedEngine(Engine):
             if self.config.max_decode_steps > 1:
                 for B in self.decode_buckets:
                     for M in self.table_buckets:
-                        self._call_decode_steps([], [], B, M)
+                        self._warm_decode_steps(B, M)
             self.pool = copy_blocks(self.pool, *self._pad_copies([]))
             data = self._read_host([0])
             self._write_host([], data)
@@ -341,6 +341,17 @@ class PagedEngine(Engine):
             tokens = self._call_decode_steps(part, part_counts, _bucket(len(part), self.decode_buckets), M)
             out += [tokens[b, :counts[i + b]].tolist() for b in range(len(part))]
         return out
+
+    def _warm_decode_steps(self, B: int, M: int) -> None:
+        """Run one iteration of the multi-step loop for bucket (B, M) with every write dropped (block tables
+        point past the pool): the loop body's first execution is slow on the CPU (about 20 ms here), so it is
+        paid before serving, not by the first request that decodes in this bucket."""
+        z = np.zeros(B, np.int32)
+        table = np.full((B, M), self.allocator.num_blocks, np.int32)
+        sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
+        out, self.pool = decode_steps(self.graph, self.params, self.pool, z, z, np.ones(B, np.int32), table,
+                                      np.zeros(B, np.uint32), z, sampling, max_steps=self.config.max_decode_steps)
+        jax.block_until_ready(out)
 
     def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int, M: int) -> np.ndarray:
         """One decode_steps call for ``part`` padded to B rows, over block tables cut to M entries."""
