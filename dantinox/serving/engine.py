@@ -233,7 +233,7 @@ class PagedEngine(Engine):
             shapes = [(B, 1) for B in self.decode_buckets]
             shapes += [(B, T) for B in self.prefill_buckets for T in self.chunk_buckets]
             for B, T in shapes:
-                self._call_forward([], B, T)
+                jax.block_until_ready(self._call_forward([], B, T))
             if self.config.max_decode_steps > 1:
                 for B in self.decode_buckets:
                     for M in self.table_buckets:
@@ -291,13 +291,17 @@ class PagedEngine(Engine):
         sampled: dict[int, tuple] = {}
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
+        calls = []  # every call is dispatched before any result is fetched, so host work overlaps the device's
         for group, buckets in ((decode, self.decode_buckets), (prefill, self.prefill_buckets)):
             for i in range(0, len(group), buckets[-1]):
                 part = group[i:i + buckets[-1]]
                 T = 1 if group is decode else _bucket(max(c.num_tokens for c in part), self.chunk_buckets)
-                tokens, logprobs = self._call_forward(part, _bucket(len(part), buckets), T)
-                for b, chunk in enumerate(part):
-                    sampled[id(chunk)] = ([int(tokens[b])], _row_logprobs(chunk, int(tokens[b]), logprobs, b))
+                calls.append((part, self._call_forward(part, _bucket(len(part), buckets), T)))
+        for part, (out, logprobs) in calls:
+            tokens = np.asarray(out)
+            logprobs = None if logprobs is None else jax.device_get(logprobs)
+            for b, chunk in enumerate(part):
+                sampled[id(chunk)] = ([int(tokens[b])], _row_logprobs(chunk, int(tokens[b]), logprobs, b))
         return [sampled[id(c)] for c in chunks]
 
     def _plan_decode_steps(self, chunks: list[Chunk]) -> list[int] | None:
@@ -375,7 +379,9 @@ class PagedEngine(Engine):
         self.counters["multi_step_calls"] += bool(part)
         return jax.device_get(out)
 
-    def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[np.ndarray, StepLogprobs]:
+    def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[jax.Array, StepLogprobs | None]:
+        """Dispatch one forward_step for ``part`` padded to B rows of T tokens; returns the device arrays
+        (tokens [B], and the StepLogprobs when a row asked for them, else None) without waiting for them."""
         ids = np.zeros((B, T), np.int32)
         start, num_new, steps = (np.zeros(B, np.int32) for _ in range(3))
         table = np.zeros((B, self.table_width), np.int32)
@@ -395,7 +401,7 @@ class PagedEngine(Engine):
         out, logprobs, self.pool = forward_step(self.graph, self.params, self.pool, ids, start, num_new, table,
                                                 seeds, steps, sampling, with_logprobs)
         self.counters["forward_calls"] += bool(part)
-        return jax.device_get((out, logprobs))
+        return out, (logprobs if with_logprobs else None)  # nobody asked: three transfers of zeros skipped
 
     def _advance(self, chunk: Chunk, token: int, logprobs: TokenLogprobs | None = None) -> list[RequestOutput]:
         req = chunk.request
@@ -444,8 +450,9 @@ class PagedEngine(Engine):
         return [self._output(req, []) for req in failed]
 
 
-def _row_logprobs(chunk: Chunk, token: int, step: StepLogprobs, b: int) -> TokenLogprobs | None:
-    """Row b of a step's log-probabilities as the chunk's request asked for them (None if it did not)."""
+def _row_logprobs(chunk: Chunk, token: int, step: StepLogprobs | None, b: int) -> TokenLogprobs | None:
+    """Row b of a step's log-probabilities as the chunk's request asked for them (None if it did not; step is
+    None when no row of the call asked)."""
     k = chunk.request.options.logprobs
     if k is None:
         return None
