@@ -250,10 +250,13 @@ class PagedEngine(Engine):
         for req, blocks in sched.swap_in:
             self._write_host(blocks, req.swap_data)
             req.swap_data = None
-        copies = sched.copies
-        while copies:
-            part, copies = copies[:self.policy.max_running], copies[self.policy.max_running:]
-            self.pool = copy_blocks(self.pool, *self._pad_copies(part))
+        self._copy_blocks(sched.copies)
+
+    def _copy_blocks(self, pairs: list) -> None:
+        """Perform copy-on-write block copies [(source, destination)], max_running per compiled call."""
+        C = self.policy.max_running
+        for i in range(0, len(pairs), C):
+            self.pool = copy_blocks(self.pool, *self._pad_copies(pairs[i:i + C]))
 
     def _pad_copies(self, pairs: list) -> tuple[np.ndarray, np.ndarray]:
         C = self.policy.max_running
@@ -330,9 +333,7 @@ class PagedEngine(Engine):
                 counts[i] = max(1, min(counts[i], held))
             else:
                 copies += grown
-        while copies:
-            part, copies = copies[:self.policy.max_running], copies[self.policy.max_running:]
-            self.pool = copy_blocks(self.pool, *self._pad_copies(part))
+        self._copy_blocks(copies)
         return counts
 
     def _run_decode_steps(self, chunks: list[Chunk], counts: list[int]) -> list[list[int]]:
@@ -359,44 +360,41 @@ class PagedEngine(Engine):
 
     def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int, M: int) -> np.ndarray:
         """One decode_steps call for ``part`` padded to B rows, over block tables cut to M entries."""
-        tokens, start, num_steps, steps = (np.zeros(B, np.int32) for _ in range(4))
-        table = np.zeros((B, M), np.int32)
-        seeds = np.zeros(B, np.uint32)
-        temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
-        top_k = np.zeros(B, np.int32)
+        tokens, num_steps = np.zeros(B, np.int32), np.zeros(B, np.int32)
         for b, (chunk, count) in enumerate(zip(part, counts)):
-            req, opts = chunk.request, chunk.request.options
-            tokens[b], start[b], num_steps[b], steps[b] = req.all_tokens[chunk.start], chunk.start, count, \
-                len(req.output_ids)
-            blocks = self.allocator.table(req.request_id)[:M]
-            table[b, :len(blocks)] = blocks
-            seeds[b], temperature[b], top_p[b] = opts.seed, opts.temperature, opts.top_p
-            top_k[b] = min(opts.top_k, self.vocab_size)
+            tokens[b], num_steps[b] = chunk.request.all_tokens[chunk.start], count
+        start, table, seeds, steps, sampling = self._row_inputs(part, B, M)
         out, self.pool = decode_steps(self.graph, self.params, self.pool, tokens, start, num_steps, table, seeds,
-                                      steps, SamplingParams(temperature, top_k, top_p),
-                                      max_steps=self.config.max_decode_steps)
+                                      steps, sampling, max_steps=self.config.max_decode_steps)
         self.counters["forward_calls"] += bool(part)
         self.counters["multi_step_calls"] += bool(part)
         return jax.device_get(out)
 
-    def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[jax.Array, StepLogprobs | None]:
-        """Dispatch one forward_step for ``part`` padded to B rows of T tokens; returns the device arrays
-        (tokens [B], and the StepLogprobs when a row asked for them, else None) without waiting for them."""
-        ids = np.zeros((B, T), np.int32)
-        start, num_new, steps = (np.zeros(B, np.int32) for _ in range(3))
-        table = np.zeros((B, self.table_width), np.int32)
+    def _row_inputs(self, part: list[Chunk], B: int, M: int) -> tuple:
+        """Per-row inputs of a compiled call for ``part`` padded to B rows: (start [B] int32, block tables
+        [B, M] int32 cut to M entries, seeds [B] uint32, steps [B] int32 tokens generated so far, the rows'
+        SamplingParams); padding rows are zeros (greedy)."""
+        start, steps, top_k = (np.zeros(B, np.int32) for _ in range(3))
+        table = np.zeros((B, M), np.int32)
         seeds = np.zeros(B, np.uint32)
         temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
-        top_k = np.zeros(B, np.int32)
         for b, chunk in enumerate(part):
             req, opts = chunk.request, chunk.request.options
-            ids[b, :chunk.num_tokens] = req.all_tokens[chunk.start:chunk.start + chunk.num_tokens]
-            start[b], num_new[b], steps[b] = chunk.start, chunk.num_tokens, len(req.output_ids)
-            blocks = self.allocator.table(req.request_id)
+            start[b], steps[b] = chunk.start, len(req.output_ids)
+            blocks = self.allocator.table(req.request_id)[:M]
             table[b, :len(blocks)] = blocks
             seeds[b], temperature[b], top_p[b] = opts.seed, opts.temperature, opts.top_p
             top_k[b] = min(opts.top_k, self.vocab_size)
-        sampling = SamplingParams(temperature, top_k, top_p)
+        return start, table, seeds, steps, SamplingParams(temperature, top_k, top_p)
+
+    def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[jax.Array, StepLogprobs | None]:
+        """Dispatch one forward_step for ``part`` padded to B rows of T tokens; returns the device arrays
+        (tokens [B], and the StepLogprobs when a row asked for them, else None) without waiting for them."""
+        ids, num_new = np.zeros((B, T), np.int32), np.zeros(B, np.int32)
+        for b, chunk in enumerate(part):
+            ids[b, :chunk.num_tokens] = chunk.request.all_tokens[chunk.start:chunk.start + chunk.num_tokens]
+            num_new[b] = chunk.num_tokens
+        start, table, seeds, steps, sampling = self._row_inputs(part, B, self.table_width)
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
         out, logprobs, self.pool = forward_step(self.graph, self.params, self.pool, ids, start, num_new, table,
                                                 seeds, steps, sampling, with_logprobs)
