@@ -69,3 +69,16 @@ def spiky_model(cfg: dx.ModelConfig, seed: int = 0, qk_scale: float = 12.0):
         width = (cfg.n_heads + cfg.kv_heads) * cfg.head_size
         kernel[...] = kernel[...].at[:, :width].multiply(qk_scale)
     return model
+
+
+def spiky_mla(cfg: dx.ModelConfig, seed: int = 0, scale: float = 12.0):
+    """A random MLA model with query, key up-projection and RoPE-key weights scaled up so attention is far
+    from uniform: a wrong position, mask or head mapping then moves the logits far beyond the tolerances."""
+    model = dx.build_model(cfg, seed)
+    C, Q = cfg.kv_latent_dim, cfg.q_latent_dim or 0
+    for blk in model.blocks:
+        a = blk.attn
+        a.q_up.kernel[...] = a.q_up.kernel[...] * scale
+        a.w_uk[...] = a.w_uk[...] * scale
+        a.down.kernel[...] = a.down.kernel[...].at[:, Q + C:].multiply(scale)
+    return model

@@ -1,10 +1,16 @@
 """Helpers for the serving tests: drive an engine to completion with a bounded loop, batch-1 references."""
 
+from functools import partial
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import dantinox as dx
-from conftest import spiky_model
+from conftest import spiky_mla, spiky_model
 from dantinox.serving.engine import EngineConfig, PagedEngine
+from dantinox.serving.paged_cache import paged_views
 from dantinox.serving.request import SamplingOptions
 
 # Few buckets keep the number of compilations (and the suite's time on two CPUs) small.
@@ -21,15 +27,7 @@ def lively_model(cfg: dx.ModelConfig, seed: int = 3):
 def lively_mla_model(cfg: dx.ModelConfig, seed: int = 3, scale: float = 8.0):
     """The MLA counterpart of ``lively_model``: untied output projection, and the query up-projection, the key
     up-projection W_UK and the RoPE-key projection scaled up so attention is far from uniform."""
-    cfg = cfg.replace(tie_embeddings=False)
-    model = dx.build_model(cfg, seed)
-    C, Q = cfg.kv_latent_dim, cfg.q_latent_dim or 0
-    for blk in model.blocks:
-        a = blk.attn
-        a.q_up.kernel[...] = a.q_up.kernel[...] * scale
-        a.w_uk[...] = a.w_uk[...] * scale
-        a.down.kernel[...] = a.down.kernel[...].at[:, Q + C:].multiply(scale)
-    return model
+    return spiky_mla(cfg.replace(tie_embeddings=False), seed=seed, scale=scale)
 
 
 def make_engine(model, **fields) -> PagedEngine:
@@ -64,3 +62,43 @@ def solo(model, prompt, max_new_tokens: int, **sampling) -> list:
 
 def greedy(n: int) -> SamplingOptions:
     return SamplingOptions(max_new_tokens=n)
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def paged_logits(graphdef, params, pool, ids, start, num_new, table):
+    """The model over a paged pool: logits [B, T, V] and the updated pool."""
+    model = nnx.merge(graphdef, params)
+    views = paged_views(pool, table, num_new)
+    logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start)
+    return logits, tuple(v.pool for v in views)
+
+
+def static_logits(model, tokens):
+    """The reference: prefill of the whole sequence into the static cache. Returns [T, V]."""
+    cache = dx.init_cache(model.cfg, 1)
+    logits, _, _ = model(jnp.asarray([tokens], jnp.int32), use_cache=True, kv_caches=cache, cache_index=0)
+    return np.asarray(logits[0])
+
+
+def chunked_paged_run(model, pool, seqs, tables):
+    """Feed three sequences through the pool in ragged chunks (two prefill chunks, then decode-sized steps),
+    with a fourth, unused row (num_new 0) and block tables ``tables`` [3, M]. Returns (per-sequence logits
+    [len, V] in order, the pool)."""
+    graphdef, params = nnx.split(model)
+    M = tables.shape[1]
+    chunks = [(3, 6, 8), (2, 5, 7), (0, 0, 1), (0, 0, 1)]
+    done, got = [0, 0, 0], [[], [], []]
+    for sizes in chunks:
+        T = max(8 if max(sizes) > 1 else 1, max(sizes))
+        ids = np.zeros((4, T), np.int32)
+        for b, n in enumerate(sizes):
+            ids[b, :n] = seqs[b][done[b]:done[b] + n]
+        start = np.array(done + [0], np.int32)
+        num_new = np.array(list(sizes) + [0], np.int32)
+        table = np.concatenate([tables, np.zeros((1, M), np.int32)])
+        logits, pool = paged_logits(graphdef, params, pool, ids, start, num_new, table)
+        for b, n in enumerate(sizes):
+            got[b].append(np.asarray(logits[b, :n]))
+            done[b] += n
+    assert done == [len(s) for s in seqs]
+    return [np.concatenate(g) for g in got], pool

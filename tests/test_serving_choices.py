@@ -14,10 +14,10 @@ from flax import nnx
 import dantinox as dx
 from dantinox.serving.request import QueueFullError, SamplingOptions
 from dantinox.serving.worker import EngineWorker
-from dantinox.train import load_run, save_run, train_tokenizer
+from dantinox.train import load_run
 from conftest import tiny_config
 from serving_util import drain, lively_mla_model, lively_model, make_engine, solo
-from test_serving_server import TEXT, start_server
+from test_serving_server import save_tiny_bpe_run, start_server
 
 TOL = 1e-4
 
@@ -131,11 +131,7 @@ def test_the_worker_adds_all_choices_of_a_request_or_none():
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    tokenizer = train_tokenizer(TEXT, "bpe", 260)
-    cfg = tiny_config(attention="gqa", kv_heads=2, vocab_size=tokenizer.vocab_size)  # max_context 32
-    path = tmp_path_factory.mktemp("choices") / "tiny-bpe"
-    save_run(path, lively_model(cfg), cfg.replace(tie_embeddings=False), tokenizer)
-    model, _, tokenizer, _ = load_run(path)
+    model, _, tokenizer, _ = load_run(save_tiny_bpe_run(tmp_path_factory.mktemp("choices") / "tiny-bpe"))
     return model, tokenizer
 
 

@@ -3,21 +3,18 @@ keys and values. Paged logits equal the static LatentKV cache's (ragged batch, c
 and naive paths), engine outputs equal batch-1 ``dx.generate``, swap and recompute preemption, and the pool
 sized from a byte budget with the planner's bytes-per-token figure (the `dantinox serve` start-up line)."""
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import dantinox as dx
 from dantinox import cli
-from dantinox.serving.paged_cache import PagedLatentKV, block_bytes, init_pool, paged_views, pool_nbytes
+from dantinox.serving.paged_cache import PagedLatentKV, block_bytes, init_pool, pool_nbytes
 from dantinox.serving.serve_cli import build_engine, kv_summary
 from dantinox.train import save_run, train_tokenizer
 from conftest import tiny_config
-from serving_util import drain, greedy, lively_mla_model, lively_model, make_engine, solo
+from serving_util import (chunked_paged_run, drain, greedy, lively_mla_model, lively_model, make_engine,
+                          solo, static_logits)
 from test_serving_engine import check_resumed_requests_reprefilled
 
 P = 4  # block size
@@ -34,26 +31,10 @@ def model(request):
     return lively_mla_model(mla_config(mla_absorb=PATHS[request.param], max_context=64))
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
-def paged_logits(graphdef, params, pool, ids, start, num_new, table):
-    model = nnx.merge(graphdef, params)
-    views = paged_views(pool, table, num_new)
-    logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start)
-    return logits, tuple(v.pool for v in views)
-
-
-def static_logits(model, tokens):
-    """The reference: prefill of the whole sequence into the static LatentKV cache."""
-    cache = dx.init_cache(model.cfg, 1)
-    logits, _, _ = model(jnp.asarray([tokens], jnp.int32), use_cache=True, kv_caches=cache, cache_index=0)
-    return np.asarray(logits[0])
-
-
 @pytest.mark.parametrize("path", list(PATHS))
 def test_mla_paged_logits_equal_static_ragged_chunked(path):
     cfg = mla_config(mla_absorb=PATHS[path])
     model = lively_mla_model(cfg)
-    graphdef, params = nnx.split(model)
     rng = np.random.default_rng(1)
     lengths = [5, 11, 17]
     seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
@@ -63,24 +44,9 @@ def test_mla_paged_logits_equal_static_ragged_chunked(path):
     pool = init_pool(cfg, 17, P)
     assert all(isinstance(layer, PagedLatentKV) for layer in pool)
     assert pool[0].c_kv.shape == (17, P, cfg.kv_latent_dim) and pool[0].k_rope.shape == (17, P, cfg.rope_head_dim)
-    chunks = [(3, 6, 8), (2, 5, 7), (0, 0, 1), (0, 0, 1)]  # prefill chunks, then decode-sized steps
-    done, got = [0, 0, 0], [[], [], []]
-    for sizes in chunks:
-        T = max(8 if max(sizes) > 1 else 1, max(sizes))
-        ids = np.zeros((4, T), np.int32)  # a fourth, unused row (num_new 0)
-        for b, n in enumerate(sizes):
-            ids[b, :n] = seqs[b][done[b]:done[b] + n]
-        start = np.array(done + [0], np.int32)
-        num_new = np.array(list(sizes) + [0], np.int32)
-        table = np.concatenate([tables, np.zeros((1, M), np.int32)])
-        logits, pool = paged_logits(graphdef, params, pool, ids, start, num_new, table)
-        for b, n in enumerate(sizes):
-            got[b].append(np.asarray(logits[b, :n]))
-            done[b] += n
-    assert done == lengths
+    got, pool = chunked_paged_run(model, pool, seqs, tables)
     for b in range(3):
-        want = static_logits(model, seqs[b])
-        np.testing.assert_allclose(np.concatenate(got[b]), want, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(got[b], static_logits(model, seqs[b]), atol=1e-5, rtol=0)
     untouched = np.concatenate([[0], perm[10:]])  # padding and unused rows wrote nothing
     for layer in pool:
         assert float(jnp.abs(layer.c_kv[untouched]).max()) == 0.0

@@ -1,35 +1,18 @@
 """Paged attention: logits through the block pool equal the static cache's, for ragged batches, chunked
 prefill and decode, with MHA, GQA and MQA; padding positions never reach the pool."""
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import dantinox as dx
-from dantinox.serving.paged_cache import (block_bytes, init_pool, num_blocks_for_memory, paged_views,
-                                          pool_nbytes)
+from dantinox.serving.paged_cache import block_bytes, init_pool, num_blocks_for_memory, pool_nbytes
 from conftest import spiky_model, tiny_config
+from serving_util import chunked_paged_run, paged_logits, static_logits
 
 P = 4  # block size
 M = 8  # block-table entries (max_context 32 / P)
-
-
-@partial(jax.jit, static_argnames=("graphdef",))
-def paged_logits(graphdef, params, pool, ids, start, num_new, table):
-    model = nnx.merge(graphdef, params)
-    views = paged_views(pool, table, num_new)
-    logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start)
-    return logits, tuple(v.pool for v in views)
-
-
-def static_logits(model, tokens):
-    cache = dx.init_cache(model.cfg, 1)
-    logits, _, _ = model(jnp.asarray([tokens], jnp.int32), use_cache=True, kv_caches=cache, cache_index=0)
-    return np.asarray(logits[0])
 
 
 SHAPES = [dict(attention="mha", kv_heads=None), dict(attention="gqa", kv_heads=2),
@@ -40,7 +23,6 @@ SHAPES = [dict(attention="mha", kv_heads=None), dict(attention="gqa", kv_heads=2
 def test_paged_logits_equal_static_ragged_chunked(attn):
     cfg = tiny_config(**attn)
     model = spiky_model(cfg)
-    graphdef, params = nnx.split(model)
     rng = np.random.default_rng(1)
     lengths = [5, 11, 17]
     seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
@@ -49,25 +31,9 @@ def test_paged_logits_equal_static_ragged_chunked(attn):
     tables = np.zeros((3, M), np.int32)
     tables[0, :2], tables[1, :3], tables[2, :5] = perm[:2], perm[2:5], perm[5:10]
     pool = init_pool(cfg, 17, P)
-    chunks = [(3, 6, 8), (2, 5, 7), (0, 0, 1), (0, 0, 1)]  # prefill chunks, then decode-sized steps
-    done = [0, 0, 0]
-    got = [[], [], []]
-    for sizes in chunks:
-        T = max(8 if max(sizes) > 1 else 1, max(sizes))
-        ids = np.zeros((4, T), np.int32)  # a fourth, unused row (num_new 0)
-        for b, n in enumerate(sizes):
-            ids[b, :n] = seqs[b][done[b]:done[b] + n]
-        start = np.array(done + [0], np.int32)
-        num_new = np.array(list(sizes) + [0], np.int32)
-        table = np.concatenate([tables, np.zeros((1, M), np.int32)])
-        logits, pool = paged_logits(graphdef, params, pool, ids, start, num_new, table)
-        for b, n in enumerate(sizes):
-            got[b].append(np.asarray(logits[b, :n]))
-            done[b] += n
-    assert done == lengths
+    got, pool = chunked_paged_run(model, pool, seqs, tables)
     for b in range(3):
-        want = static_logits(model, seqs[b])
-        np.testing.assert_allclose(np.concatenate(got[b]), want, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(got[b], static_logits(model, seqs[b]), atol=1e-5, rtol=0)
     # Blocks never listed in a table stay zero: padding and unused rows wrote nothing.
     untouched = np.concatenate([[0], perm[10:]])
     for layer in pool:

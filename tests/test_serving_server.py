@@ -24,13 +24,17 @@ TEXT = ("Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, c
         "smarrita.\n") * 3
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def save_tiny_bpe_run(path) -> str:
+    """A run directory at ``path``: a lively tiny GQA model (max_context 32) with a BPE tokenizer of TEXT."""
     tokenizer = train_tokenizer(TEXT, "bpe", 260)
-    cfg = tiny_config(attention="gqa", kv_heads=2, vocab_size=tokenizer.vocab_size)  # max_context 32
-    path = tmp_path_factory.mktemp("serve") / "tiny-bpe"
+    cfg = tiny_config(attention="gqa", kv_heads=2, vocab_size=tokenizer.vocab_size)
     save_run(path, lively_model(cfg), cfg.replace(tie_embeddings=False), tokenizer)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return save_tiny_bpe_run(tmp_path_factory.mktemp("serve") / "tiny-bpe")
 
 
 @pytest.fixture(scope="module")
