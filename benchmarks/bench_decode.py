@@ -12,6 +12,9 @@ Figures (medians over --repeats runs, all in this process):
   on/off ratio  cache-on over cache-off tokens/s at 128, 320 and 512 total tokens (64-token prompt)
 
 Run:  python benchmarks/bench_decode.py [--attention mha gqa mqa mla mla-naive] [--batch 1 8] [--repeats 3] [--ratios]
+      python benchmarks/bench_decode.py --windows-ab [--attention ...]   decode with the attention windows of
+      dantinox.generate.decode_windows (128, 256, 384, 512) against one window of 512, alternating in one
+      process (how the per-kind default was chosen)
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 
+import jax.numpy as jnp
 import numpy as np
 
 import dantinox as dx
@@ -81,6 +86,39 @@ def measure(variant: str, batches: list[int], repeats: int, ratios: bool) -> dic
     return row
 
 
+def windows_ab(variant: str, batches: list[int], repeats: int) -> list[str]:
+    """Decode tokens/s with windows (128, 256, 384, 512) and with one window (512), runs alternating; the
+    greedy tokens must agree. Returns table rows."""
+    gen = sys.modules["dantinox.generate"]
+    model = dx.build_model(reference_config(variant), seed=0)
+    graphdef, params = gen.split_model(model)
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in batches:
+        req = gen._prepare(model, rng.integers(0, 256, (b, PROMPT)).tolist(), NEW, 0.0, 0, 1.0, 0, None)
+
+        def run(windows, req=req):
+            state = gen.prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id,
+                                req.fill)
+            state = gen.decode(graphdef, params, state, jnp.int32(NEW), req.key, req.sampling, req.eos_id,
+                               req.fill, windows=windows)
+            return np.asarray(state.out)
+
+        options = {"windows": (128, 256, 384, 512), "one": (512,)}
+        outs = {name: run(w) for name, w in options.items()}  # compiles both
+        assert (outs["windows"] == outs["one"]).all(), "windowed decode changed the greedy tokens"
+        times = {name: [] for name in options}
+        for _ in range(repeats):
+            for name, w in options.items():
+                start = time.perf_counter()
+                run(w)
+                times[name].append(time.perf_counter() - start)
+        rate = {name: b * NEW / statistics.median(t) for name, t in times.items()}
+        rows.append(f"| {variant} | {b} | {rate['windows']:.0f} | {rate['one']:.0f} | "
+                    f"{rate['windows'] / rate['one']:.2f} |")
+    return rows
+
+
 def print_table(rows: list[dict], batches: list[int], ratios: bool) -> None:
     head = ["attention", "KV bytes/seq"]
     for b in batches:
@@ -105,9 +143,15 @@ def main() -> None:
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ratios", action="store_true", help="cache on/off ratio at 128, 320, 512 tokens")
+    parser.add_argument("--windows-ab", action="store_true", help="attention windows against one window")
     args = parser.parse_args()
     print(f"# dantinox {dx.__version__}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    if args.windows_ab:
+        print("| attention | batch | windows tok/s (prefill incl.) | one window tok/s | ratio |\n|---|---|---|---|---|")
+        for variant in args.attention:
+            print("\n".join(windows_ab(variant, args.batch, max(args.repeats, 5))), flush=True)
+        return
     rows = [measure(v, args.batch, args.repeats, args.ratios) for v in args.attention]
     print_table(rows, args.batch, args.ratios)
 

@@ -54,10 +54,11 @@ class Attention(nnx.Module):
                               kernel_init=nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_blocks)),
                               rngs=rngs)
 
-    def __call__(self, x, rope, layer_cache: LayerKV | None, cache_index, key_start, read_cache: bool):
+    def __call__(self, x, rope, layer_cache: LayerKV | None, cache_index, key_start, read_slots: int | None):
         """x: [B, T, E]; rope: (cos, sin) each [B, T, D/2]; layer_cache: LayerKV of [B, K, S, D] or None;
         cache_index: [B] int32 slot of the first new token; key_start: [B] int32 or None;
-        read_cache: False when the cache is known to be empty (prefill at slot 0).
+        read_slots: old cache slots to attend over: None all S, 0 none (prefill at slot 0), L the first L
+        (the caller guarantees cache_index <= L for every row; see ``old_slots``).
         A layer cache with an ``attend_and_write(q, k, v, cache_index, key_start, window) -> (y, new cache)``
         method (the paged cache's PagedView) does its own attention and write; q, k, v are passed as
         [B, K, G, T, D] (scaled) and [B, K, T, D].
@@ -76,12 +77,22 @@ class Attention(nnx.Module):
         if hasattr(layer_cache, "attend_and_write"):  # another cache layout, e.g. dantinox.serving.paged_cache
             y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window)
         else:
-            use_old = layer_cache is not None and read_cache
-            y = attend(q, k, v, layer_cache if use_old else None, cache_index, key_start, cfg.sliding_window,
+            y = attend(q, k, v, old_slots(layer_cache, read_slots), cache_index, key_start, cfg.sliding_window,
                        causal=cfg.paradigm != "diffusion")
             new_cache = None if layer_cache is None else write_layer(layer_cache, k, v, cache_index)
         y = y.transpose(0, 3, 1, 2, 4).reshape(B, T, H * D).astype(x.dtype)
         return self.out(y), new_cache
+
+
+def old_slots(layer_cache, read_slots: int | None):
+    """The part of a static layer cache a call attends over: None when ``layer_cache`` is None or read_slots
+    is 0, the whole cache when read_slots is None, else the first read_slots slots of every array (a static
+    slice along S: [B, K, L, D] for LayerKV, [B, L, C] and [B, L, R] for LatentKV)."""
+    if layer_cache is None or read_slots == 0:
+        return None
+    if read_slots is None or read_slots >= layer_cache[0].shape[-2]:
+        return layer_cache
+    return type(layer_cache)(*(a[..., :read_slots, :] for a in layer_cache))
 
 
 def new_token_mask(T: int, cache_index, key_start, window: int | None, causal: bool = True) -> jax.Array:

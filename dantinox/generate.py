@@ -6,8 +6,11 @@ Design:
      its first free cache slot; the padding written past it is never attended to and is overwritten by decode.
   2. ``prefill`` runs the model over the padded prompts at cache_index 0 and samples the first new token from
      each row's last real position.
-  3. ``decode`` is one ``lax.while_loop`` inside one ``jax.jit``: it feeds each row's last token at that row's
-     own slot, samples the next, and stops when every row has met EOS or the step bound is reached. The step
+  3. ``decode`` is one ``jax.jit`` holding a ``lax.while_loop`` per attention window (128, 256, ... slots
+     for MLA, and for GQA / MQA batches; one window of S otherwise; see ``decode_windows``):
+     it feeds each row's last token at that row's own slot, samples the next, attends over the first L
+     slots of the cache while every row fits in them, and stops when every row has met EOS or the step
+     bound is reached. The step
      bound, sampling settings, seed and EOS id are traced values, so changing them compiles nothing new; the
      decode loop compiles once per (batch size, model shape, dtype). The loop state (with the cache) is
      donated, so XLA updates it in place.
@@ -155,25 +158,60 @@ def split_model(model):
     return graphdef, state
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("state",))
-def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: SamplingParams, eos_id, fill):
-    """Run decode steps until ``state.step == stop_step`` or every row is done; one compiled while_loop.
+WINDOW_STEP = 128
 
-    stop_step, eos_id, fill: [] int32 (traced). Returns the advanced DecodeState (the input is donated).
+
+def decode_windows(cfg, batch_size: int) -> tuple[int, ...]:
+    """Attention windows (tokens) of the decode loop for a ModelConfig and batch size B.
+
+    Windowed: multiples of 128 up to 512, then doubling, ending at max_context, e.g. (128, 256, 384, 512) for
+    S = 512 (and (S,) for S <= 128). Each step cuts the first L slots out of the cache (a copy along S that
+    is K * D * 2 or C + R values per slot) to skip the attention work over the empty tail (H * D * 2 or
+    H * (2C + R) multiply-adds per slot), so windows pay off when a cached row serves many query heads:
+      attention="mla" (any B): +12% decode tokens/s at B=1, +26% at B=8 on the reference shape;
+      H / K >= 4 (GQA kv_heads=2, MQA) with B >= 2: +10-12% at B=8, while at B=1 they were 0.96-1.07x;
+      otherwise (MHA) one window (S,): 0.95-0.98x when windowed.
+    Figures: ``benchmarks/bench_decode.py --windows-ab`` (alternating runs in one process, this 2-core host).
+    """
+    S = cfg.max_context
+    many_heads_per_row = cfg.attention == "mla" or (cfg.n_heads >= 4 * cfg.kv_heads and batch_size >= 2)
+    if not many_heads_per_row:
+        return (S,)
+    windows, width = [], WINDOW_STEP
+    while width < S:
+        windows.append(width)
+        width = width + WINDOW_STEP if width < 4 * WINDOW_STEP else 2 * width
+    return (*windows, S)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "windows"), donate_argnames=("state",))
+def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: SamplingParams, eos_id, fill,
+           windows: tuple[int, ...] | None = None):
+    """Run decode steps until ``state.step == stop_step`` or every row is done; one compiled program.
+
+    stop_step, eos_id, fill: [] int32 (traced). windows: static attention windows (default
+    ``decode_windows(cfg, B)``): the program is one ``lax.while_loop`` per window L, in increasing order, each
+    running while every row's next slot is <= L and attending over the first L cache slots only, so early
+    steps do not read the empty tail of the cache (../shared/PERFORMANCE.md, item 3). Returns the advanced
+    DecodeState (the input is donated).
     """
     model = nnx.merge(graphdef, params)
+    windows = windows or decode_windows(model.cfg, state.token.shape[0])
 
-    def cond(s: DecodeState):
-        return (s.step < stop_step) & ~jnp.all(s.done)
-
-    def body(s: DecodeState):
-        logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index)
+    def step(s: DecodeState, attend_slots: int):
+        logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index,
+                                 attend_slots=attend_slots)
         token = sample_next(logits[:, 0], jax.random.fold_in(key, s.step), sampling)
         token = jnp.where(s.done, fill, token)
         out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))
         return DecodeState(s.step + 1, token, s.index + 1, s.done | (token == eos_id), out, cache)
 
-    return jax.lax.while_loop(cond, body, state)
+    for width in windows:
+        def cond(s: DecodeState, width=width):
+            return (s.step < stop_step) & ~jnp.all(s.done) & (jnp.max(s.index) <= width)
+
+        state = jax.lax.while_loop(cond, partial(step, attend_slots=width), state)
+    return state
 
 
 class _Request(NamedTuple):

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import NEG_INF, attend, new_token_mask, old_slot_mask
+from .attention import NEG_INF, attend, new_token_mask, old_slot_mask, old_slots
 from .cache import LayerKV
 from .config import ModelConfig
 from .layers import RMSNorm, apply_rope
@@ -97,10 +97,11 @@ class MLAttention(nnx.Module):
         self.w_uv = nnx.Param(up_init(rngs.params(), (H, C, D), jnp.float32))   # W_UV, stored [H, C, D]
         self.out = linear(H * D, E, stddev=0.02 / math.sqrt(2 * cfg.num_blocks))
 
-    def __call__(self, x, rope, layer_cache: LatentKV | None, cache_index, key_start, read_cache: bool):
+    def __call__(self, x, rope, layer_cache: LatentKV | None, cache_index, key_start, read_slots: int | None):
         """x: [B, T, E]; rope: (cos, sin) each [B, T, R/2]; layer_cache: LatentKV (c_kv [B, S, C], k_rope
         [B, S, R]) or None; cache_index: [B] int32 slot of the first new token; key_start: [B] int32 or None;
-        read_cache: False when the cache is known to be empty (prefill at slot 0).
+        read_slots: old cache slots to attend over (None all, 0 none, L the first L; see
+        ``dantinox.attention.old_slots``).
 
         Returns (y [B, T, E], updated LatentKV or None).
         """
@@ -122,7 +123,7 @@ class MLAttention(nnx.Module):
                 lambda old: attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start),
                 c_new, kr_new, cache_index, key_start)
             return self.out(o.reshape(B, T, H * D).astype(x.dtype)), new_cache
-        old = layer_cache if layer_cache is not None and read_cache else None
+        old = old_slots(layer_cache, read_slots)
         attention = self._absorbed if cfg.mla_absorb else self._naive
         o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, D] float32
         y = self.out(o.reshape(B, T, H * D).astype(x.dtype))

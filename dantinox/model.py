@@ -37,9 +37,9 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden, cfg.jnp_compute_dtype, rngs=rngs)
 
-    def __call__(self, x, rope, layer_cache, cache_index, key_start, read_cache):
-        """x: [B, T, E] -> ([B, T, E], updated layer cache or None)."""
-        h, layer_cache = self.attn(self.attn_norm(x), rope, layer_cache, cache_index, key_start, read_cache)
+    def __call__(self, x, rope, layer_cache, cache_index, key_start, read_slots):
+        """x: [B, T, E] -> ([B, T, E], updated layer cache or None). read_slots: see Attention."""
+        h, layer_cache = self.attn(self.attn_norm(x), rope, layer_cache, cache_index, key_start, read_slots)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), layer_cache
 
@@ -62,7 +62,7 @@ class Transformer(nnx.Module):
             kernel_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
 
     def __call__(self, ids, use_cache: bool = False, kv_caches: KVCache | None = None, cache_index=0,
-                 key_start=None):
+                 key_start=None, attend_slots: int | None = None):
         """Run the model on T new tokens per row.
 
         Args:
@@ -74,16 +74,21 @@ class Transformer(nnx.Module):
             prefill (the old cache is not read).
           key_start: optional [B] int32: number of left-padding slots per row; those slots are never
             attended to and row b's first real token gets RoPE position 0.
+          attend_slots: optional static int L in [1, S]: attend over the first L cache slots only (plus the new
+            tokens), which saves work when every row's cache_index <= L (the caller's promise; checked when
+            cache_index is a host value). The compiled decode loop uses it (``dantinox.generate``).
         Returns:
           (logits [B, T, V] float32, updated kv_caches or None, aux dict (empty for this architecture)).
         Raises:
           ValueError: ids not [B, T] integers, ids outside [0, V), cache missing or of the wrong shape.
           CapacityError: cache_index + T > max_context (checked whenever cache_index is a host value).
+          ValueError: attend_slots not an int in [1, max_context], or a host cache_index beyond it.
         """
         cfg = self.cfg
         ids = _check_ids(ids, cfg.vocab_size)
         B, T = ids.shape
         fresh = isinstance(cache_index, int) and cache_index == 0 and key_start is None
+        _check_attend_slots(attend_slots, cache_index, cfg.max_context)
         if use_cache:
             if not _attends_itself(kv_caches):
                 _check_cache(kv_caches, cfg, B)
@@ -100,7 +105,7 @@ class Transformer(nnx.Module):
         new_caches = []
         for n, block in enumerate(self.blocks):
             layer_cache = kv_caches[n] if use_cache else None
-            x, layer_cache = block(x, rope, layer_cache, index, key_start, read_cache=not fresh)
+            x, layer_cache = block(x, rope, layer_cache, index, key_start, 0 if fresh else attend_slots)
             new_caches.append(layer_cache)
         return self.logits(self.final_norm(x)), (tuple(new_caches) if use_cache else None), {}
 
@@ -119,6 +124,17 @@ def _attends_itself(kv_caches) -> bool:
     """True for layer caches that run their own attention and checks (dantinox.serving.paged_cache)."""
     return bool(kv_caches) and (hasattr(kv_caches[0], "attend_and_write")
                                 or hasattr(kv_caches[0], "attend_and_write_latent"))
+
+
+def _check_attend_slots(attend_slots, cache_index, max_context: int) -> None:
+    if attend_slots is None:
+        return
+    if not isinstance(attend_slots, int) or isinstance(attend_slots, bool) or not 1 <= attend_slots <= max_context:
+        raise ValueError(f"attend_slots={attend_slots!r} is not allowed: None or an int in [1, max_context="
+                         f"{max_context}]")
+    if not isinstance(cache_index, jax.core.Tracer) and int(np.max(np.asarray(cache_index))) > attend_slots:
+        raise ValueError(f"cache_index {int(np.max(np.asarray(cache_index)))} > attend_slots={attend_slots}: the "
+                         f"call would skip cache slots its queries must see")
 
 
 def _check_ids(ids, vocab_size: int):

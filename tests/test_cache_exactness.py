@@ -74,3 +74,15 @@ def test_reference_detects_wrong_head_mapping():
     swapped = jnp.concatenate([k_part[:, D:], k_part[:, :D]], axis=1)
     kernel[...] = kernel[...].at[:, H * D:(H + K) * D].set(swapped)
     assert np.abs(np.asarray(model(ids)[0]) - good).max() > 1e-3
+
+
+@pytest.mark.parametrize("attn", ATTENTION, ids=lambda a: a["attention"])
+def test_decode_across_attention_windows_gives_the_uncached_greedy_tokens(attn):
+    """max_context 300: GQA and MQA batches decode in windows of 128, 256 and 300 slots (MHA in one), and
+    the rows cross both window edges; every row equals the uncached run and its own batch-1 run."""
+    model = spiky_model(tiny_config(max_context=300, **attn))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 128, 110).tolist(), rng.integers(0, 128, 3).tolist()]
+    on = dx.generate(model, prompts, 185)
+    np.testing.assert_array_equal(on, dx.generate(model, prompts, 185, use_cache=False))
+    np.testing.assert_array_equal(on[0], dx.generate(model, prompts[0], 185))

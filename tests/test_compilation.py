@@ -59,8 +59,9 @@ SHAPES = [dict(attention="mha", kv_heads=None), dict(attention="gqa", kv_heads=2
 
 @pytest.mark.parametrize("attn", SHAPES, ids=lambda a: a["attention"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_no_cache_copies_in_compiled_decode_loop(attn, batch):
-    cfg = dx.ModelConfig.from_preset("reference", num_blocks=2, max_context=128, **attn)
+@pytest.mark.parametrize("max_context", [128, 384])   # 384: GQA and MQA batches decode in windows
+def test_no_cache_copies_in_compiled_decode_loop(attn, batch, max_context):
+    cfg = dx.ModelConfig.from_preset("reference", num_blocks=2, max_context=max_context, **attn)
     assert cache_shaped_copies(decode_hlo(cfg, batch), cfg, batch) == 0
 
 
@@ -74,3 +75,13 @@ def test_copy_counter_sees_copies_when_the_xla_flag_is_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.strip().splitlines()[-1]) > 0
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_no_latent_cache_copies_in_the_windowed_mla_decode_loop(batch):
+    cfg = dx.ModelConfig.from_preset("reference", attention="mla", kv_heads=None, num_blocks=2, max_context=384,
+                                     kv_latent_dim=32, rope_head_dim=16)
+    assert sys.modules["dantinox.generate"].decode_windows(cfg, batch) == (128, 256, 384)
+    hlo = decode_hlo(cfg, batch)
+    shapes = (f"[{batch},{cfg.max_context},{cfg.kv_latent_dim}]", f"[{batch},{cfg.max_context},{cfg.rope_head_dim}]")
+    assert sum(1 for line in hlo.splitlines() if " copy(" in line and any(s in line for s in shapes)) == 0

@@ -345,3 +345,56 @@ def test_generate_with_mla_follows_the_verified_greedy_decode():
     expected, _, _ = decode_greedy(model, prompt, 9)
     tokens = np.asarray(dx.generate(model, [prompt], max_new_tokens=10)).ravel()
     np.testing.assert_array_equal(tokens, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention windows: the decode loop attends over the first L cache slots while every row fits in them
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_attend_slots_gives_the_same_logits_and_rejects_bad_values(attention):
+    if attention == "mla":
+        model = spiky_mla(mla_config(max_context=64))
+    else:
+        model = dx.build_model(dx.ModelConfig.from_preset("tiny-mla", attention="gqa", max_context=64))
+    cfg = model.cfg
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 20))
+    _, cache, _ = model(ids, use_cache=True, kv_caches=dx.init_cache(cfg, 2), cache_index=0)
+    new = jnp.asarray(ids[:, :3], jnp.int32)
+    index = jnp.asarray([20, 17], jnp.int32)
+    full, full_cache, _ = model(new, use_cache=True, kv_caches=cache, cache_index=index)
+    for slots in (20, 32, 64):
+        got, got_cache, _ = model(new, use_cache=True, kv_caches=cache, cache_index=index, attend_slots=slots)
+        assert np.abs(np.asarray(got) - np.asarray(full)).max() <= EQ
+        for a, b in zip(jax.tree_util.tree_leaves(got_cache), jax.tree_util.tree_leaves(full_cache)):
+            assert np.abs(np.asarray(a) - np.asarray(b)).max() <= EQ   # layer 2 writes from layer 1's output
+    for bad in (0, 65, True, 8.0):
+        with pytest.raises(ValueError, match="attend_slots"):
+            model(new, use_cache=True, kv_caches=cache, cache_index=index, attend_slots=bad)
+    with pytest.raises(ValueError, match="cache_index 20 > attend_slots=19"):
+        model(new, use_cache=True, kv_caches=cache, cache_index=index, attend_slots=19)
+
+
+def test_windowed_mla_decode_equals_one_window_and_the_uncached_path_across_window_edges():
+    gen = __import__("sys").modules["dantinox.generate"]
+    model = spiky_mla(mla_config(max_context=300))
+    assert gen.decode_windows(model.cfg, 1) == (128, 256, 300)
+    gqa = model.cfg.replace(attention="gqa")          # 8 query heads on 2 KV heads
+    assert gen.decode_windows(gqa, 1) == (300,) and gen.decode_windows(gqa, 2) == (128, 256, 300)
+    assert gen.decode_windows(gqa.replace(attention="mha"), 2) == (300,)
+    assert gen.decode_windows(gqa.replace(max_context=2048), 2) == (128, 256, 384, 512, 1024, 2048)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 128, 100).tolist(), rng.integers(0, 128, 7).tolist()]
+    windowed = dx.generate(model, prompts, 190)                      # slots 100 .. 289 cross 128 and 256
+    uncached = dx.generate(model, prompts, 190, use_cache=False)
+    np.testing.assert_array_equal(windowed, uncached)
+    graphdef, params = gen.split_model(model)
+    req = gen._prepare(model, prompts, 190, 0.0, 0, 1.0, 0, None)
+    state = gen.prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+    one = gen.decode(graphdef, params, state, jnp.int32(190), req.key, req.sampling, req.eos_id, req.fill,
+                     windows=(300,))
+    np.testing.assert_array_equal(np.asarray(one.out)[:, :190], windowed)
+    with dx.CompileCounter() as warm:  # all windows live in one compiled decode program
+        dx.generate(model, [rng.integers(0, 128, 99).tolist(), [3, 4]], 20, temperature=0.8, seed=5)
+        dx.generate(model, [rng.integers(0, 128, 120).tolist(), [3]], 170)
+    assert warm.compilations == 0, warm
