@@ -1,16 +1,17 @@
 """Masked-diffusion decoding speed: no cache vs DualCache (both refresh policies) vs threshold parallel decoding.
 
-    python benchmarks/bench_diffusion.py [--run_dir R] [--gen_len 256] [--block_size 32] [--threshold 0.9]
+    python benchmarks/bench_diffusion.py [--run_dir R] [--gen_len 256] [--block_size 32] [--threshold 0.9 0.7]
                                          [--prompt_lens 16 64 128]
 
 On the bundled diffusion model (dantinox/bundled/dante-diffusion) by default. Prints, for one prompt from the
 held-out text (the last 10% of the corpus) of each length in --prompt_lens (one table per length: the
 no-cache forward spans prompt + gen_len slots while a cached step spans block_size, so the ratio grows with
 the prompt), greedy decoding tokens/s of each method as a ratio to the no-cache run (best of --repeats timed
-runs after a warm-up, so compilation is excluded), the model forwards run, and the fraction of its tokens
-equal to the no-cache output. Then, on --prompts held-out prompts of the first length decoded as one batch
-(rows equal their batch-1 runs, tests/test_diffusion.py), how often the final tokens differ from the no-cache
-run under each refresh policy, reported and not asserted (--prompts 0 skips it).
+runs after a warm-up, so compilation is excluded), the model forwards run (gen_len / forwards = tokens
+committed per forward), and the fraction of its tokens equal to the no-cache output. Then, on --prompts
+held-out prompts of the first length decoded as one batch (rows equal their batch-1 runs,
+tests/test_diffusion.py), how often the final tokens differ from the no-cache run under each refresh policy,
+reported and not asserted (--prompts 0 skips it).
 
 The bundled model has max_context 256, so a prompt plus gen_len 256 does not fit: the benchmark raises
 max_context to prompt_slots + gen_len at load time (the weights do not depend on it; positions past 255 were
@@ -72,13 +73,13 @@ def timed(model, prompt, repeats: int, **kw):
 
 def speed_table(model, prompt, args) -> None:
     base = dict(gen_len=args.gen_len, block_size=args.block_size, steps_per_block=args.block_size)
-    thr = dict(threshold=args.threshold)
     methods = [("no cache", dict(use_cache=False)),
                ("DualCache refresh=block", dict(refresh="block")),
-               ("DualCache refresh=prompt_once", dict(refresh="prompt_once")),
-               (f"parallel (threshold {args.threshold}), no cache", dict(use_cache=False, **thr)),
-               (f"DualCache block + parallel {args.threshold}", dict(refresh="block", **thr)),
-               (f"DualCache prompt_once + parallel {args.threshold}", dict(refresh="prompt_once", **thr))]
+               ("DualCache refresh=prompt_once", dict(refresh="prompt_once"))]
+    for t in args.threshold:
+        methods += [(f"parallel (threshold {t}), no cache", dict(use_cache=False, threshold=t)),
+                    (f"DualCache block + parallel {t}", dict(refresh="block", threshold=t)),
+                    (f"DualCache prompt_once + parallel {t}", dict(refresh="prompt_once", threshold=t))]
     print(f"gen_len {args.gen_len}, block_size {args.block_size}, prompt {len(prompt[0])} tokens, batch 1, "
           f"greedy; best of {args.repeats}")
     print(f"{'method':<44} {'tok/s':>8} {'x no cache':>10} {'forwards':>8} {'agreement':>9}")
@@ -109,7 +110,8 @@ def main() -> None:
     p.add_argument("--run_dir", default=bundled_run_dir("dante-diffusion"))
     p.add_argument("--gen_len", type=int, default=256)
     p.add_argument("--block_size", type=int, default=32)
-    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--threshold", type=float, nargs="+", default=[0.9], metavar="T",
+                   help="confidence thresholds for parallel decoding, three rows each")
     p.add_argument("--prompt_lens", type=int, nargs="+", default=[16], metavar="N",
                    help="prompt lengths in tokens, one speed table each")
     p.add_argument("--prompts", type=int, default=20)
