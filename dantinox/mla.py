@@ -15,7 +15,8 @@ W_DQ, W_DKV and W_KR are fused in ``down`` ([E, Q + C + R]); W_UQ and W_QR in ``
 ``w_uk`` [H, D, C] and ``w_uv`` [H, C, D]. The RMSNorms on the latents follow section 3.1.2 ("additional
 RMSNorm layers after the compressed latent vectors").
 
-Two ways to run the same attention (``cfg.mla_absorb``), same parameters, same logits:
+Two ways to run the same attention, same parameters, same logits (``cfg.mla_absorb`` picks the decode path;
+with it, calls of many tokens still run naive where that is cheaper, see ``MLAttention._path``):
   naive     expand the latents (old cache and new tokens) to per-head k_C, v_C and run ordinary multi-head
             attention (``dantinox.attention.attend`` with K = H). Costs S * C * H * 2D per step: a reference.
   absorbed  q_C . (W_UK c) = (W_UK^T q_C) . c, so fold W_UK into the query (q_lat = W_UK^T q_C, [H, C]) and
@@ -118,17 +119,33 @@ class MLAttention(nnx.Module):
         c_new = self.kv_norm(c_new)                                              # [B, T, C]
         kr_new = apply_rope(kr_new[:, :, None, :], *rope)[:, :, 0, :]            # [B, T, R]
         if hasattr(layer_cache, "attend_and_write_latent"):  # the paged pool (dantinox.serving.paged_cache)
-            attention = self._absorbed if cfg.mla_absorb else self._naive
+            attention = self._path(T)
             o, new_cache = layer_cache.attend_and_write_latent(
                 lambda old: attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start),
                 c_new, kr_new, cache_index, key_start)
             return self.out(o.reshape(B, T, H * D).astype(x.dtype)), new_cache
         old = old_slots(layer_cache, read_slots)
-        attention = self._absorbed if cfg.mla_absorb else self._naive
+        attention = self._path(T)
         o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, D] float32
         y = self.out(o.reshape(B, T, H * D).astype(x.dtype))
         new_cache = None if layer_cache is None else write_latent(layer_cache, c_new, kr_new, cache_index)
         return y, new_cache
+
+    def _path(self, T: int):
+        """The attention form for a call with T new tokens per row (static).
+
+        mla_absorb=False: always the naive (expanded) form. mla_absorb=True: the absorbed form unless the call
+        has so many queries that expanding the latents is cheaper, as vLLM's MLA backend also does for
+        prefill. Per key slot and head the absorbed form costs T (2C + R) multiply-adds (scores against
+        [c_kv ; k_R], values against c_kv), the naive one 2 C D (expanding k_C and v_C once) + T (2D + R), so
+        the naive form wins when T (C - D) >= C D: T >= 43 for C = 128, D = 32. Decode steps (T = 1) and short
+        chunks stay absorbed; long prefill chunks and the uncached forward run naive. Same logits either way.
+        """
+        cfg = self.cfg
+        C, D = cfg.kv_latent_dim, cfg.head_size
+        if not cfg.mla_absorb or T * (C - D) >= C * D:
+            return self._naive
+        return self._absorbed
 
     def _absorbed(self, q_nope, q_rope, c_new, kr_new, old: LatentKV | None, cache_index, key_start):
         """Attention against the latent (W_UK folded into the query, W_UV applied after the sum).

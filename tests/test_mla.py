@@ -398,3 +398,21 @@ def test_windowed_mla_decode_equals_one_window_and_the_uncached_path_across_wind
         dx.generate(model, [rng.integers(0, 128, 99).tolist(), [3, 4]], 20, temperature=0.8, seed=5)
         dx.generate(model, [rng.integers(0, 128, 120).tolist(), [3]], 170)
     assert warm.compilations == 0, warm
+
+
+def test_long_calls_run_the_expanded_form_and_mix_exactly_with_absorbed_decode():
+    """mla_absorb=True: decode steps and short chunks attend against the latent, calls of T >= C D / (C - D)
+    tokens expand it (cheaper there); a prefill of 20 tokens (expanded, C=16, D=8: threshold 16) followed by
+    absorbed decode steps matches the independent float64 reference at every position."""
+    model = spiky_mla(mla_config())
+    attn = model.blocks[0].attn
+    assert attn._path(1) == attn._absorbed and attn._path(15) == attn._absorbed
+    assert attn._path(16) == attn._naive and attn._path(200) == attn._naive
+    naive_only = spiky_mla(mla_config(mla_absorb=False)).blocks[0].attn
+    assert naive_only._path(1) == naive_only._naive
+    wide = spiky_mla(mla_config(kv_latent_dim=8, head_size=8))          # C <= D: absorbed at every T
+    assert wide.blocks[0].attn._path(10_000) == wide.blocks[0].attn._absorbed
+    ids = np.random.default_rng(5).integers(0, 128, (2, 26)).astype(np.int32)
+    pre, steps = forced_run(model, ids, 20)
+    reference = mla_reference_logits(model, ids)
+    np.testing.assert_allclose(np.concatenate([pre, steps], 1), reference[:, :26], atol=1e-4)
