@@ -190,13 +190,16 @@ def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: Sampl
     """Run decode steps until ``state.step == stop_step`` or every row is done; one compiled program.
 
     stop_step, eos_id, fill: [] int32 (traced). windows: static attention windows (default
-    ``decode_windows(cfg, B)``): the program is one ``lax.while_loop`` per window L, in increasing order, each
-    running while every row's next slot is <= L and attending over the first L cache slots only, so early
-    steps do not read the empty tail of the cache (../shared/PERFORMANCE.md, item 3). Returns the advanced
-    DecodeState (the input is donated).
+    ``decode_windows(cfg, B)``; ValueError unless increasing and ending at max_context): the program is one
+    ``lax.while_loop`` per window L, in increasing order, each running while every row's next slot is <= L
+    and attending over the first L cache slots only, so early steps do not read the empty tail of the cache
+    (../shared/PERFORMANCE.md, item 3). Returns the advanced DecodeState (the input is donated).
     """
     model = nnx.merge(graphdef, params)
     windows = windows or decode_windows(model.cfg, state.token.shape[0])
+    if list(windows) != sorted(set(windows)) or windows[-1] != model.cfg.max_context:
+        raise ValueError(f"windows={windows!r} is not allowed: increasing slot counts ending at max_context="
+                         f"{model.cfg.max_context}")
 
     def step(s: DecodeState, attend_slots: int):
         logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index,

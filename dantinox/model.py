@@ -88,7 +88,7 @@ class Transformer(nnx.Module):
         ids = _check_ids(ids, cfg.vocab_size)
         B, T = ids.shape
         fresh = isinstance(cache_index, int) and cache_index == 0 and key_start is None
-        _check_attend_slots(attend_slots, cache_index, cfg.max_context)
+        attend_slots = _check_attend_slots(attend_slots, cache_index, cfg.max_context)
         if use_cache:
             if not _attends_itself(kv_caches):
                 _check_cache(kv_caches, cfg, B)
@@ -126,15 +126,18 @@ def _attends_itself(kv_caches) -> bool:
                                 or hasattr(kv_caches[0], "attend_and_write_latent"))
 
 
-def _check_attend_slots(attend_slots, cache_index, max_context: int) -> None:
+def _check_attend_slots(attend_slots, cache_index, max_context: int) -> int | None:
+    """attend_slots as a Python int (numpy integers accepted) or None; ValueError as documented."""
     if attend_slots is None:
-        return
-    if not isinstance(attend_slots, int) or isinstance(attend_slots, bool) or not 1 <= attend_slots <= max_context:
+        return None
+    if (not isinstance(attend_slots, (int, np.integer)) or isinstance(attend_slots, bool)
+            or not 1 <= attend_slots <= max_context):
         raise ValueError(f"attend_slots={attend_slots!r} is not allowed: None or an int in [1, max_context="
                          f"{max_context}]")
     if not isinstance(cache_index, jax.core.Tracer) and int(np.max(np.asarray(cache_index))) > attend_slots:
         raise ValueError(f"cache_index {int(np.max(np.asarray(cache_index)))} > attend_slots={attend_slots}: the "
                          f"call would skip cache slots its queries must see")
+    return int(attend_slots)
 
 
 def _check_ids(ids, vocab_size: int):

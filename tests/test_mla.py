@@ -368,7 +368,9 @@ def test_attend_slots_gives_the_same_logits_and_rejects_bad_values(attention):
         assert np.abs(np.asarray(got) - np.asarray(full)).max() <= EQ
         for a, b in zip(jax.tree_util.tree_leaves(got_cache), jax.tree_util.tree_leaves(full_cache)):
             assert np.abs(np.asarray(a) - np.asarray(b)).max() <= EQ   # layer 2 writes from layer 1's output
-    for bad in (0, 65, True, 8.0):
+    same, _, _ = model(new, use_cache=True, kv_caches=cache, cache_index=index, attend_slots=np.int64(32))
+    assert np.abs(np.asarray(same) - np.asarray(full)).max() <= EQ      # numpy integers are accepted
+    for bad in (0, 65, True, 8.0, np.int64(65)):
         with pytest.raises(ValueError, match="attend_slots"):
             model(new, use_cache=True, kv_caches=cache, cache_index=index, attend_slots=bad)
     with pytest.raises(ValueError, match="cache_index 20 > attend_slots=19"):
@@ -394,6 +396,10 @@ def test_windowed_mla_decode_equals_one_window_and_the_uncached_path_across_wind
     one = gen.decode(graphdef, params, state, jnp.int32(190), req.key, req.sampling, req.eos_id, req.fill,
                      windows=(300,))
     np.testing.assert_array_equal(np.asarray(one.out)[:, :190], windowed)
+    for bad in ((128,), (256, 128, 300)):   # must cover max_context, in increasing order
+        with pytest.raises(ValueError, match="windows="):
+            gen.decode(graphdef, params, state, jnp.int32(190), req.key, req.sampling, req.eos_id, req.fill,
+                       windows=bad)
     with dx.CompileCounter() as warm:  # all windows live in one compiled decode program
         dx.generate(model, [rng.integers(0, 128, 99).tolist(), [3, 4]], 20, temperature=0.8, seed=5)
         dx.generate(model, [rng.integers(0, 128, 120).tolist(), [3]], 170)
