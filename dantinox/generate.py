@@ -10,10 +10,9 @@ Design:
      for MLA, and for GQA / MQA batches; one window of S otherwise; see ``decode_windows``):
      it feeds each row's last token at that row's own slot, samples the next, attends over the first L
      slots of the cache while every row fits in them, and stops when every row has met EOS or the step
-     bound is reached. The step
-     bound, sampling settings, seed and EOS id are traced values, so changing them compiles nothing new; the
-     decode loop compiles once per (batch size, model shape, dtype). The loop state (with the cache) is
-     donated, so XLA updates it in place.
+     bound is reached. The step bound, sampling settings, seed and EOS id are traced values, so changing
+     them compiles nothing new; the decode loop compiles once per (batch size, model shape, dtype). The
+     loop state (with the cache) is donated, so XLA updates it in place.
   4. Streaming calls the same compiled ``decode`` with a step bound a chunk further each time, pulling only the
      new tokens to the host between chunks.
   5. ``use_cache=False`` recomputes the whole sequence with the plain causal forward for every new token,

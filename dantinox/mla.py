@@ -118,14 +118,13 @@ class MLAttention(nnx.Module):
         q_nope, q_rope = q[..., :D], apply_rope(q[..., D:], *rope)              # [B,T,H,D], [B,T,H,R]
         c_new = self.kv_norm(c_new)                                              # [B, T, C]
         kr_new = apply_rope(kr_new[:, :, None, :], *rope)[:, :, 0, :]            # [B, T, R]
+        attention = self._path(T)
         if hasattr(layer_cache, "attend_and_write_latent"):  # the paged pool (dantinox.serving.paged_cache)
-            attention = self._path(T)
             o, new_cache = layer_cache.attend_and_write_latent(
                 lambda old: attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start),
                 c_new, kr_new, cache_index, key_start)
             return self.out(o.reshape(B, T, H * D).astype(x.dtype)), new_cache
         old = old_slots(layer_cache, read_slots)
-        attention = self._path(T)
         o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, D] float32
         y = self.out(o.reshape(B, T, H * D).astype(x.dtype))
         new_cache = None if layer_cache is None else write_latent(layer_cache, c_new, kr_new, cache_index)

@@ -134,9 +134,12 @@ def _check_attend_slots(attend_slots, cache_index, max_context: int) -> int | No
             or not 1 <= attend_slots <= max_context):
         raise ValueError(f"attend_slots={attend_slots!r} is not allowed: None or an int in [1, max_context="
                          f"{max_context}]")
-    if not isinstance(cache_index, jax.core.Tracer) and int(np.max(np.asarray(cache_index))) > attend_slots:
-        raise ValueError(f"cache_index {int(np.max(np.asarray(cache_index)))} > attend_slots={attend_slots}: the "
-                         f"call would skip cache slots its queries must see")
+    if isinstance(cache_index, jax.core.Tracer):
+        return int(attend_slots)
+    furthest = int(np.max(np.asarray(cache_index)))
+    if furthest > attend_slots:
+        raise ValueError(f"cache_index {furthest} > attend_slots={attend_slots}: the call would skip cache slots "
+                         f"its queries must see")
     return int(attend_slots)
 
 
