@@ -98,14 +98,15 @@ def test_truncated_safetensors(capsys, tmp_path):
 
 @pytest.mark.parametrize("fixture, changes, needles", [
     ("deepseek_v3", dict(first_k_dense_replace=1), ("first_k_dense_replace=1", "mixture-of-experts")),
-    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-     ("rope_type", "'yarn'")),
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+     ("rope_type", "'dynamic'")),
     ("llama", dict(architectures=["GPT2LMHeadModel"]), ("architectures", "GPT2LMHeadModel")),
     ("llama", dict(hidden_act="gelu"), ("hidden_act", "gelu")),
     ("llama", dict(attention_bias=True), ("attention_bias",)),
     ("qwen3", dict(use_sliding_window=True), ("use_sliding_window",)),
-    ("deepseek_v2", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0,
-                                          "rope_theta": 1e4}), ("rope_type", "'yarn'")),
+    ("deepseek_v2", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
+     ("rope_type", "'longrope'")),
+    ("llama", dict(partial_rotary_factor=0.5), ("partial_rotary_factor", "0.5")),
 ])
 def test_configs_that_cannot_run_exactly_are_refused(capsys, tmp_path, fixture, changes, needles):
     src = copy_fixture(fixture, tmp_path)
@@ -176,6 +177,22 @@ def test_deepseek_rope_deinterleave_is_needed():
 def test_new_config_fields_are_validated(changes, field):
     with pytest.raises(ConfigError, match=field):
         ModelConfig.from_preset("tiny", **changes)
+
+
+def test_switching_to_mla_drops_the_projection_extras():
+    cfg = ModelConfig.from_preset("tiny", qkv_bias=True, qk_norm=True).replace(attention="mla", kv_latent_dim=16)
+    assert (cfg.qkv_bias, cfg.qk_norm) == (False, False)
+
+
+def test_yarn_resolves_transformers_defaults():
+    spec = import_spec({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 48, "num_attention_heads": 4,
+                        "num_hidden_layers": 1, "vocab_size": 64, "intermediate_size": 96, "head_dim": 24,
+                        "max_position_embeddings": 64, "rope_theta": 1e6,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}})
+    yarn = dict(spec.cfg.rope_scaling)
+    assert (yarn["beta_fast"], yarn["beta_slow"], yarn["truncate"]) == (32.0, 1.0, True)
+    assert yarn["attention_factor"] == pytest.approx(0.1 * np.log(4.0) + 1.0)
+    assert spec.cfg.attention_scale is None                       # only DeepSeek's mscale_all_dim changes it
 
 
 def test_rope_scaling_round_trips_through_json():
