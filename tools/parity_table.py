@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import tempfile
@@ -19,21 +21,28 @@ from dantinox.cli import main as cli_main
 from dantinox.train.run_dir import load_run
 
 
+def imported(fixtures: str, name: str, out: str, dtype: str):
+    with contextlib.redirect_stdout(io.StringIO()):
+        if cli_main(["import", os.path.join(fixtures, name), "--out", out, "--dtype", dtype]) != 0:
+            raise SystemExit(f"import of {name} failed")
+    return load_run(out)[0]
+
+
 def row(fixtures: str, name: str, scratch: str) -> str:
-    out = os.path.join(scratch, name)
-    if cli_main(["import", os.path.join(fixtures, name), "--out", out]) != 0:
-        return f"| {name} | import failed | | | | |"
-    model = load_run(out)[0]
+    """One table row: float32 max |diff|, greedy agreement, cached vs uncached; bfloat16 max |diff|."""
     with open(os.path.join(fixtures, name, "reference.json")) as f:
         ref = json.load(f)
-    ids = ref["prompt_ids"] + ref["greedy_tokens"][:-1]
-    logits = np.asarray(model(jnp.asarray([ids], jnp.int32))[0][0])
-    diff = np.abs(logits - np.load(os.path.join(fixtures, name, "reference_logits.npy"))).max()
+    ids = jnp.asarray([ref["prompt_ids"] + ref["greedy_tokens"][:-1]], jnp.int32)
+    want = np.load(os.path.join(fixtures, name, "reference_logits.npy"))
+    model = imported(fixtures, name, os.path.join(scratch, name), "float32")
+    diff = np.abs(np.asarray(model(ids)[0][0]) - want).max()
     greedy = generate_result(model, [ref["prompt_ids"]], len(ref["greedy_tokens"])).tokens[0].tolist()
     same = sum(a == b for a, b in zip(greedy, ref["greedy_tokens"]))
     report = verify_cache(model, ref["prompt_ids"], len(ref["greedy_tokens"]))
+    bf16 = imported(fixtures, name, os.path.join(scratch, name + "-bf16"), "bfloat16")
+    bf16_diff = np.abs(np.asarray(bf16(ids)[0][0]) - want).max()
     return (f"| {name} | {ref['architecture']} | {ref['features']} | {diff:.1e} | {same}/{len(greedy)} | "
-            f"{report.max_diff.max():.1e} |")
+            f"{report.max_diff.max():.1e} | {bf16_diff:.1e} |")
 
 
 def main() -> None:
@@ -42,8 +51,9 @@ def main() -> None:
     args = parser.parse_args()
     names = sorted(n for n in os.listdir(args.fixtures)
                    if os.path.isfile(os.path.join(args.fixtures, n, "reference.json")))
-    lines = ["| fixture | architecture | what it exercises | max \\|logit diff\\| vs transformers | greedy tokens "
-             "equal | max \\|cached - uncached\\| |", "|---|---|---|---|---|---|"]
+    lines = ["| fixture | architecture | what it exercises | max \\|logit diff\\| vs transformers (float32) | greedy "
+             "tokens equal | max \\|cached - uncached\\| | --dtype bfloat16: max \\|logit diff\\| |",
+             "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as scratch:
         lines += [row(args.fixtures, name, scratch) for name in names]
     print("\n".join(lines))
