@@ -204,3 +204,30 @@ def test_rope_scaling_round_trips_through_json():
 def test_import_spec_refuses_in_one_line():
     with pytest.raises(CheckpointError, match="architectures"):
         import_spec({"architectures": ["BertModel"]})
+
+
+def rewrite_tensors(src: str, edit) -> None:
+    path = os.path.join(src, "model.safetensors")
+    tensors = {k: np.array(v) for k, v in read_safetensors(path).items()}
+    edit(tensors)
+    safetensors.numpy.save_file(tensors, path)
+
+
+def test_tensor_without_a_place_is_refused(capsys, tmp_path):
+    src = copy_fixture("deepseek_v3", tmp_path)
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    rewrite_tensors(src, lambda t: t.update({name: np.zeros((32, 64), np.float32)}))
+    assert_refused(capsys, tmp_path, src, name, "no place")
+
+
+def test_tied_config_with_a_different_head_is_refused(capsys, tmp_path):
+    src = copy_fixture("llama", tmp_path)
+    rewrite_tensors(src, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1.0}))
+    assert_refused(capsys, tmp_path, src, "lm_head.weight", "tie_word_embeddings")
+
+
+def test_tokenizer_with_more_ids_than_the_embedding_is_refused(capsys, tmp_path):
+    src = copy_fixture("llama", tmp_path)
+    edit_config(src, vocab_size=200)
+    rewrite_tensors(src, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"][:200]}))
+    assert_refused(capsys, tmp_path, src, "tokenizer.json has 258 ids", "vocab_size=200")
