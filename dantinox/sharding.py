@@ -70,21 +70,23 @@ def logical_axes(path: tuple, ndim: int) -> tuple:
     return (None,) * ndim
 
 
-def check_model_fits(cfg: ModelConfig, mesh: Mesh | None) -> None:
+def check_model_fits(cfg: ModelConfig, mesh: Mesh | dict | None) -> None:
     """Raise MeshError if a dimension that tensor parallelism must split does not divide by the ``model`` axis:
-    n_heads (query heads) or mlp_hidden. The message names the config field, its value and the axis."""
-    M = mesh_shape(mesh)["model"]
+    n_heads (query heads) or mlp_hidden. The message names the config field, its value and the axis.
+    mesh: a Mesh or its sizes {"data": D, "model": M}."""
+    M = (mesh if isinstance(mesh, dict) else mesh_shape(mesh))["model"]
     for field, value in (("n_heads", cfg.n_heads), ("mlp_hidden", cfg.mlp_hidden)):
         if value % M:
             raise MeshError(f"{field}={value} is not divisible by mesh axis model={M}: tensor parallelism "
                             f"splits {field} over 'model'; use a model size that divides {value}")
 
 
-def param_spec(path: tuple, shape: tuple, mesh: Mesh | None, fsdp: bool = False) -> P:
+def param_spec(path: tuple, shape: tuple, mesh: Mesh | dict | None, fsdp: bool = False) -> P:
     """PartitionSpec of one parameter: its logical axes mapped through LOGICAL_RULES (FSDP_RULES with fsdp),
     keeping a dimension unsplit where its size does not divide by the axis (only allowed for vocab and embed;
-    :func:`check_model_fits` rejects the others first)."""
-    sizes = mesh_shape(mesh)
+    :func:`check_model_fits` rejects the others first). mesh: a Mesh, or its sizes {"data": D, "model": M}
+    (to plan for devices this process does not have)."""
+    sizes = mesh if isinstance(mesh, dict) else mesh_shape(mesh)
     rules = FSDP_RULES if fsdp else LOGICAL_RULES
     spec = []
     for dim, name in zip(shape, logical_axes(path, len(shape))):
@@ -134,9 +136,9 @@ def cache_specs(cfg: ModelConfig, batch_size: int, sizes: dict[str, int]) -> tup
     return P(rows, heads, None, None), P(rows, heads, None, None)
 
 
-def cache_layout(cfg: ModelConfig, mesh: Mesh | None) -> str:
-    """One line saying how the static cache is laid out on ``mesh`` (for the budget and the docs)."""
-    M = mesh_shape(mesh)["model"]
+def cache_layout(cfg: ModelConfig, mesh: Mesh | dict | None) -> str:
+    """One line saying how the static cache is laid out on ``mesh`` (a Mesh or its sizes; for the budget)."""
+    M = (mesh if isinstance(mesh, dict) else mesh_shape(mesh))["model"]
     if M == 1:
         return "cache not split over model"
     if cfg.attention == "mla":
