@@ -169,3 +169,19 @@ def constrain_cache(cache, cfg: ModelConfig):
     specs = cache_specs(cfg, batch, sizes)
     return tuple(type(layer)(*(jax.lax.with_sharding_constraint(a, s) for a, s in zip(layer, specs)))
                  for layer in cache)
+
+
+def constrain_pool(pool):
+    """Inside a compiled serving call: pin a paged pool (``dantinox.serving.paged_cache``) to its layout on the
+    ambient mesh, so calls hand the pool to each other unchanged (no resharding, no recompilation): per-head
+    arrays [N, P, K, D] split K over model where it divides, anything else (MLA's [N, P, C]) replicated.
+    A no-op without an ambient (data, model) mesh."""
+    sizes = ambient_mesh_shape()
+    if sizes is None:
+        return pool
+
+    def spec(a):
+        heads = "model" if a.ndim == 4 and sizes["model"] > 1 and a.shape[2] % sizes["model"] == 0 else None
+        return P(None, None, heads, None) if a.ndim == 4 else P()
+
+    return tuple(type(layer)(*(jax.lax.with_sharding_constraint(a, spec(a)) for a in layer)) for layer in pool)

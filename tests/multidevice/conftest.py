@@ -2,13 +2,21 @@
 with XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag only works before JAX starts its CPU
 backend, and the rest of the suite runs on one device); collected in a one-device process they are skipped."""
 
+import importlib.util
 import os
 import sys
 
 import jax
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (conftest helpers)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)  # serving_util and the other helpers of tests/
+_spec = importlib.util.spec_from_file_location("_tests_conftest", os.path.join(TESTS, "conftest.py"))
+_parent = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_parent)
+# This file is imported as "conftest" too: re-export the helpers tests/ modules import from it.
+spiky_model, spiky_mla, tiny_config, reference_logits = (_parent.spiky_model, _parent.spiky_mla,
+                                                         _parent.tiny_config, _parent.reference_logits)
 
 
 @pytest.fixture(autouse=True)
