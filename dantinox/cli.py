@@ -6,7 +6,9 @@
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step]
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F]
-  (generate, verify: [--mesh data=D,model=M] shards over D x M devices; docs/multi-device.md)
+  (generate, verify, train: [--mesh data=D,model=M] shards over D x M devices, and
+   [--coordinator HOST:PORT --num-processes N --process-id I] joins N processes into one mesh;
+   docs/multi-device.md)
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
 
@@ -25,6 +27,7 @@ import numpy as np
 from .cache import CapacityError
 from .config import ConfigError
 from .generate import check_request
+from .distributed import add_distributed_arguments, initialize_from_args
 from .mesh import add_mesh_argument, mesh_from_flag, naming_flag
 from .sharding import shard_model
 from .sampling import make_sampling_params
@@ -182,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model on a text file")
     add_train_arguments(train)
+    add_distributed_arguments(train)
     train.set_defaults(func=run_train_from_args)
     gen = sub.add_parser("generate", help="generate text from a run directory")
     gen.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
@@ -193,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(gen)
     _add_diffusion(gen)
     add_mesh_argument(gen)
+    add_distributed_arguments(gen)
     gen.set_defaults(func=cmd_generate)
     ver = sub.add_parser("verify", help="check cached against uncached logits at every generated position")
     ver.add_argument("--run_dir", default=None)
@@ -201,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--tolerance", type=float, default=1e-4)
     ver.add_argument("--range", type=int, default=32, help="positions per printed range")
     add_mesh_argument(ver)
+    add_distributed_arguments(ver)
     ver.set_defaults(func=cmd_verify)
     try:
         from .budget_cli import add_budget_arguments, run_budget
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        initialize_from_args(args)  # --coordinator ...: join the process group first (dantinox.distributed)
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
         print(f"dantinox {args.command}: error: {err}", file=sys.stderr)

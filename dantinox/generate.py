@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from .cache import CapacityError, KVCache, init_cache
+from .distributed import to_host
 from .mesh import mesh_of, mesh_scope
 from .sampling import SamplingParams, make_sampling_params, sample_next
 from .sharding import shard_model
@@ -286,7 +287,7 @@ def _run_split(req: _Request, graphdef, params, max_context: int, use_cache: boo
     if req.max_new_tokens > 1:  # prefill already sampled the first token
         state = decode(graphdef, params, state, jnp.int32(req.max_new_tokens), req.key, req.sampling,
                        req.eos_id, req.fill)
-    return _finish(jax.device_get(state.out), req)
+    return _finish(to_host(state.out), req)  # gathers across processes (dantinox.distributed)
 
 
 DIFFUSION_OPTIONS = ("block_size", "steps_per_block", "threshold", "refresh")
