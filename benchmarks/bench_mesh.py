@@ -8,9 +8,9 @@ Every mesh runs in this one process over a subset of ``--devices`` forced host d
 the shapes share the machine's conditions. Per mesh shape:
   ms/step      median over rounds of (time of a decode call running --steps steps) / steps, after a warm-up
   vs 1x1       that time over the 1x1 (one device) time
-  coll ms      per device and step: the summed duration of the collective ops (all-reduce, all-gather,
-               reduce-scatter, all-to-all, collective-permute, waits for the other devices included) in a
-               jax.profiler trace of one decode call, divided by devices and steps
+  traced ms    per step, of the one decode call run under jax.profiler (tracing slows it down)
+  coll ms      per device and step: the time inside collective ops (all-reduce, all-gather, reduce-scatter,
+               all-to-all, collective-permute; waits for the other devices included) in that trace
   coll share   the same collective time over the wall time of the traced call (profiling slows a call, so
                the share is taken within the traced call): the part of a step a device spends in collectives
   tokens ==    the greedy tokens equal the one-device tokens
@@ -129,19 +129,19 @@ def main() -> None:
     print(f"{ARGS.preset}: attention={cfg.attention} kv_heads={cfg.kv_heads} blocks={cfg.num_blocks} "
           f"dim={cfg.dim}; batch {ARGS.batch}, prompt {PROMPT}, {ARGS.steps} decode steps per call, "
           f"median of {ARGS.rounds} alternating rounds; {os.cpu_count()} CPU cores, shared host")
-    print("| mesh (data x model) | ms/step | vs first | coll ms/step/device | coll share | tokens == | "
-          "KV MiB/device |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mesh (data x model) | ms/step | vs first | traced ms/step | coll ms/step/device | coll share | "
+          "tokens == | KV MiB/device |")
+    print("|---|---|---|---|---|---|---|---|")
     for s, case in cases.items():
         ms = statistics.median(times[s]) * 1e3
         n = s[0] * s[1]
-        coll_us, traced_us = collective_us(case, ARGS.steps) if n > 1 else (0.0, 1.0)
-        coll = coll_us / 1e3 / n / ARGS.steps
+        coll_us, traced_us = collective_us(case, ARGS.steps)
+        traced = traced_us / 1e3 / ARGS.steps
         share = coll_us / n / traced_us
         _, state = case.run(1)
         kv = sum(a.addressable_shards[0].data.nbytes for a in jax.tree_util.tree_leaves(state.cache)) / 2**20
         same = bool(np.array_equal(tokens[s], tokens[shapes[0]]))
-        print(f"| {s[0]}x{s[1]} | {ms:.2f} | {ms / (base * 1e3):.2f}x | {coll:.2f} | {share:.0%} | {same} | "
+        print(f"| {s[0]}x{s[1]} | {ms:.2f} | {ms / (base * 1e3):.2f}x | {traced:.2f} | {coll_us / 1e3 / n / ARGS.steps:.2f} | {share:.0%} | {same} | "
               f"{kv:.2f} |")
 
 

@@ -26,11 +26,11 @@ import numpy as np
 
 from .cache import CapacityError
 from .config import ConfigError
-from .generate import check_request
 from .distributed import add_distributed_arguments, initialize_from_args
+from .generate import check_request
 from .mesh import add_mesh_argument, mesh_from_flag, naming_flag
-from .sharding import shard_model
 from .sampling import make_sampling_params
+from .sharding import shard_model
 
 USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
 DEFAULT_NEW_TOKENS = 200
