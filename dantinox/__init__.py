@@ -7,11 +7,13 @@ from .config import PRESETS, ConfigError, ModelConfig
 from .diffusion import DiffusionResult, DualCache, diffusion_generate, diffusion_generate_result, init_dual_cache
 from .generate import GenerationResult, generate, generate_result, stream_tokens
 from .generator import Generator, bundled_run_dir
+from .mesh import MeshError, make_mesh
 from .mla import LatentKV, MLAttention
 from .model import Transformer, build_model
 from .planner import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, max_batch_size,
                       memory_split, param_bytes, plan_capacity)
 from .sampling import SamplingParams, make_sampling_params, sample_next
+from .sharding import shard_cache, shard_model
 from .verify import VerifyReport, verify_cache
 
 __version__ = "0.1.0"
@@ -24,4 +26,5 @@ __all__ = [
     "diffusion_generate_result", "generate", "generate_result", "init_cache", "init_dual_cache",
     "kv_bytes_per_token", "kv_cache_bytes", "make_sampling_params", "max_batch_size", "memory_split",
     "param_bytes", "plan_capacity", "sample_next", "stream_tokens", "verify_cache",
+    "MeshError", "make_mesh", "shard_cache", "shard_model",  # multi-device (docs/multi-device.md)
 ]

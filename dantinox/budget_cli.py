@@ -96,6 +96,9 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-len", dest="gen_len", type=int, default=None,
                         help="masked diffusion: tokens generated per context; prints the DualCache table "
                              "(default for paradigm=diffusion models: context / 2)")
+    parser.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                        help="also print memory per device and the largest batch on a D x M device mesh "
+                             "(docs/multi-device.md)")
     parser.add_argument("--measure", action="store_true",
                         help="allocate each cache with init_cache; print measured bytes next to the formula")
 
@@ -105,6 +108,9 @@ def run_budget(args: argparse.Namespace) -> int:
 
     Raises ValueError / ConfigError / FileNotFoundError for bad input (the CLI prints them as one line).
     """
+    from .mesh_budget import mesh_sizes_from_flag
+
+    mesh_sizes = mesh_sizes_from_flag(args.mesh)  # checked before anything is printed
     cfg = load_config(args)
     try:
         dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype)
@@ -136,6 +142,11 @@ def run_budget(args: argparse.Namespace) -> int:
                  for label, v in rows],
                 title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
                       f"{args.reserve_fraction:.0%}, float32 weights")
+    if mesh_sizes is not None:
+        from .mesh_budget import print_mesh_budget
+
+        print_mesh_budget(rows, mesh_sizes, device_bytes, contexts, args.reserve_fraction,
+                          dtype, print_table)
     if cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None):
         print_diffusion_table(cfg, contexts, dtype, args.gen_len)
     return measure(rows, contexts, dtype) if args.measure else 0

@@ -6,6 +6,9 @@
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step]
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F]
+  (generate, verify, train: [--mesh data=D,model=M] shards over D x M devices, and
+   [--coordinator HOST:PORT --num-processes N --process-id I] joins N processes into one mesh;
+   docs/multi-device.md)
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
 
@@ -23,8 +26,11 @@ import numpy as np
 
 from .cache import CapacityError
 from .config import ConfigError
+from .distributed import add_distributed_arguments, initialize_from_args
 from .generate import check_request
+from .mesh import add_mesh_argument, mesh_from_flag, naming_flag
 from .sampling import make_sampling_params
+from .sharding import shard_model
 
 USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
 DEFAULT_NEW_TOKENS = 200
@@ -63,7 +69,8 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--{flag} {value} is not allowed: an integer >= 1")
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
-    gen = Generator(args.run_dir)
+    with naming_flag(args.mesh):
+        gen = Generator(args.run_dir, mesh=mesh_from_flag(args.mesh))
     ids = gen.encode(args.prompt, args.unknown)
     if gen.cfg.paradigm == "diffusion":
         return _generate_diffusion(args, gen, ids)
@@ -143,7 +150,10 @@ def cmd_verify(args) -> int:
     from .verify import verify_cache
 
     run_dir = args.run_dir or bundled_run_dir()
+    mesh = mesh_from_flag(args.mesh)
     model, cfg, tokenizer, _ = load_run(run_dir)
+    with naming_flag(args.mesh):
+        shard_model(model, mesh)
     if not args.prompt:
         raise ValueError("--prompt is empty: give at least one character")
     if args.new_tokens is not None and args.new_tokens < 1:
@@ -175,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model on a text file")
     add_train_arguments(train)
+    add_distributed_arguments(train)
     train.set_defaults(func=run_train_from_args)
     gen = sub.add_parser("generate", help="generate text from a run directory")
     gen.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
@@ -185,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="characters outside the vocabulary: error (default) or replace with <unk>")
     _add_sampling(gen)
     _add_diffusion(gen)
+    add_mesh_argument(gen)
+    add_distributed_arguments(gen)
     gen.set_defaults(func=cmd_generate)
     ver = sub.add_parser("verify", help="check cached against uncached logits at every generated position")
     ver.add_argument("--run_dir", default=None)
@@ -192,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--new_tokens", type=int, default=None, help="default: fill the context")
     ver.add_argument("--tolerance", type=float, default=1e-4)
     ver.add_argument("--range", type=int, default=32, help="positions per printed range")
+    add_mesh_argument(ver)
+    add_distributed_arguments(ver)
     ver.set_defaults(func=cmd_verify)
     try:
         from .budget_cli import add_budget_arguments, run_budget
@@ -226,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        initialize_from_args(args)  # --coordinator ...: join the process group first (dantinox.distributed)
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
         print(f"dantinox {args.command}: error: {err}", file=sys.stderr)

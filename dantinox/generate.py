@@ -35,7 +35,10 @@ import numpy as np
 from flax import nnx
 
 from .cache import CapacityError, KVCache, init_cache
+from .distributed import to_host
+from .mesh import mesh_of, mesh_scope
 from .sampling import SamplingParams, make_sampling_params, sample_next
+from .sharding import shard_model
 
 MIN_BUCKET = 16
 
@@ -256,22 +259,35 @@ def _finish(out: np.ndarray, req: _Request) -> GenerationResult:
 
 
 def generate_result(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True,
-                    temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None
-                    ) -> GenerationResult:
+                    temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None,
+                    mesh=None) -> GenerationResult:
     """Like :func:`generate` but always batched ([B, N] tokens) and with per-row lengths and finish reasons."""
+    place_on_mesh(model, mesh)
     return _run(_prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id), model,
                 use_cache)
 
 
+def place_on_mesh(model, mesh) -> None:
+    """Shard ``model``'s parameters over ``mesh`` (dantinox.sharding.shard_model) unless None or already there.
+    Raises dantinox.mesh.MeshError when the model does not divide over the mesh."""
+    if mesh is not None and mesh_of(split_model(model)[1]) != mesh:
+        shard_model(model, mesh)
+
+
 def _run(req: _Request, model, use_cache: bool) -> GenerationResult:
     graphdef, params = split_model(model)
+    with mesh_scope(mesh_of(params)):  # parameters on a mesh: run there (dantinox.mesh)
+        return _run_split(req, graphdef, params, model.cfg.max_context, use_cache)
+
+
+def _run_split(req: _Request, graphdef, params, max_context: int, use_cache: bool) -> GenerationResult:
     if not use_cache:
-        return _finish(_recompute_all(graphdef, params, req, model.cfg.max_context), req)
+        return _finish(_recompute_all(graphdef, params, req, max_context), req)
     state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
     if req.max_new_tokens > 1:  # prefill already sampled the first token
         state = decode(graphdef, params, state, jnp.int32(req.max_new_tokens), req.key, req.sampling,
                        req.eos_id, req.fill)
-    return _finish(jax.device_get(state.out), req)
+    return _finish(to_host(state.out), req)  # gathers across processes (dantinox.distributed)
 
 
 DIFFUSION_OPTIONS = ("block_size", "steps_per_block", "threshold", "refresh")
@@ -295,7 +311,7 @@ def _check_paradigm_options(cfg, top_k, top_p, eos_id, diffusion: dict) -> None:
 def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True, temperature=0.0,
              top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None, block_size: int | None = None,
              steps_per_block: int | None = None, threshold: float | None = None,
-             refresh: str | None = None) -> np.ndarray:
+             refresh: str | None = None, mesh=None) -> np.ndarray:
     """Generate up to max_new_tokens for one prompt or a batch of prompts of different lengths.
 
     A model with ``paradigm="diffusion"`` is dispatched to :func:`dantinox.diffusion.diffusion_generate`
@@ -310,6 +326,8 @@ def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = T
       temperature: float or one per row; 0 (or <= 1e-5) is greedy (argmax, ties to the lowest id).
       top_k: int or one per row; 0 = off.   top_p: float in (0, 1] or one per row; 1.0 = off.
       seed: integer in [0, 2**32) for the sampling keys.   eos_id: a row stops after producing it.
+      mesh: a ``dantinox.make_mesh`` mesh: the parameters are sharded over it (in place, once) and the
+        program runs on it (``docs/multi-device.md``). A model already sharded runs on its mesh anyway.
     Returns:
       int32 array of new tokens, [N] for a single prompt or [B, N] for a batch; after a row's EOS the
       remaining positions hold eos_id.
@@ -317,10 +335,12 @@ def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = T
       ValueError: empty prompt or batch, ids outside the vocabulary, bad sampling settings, bad seed/eos_id,
         AR-only options (top_k, top_p, eos_id) on a diffusion model or diffusion options on an AR model.
       CapacityError: prompt longer than max_context, or prompt_length + max_new_tokens > max_context.
+      MeshError: n_heads or mlp_hidden not divisible by the mesh's model axis.
     """
     diffusion = dict(block_size=block_size, steps_per_block=steps_per_block, threshold=threshold,
                      refresh=refresh)
     _check_paradigm_options(model.cfg, top_k, top_p, eos_id, diffusion)
+    place_on_mesh(model, mesh)
     if model.cfg.paradigm == "diffusion":
         from .diffusion import diffusion_generate
 
@@ -334,19 +354,25 @@ def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = T
 
 
 def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: int = 8, temperature=0.0,
-                  top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None) -> Iterator[np.ndarray]:
+                  top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None, mesh=None
+                  ) -> Iterator[np.ndarray]:
     """Yield new tokens as they are produced, chunk_size decode steps at a time: arrays [B, n] int32
     (n <= chunk_size; the first chunk holds the prefill token too). Rows past their EOS yield eos_id.
     Same arguments, errors and tokens as :func:`generate` with use_cache=True."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
+    place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
-    state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+    on = mesh_of(params)
+    with mesh_scope(on):
+        state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
     sent = 0
     while True:
         stop = min(sent + chunk_size, req.max_new_tokens)
-        state = decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill)
+        with mesh_scope(on):
+            state = decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id,
+                           req.fill)
         step, done = int(state.step), bool(np.all(np.asarray(state.done)))
         if step > sent:
             yield np.asarray(state.out)[:, sent:step]

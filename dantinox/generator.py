@@ -21,6 +21,7 @@ import numpy as np
 
 from .compile_count import CompileCounter
 from .generate import generate_result, stream_tokens
+from .sharding import shard_model
 from .train.run_dir import load_run
 from .train.tokenizer import StreamDecoder
 
@@ -39,14 +40,18 @@ class Generator:
       run_dir: a run directory from ``dantinox train``; None loads the bundled model.
       warmup: run one 1-token generation at load time so the first real call is not slowed by compilation
         (compiles prefill for the smallest prompt bucket and the decode loop for batch 1).
+      mesh: a ``dantinox.make_mesh`` mesh to shard the parameters over (every generation then runs on it;
+        docs/multi-device.md); None: one device.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter).
-    Raises: RunDirError for a missing or inconsistent run directory.
+    Raises: RunDirError for a missing or inconsistent run directory; MeshError when n_heads or mlp_hidden
+    does not divide by the mesh's model axis.
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True):
+    def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, mesh=None):
         start = time.perf_counter()
         self.run_dir = os.fspath(run_dir) if run_dir is not None else bundled_run_dir()
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
+        shard_model(self.model, mesh)
         self.warmup = CompileCounter()
         if warmup and self.cfg.paradigm == "ar":  # diffusion compiles per (bucket, gen_len, block_size)
             with self.warmup:

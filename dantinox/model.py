@@ -23,6 +23,7 @@ from .cache import KVCache, check_cache_capacity, layer_cache_shapes
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .mla import MLAttention
+from .sharding import constrain_cache, shard_model
 
 
 class Block(nnx.Module):
@@ -107,6 +108,8 @@ class Transformer(nnx.Module):
             layer_cache = kv_caches[n] if use_cache else None
             x, layer_cache = block(x, rope, layer_cache, index, key_start, 0 if fresh else attend_slots)
             new_caches.append(layer_cache)
+        if use_cache and not _attends_itself(kv_caches):  # on a mesh: one cache layout (dantinox.sharding)
+            new_caches = constrain_cache(new_caches, cfg)
         return self.logits(self.final_norm(x)), (tuple(new_caches) if use_cache else None), {}
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -115,9 +118,11 @@ class Transformer(nnx.Module):
         return out.astype(jnp.float32)
 
 
-def build_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A freshly initialised Transformer for ``cfg`` with parameters drawn from ``seed``."""
-    return Transformer(cfg, rngs=nnx.Rngs(seed))
+def build_model(cfg: ModelConfig, seed: int = 0, mesh=None) -> Transformer:
+    """A freshly initialised Transformer for ``cfg`` with parameters drawn from ``seed``; with a ``mesh``
+    (``dantinox.make_mesh``) its parameters are sharded over it (``dantinox.sharding``; MeshError if the
+    heads or MLP width do not divide by the model axis)."""
+    return shard_model(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh)
 
 
 def _attends_itself(kv_caches) -> bool:

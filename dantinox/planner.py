@@ -181,12 +181,15 @@ def _normalise_mix(mix) -> list[tuple[int, int, int]]:
 def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
                   mix: Sequence[tuple[int, int]] | Mapping[tuple[int, int], int],
                   admission: str = "max_context", weights_bytes: int | None = None,
-                  reserve_fraction: float = 0.1, dtype: str | None = None) -> CapacityPlan:
+                  reserve_fraction: float = 0.1, dtype: str | None = None, mesh=None) -> CapacityPlan:
     """How many concurrent sequences of a request mix fit in device memory.
 
     mix: a list of (prompt_tokens, max_new_tokens) requests, or a histogram {(prompt, max_new): count}.
     admission: "max_context" (each sequence reserves all max_context slots, the static cache) or "request"
       (each reserves prompt + max_new_tokens).
+    mesh: a Mesh or {"data": D, "model": M}: device_bytes is then ONE device's memory, weights default to
+      the parameters per device (``dantinox.device_memory``), a sequence's cache bytes are divided by the
+      ways the cache splits over model, and max_concurrent / mix_copies count all data replicas.
     Raises ValueError for an unknown admission rule, a malformed or empty mix, a request longer than
     cfg.max_context (it could never be served), and everything memory_split / kv_cache_bytes reject.
     """
@@ -198,7 +201,13 @@ def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
         if prompt + new > cfg.max_context:
             raise ValueError(f"request (prompt {prompt}, max_new_tokens {new}) needs {prompt + new} cache "
                              f"slots, more than max_context={cfg.max_context}")
-    per_token = kv_bytes_per_token(cfg, dtype)
+    per_token, replicas = kv_bytes_per_token(cfg, dtype), 1
+    if mesh is not None:  # per device (docs/multi-device.md)
+        from .device_memory import _sizes, kv_split, weights_bytes_per_device
+
+        replicas = _sizes(mesh)["data"]
+        per_token /= kv_split(cfg, mesh)
+        weights_bytes = weights_bytes_per_device(cfg, mesh) if weights_bytes is None else weights_bytes
     split = memory_split(cfg, device_bytes, weights_bytes, reserve_fraction)
     requests = sum(c for _, _, c in entries)
     used = sum((p + n) * c for p, n, c in entries)
@@ -207,8 +216,8 @@ def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
     return CapacityPlan(
         admission=admission, split=split, requests=requests, tokens_per_request=reserved / requests,
         bytes_per_request=bytes_per_request,
-        max_concurrent=int(split.kv_budget_bytes * requests // (reserved * per_token)),
-        mix_copies=split.kv_budget_bytes // (reserved * per_token), utilization=used / reserved)
+        max_concurrent=replicas * int(split.kv_budget_bytes * requests // (reserved * per_token)),
+        mix_copies=replicas * int(split.kv_budget_bytes // (reserved * per_token)), utilization=used / reserved)
 
 
 def diffusion_cache_bytes(cfg: ModelConfig | Mapping[str, Any], prompt_len: int, gen_len: int,

@@ -18,6 +18,8 @@ from flax import nnx
 
 from .cache import init_cache
 from .generate import check_request, prepare_prompts
+from .mesh import mesh_of, mesh_scope
+from .sharding import shard_cache
 
 
 class VerifyReport(NamedTuple):
@@ -69,7 +71,15 @@ def verify_cache(model, prompt_ids, new_tokens: int = 64, tolerance: float = 1e-
     check_request(lengths, new_tokens, cfg.max_context)
     n = int(lengths[0])
     graphdef, params = nnx.split(model)
-    logits, cache = _step(graphdef, params, jnp.asarray(ids[:, :n]), init_cache(cfg, 1), jnp.int32(0))
+    mesh = mesh_of(params)  # a model sharded with dantinox.sharding.shard_model is checked on its mesh
+    with mesh_scope(mesh):
+        return _compare(graphdef, params, cfg, ids, n, new_tokens, tolerance, shard_cache(init_cache(cfg, 1),
+                                                                                          cfg, mesh))
+
+
+def _compare(graphdef, params, cfg, ids, n: int, new_tokens: int, tolerance: float, cache) -> VerifyReport:
+    """verify_cache's loop: prefill, new_tokens - 1 greedy decode steps, then the uncached forward."""
+    logits, cache = _step(graphdef, params, jnp.asarray(ids[:, :n]), cache, jnp.int32(0))
     cached = [np.asarray(logits[0])]
     tokens = [int(np.argmax(cached[-1][-1]))]
     for step in range(new_tokens - 1):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..sampling import GREEDY_TEMPERATURE, SamplingParams, sample_next
+from ..sharding import constrain_pool
 from .paged_cache import PagedPool, paged_views
 from .request import MAX_LOGPROBS
 
@@ -108,7 +109,7 @@ def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_ne
     B, k = tokens.shape[0], min(MAX_LOGPROBS, last.shape[-1])
     skipped = StepLogprobs(jnp.zeros(B, jnp.float32), jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k), jnp.float32))
     logprobs = jax.lax.cond(with_logprobs, lambda: token_logprobs(last, tokens), lambda: skipped)
-    return tokens, logprobs, tuple(view.pool for view in views)
+    return tokens, logprobs, constrain_pool(tuple(view.pool for view in views))  # on a mesh: same layout
 
 
 @partial(jax.jit, static_argnames=("graph", "max_steps"), donate_argnames=("pool",))
@@ -138,7 +139,7 @@ def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num
         return token, out, tuple(view.pool for view in views)
 
     _, out, pool = jax.lax.fori_loop(0, jnp.minimum(jnp.max(num_steps), max_steps), body, (tokens, out, pool))
-    return out, pool
+    return out, constrain_pool(pool)
 
 
 # The block moves work on every array of every layer alike (k and v [N, P, K, D], or for MLA c_kv [N, P, C]
@@ -147,7 +148,7 @@ def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num
 @partial(jax.jit, donate_argnames=("pool",))
 def copy_blocks(pool: PagedPool, src, dst) -> PagedPool:
     """pool[dst[i]] = pool[src[i]] in every layer. src, dst: [C] int32; dst = N marks padding (dropped)."""
-    return tuple(type(layer)(*(a.at[dst].set(a[src], mode="drop") for a in layer)) for layer in pool)
+    return constrain_pool(tuple(type(layer)(*(a.at[dst].set(a[src], mode="drop") for a in layer)) for layer in pool))
 
 
 @jax.jit
@@ -161,5 +162,5 @@ def read_blocks(pool: PagedPool, blocks):
 def write_blocks(pool: PagedPool, blocks, data) -> PagedPool:
     """pool[blocks[i]] = data[i] in every layer. blocks: [M] int32 (N = padding, dropped); data: as returned
     by ``read_blocks``."""
-    return tuple(type(layer)(*(a.at[blocks].set(d, mode="drop") for a, d in zip(layer, new)))
-                 for layer, new in zip(pool, data))
+    return constrain_pool(tuple(type(layer)(*(a.at[blocks].set(d, mode="drop") for a, d in zip(layer, new)))
+                                for layer, new in zip(pool, data)))

@@ -17,6 +17,8 @@ import logging
 import os
 import re
 
+from ..mesh import add_mesh_argument, mesh_from_flag, naming_flag, parse_mesh
+
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 # flag -> (attribute, smallest allowed value); checked before the model loads or warms up
@@ -40,7 +42,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 2GB or 512MiB")
+    p.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 2GB or 512MiB (per device with --mesh)")
+    add_mesh_argument(p)
     p.add_argument("--policy", choices=("recompute", "swap"), default="recompute",
                    help="what a preempted sequence does with its KV blocks (default recompute)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -85,6 +88,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
                              "or a host name") from None
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory)
+    if getattr(args, "mesh", None) is not None:
+        parse_mesh(args.mesh)
 
 
 def build_engine(args: argparse.Namespace):
@@ -102,6 +107,11 @@ def build_engine(args: argparse.Namespace):
                           kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
                           enable_prefix_caching=not args.no_prefix_caching)
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))
+    if getattr(args, "mesh", None) is not None:  # docs/multi-device.md
+        from .sharded_engine import ShardedPagedEngine
+
+        with naming_flag(args.mesh):
+            return ShardedPagedEngine(model, config, mesh_from_flag(args.mesh)), tokenizer, name
     return PagedEngine(model, config), tokenizer, name
 
 
@@ -116,6 +126,11 @@ def run_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("dantinox.serving")
     engine, tokenizer, name = build_engine(args)
     log.info(kv_summary(engine))
+    if hasattr(engine, "blocks_per_device"):
+        per = engine.blocks_per_device()
+        log.info("mesh %s: %d devices, each holds all %d blocks with %s KV heads: %.2f MiB of KV per device",
+                 args.mesh, per["devices"], per["blocks"], per["heads_per_device"] or "the whole latent (no)",
+                 per["bytes_per_device"] / 2**20)
     if not args.no_warmup:
         counted = engine.warmup()
         log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
+from ..distributed import to_host
+
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
 
@@ -100,7 +102,7 @@ def flatten_tree(tree) -> dict[str, np.ndarray]:
         key = path_key(path)
         if key in flat:
             raise CheckpointError(f"two leaves share the checkpoint key {key!r}")
-        flat[key] = np.asarray(jax.device_get(leaf))
+        flat[key] = to_host(leaf)  # whole array, gathered from every device and process
     return flat
 
 

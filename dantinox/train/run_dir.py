@@ -26,6 +26,7 @@ import safetensors.numpy
 from flax import nnx
 
 from ..config import ModelConfig
+from ..distributed import to_host
 from ..model import Transformer
 from .checkpoint import atomic_write_bytes, atomic_write_json
 from .tokenizer import TextTokenizer
@@ -45,7 +46,7 @@ class RunDirError(ValueError):
 def param_arrays(model: nnx.Module) -> dict[str, np.ndarray]:
     """Every nnx.Param of ``model`` as a host float32 array, keyed by its path joined with "."."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {".".join(str(p) for p in path): np.asarray(var.get_value(), np.float32) for path, var in flat}
+    return {".".join(str(p) for p in path): to_host(var.get_value()).astype(np.float32) for path, var in flat}
 
 
 def count_params(model: nnx.Module) -> int:

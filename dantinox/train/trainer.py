@@ -57,7 +57,10 @@ from ..model import build_model
 from . import checkpoint as ckpt
 from . import run_dir as rd
 from .data import TokenData, file_sha256, read_text, sample_batch, split_text, val_batches
+from ..mesh import mesh_from_flag, mesh_scope, naming_flag, parse_mesh
+from ..sharding import shard_model
 from .init_from import init_from_run, load_source_tokenizer
+from .sharded import check_batch, constrain_state, place_batch, place_like, place_state
 from .tokenizer import KINDS, MASK, TextTokenizer, train_tokenizer, with_mask_token
 
 
@@ -79,6 +82,9 @@ class TrainConfig:
     val_fraction: held-out fraction of the characters.  resume: continue from out_dir/checkpoint if present.
     init_from: a run directory whose weights and tokenizer start a fresh run (see dantinox.train.init_from);
     ignored when resuming from a checkpoint.
+    mesh: "data=D,model=M" to train on D x M devices (batch_size must divide by D); fsdp: also split the
+    parameters and optimizer state over data (see dantinox.train.sharded). Neither changes the trajectory, so
+    a checkpoint resumes on any mesh.
     """
 
     tokenizer: str = "char"
@@ -98,6 +104,8 @@ class TrainConfig:
     val_fraction: float = 0.1
     resume: bool = True
     init_from: str | None = None
+    mesh: str | None = None
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         if self.tokenizer not in KINDS:
@@ -115,8 +123,11 @@ class TrainConfig:
                 _bad(name, value, "a number >= 0")
         if self.min_lr > self.lr:
             _bad("min_lr", self.min_lr, f"at most lr={self.lr}")
-        if not isinstance(self.resume, bool):
-            _bad("resume", self.resume, "True or False")
+        for name in ("resume", "fsdp"):
+            if not isinstance(getattr(self, name), bool):
+                _bad(name, getattr(self, name), "True or False")
+        if self.mesh is not None:
+            parse_mesh(self.mesh, "mesh")
         if self.init_from is not None:
             if not isinstance(self.init_from, (str, os.PathLike)) or not os.fspath(self.init_from):
                 _bad("init_from", self.init_from, "None or a run directory path")
@@ -220,18 +231,20 @@ def make_step_functions(graphdef, opts: TrainConfig):
       sum []); for diffusion the sums run over masked tokens only.
     Cached per (model graph, optimizer options), so repeated train() calls in one process compile once.
     """
-    return _train_step(graphdef, tuple(getattr(opts, f) for f in OPTIMIZER_FIELDS)), _eval_step(graphdef)
+    return (_train_step(graphdef, tuple(getattr(opts, f) for f in OPTIMIZER_FIELDS), opts.fsdp),
+            _eval_step(graphdef))
 
 
 @functools.lru_cache(maxsize=8)
-def _train_step(graphdef, optimizer_key: tuple):
+def _train_step(graphdef, optimizer_key: tuple, fsdp: bool = False):
     tx = make_optimizer(TrainConfig(**dict(zip(OPTIMIZER_FIELDS, optimizer_key))))
 
     def train_step(params, opt_state, rest, windows, noise=None):
         """One AdamW update on the mean training loss of windows [B, T+1] (see training_loss)."""
         loss, grads = jax.value_and_grad(lambda p: training_loss(graphdef, p, rest, windows, noise))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        params = constrain_state(optax.apply_updates(params, updates), fsdp)  # on a mesh: same layout
+        return params, constrain_state(opt_state, fsdp), loss
 
     return jax.jit(train_step, donate_argnums=(0, 1))
 
@@ -276,6 +289,7 @@ class _Session:
     saved_step: int = -1  # step of the latest checkpoint written or restored
     eval_step: Any = None  # the jitted eval function, built on first use
     init_val: float | None = None  # validation loss of the init_from weights before any step
+    mesh: Any = None  # the jax.sharding.Mesh of opts.mesh, or None (one device)
 
     @property
     def ckpt_dir(self) -> str:
@@ -362,9 +376,14 @@ def _start_session(cfg: ModelConfig, data_path: str, out_dir: str, opts: TrainCo
     if meta is None and opts.init_from is not None:
         grown = init_from_run(model, tokenizer, opts.init_from)
         log(f"initialised from {opts.init_from}" + (f" (grown along the vocabulary: {grown})" if grown else ""))
+    mesh = mesh_from_flag(opts.mesh, "mesh")
+    with naming_flag(opts.mesh, "mesh"):
+        check_batch(opts.batch_size, mesh)
+        shard_model(model, mesh, opts.fsdp)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     s = _Session(cfg, opts, out_dir, data_path, sha, tokenizer, data, graphdef, rest, params,
-                 make_optimizer(opts).init(params), np.random.default_rng(opts.seed))
+                 place_state(make_optimizer(opts).init(params), mesh, opts.fsdp), np.random.default_rng(opts.seed),
+                 mesh=mesh)
     os.makedirs(out_dir, exist_ok=True)
     if meta is not None:
         _restore(s, ckpt_dir)
@@ -404,7 +423,7 @@ def _clear_previous(out_dir: str) -> None:
 
 def _restore(s: _Session, ckpt_dir: str) -> None:
     state, meta = ckpt.load_checkpoint(ckpt_dir, {"params": s.params, "opt_state": s.opt_state})
-    s.params, s.opt_state = state["params"], state["opt_state"]
+    s.params, s.opt_state = place_like(state["params"], s.params), place_like(state["opt_state"], s.opt_state)
     s.rng.bit_generator.state = meta["rng_state"]
     s.step, s.elapsed_s = int(meta["step"]), float(meta["elapsed_s"])
     s.step_time_s = float(meta["step_time_s"])
@@ -444,7 +463,9 @@ def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
         batch = sample_batch(s.data.train, s.rng, s.opts.batch_size, s.opts.seq_len)
         noise = _mask_noise(s.cfg, s.rng, batch.shape)
         t0 = time.perf_counter()
-        s.params, s.opt_state, loss_arr = train_step(s.params, s.opt_state, s.rest, jnp.asarray(batch), noise)
+        with mesh_scope(s.mesh):
+            s.params, s.opt_state, loss_arr = train_step(s.params, s.opt_state, s.rest,
+                                                         place_batch(batch, s.mesh), noise)
         loss = float(loss_arr)
         dt = time.perf_counter() - t0
         s.step += 1
@@ -480,7 +501,8 @@ def evaluate(s: _Session) -> float:
     mask_rng = np.random.default_rng(VAL_MASK_SEED)
     for windows, weights in val_batches(s.data.val, s.opts.batch_size, s.opts.seq_len, s.opts.eval_batches):
         noise = _mask_noise(s.cfg, mask_rng, windows.shape)
-        nats, n = s.eval_step(s.params, s.rest, jnp.asarray(windows), jnp.asarray(weights), noise)
+        with mesh_scope(s.mesh):
+            nats, n = s.eval_step(s.params, s.rest, jnp.asarray(windows), jnp.asarray(weights), noise)
         total, count = total + float(nats), count + float(n)
     return total / count
 
@@ -538,6 +560,7 @@ _CLI_TRAIN_OPTIONS = {  # option -> (type, help)
     "eval_every": (int, "steps between validation runs"),
     "eval_batches": (int, "validation batches per run"),
     "checkpoint_every": (int, "steps between checkpoints (0: only at the end)"),
+    "mesh": (str, "train on a data=D,model=M device mesh (docs/multi-device.md)"),
     "seed": (int, "seed for model init and batch sampling"),
     "val_fraction": (float, "held-out fraction of the text's characters"),
     "init_from": (str, "run directory whose weights (matching paths and shapes; <mask> row added) and "
@@ -559,6 +582,8 @@ def add_train_arguments(parser) -> None:
         parser.add_argument(f"--{name}", type=kind, default=None, help=help_text, **extra)
     parser.add_argument("--no_resume", action="store_true", help="start over even if a checkpoint exists")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    parser.add_argument("--fsdp", action="store_true", help="with --mesh: also split parameters and optimizer "
+                        "state over the data axis")
 
 
 def run_train_from_args(args) -> int:
@@ -575,6 +600,8 @@ def run_train_from_args(args) -> int:
             options[name] = getattr(args, name)
     if args.no_resume:
         options["resume"] = False
+    if args.fsdp:
+        options["fsdp"] = True
     train(cfg, args.data, args.out, progress=not args.no_progress, **options)
     return 0
 

@@ -1,0 +1,80 @@
+"""The paged serving engine on a (data, model) mesh: the block pool split over KV heads.
+
+``ShardedPagedEngine`` is the ``PagedEngine`` with three differences, nothing else (the scheduler, the
+allocator and the compiled calls are the same):
+  1. the model's parameters are sharded over the mesh (``dantinox.sharding``: heads and MLP width over model);
+  2. the pool [N, P, K, D] per layer is split over KV heads on ``model`` where K divides by its size, and
+     replicated otherwise (MQA, model > K, and MLA's latent pool [N, P, C]); it is never split over
+     blocks, since any row may read any block. With ``kv_memory_bytes`` the budget is per device, so the pool
+     holds kv_split times the blocks one device would (``blocks_per_device`` says how much each holds);
+  3. every step runs with the mesh in scope (``dantinox.mesh.mesh_scope``), and the pool keeps its layout
+     from call to call (checked by the tests: same tokens as one device, no recompilation).
+The ``data`` axis replicates the pool and batches; serving gains nothing from it (use model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..device_memory import kv_split
+from ..mesh import mesh_scope, mesh_shape
+from ..sharding import shard_model
+from .engine import EngineConfig, PagedEngine
+from .paged_cache import block_bytes, init_pool
+
+
+def pool_spec(cfg, mesh) -> P:
+    """PartitionSpec of one pool array: [N, P, K, D] -> (None, None, model?, None); MLA [N, P, C] replicated."""
+    if cfg.attention == "mla":
+        return P(None, None, None)
+    return P(None, None, "model" if kv_split(cfg, mesh) > 1 else None, None)
+
+
+def shard_pool(pool, cfg, mesh):
+    """Place a pool (``init_pool``) on ``mesh`` as :func:`pool_spec` says."""
+    sharding = NamedSharding(mesh, pool_spec(cfg, mesh))
+    return tuple(type(layer)(*(jax.device_put(a, sharding) for a in layer)) for layer in pool)
+
+
+class ShardedPagedEngine(PagedEngine):
+    """PagedEngine over a mesh (see the module docstring). Args: model (sharded here, in place), config
+    (kv_memory_bytes, if set, is per device), mesh. Raises MeshError when the model does not divide over the
+    mesh, ValueError as PagedEngine."""
+
+    def __init__(self, model, config: EngineConfig, mesh):
+        self.mesh = mesh
+        shard_model(model, mesh)
+        if config.kv_memory_bytes is not None and config.num_blocks is None:
+            per_block = block_bytes(model.cfg, config.block_size) // kv_split(model.cfg, mesh)
+            config = dataclasses.replace(config, num_blocks=config.kv_memory_bytes // per_block,
+                                         kv_memory_bytes=None)
+        with mesh_scope(mesh):
+            super().__init__(model, config)
+        self.pool = shard_pool(self.pool, self.cfg, mesh)
+
+    def blocks_per_device(self) -> dict:
+        """{"devices", "blocks", "heads_per_device", "bytes_per_device"}: each device holds every block, with
+        K / kv_split of its KV heads (the whole latent for MLA)."""
+        split = kv_split(self.cfg, self.mesh)
+        sizes = mesh_shape(self.mesh)
+        shard = sum(a.addressable_shards[0].data.nbytes for layer in self.pool for a in layer)
+        return dict(devices=sizes["data"] * sizes["model"], blocks=self.allocator.num_blocks,
+                    heads_per_device=None if self.cfg.attention == "mla" else self.cfg.kv_heads // split,
+                    bytes_per_device=int(shard))
+
+    def step(self):
+        with mesh_scope(self.mesh):
+            return super().step()
+
+    def warmup(self):
+        with mesh_scope(self.mesh):
+            return super().warmup()
+
+    def _fail_running(self, message: str):
+        outputs = super()._fail_running(message)
+        self.pool = shard_pool(init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size),
+                               self.cfg, self.mesh)
+        return outputs

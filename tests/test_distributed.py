@@ -1,0 +1,68 @@
+"""Two processes with 2 CPU devices each form one (data=2, model=2) mesh; greedy generation and 3 training steps
+equal the single-process, single-device run. An unreachable coordinator is one error line, not a hang."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from distributed_worker import run
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXT = "nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura " * 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict:
+    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+
+
+@pytest.mark.timeout(600)
+def test_two_processes_equal_one_device(tmp_path):
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(TEXT, encoding="utf-8")
+    want = run(None, str(corpus), str(tmp_path / "single"))
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "distributed_worker.py"), address, str(pid),
+                               str(corpus), str(tmp_path / f"proc{pid}")], env=worker_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=500)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for got in results:
+        assert got["tokens"] == want["tokens"]
+        assert len(got["losses"]) == 3
+        assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= 1e-5, (got, want)
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_coordinator_is_one_line_exit_2():
+    address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    cmd = [sys.executable, "-m", "dantinox.cli", "generate", "--prompt", "Nel", "--coordinator", address,
+           "--num-processes", "2", "--process-id", "1", "--coordinator-timeout", "2"]
+    proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=worker_env(), capture_output=True, text=True,
+                          timeout=100)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and address in lines[0] and "cannot be reached within 2 s" in lines[0], proc.stderr
+
+
+def test_incomplete_process_flags():
+    from dantinox.cli import main
+
+    assert main(["generate", "--prompt", "Nel", "--num-processes", "2"]) == 2
