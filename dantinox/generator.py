@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 
 from .compile_count import CompileCounter
-from .generate import generate_result, stream_tokens
+from .generate import bucket_length, generate_result, stream_tokens
 from .train.run_dir import load_run
 from .train.tokenizer import StreamDecoder
 
@@ -32,13 +32,37 @@ def bundled_run_dir(name: str = BUNDLED_RUN) -> str:
     return os.fspath(resources.files("dantinox") / "bundled" / name)
 
 
+def prompt_buckets(max_context: int) -> list[int]:
+    """The prompt lengths (tokens) prefill compiles for: one per bucket of ``bucket_length``, each the
+    longest prompt of its bucket that leaves room for one new token (e.g. 16, 32, 64, 127 for S = 128)."""
+    buckets, n = [], 1
+    while n < max_context:
+        bucket = bucket_length(n, max_context)
+        buckets.append(min(bucket, max_context - 1))
+        n = bucket + 1
+    return buckets
+
+
+def warm_up(model) -> None:
+    """Compile prefill for every prompt bucket and the decode loop (batch 1) of an AR model, by running
+    them on token 0: one 1-token generation per bucket (prefill only) and one 2-token generation (it enters
+    the decode loop, which a 1-token generation never does). The step bound, seed and sampling settings are
+    traced, so later calls with any of them compile nothing."""
+    for length in prompt_buckets(model.cfg.max_context):
+        generate_result(model, [0] * length, 1)
+    generate_result(model, [0], 2, temperature=1.0)
+
+
 class Generator:
     """A loaded model with its tokenizer, ready to generate text.
 
     Args:
       run_dir: a run directory from ``dantinox train``; None loads the bundled model.
-      warmup: run one 1-token generation at load time so the first real call is not slowed by compilation
-        (compiles prefill for the smallest prompt bucket and the decode loop for batch 1).
+      warmup: compile at load time what a single-prompt ``generate`` or ``stream`` runs, so no such call
+        compiles anything afterwards, whatever its prompt length and max_new_tokens up to max_context:
+        prefill for every prompt bucket (16, 32, ... max_context tokens) and the decode loop, at batch 1
+        (see ``warm_up``). A batch of several prompts compiles its batch size on first use. Autoregressive
+        models only (diffusion compiles per (bucket, gen_len, block_size)).
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter).
     Raises: RunDirError for a missing or inconsistent run directory.
     """
@@ -50,7 +74,7 @@ class Generator:
         self.warmup = CompileCounter()
         if warmup and self.cfg.paradigm == "ar":  # diffusion compiles per (bucket, gen_len, block_size)
             with self.warmup:
-                generate_result(self.model, [0], 1)
+                warm_up(self.model)
         self.load_seconds = time.perf_counter() - start
 
     def encode(self, text: str, unknown: str = "error") -> list[int]:
