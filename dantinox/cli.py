@@ -213,14 +213,36 @@ def _add_serve(sub) -> None:
     serve.set_defaults(func=run_serve)
 
 
+SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script; returns the exit status."""
+    """Entry point of the console script; returns the exit status.
+
+    0 success; 1 a failed check (verify, budget --measure); 2 bad input (one line on stderr, nothing on
+    stdout); 141 when stdout was closed by its reader (``dantinox budget ... | head``): no traceback, as a
+    Unix tool ended by SIGPIPE.
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
         print(f"dantinox {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _silence_stdout()
+        return SIGPIPE_STATUS
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of unwritten output cannot fail again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (e.g. captured by a test)
+        pass
 
 
 if __name__ == "__main__":
