@@ -262,8 +262,8 @@ def _batch_row(label: str, cfg: ModelConfig, device_bytes: int, contexts: list[i
     except ValueError:
         kept = math.ceil(device_bytes * reserve)
         return [label, _mib(weights)] + ["-" for _ in contexts], (
-            f"does not fit: weights {weights} B + reserve {kept} B ({reserve:.0%}) = {weights + kept} B, "
-            f"more than the device's {device_bytes} B")
+            f"does not fit in {device_bytes} B: weights {weights} B + reserve {kept} B ({reserve:.0%}) = "
+            f"{weights + kept} B, {weights + kept - device_bytes} B more than the device has")
     return [label, _mib(weights)] + [str(budget // kv_cache_bytes(cfg, 1, c, dtype)) for c in contexts], None
 
 

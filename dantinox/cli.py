@@ -69,7 +69,7 @@ def cmd_generate(args) -> int:
         return _generate_diffusion(args, gen, ids)
     given = [f"--{k}" for k in DIFFUSION_ARGS if getattr(args, k, None) is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} apply to paradigm='diffusion' models only; {gen.run_dir} holds "
+        raise ValueError(f"{_listed(given)} only for paradigm='diffusion' models; {gen.run_dir} holds "
                          f"a paradigm={gen.cfg.paradigm!r} model")
     if args.max_new_tokens is None:  # the default never asks for more than the context holds
         args.max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, gen.cfg.max_context - len(ids)))
@@ -97,6 +97,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _listed(flags: list[str]) -> str:
+    """'--a is', '--a and --b are', '--a, --b and --c are': the flags the user gave, with the verb."""
+    names = flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
+    return f"{names} {'is' if len(flags) == 1 else 'are'}"
+
+
 DIFFUSION_ARGS = ("gen_len", "block_size", "steps_per_block", "threshold", "refresh")
 DIFFUSION_INT_ARGS = ("gen_len", "block_size", "steps_per_block")
 DEFAULT_GEN_LEN = 128
@@ -110,9 +116,11 @@ def _generate_diffusion(args, gen, ids) -> int:
     """
     from .diffusion import check_diffusion_request
 
-    if args.stream or args.top_k != 0 or args.top_p != 1.0:
-        raise ValueError("--stream, --top_k and --top_p apply to autoregressive models only; "
-                         f"{gen.run_dir} holds a paradigm='diffusion' model")
+    given = [flag for flag, used in (("--stream", args.stream), ("--top_k", args.top_k != 0),
+                                     ("--top_p", args.top_p != 1.0)) if used]
+    if given:
+        raise ValueError(f"{_listed(given)} only for autoregressive models; {gen.run_dir} holds a "
+                         "paradigm='diffusion' model")
     if args.gen_len is not None and args.max_new_tokens is not None and args.gen_len != args.max_new_tokens:
         raise ValueError(f"--gen_len {args.gen_len} and --max_new_tokens {args.max_new_tokens} disagree: on a "
                          "diffusion model both set the tokens to generate; give one of them")
@@ -155,6 +163,10 @@ def cmd_verify(args) -> int:
     prompt = tokenizer.encode(args.prompt, unknown="replace")
     if len(prompt) >= cfg.max_context:
         raise CapacityError(f"--prompt has {len(prompt)} tokens; max_context={cfg.max_context} leaves no room")
+    if args.new_tokens is not None and len(prompt) + args.new_tokens > cfg.max_context:
+        raise CapacityError(f"--new_tokens {args.new_tokens} is not allowed: the prompt has {len(prompt)} tokens "
+                            f"and max_context={cfg.max_context} leaves room for at most "
+                            f"{cfg.max_context - len(prompt)} (omit --new_tokens to fill the context)")
     new_tokens = args.new_tokens or cfg.max_context - len(prompt)
     report = verify_cache(model, prompt, new_tokens, args.tolerance)
     print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype}; "
@@ -223,11 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     stdout); 141 when stdout was closed by its reader (``dantinox budget ... | head``): no traceback, as a
     Unix tool ended by SIGPIPE.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
-        print(f"dantinox {args.command}: error: {err}", file=sys.stderr)
+        from .cli_flags import in_flags, option_names, subcommand_parser
+
+        flags = option_names(subcommand_parser(parser, args.command) or parser)
+        print(f"dantinox {args.command}: error: {in_flags(str(err), flags)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         _silence_stdout()

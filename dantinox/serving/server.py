@@ -42,7 +42,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..train.tokenizer import StreamDecoder
+from ..train.tokenizer import StreamDecoder, UnknownCharactersError
 from .engine import Engine
 from .metrics import ServerMetrics
 from .protocol import (CompletionRequest, LogprobsLog, StopChecker, choice_body, completion_body, error_body,
@@ -165,8 +165,11 @@ class _Service:
                 raise RequestError("prompt", "prompt is empty: give at least one character")
             try:
                 return self.tokenizer.encode(prompt, unknown="error")
+            except UnknownCharactersError as err:  # no Python or CLI remedy: say what the client can do
+                raise RequestError("prompt", f"prompt: {err.detail} This server does not replace them: remove "
+                                   "them from 'prompt', or send 'prompt' as a list of token ids.") from err
             except ValueError as err:
-                raise RequestError("prompt", str(err)) from err
+                raise RequestError("prompt", f"prompt: {err}") from err
         return list(prompt)
 
     def _options(self, body: CompletionRequest, prompt_tokens: int) -> list[SamplingOptions]:
