@@ -190,7 +190,9 @@ def load_config(args: argparse.Namespace) -> ModelConfig:
     if getattr(args, "config", None):
         return ModelConfig.from_dict(_model_fields(_read_mapping(args.config), args.config))
     if getattr(args, "run_dir", None):
-        path = os.path.join(args.run_dir, "config.json")
+        from .bundled_runs import resolve_run_dir
+
+        path = os.path.join(resolve_run_dir(args.run_dir), "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--run_dir {args.run_dir}: no config.json there")
         return ModelConfig.from_dict(_model_fields(_read_mapping(path), path))

@@ -8,6 +8,7 @@
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F]
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
+  dantinox models   (the bundled models; R may be one of their names, e.g. dante-diffusion, from any directory)
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
 exit with status 2 and one line on stderr; verify exits with status 1 when the cache is not exact.
@@ -147,10 +148,10 @@ def _generate_diffusion(args, gen, ids) -> int:
 def cmd_verify(args) -> int:
     """Print the largest cached-vs-uncached difference per position range; 1 if above tolerance."""
     from .train.run_dir import load_run
-    from .generator import bundled_run_dir
+    from .bundled_runs import resolve_run_dir
     from .verify import verify_cache
 
-    run_dir = args.run_dir or bundled_run_dir()
+    run_dir = resolve_run_dir(args.run_dir)
     model, cfg, tokenizer, _ = load_run(run_dir)
     if not args.prompt:
         raise ValueError("--prompt is empty: give at least one character")
@@ -214,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_budget_arguments(budget)
         budget.set_defaults(func=run_budget)
     _add_serve(sub)
+    from .bundled_runs import run_models
+
+    sub.add_parser("models", help="list the bundled models (usable by name: --run_dir dante-diffusion)"
+                   ).set_defaults(func=run_models)
     return parser
 
 

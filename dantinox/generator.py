@@ -14,22 +14,17 @@ from __future__ import annotations
 
 import os
 import time
-from importlib import resources
 from typing import Iterator
 
 import numpy as np
 
+from .bundled_runs import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # noqa: F401 (re-exported)
 from .compile_count import CompileCounter
 from .generate import bucket_length, generate_result, stream_tokens
 from .train.run_dir import load_run
 from .train.tokenizer import StreamDecoder
 
-BUNDLED_RUN = "dante"
-
-
-def bundled_run_dir(name: str = BUNDLED_RUN) -> str:
-    """Path of a run directory shipped inside the package (default: the Divina Commedia GQA model)."""
-    return os.fspath(resources.files("dantinox") / "bundled" / name)
+BUNDLED_RUN = DEFAULT_BUNDLED
 
 
 def prompt_buckets(max_context: int) -> list[int]:
@@ -57,7 +52,8 @@ class Generator:
     """A loaded model with its tokenizer, ready to generate text.
 
     Args:
-      run_dir: a run directory from ``dantinox train``; None loads the bundled model.
+      run_dir: a run directory from ``dantinox train``, or the name of a bundled model ("dante",
+        "dante-diffusion"; see ``dantinox.bundled_runs``); None loads the bundled "dante" model.
       warmup: compile at load time what a single-prompt ``generate`` or ``stream`` runs, so no such call
         compiles anything afterwards, whatever its prompt length and max_new_tokens up to max_context:
         prefill for every prompt bucket (16, 32, ... max_context tokens) and the decode loop, at batch 1
@@ -69,7 +65,7 @@ class Generator:
 
     def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True):
         start = time.perf_counter()
-        self.run_dir = os.fspath(run_dir) if run_dir is not None else bundled_run_dir()
+        self.run_dir = resolve_run_dir(run_dir)
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
         self.warmup = CompileCounter()
         if warmup and self.cfg.paradigm == "ar":  # diffusion compiles per (bucket, gen_len, block_size)

@@ -89,12 +89,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 def build_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the parsed arguments. Raises RunDirError / ValueError."""
-    from ..generator import bundled_run_dir
+    from ..bundled_runs import resolve_run_dir
     from ..train.run_dir import load_run
     from .engine import EngineConfig, PagedEngine
 
     check_serve_args(args)
-    run_dir = args.run_dir or bundled_run_dir()
+    run_dir = resolve_run_dir(args.run_dir)
     model, cfg, tokenizer, _ = load_run(run_dir)
     config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
                           max_queued=args.max_queued, max_batched_tokens=args.max_batched_tokens,
