@@ -64,7 +64,7 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--{flag} {value} is not allowed: an integer >= 1")
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
-    gen = Generator(args.run_dir)
+    gen = Generator(args.run_dir, warmup=False)  # warmed up below for this prompt's length only
     ids = gen.encode(args.prompt, args.unknown)
     if gen.cfg.paradigm == "diffusion":
         return _generate_diffusion(args, gen, ids)
@@ -78,6 +78,9 @@ def cmd_generate(args) -> int:
     make_sampling_params(1, args.temperature, args.top_k, args.top_p)
     if args.stream and args.no_cache:
         raise ValueError("--stream needs the cache: drop --no_cache to stream")
+    started = time.perf_counter()
+    gen.warm_up([len(ids)])
+    gen.load_seconds += time.perf_counter() - started
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
           f"({gen.warmup.compilations} compilations, {gen.warmup.cache_hits} from the persistent cache)",
           file=sys.stderr)

@@ -38,12 +38,16 @@ def prompt_buckets(max_context: int) -> list[int]:
     return buckets
 
 
-def warm_up(model) -> None:
-    """Compile prefill for every prompt bucket and the decode loop (batch 1) of an AR model, by running
-    them on token 0: one 1-token generation per bucket (prefill only) and one 2-token generation (it enters
-    the decode loop, which a 1-token generation never does). The step bound, seed and sampling settings are
-    traced, so later calls with any of them compile nothing."""
-    for length in prompt_buckets(model.cfg.max_context):
+def warm_up(model, prompt_lengths: list[int] | None = None) -> None:
+    """Compile prefill and the decode loop (batch 1) of an AR model by running them on token 0: one 1-token
+    generation per prompt bucket (prefill only) and one 2-token generation (it enters the decode loop, which
+    a 1-token generation never does). prompt_lengths: the prompt lengths (tokens) to prepare for; None =
+    every bucket up to max_context. The step bound, seed and sampling settings are traced, so later calls
+    with any of them compile nothing."""
+    S = model.cfg.max_context
+    lengths = prompt_buckets(S) if prompt_lengths is None else sorted(
+        {min(bucket_length(n, S), S - 1) for n in prompt_lengths})
+    for length in lengths:
         generate_result(model, [0] * length, 1)
     generate_result(model, [0], 2, temperature=1.0)
 
@@ -68,10 +72,18 @@ class Generator:
         self.run_dir = resolve_run_dir(run_dir)
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
         self.warmup = CompileCounter()
-        if warmup and self.cfg.paradigm == "ar":  # diffusion compiles per (bucket, gen_len, block_size)
-            with self.warmup:
-                warm_up(self.model)
+        if warmup:
+            self.warm_up()
         self.load_seconds = time.perf_counter() - start
+
+    def warm_up(self, prompt_lengths: list[int] | None = None) -> CompileCounter:
+        """Compile what generate / stream will run (see :func:`warm_up`; prompt_lengths None = every prompt
+        bucket). Returns and keeps (``self.warmup``) the CompileCounter. Nothing to do for a diffusion
+        model (it compiles per (bucket, gen_len, block_size))."""
+        if self.cfg.paradigm == "ar":
+            with self.warmup:
+                warm_up(self.model, prompt_lengths)
+        return self.warmup
 
     def encode(self, text: str, unknown: str = "error") -> list[int]:
         """Token ids of a prompt. Raises ValueError for an empty prompt or unknown characters (see module doc)."""
