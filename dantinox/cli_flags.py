@@ -27,7 +27,8 @@ def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 def in_flags(message: str, flags: dict[str, str]) -> str:
     """``message`` with each ``name=value`` for a name in ``flags`` rewritten as ``--flag value`` (a quoted
-    value without spaces loses its quotes: ``unknown='replace'`` -> ``--unknown replace``)."""
+    value without spaces loses its quotes: ``unknown='replace'`` -> ``--unknown replace``), and a message
+    that begins with such a name (``prompt is empty``) beginning with the flag instead."""
     if not flags:
         return message
     names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
@@ -39,7 +40,9 @@ def in_flags(message: str, flags: dict[str, str]) -> str:
             value = value[1:-1]
         return f"{flags[match.group(1)]} {value}" if value else f"{flags[match.group(1)]} "
 
-    return pattern.sub(rewrite, message)
+    message = pattern.sub(rewrite, message)
+    first = message.split(" ", 1)[0]
+    return flags[first] + message[len(first):] if first in flags else message
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser | None:

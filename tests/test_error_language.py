@@ -89,3 +89,8 @@ def test_in_flags_rewrites_only_whole_names():
     assert in_flags("ModelConfig.dim=3", flags) == "ModelConfig.dim=3"
     assert in_flags("Pass unknown='replace' to map", flags) == "Pass --unknown replace to map"
     assert in_flags("already --max_new_tokens 5", flags) == "already --max_new_tokens 5"
+    assert in_flags("dim is odd", flags) == "--dim is odd" and in_flags("dimension", flags) == "dimension"
+
+
+def test_empty_prompt_names_the_flag(run_dir, capsys):
+    assert "--prompt is empty" in _run(["generate", "--run_dir", run_dir, "--prompt", ""], capsys)

@@ -57,7 +57,8 @@ def test_cli_extension_and_its_errors_name_flags(data_file, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(base + ["--steps", "2"]) == 2
     err = capsys.readouterr().err
-    assert "--steps 2 is not allowed" in err and "--no_resume" in err and "--out" in err
+    assert "--steps 2 is not allowed" in err and "give --steps 5 or more" in err
+    assert "--no_resume" in err and "--out" in err
     assert "resume=False" not in err and "out_dir" not in err and "steps=" not in err
     assert cli.main(base + ["--steps", "6", "--lr", "5e-3"]) == 2
     err = capsys.readouterr().err

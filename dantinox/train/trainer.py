@@ -398,7 +398,7 @@ def continue_options(opts: TrainConfig, meta: dict, ckpt_dir: str) -> TrainConfi
     at = int(meta.get("step", 0))
     if opts.steps < at:
         raise TrainError(f"training option steps={opts.steps} is not allowed: the checkpoint {ckpt_dir} is at "
-                         f"step {at}; give steps >= {at} to continue (a larger steps extends the run at "
+                         f"step {at}; give steps={at} or more to continue it (more steps extend the run at "
                          f"min_lr){RESUME_HINT}")
     fill = {name: saved.get(name) for name in ("warmup_steps", "seq_len") if getattr(opts, name) is None}
     if opts.schedule_steps is None:
