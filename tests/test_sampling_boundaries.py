@@ -1,6 +1,7 @@
 """K09 and its class: every sampling filter at its exact boundary, with many draws (one row per draw).
 
-Each sampler is checked: ``sample_next`` (the generate loop and ``Generator`` call it for every token), the
+Each sampler is checked: ``sample_next`` (the generate loop and ``Generator`` call it for every token; also end
+to end through ``dx.generate`` on a model whose logits are fixed), the
 serving engine's per-row sampler ``sample_rows`` (per-request PRNG streams), and the diffusion sampler's
 confidence threshold. The reference is the rule itself, written out by hand per case.
 """
@@ -95,3 +96,33 @@ def test_k09_diffusion_threshold_exact_boundary():
     settings = settings._replace(threshold=jnp.float32(0.45))
     out = np.asarray(_commit(x, logits, 0, settings, jax.random.key(0)))[0]
     assert out.tolist() == [0, 0, 0, mask]
+
+
+def fixed_logits_model(probs):
+    """A tiny AR model whose logits are log(probs) at every position, whatever the input: every embedding row
+    is the same vector, attention and MLP outputs are zero, and the untied head maps the normalised vector
+    to log(probs) (tokens beyond len(probs) get -1e4)."""
+    import dantinox as dx
+
+    V = 16
+    cfg = dx.ModelConfig.from_preset("tiny", vocab_size=V, tie_embeddings=False)
+    model = dx.build_model(cfg, seed=0)
+    model.embed.embedding[...] = jnp.ones((V, cfg.dim), jnp.float32)
+    for blk in model.blocks:
+        blk.attn.out.kernel[...] = jnp.zeros_like(blk.attn.out.kernel[...])
+        blk.mlp.down.kernel[...] = jnp.zeros_like(blk.mlp.down.kernel[...])
+    u = np.asarray(model.final_norm(jnp.ones((1, cfg.dim), jnp.float32)))[0].astype(np.float64)
+    target = np.full(V, -1e4)
+    target[: len(probs)] = np.log(probs)
+    model.lm_head.kernel[...] = jnp.asarray(np.outer(u / (u @ u), target), jnp.float32)
+    return model
+
+
+@pytest.mark.parametrize("probs,top_p,nucleus", NUCLEUS_CASES[:3])
+def test_k09_top_p_exact_boundary_through_the_generate_loop(probs, top_p, nucleus):
+    """Prefill and the compiled decode loop of dx.generate, 1,000 rows x 4 tokens per case."""
+    import dantinox as dx
+
+    model = fixed_logits_model(probs)
+    tokens = dx.generate(model, np.zeros((1000, 1), np.int32), 4, temperature=1.0, top_p=top_p, seed=7)
+    assert set(np.asarray(tokens).ravel().tolist()) == nucleus
