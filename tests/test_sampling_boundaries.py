@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import importlib
 from dantinox.diffusion import _commit, _Settings
 from dantinox.sampling import GREEDY_TEMPERATURE, make_sampling_params, sample_next
 from dantinox.serving.runner import sample_rows
@@ -85,7 +84,7 @@ def test_k09_temperature_just_above_greedy_samples():
 
 def test_k09_diffusion_threshold_exact_boundary():
     """A confidence equal to the threshold does not exceed it: only the most confident MASK commits."""
-    mask, W, V = 3, 4, 4
+    mask, W = 3, 4
     # every slot predicts token 0; confidences 0.5 (x2: exactly the threshold), 0.6, 0.4
     rows = [[0.5, 0.4, 0.1, 0.0], [0.5, 0.25, 0.25, 0.0], [0.6, 0.3, 0.1, 0.0], [0.4, 0.3, 0.3, 0.0]]
     logits = jnp.log(jnp.asarray([rows], jnp.float32) + 1e-30)

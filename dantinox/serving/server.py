@@ -78,14 +78,13 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastA
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request, exc: RequestValidationError):
-        response = _validation_error(exc)
-        metrics.rejected(reason=f"invalid_{response[1] or 'body'}")
-        return JSONResponse(response[0], status_code=response[2])
+        body, label, status = _validation_error(exc)
+        metrics.rejected(reason=f"invalid_{label or 'body'}")
+        return JSONResponse(body, status_code=status)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest):
         return await service.complete(body, request)
-
 
     @app.get("/v1/models")
     async def models():
@@ -106,7 +105,8 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastA
 
 
 def _validation_error(exc: RequestValidationError) -> tuple[dict, str | None, int]:
-    """(error body, the JSON field or None, status) for a body FastAPI could not parse or validate."""
+    """(error body, metrics label, status) for a body FastAPI could not parse or validate: the label is the
+    JSON field, "json" (not JSON) or "body" (not an object)."""
     first = exc.errors()[0]
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
