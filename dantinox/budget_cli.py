@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 from decimal import Decimal, InvalidOperation
@@ -106,12 +107,47 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
 def run_budget(args: argparse.Namespace) -> int:
     """Print the tables; returns 0, or 1 when --measure finds a measured size that differs from the formula.
 
-    Raises ValueError / ConfigError / FileNotFoundError for bad input (the CLI prints them as one line).
+    Every value is checked and every table built before anything is printed, so bad input gives one line
+    and exit status 2 (from the CLI) with no partial table. Raises ValueError / ConfigError /
+    FileNotFoundError for bad input (the CLI prints them as one line).
     """
     from .mesh_budget import mesh_sizes_from_flag
 
     mesh_sizes = mesh_sizes_from_flag(args.mesh)  # checked before anything is printed
     cfg = load_config(args)
+    dtype, device_bytes, contexts = check_budget_args(args, cfg)
+    shape = cfg.replace(paradigm="ar", mask_token_id=None, shifted_prediction=False)  # KV sizes: paradigm-free
+    rows = attention_variants(shape, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
+    heads = [f"{c} tok" + ("^" if c > cfg.max_context else "") for c in contexts]
+    per_seq = [[label, str(kv_bytes_per_token(v, dtype))] + [_mib(kv_cache_bytes(v, 1, c, dtype))
+                                                             for c in contexts] for label, v in rows]
+    batch = [_batch_row(label, v, device_bytes, contexts, args.reserve_fraction, dtype) for label, v in rows]
+    diffusion = (diffusion_rows(cfg, contexts, dtype, args.gen_len)
+                 if cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None) else None)
+    print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
+          f"vocab {cfg.vocab_size}; cache dtype {dtype}")
+    print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes)\n")
+    if any(c > cfg.max_context for c in contexts):
+        print(f"^ longer than the model's max_context={cfg.max_context}: the model cannot run it; the figures "
+              "are for the same shape with a longer context\n")
+    print_table(["attention", "bytes/token"] + heads, per_seq, title="KV cache per sequence (MiB)")
+    notes = [f"{row[0].lstrip(' *')} {note}" for row, note in batch if note is not None]
+    print_table(["attention", "weights MiB"] + heads, [row for row, _ in batch],
+                title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
+                      f"{args.reserve_fraction:.0%}, float32 weights", notes=notes)
+    if mesh_sizes is not None:
+        from .mesh_budget import print_mesh_budget
+
+        print_mesh_budget(rows, mesh_sizes, device_bytes, contexts, args.reserve_fraction, dtype, print_table)
+    if diffusion is not None:
+        print_table(["context", "prompt", "gen_len", "DualCache", "AR cache", "ratio"], diffusion,
+                    title="Masked diffusion: DualCache (prefix + suffix KV) vs AR cache per sequence (MiB)")
+    return measure(rows, contexts, dtype) if args.measure else 0
+
+
+def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, int, list[int]]:
+    """(cache dtype, device bytes, context lengths) from the flags; ValueError naming the flag as typed for
+    any value that is not allowed (checked before anything is printed)."""
     try:
         dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype)
     except ValueError:
@@ -120,54 +156,38 @@ def run_budget(args: argparse.Namespace) -> int:
         device_bytes = parse_memory_size(args.device_memory)
     except ValueError as err:
         raise ValueError(f"--device-memory {args.device_memory!r}: {err}") from None
+    if not 0 <= args.reserve_fraction < 1:
+        raise ValueError(f"--reserve-fraction {args.reserve_fraction} is not allowed: a number in [0, 1) "
+                         "(the share of device memory kept free)")
+    for flag, value, low in (("--kv-heads", args.kv_heads, 1), ("--kv-latent-dim", args.kv_latent_dim, 1),
+                             ("--rope-head-dim", args.rope_head_dim, 0), ("--gen-len", args.gen_len, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} {value} is not allowed: an integer >= {low}")
+    if args.kv_heads is not None and cfg.n_heads % args.kv_heads:
+        raise ValueError(f"--kv-heads {args.kv_heads} is not allowed: it must divide n_heads={cfg.n_heads}")
     contexts = [int(c) for c in args.context] if args.context else default_contexts(cfg.max_context)
     for c in contexts:
         if c <= 0:
             raise ValueError(f"--context {c} is not allowed: context lengths are positive integers")
-    shape = cfg.replace(paradigm="ar", mask_token_id=None, shifted_prediction=False)  # KV sizes: paradigm-free
-    rows = attention_variants(shape, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
-    print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
-          f"vocab {cfg.vocab_size}; cache dtype {dtype}")
-    print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes)\n")
-    heads = [f"{c} tok" + ("^" if c > cfg.max_context else "") for c in contexts]
-    if any(c > cfg.max_context for c in contexts):
-        print(f"^ longer than the model's max_context={cfg.max_context}: the model cannot run it; the figures "
-              "are for the same shape with a longer context\n")
-    print_table(["attention", "bytes/token"] + heads,
-                [[label, str(kv_bytes_per_token(v, dtype))]
-                 + [_mib(kv_cache_bytes(v, 1, c, dtype)) for c in contexts] for label, v in rows],
-                title="KV cache per sequence (MiB)")
-    print_table(["attention", "weights MiB"] + heads,
-                [_batch_row(label, v, device_bytes, contexts, args.reserve_fraction, dtype)
-                 for label, v in rows],
-                title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
-                      f"{args.reserve_fraction:.0%}, float32 weights")
-    if mesh_sizes is not None:
-        from .mesh_budget import print_mesh_budget
-
-        print_mesh_budget(rows, mesh_sizes, device_bytes, contexts, args.reserve_fraction,
-                          dtype, print_table)
-    if cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None):
-        print_diffusion_table(cfg, contexts, dtype, args.gen_len)
-    return measure(rows, contexts, dtype) if args.measure else 0
+    return dtype, device_bytes, contexts
 
 
-def print_diffusion_table(cfg: ModelConfig, contexts: list[int], dtype: str, gen_len: int | None) -> None:
-    """DualCache peak bytes (dantinox.planner.diffusion_cache_bytes) next to the AR cache, one row per context:
-    prompt = context - gen_len tokens (gen_len default context // 2)."""
+def diffusion_rows(cfg: ModelConfig, contexts: list[int], dtype: str, gen_len: int | None) -> list[list[str]]:
+    """Rows of the DualCache table: peak bytes (dantinox.planner.diffusion_cache_bytes) next to the AR cache,
+    one row per context: prompt = context - gen_len tokens (gen_len default context // 2).
+    Raises ValueError naming --gen-len when it does not leave a prompt of at least one token."""
     from .planner import diffusion_cache_bytes
 
     rows = []
     for c in contexts:
         g = gen_len if gen_len is not None else c // 2
         if not 0 < g < c:
-            raise ValueError(f"--gen-len {g} is not allowed for context {c}: between 1 and {c - 1}")
+            raise ValueError(f"--gen-len {g} is not allowed for --context {c}: between 1 and {c - 1}")
         shape = cfg.replace(max_context=max(c, cfg.max_context), cache_dtype=dtype)
         r = diffusion_cache_bytes(shape, c - g, g)
         rows.append([str(c), str(c - g), str(g), _mib(r["dual_cache"]), _mib(r["ar_same_length"]),
                      f"{r['ratio_same_length']:.3f}"])
-    print_table(["context", "prompt", "gen_len", "DualCache", "AR cache", "ratio"], rows,
-                title="Masked diffusion: DualCache (prefix + suffix KV) vs AR cache per sequence (MiB)")
+    return rows
 
 
 def default_contexts(max_context: int) -> list[int]:
@@ -180,7 +200,9 @@ def load_config(args: argparse.Namespace) -> ModelConfig:
     if getattr(args, "config", None):
         return ModelConfig.from_dict(_model_fields(_read_mapping(args.config), args.config))
     if getattr(args, "run_dir", None):
-        path = os.path.join(args.run_dir, "config.json")
+        from .bundled_runs import resolve_run_dir
+
+        path = os.path.join(resolve_run_dir(args.run_dir), "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--run_dir {args.run_dir}: no config.json there")
         return ModelConfig.from_dict(_model_fields(_read_mapping(path), path))
@@ -244,13 +266,17 @@ def _default_gqa_heads(n_heads: int) -> int | None:
 
 
 def _batch_row(label: str, cfg: ModelConfig, device_bytes: int, contexts: list[int], reserve: float,
-               dtype: str) -> list[str]:
+               dtype: str) -> tuple[list[str], str | None]:
+    """(the row's cells, None), or (cells with "-" per context, the reason) when the weights do not fit."""
     weights = param_bytes(cfg)
     try:
         budget = memory_split(cfg, device_bytes, weights, reserve).kv_budget_bytes
-    except ValueError as err:
-        return [label, _mib(weights)] + ["-" for _ in contexts[:-1]] + [f"does not fit: {err}"]
-    return [label, _mib(weights)] + [str(budget // kv_cache_bytes(cfg, 1, c, dtype)) for c in contexts]
+    except ValueError:
+        kept = math.ceil(device_bytes * reserve)
+        return [label, _mib(weights)] + ["-" for _ in contexts], (
+            f"does not fit in {device_bytes} B: weights {weights} B + reserve {kept} B ({reserve:.0%}) = "
+            f"{weights + kept} B, {weights + kept - device_bytes} B more than the device has")
+    return [label, _mib(weights)] + [str(budget // kv_cache_bytes(cfg, 1, c, dtype)) for c in contexts], None
 
 
 def measure(rows: list[tuple[str, ModelConfig]], contexts: list[int], dtype: str) -> int:
@@ -297,7 +323,8 @@ def _mib(n: int) -> str:
     return f"{n / MIB:.4g}"
 
 
-def print_table(header: list[str], rows: list[list[str]], title: str) -> None:
+def print_table(header: list[str], rows: list[list[str]], title: str, notes: list[str] = ()) -> None:
+    """Print a titled, aligned table (first column left, others right), then each note on its own line."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     print(title)
     for n, row in enumerate([header] + rows):
@@ -305,5 +332,7 @@ def print_table(header: list[str], rows: list[list[str]], title: str) -> None:
                                for i, (c, w) in enumerate(zip(row, widths))))
         if n == 0:
             print("  " + "  ".join("-" * w for w in widths))
+    for note in notes:
+        print(f"  {note}")
     print()
 

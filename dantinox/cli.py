@@ -11,6 +11,7 @@
    docs/multi-device.md)
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
+  dantinox models   (the bundled models; R may be one of their names, e.g. dante-diffusion, from any directory)
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
 exit with status 2 and one line on stderr; verify exits with status 1 when the cache is not exact.
@@ -70,13 +71,13 @@ def cmd_generate(args) -> int:
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
     with naming_flag(args.mesh):
-        gen = Generator(args.run_dir, mesh=mesh_from_flag(args.mesh))
+        gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh))  # warmed up below
     ids = gen.encode(args.prompt, args.unknown)
     if gen.cfg.paradigm == "diffusion":
         return _generate_diffusion(args, gen, ids)
     given = [f"--{k}" for k in DIFFUSION_ARGS if getattr(args, k, None) is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} apply to paradigm='diffusion' models only; {gen.run_dir} holds "
+        raise ValueError(f"{_listed(given)} only for paradigm='diffusion' models; {gen.run_dir} holds "
                          f"a paradigm={gen.cfg.paradigm!r} model")
     if args.max_new_tokens is None:  # the default never asks for more than the context holds
         args.max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, gen.cfg.max_context - len(ids)))
@@ -84,6 +85,9 @@ def cmd_generate(args) -> int:
     make_sampling_params(1, args.temperature, args.top_k, args.top_p)
     if args.stream and args.no_cache:
         raise ValueError("--stream needs the cache: drop --no_cache to stream")
+    started = time.perf_counter()
+    gen.warm_up([len(ids)])
+    gen.load_seconds += time.perf_counter() - started
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
           f"({gen.warmup.compilations} compilations, {gen.warmup.cache_hits} from the persistent cache)",
           file=sys.stderr)
@@ -104,6 +108,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _listed(flags: list[str]) -> str:
+    """'--a is', '--a and --b are', '--a, --b and --c are': the flags the user gave, with the verb."""
+    names = flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
+    return f"{names} {'is' if len(flags) == 1 else 'are'}"
+
+
 DIFFUSION_ARGS = ("gen_len", "block_size", "steps_per_block", "threshold", "refresh")
 DIFFUSION_INT_ARGS = ("gen_len", "block_size", "steps_per_block")
 DEFAULT_GEN_LEN = 128
@@ -117,9 +127,11 @@ def _generate_diffusion(args, gen, ids) -> int:
     """
     from .diffusion import check_diffusion_request
 
-    if args.stream or args.top_k != 0 or args.top_p != 1.0:
-        raise ValueError("--stream, --top_k and --top_p apply to autoregressive models only; "
-                         f"{gen.run_dir} holds a paradigm='diffusion' model")
+    given = [flag for flag, used in (("--stream", args.stream), ("--top_k", args.top_k != 0),
+                                     ("--top_p", args.top_p != 1.0)) if used]
+    if given:
+        raise ValueError(f"{_listed(given)} only for autoregressive models; {gen.run_dir} holds a "
+                         "paradigm='diffusion' model")
     if args.gen_len is not None and args.max_new_tokens is not None and args.gen_len != args.max_new_tokens:
         raise ValueError(f"--gen_len {args.gen_len} and --max_new_tokens {args.max_new_tokens} disagree: on a "
                          "diffusion model both set the tokens to generate; give one of them")
@@ -146,10 +158,10 @@ def _generate_diffusion(args, gen, ids) -> int:
 def cmd_verify(args) -> int:
     """Print the largest cached-vs-uncached difference per position range; 1 if above tolerance."""
     from .train.run_dir import load_run
-    from .generator import bundled_run_dir
+    from .bundled_runs import resolve_run_dir
     from .verify import verify_cache
 
-    run_dir = args.run_dir or bundled_run_dir()
+    run_dir = resolve_run_dir(args.run_dir)
     mesh = mesh_from_flag(args.mesh)
     model, cfg, tokenizer, _ = load_run(run_dir)
     with naming_flag(args.mesh):
@@ -165,6 +177,10 @@ def cmd_verify(args) -> int:
     prompt = tokenizer.encode(args.prompt, unknown="replace")
     if len(prompt) >= cfg.max_context:
         raise CapacityError(f"--prompt has {len(prompt)} tokens; max_context={cfg.max_context} leaves no room")
+    if args.new_tokens is not None and len(prompt) + args.new_tokens > cfg.max_context:
+        raise CapacityError(f"--new_tokens {args.new_tokens} is not allowed: the prompt has {len(prompt)} tokens "
+                            f"and max_context={cfg.max_context} leaves room for at most "
+                            f"{cfg.max_context - len(prompt)} (omit --new_tokens to fill the context)")
     new_tokens = args.new_tokens or cfg.max_context - len(prompt)
     report = verify_cache(model, prompt, new_tokens, args.tolerance)
     print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype}; "
@@ -218,6 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
         budget.set_defaults(func=run_budget)
     _add_serve(sub)
     _add_import(sub)
+    from .bundled_runs import run_models
+
+    sub.add_parser("models", help="list the bundled models (usable by name: --run_dir dante-diffusion)"
+                   ).set_defaults(func=run_models)
     return parser
 
 
@@ -237,15 +257,41 @@ def _add_serve(sub) -> None:
     serve.set_defaults(func=run_serve)
 
 
+SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the console script; returns the exit status.
+
+    0 success; 1 a failed check (verify, budget --measure); 2 bad input (one line on stderr, nothing on
+    stdout); 141 when stdout was closed by its reader (``dantinox budget ... | head``): no traceback, as a
+    Unix tool ended by SIGPIPE.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         initialize_from_args(args)  # --coordinator ...: join the process group first (dantinox.distributed)
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
-        print(f"dantinox {args.command}: error: {err}", file=sys.stderr)
+        from .cli_flags import in_flags, option_names, subcommand_parser
+
+        flags = option_names(subcommand_parser(parser, args.command) or parser)
+        print(f"dantinox {args.command}: error: {in_flags(str(err), flags)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _silence_stdout()
+        return SIGPIPE_STATUS
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush of unwritten output cannot fail again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (e.g. captured by a test)
+        pass
 
 
 if __name__ == "__main__":

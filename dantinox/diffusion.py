@@ -249,6 +249,9 @@ def _first_logits_nocache(graphdef, params, x, start, key_start, *, block_size: 
     return _nocache_forward(nnx.merge(graphdef, params), x, start, key_start, block_size)
 
 
+THRESHOLD_TOLERANCE = 1e-6  # float32 rounding allowance at the confidence threshold (the K09 class)
+
+
 # One denoising step -----------------------------------------------------------------------------------------
 
 def _commit(x, logits, start, settings: "_Settings", key):
@@ -269,7 +272,8 @@ def _commit(x, logits, start, settings: "_Settings", key):
     conf = jnp.exp(jnp.take_along_axis(logits, pred[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1))
     conf = jnp.where(masked, conf, -1.0)
     rank = jnp.argsort(jnp.argsort(-conf, axis=-1, stable=True), axis=-1, stable=True)  # 0 = most confident
-    commit = masked & ((rank < settings.per_step) | (conf > settings.threshold))
+    # strictly above the threshold, with a float32 allowance so a confidence equal to it never rounds over
+    commit = masked & ((rank < settings.per_step) | (conf > settings.threshold + THRESHOLD_TOLERANCE))
     return jax.lax.dynamic_update_slice_in_dim(x, jnp.where(commit, pred, block), start, axis=1)
 
 

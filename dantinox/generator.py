@@ -14,32 +14,56 @@ from __future__ import annotations
 
 import os
 import time
-from importlib import resources
 from typing import Iterator
 
 import numpy as np
 
+from .bundled_runs import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # noqa: F401 (re-exported)
 from .compile_count import CompileCounter
-from .generate import generate_result, stream_tokens
+from .generate import bucket_length, generate_result, stream_tokens
 from .sharding import shard_model
 from .train.run_dir import load_run
 from .train.tokenizer import StreamDecoder
 
-BUNDLED_RUN = "dante"
+BUNDLED_RUN = DEFAULT_BUNDLED
 
 
-def bundled_run_dir(name: str = BUNDLED_RUN) -> str:
-    """Path of a run directory shipped inside the package (default: the Divina Commedia GQA model)."""
-    return os.fspath(resources.files("dantinox") / "bundled" / name)
+def prompt_buckets(max_context: int) -> list[int]:
+    """The prompt lengths (tokens) prefill compiles for: one per bucket of ``bucket_length``, each the
+    longest prompt of its bucket that leaves room for one new token (e.g. 16, 32, 64, 127 for S = 128)."""
+    buckets, n = [], 1
+    while n < max_context:
+        bucket = bucket_length(n, max_context)
+        buckets.append(min(bucket, max_context - 1))
+        n = bucket + 1
+    return buckets
+
+
+def warm_up(model, prompt_lengths: list[int] | None = None) -> None:
+    """Compile prefill and the decode loop (batch 1) of an AR model by running them on token 0: one 1-token
+    generation per prompt bucket (prefill only) and one 2-token generation (it enters the decode loop, which
+    a 1-token generation never does). prompt_lengths: the prompt lengths (tokens) to prepare for; None =
+    every bucket up to max_context. The step bound, seed and sampling settings are traced, so later calls
+    with any of them compile nothing."""
+    S = model.cfg.max_context
+    lengths = prompt_buckets(S) if prompt_lengths is None else sorted(
+        {min(bucket_length(n, S), S - 1) for n in prompt_lengths})
+    for length in lengths:
+        generate_result(model, [0] * length, 1)
+    generate_result(model, [0], 2, temperature=1.0)
 
 
 class Generator:
     """A loaded model with its tokenizer, ready to generate text.
 
     Args:
-      run_dir: a run directory from ``dantinox train``; None loads the bundled model.
-      warmup: run one 1-token generation at load time so the first real call is not slowed by compilation
-        (compiles prefill for the smallest prompt bucket and the decode loop for batch 1).
+      run_dir: a run directory from ``dantinox train``, or the name of a bundled model ("dante",
+        "dante-diffusion"; see ``dantinox.bundled_runs``); None loads the bundled "dante" model.
+      warmup: compile at load time what a single-prompt ``generate`` or ``stream`` runs, so no such call
+        compiles anything afterwards, whatever its prompt length and max_new_tokens up to max_context:
+        prefill for every prompt bucket (16, 32, ... max_context tokens) and the decode loop, at batch 1
+        (see ``warm_up``). A batch of several prompts compiles its batch size on first use. Autoregressive
+        models only (diffusion compiles per (bucket, gen_len, block_size)).
       mesh: a ``dantinox.make_mesh`` mesh to shard the parameters over (every generation then runs on it;
         docs/multi-device.md); None: one device.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter).
@@ -49,14 +73,22 @@ class Generator:
 
     def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, mesh=None):
         start = time.perf_counter()
-        self.run_dir = os.fspath(run_dir) if run_dir is not None else bundled_run_dir()
+        self.run_dir = resolve_run_dir(run_dir)
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
         shard_model(self.model, mesh)
         self.warmup = CompileCounter()
-        if warmup and self.cfg.paradigm == "ar":  # diffusion compiles per (bucket, gen_len, block_size)
-            with self.warmup:
-                generate_result(self.model, [0], 1)
+        if warmup:
+            self.warm_up()
         self.load_seconds = time.perf_counter() - start
+
+    def warm_up(self, prompt_lengths: list[int] | None = None) -> CompileCounter:
+        """Compile what generate / stream will run (see :func:`warm_up`; prompt_lengths None = every prompt
+        bucket). Returns and keeps (``self.warmup``) the CompileCounter. Nothing to do for a diffusion
+        model (it compiles per (bucket, gen_len, block_size))."""
+        if self.cfg.paradigm == "ar":
+            with self.warmup:
+                warm_up(self.model, prompt_lengths)
+        return self.warmup
 
     def encode(self, text: str, unknown: str = "error") -> list[int]:
         """Token ids of a prompt. Raises ValueError for an empty prompt or unknown characters (see module doc)."""

@@ -7,7 +7,11 @@ batch may use different settings. Rules:
   - top_k = 0 disables top-k; otherwise only the k highest-scoring tokens may be drawn.
   - top_p = 1.0 disables nucleus sampling; otherwise the smallest set of highest-probability tokens whose
     probability mass reaches top_p is kept (Holtzman et al. 2020, "The Curious Case of Neural Text
-    Degeneration", section 3.1). The most likely token is always kept.
+    Degeneration", section 3.1). The most likely token is always kept. A token is kept when the mass of
+    the tokens sorted before it (an exclusive cumulative sum) is below top_p - TOP_P_TOLERANCE: softmax
+    and the sum round in float32, so a mass that equals top_p exactly (probabilities 0.5, 0.4, 0.1 with
+    top_p 0.5) may come out a few ulp below it and would otherwise keep a token outside the nucleus
+    (case K09). The nucleus kept thus has mass >= top_p - TOP_P_TOLERANCE.
 Shape letters: B batch, V vocabulary.
 """
 
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 GREEDY_TEMPERATURE = 1e-5
+TOP_P_TOLERANCE = 1e-6  # float32 rounding allowance at the top-p boundary (K09)
 _MASKED = -1e30
 
 
@@ -92,8 +97,8 @@ def _draw(logits, key, params: SamplingParams, greedy_choice, is_greedy) -> jax.
     keep = (params.top_k[:, None] == 0) | (rank < params.top_k[:, None])
     sorted_scores = jnp.where(keep, sorted_scores, _MASKED)
     probs = jax.nn.softmax(sorted_scores, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = keep & ((mass_before < params.top_p[:, None]) | (rank == 0))
+    mass_before = jnp.concatenate([jnp.zeros_like(probs[:, :1]), jnp.cumsum(probs, axis=-1)[:, :-1]], axis=-1)
+    keep = keep & ((mass_before < params.top_p[:, None] - TOP_P_TOLERANCE) | (rank == 0))
     sorted_scores = jnp.where(keep, sorted_scores, _MASKED)
     pick = jax.random.categorical(key, sorted_scores, axis=-1)
     sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)

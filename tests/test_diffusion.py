@@ -249,7 +249,7 @@ def test_shifted_objective_scores_token_i_at_position_i_minus_1():
     (["--max_new_tokens", "0"], "--max_new_tokens 0 is not allowed"),
     (["--gen_len", "32", "--max_new_tokens", "5"], "--gen_len 32 and --max_new_tokens 5 disagree"),
     (["--gen_len", "32", "--seed", "-1"], "--seed -1 is not allowed"),
-    (["--gen_len", "32", "--steps_per_block", "3"], "steps_per_block=3 is not allowed"),
+    (["--gen_len", "32", "--steps_per_block", "3"], "--steps_per_block 3 is not allowed"),
 ])
 def test_diffusion_cli_flags_are_checked_before_printing(flags, message, capsys):
     import os

@@ -87,8 +87,8 @@ def test_cli_generate_verify_and_errors(run_dir, capsys):
     assert "PASS" in capsys.readouterr().out
     assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--max_new_tokens", "100"]) == 2
     assert "max_context=64" in capsys.readouterr().err
-    for bad, message in ((["--temperature", "-1"], "temperature=-1.0"), (["--top_p", "0"], "top_p=0.0"),
-                         (["--top_k", "-2"], "top_k=-2"), (["--stream", "--no_cache"], "--stream needs")):
+    for bad, message in ((["--temperature", "-1"], "--temperature -1.0"), (["--top_p", "0"], "--top_p 0.0"),
+                         (["--top_k", "-2"], "--top_k -2"), (["--stream", "--no_cache"], "--stream needs")):
         assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--max_new_tokens", "9"] + bad) == 2
         captured = capsys.readouterr()
         assert message in captured.err and captured.out == ""

@@ -45,8 +45,15 @@ class ServerMetrics:
     def finished(self, reason: str | None) -> None:
         self.requests.labels(finish_reason=reason or "unknown").inc()
 
-    def rejected(self, err: Exception) -> None:
-        reason = "queue_full" if type(err).__name__ == "QueueFullError" else "invalid"
+    def rejected(self, err: Exception | None = None, reason: str | None = None) -> None:
+        """Count one rejected request under one reason label: ``reason`` if given, else from ``err``:
+        "queue_full" (QueueFullError, 429), "invalid_<field>" (a RequestError naming the JSON field, 400),
+        or "invalid". The server passes "invalid_json" / "invalid_body" (a body that is not JSON or not an
+        object), "invalid_<field>" (a type error in one field, 422) and "unavailable" (503)."""
+        if reason is None:
+            field = getattr(err, "field", None)
+            reason = ("queue_full" if type(err).__name__ == "QueueFullError"
+                      else f"invalid_{field}" if field else "invalid")
         self.rejections.labels(reason=reason).inc()
 
     def update(self, stats: dict) -> None:

@@ -12,10 +12,12 @@ FastAPI and uvicorn are imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
 import os
 import re
+import socket
 
 from ..mesh import add_mesh_argument, mesh_from_flag, naming_flag, parse_mesh
 
@@ -94,12 +96,12 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 def build_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the parsed arguments. Raises RunDirError / ValueError."""
-    from ..generator import bundled_run_dir
+    from ..bundled_runs import resolve_run_dir
     from ..train.run_dir import load_run
     from .engine import EngineConfig, PagedEngine
 
     check_serve_args(args)
-    run_dir = args.run_dir or bundled_run_dir()
+    run_dir = resolve_run_dir(args.run_dir)
     model, cfg, tokenizer, _ = load_run(run_dir)
     config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
                           max_queued=args.max_queued, max_batched_tokens=args.max_batched_tokens,
@@ -115,14 +117,46 @@ def build_engine(args: argparse.Namespace):
     return PagedEngine(model, config), tokenizer, name
 
 
+def bind_address(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), for uvicorn to listen on; checked before the model loads, so a
+    port in use is reported in a second, not after loading and warm-up. Raises ValueError naming --port
+    (address in use, permission denied) or --host (cannot be resolved or assigned)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host!r} cannot be resolved: {err.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port} is in use on {host}: stop the other server or choose another "
+                             "--port") from None
+        if err.errno == errno.EACCES:
+            raise ValueError(f"--port {port} needs privileges on {host}: choose a port above 1023") from None
+        raise ValueError(f"--host {host} --port {port} cannot be bound: {err.strerror}") from None
+    return sock
+
+
+def configure_logging() -> None:
+    """INFO lines from dantinox and uvicorn only; other libraries (JAX's backend probing, which logs an INFO
+    line about a missing TPU library on every start) only from WARNING up."""
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("dantinox").setLevel(logging.INFO)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``dantinox serve``; blocks until the server stops (Ctrl-C)."""
     check_serve_args(args)  # before uvicorn and the model are imported / loaded
+    sock = bind_address(args.host, args.port)
     import uvicorn
 
     from .server import create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     log = logging.getLogger("dantinox.serving")
     engine, tokenizer, name = build_engine(args)
     log.info(kv_summary(engine))
@@ -135,5 +169,8 @@ def run_serve(args: argparse.Namespace) -> int:
         counted = engine.warmup()
         log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,
                  counted.cache_hits, counted.seconds)
-    uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="info")
+    config = uvicorn.Config(create_app(engine, tokenizer, name), host=args.host, port=args.port,
+                            log_level="info")
+    log.info("listening on http://%s:%d (Ctrl-C to stop)", args.host, args.port)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

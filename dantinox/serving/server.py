@@ -14,9 +14,13 @@ Design (threads and queues):
      log-probabilities when asked (``logprobs``, see ``dantinox.serving.protocol``), and answers with one
      JSON body or with server-sent events (``stream=true``, one choice per chunk) ending in
      ``data: [DONE]``.
-  4. A stop string, or a client that disconnects (the event stream is cancelled, or a non-streaming
-     request finds ``is_disconnected()``), sends an abort to the worker: the request leaves the engine and
-     its KV blocks are freed at once.
+  4. A stop string, or a client that disconnects, sends an abort to the worker: the request leaves the
+     engine and its KV blocks are freed at once. The stop string's abort carries the reason "stop", so
+     /metrics counts that request as finished by "stop", not "abort" (K10). A disconnect is noticed while
+     tokens flow: a watcher task polls ``is_disconnected()`` every DISCONNECT_POLL_S seconds beside the
+     token loop, for plain and streamed requests alike, and aborts every unfinished choice (case K10).
+  5. Every request answered with 400, 422, 429 or 503 is counted once in
+     ``dantinox_requests_rejected_total`` under one reason label (see ``ServerMetrics.rejected``).
 Endpoints: POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text format).
 """
 
@@ -38,7 +42,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..train.tokenizer import StreamDecoder
+from ..train.tokenizer import StreamDecoder, UnknownCharactersError
 from .engine import Engine
 from .metrics import ServerMetrics
 from .protocol import (CompletionRequest, LogprobsLog, StopChecker, choice_body, completion_body, error_body,
@@ -49,7 +53,9 @@ from .worker import EngineWorker
 log = logging.getLogger("dantinox.serving")
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions, cut to what is left of the context
-POLL_S = 0.5  # how often a waiting handler checks the worker's health and the client's connection
+POLL_S = 0.5  # how often a waiting handler checks the worker's health
+DISCONNECT_POLL_S = 0.1  # how often the watcher asks whether the client is still connected (K10)
+_GONE = ("gone",)  # the event the watcher puts on a request's queue when its client disconnected
 
 
 def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastAPI:
@@ -68,23 +74,13 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastA
 
     app = FastAPI(title="dantinox", lifespan=lifespan)
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine
-    service = _Service(worker, tokenizer, model_name, engine.max_context)
+    service = _Service(worker, tokenizer, model_name, engine.max_context, metrics)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        loc = tuple(first.get("loc", ()))
-        if first.get("type") == "json_invalid":
-            detail = first.get("ctx", {}).get("error", first.get("msg"))
-            return JSONResponse(error_body(f"the request body is not valid JSON: {detail}", "body"),
-                                status_code=400)
-        if loc == ("body",):
-            what = "missing" if first.get("type") == "missing" else "not a JSON object"
-            return JSONResponse(error_body(f"the request body is {what}: send a JSON object with at least "
-                                           "'prompt'", "body"), status_code=400)
-        field = str(loc[1]) if len(loc) > 1 else None  # the top-level field (later parts name union members)
-        return JSONResponse(error_body(f"{field}: {first.get('msg')} (got {first.get('input')!r})", field),
-                            status_code=422)
+        body, label, status = _validation_error(exc)
+        metrics.rejected(reason=f"invalid_{label or 'body'}")
+        return JSONResponse(body, status_code=status)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest):
@@ -108,15 +104,32 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastA
     return app
 
 
+def _validation_error(exc: RequestValidationError) -> tuple[dict, str | None, int]:
+    """(error body, metrics label, status) for a body FastAPI could not parse or validate: the label is the
+    JSON field, "json" (not JSON) or "body" (not an object)."""
+    first = exc.errors()[0]
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first.get("msg"))
+        return error_body(f"the request body is not valid JSON: {detail}", "body"), "json", 400
+    if loc == ("body",):
+        what = "missing" if first.get("type") == "missing" else "not a JSON object"
+        return (error_body(f"the request body is {what}: send a JSON object with at least 'prompt'", "body"),
+                "body", 400)
+    field = str(loc[1]) if len(loc) > 1 else None  # the top-level field (later parts name union members)
+    return error_body(f"{field}: {first.get('msg')} (got {first.get('input')!r})", field), field, 422
+
+
 class _Service:
     """The completions endpoint's logic (one instance per app)."""
 
-    def __init__(self, worker: EngineWorker, tokenizer, model_name: str, max_context: int):
-        self.worker, self.tokenizer = worker, tokenizer
+    def __init__(self, worker: EngineWorker, tokenizer, model_name: str, max_context: int, metrics):
+        self.worker, self.tokenizer, self.metrics = worker, tokenizer, metrics
         self.model_name, self.max_context = model_name, max_context
 
     async def complete(self, body: CompletionRequest, request: HttpRequest):
         if not self.worker.alive:
+            self.metrics.rejected(reason="unavailable")
             return JSONResponse(error_body("the engine is not running", None, "server_error"),
                                 status_code=503)
         try:
@@ -127,19 +140,21 @@ class _Service:
             prompt_ids = self._encode(body.prompt)
             options = self._options(body, len(prompt_ids))
         except RequestError as err:
+            self.metrics.rejected(err)
             return JSONResponse(error_body(str(err), err.field), status_code=400)
         cid = f"cmpl-{uuid.uuid4().hex}"
         rids = [f"{cid}-{i}" for i in range(body.n)]
         events: asyncio.Queue = asyncio.Queue()
         self.worker.submit(rids, prompt_ids, options, asyncio.get_running_loop(), events)
-        first = await _next_event(events, self.worker, None)
+        first = await _next_event(events, self.worker)
         if first[0] == "dead":
+            self.metrics.rejected(reason="unavailable")
             return JSONResponse(error_body(first[1], None, "server_error"), status_code=503)
-        if first[0] == "rejected":
+        if first[0] == "rejected":  # the worker counted it
             return _rejection(first[1])
         session = _Completion(self, cid, rids, len(prompt_ids), body, events)
         if body.stream:
-            return StreamingResponse(session.sse(), media_type="text/event-stream")
+            return StreamingResponse(session.sse(request), media_type="text/event-stream")
         return await session.respond(request)
 
     def _encode(self, prompt) -> list[int]:
@@ -150,8 +165,11 @@ class _Service:
                 raise RequestError("prompt", "prompt is empty: give at least one character")
             try:
                 return self.tokenizer.encode(prompt, unknown="error")
+            except UnknownCharactersError as err:  # no Python or CLI remedy: say what the client can do
+                raise RequestError("prompt", f"prompt: {err.detail} This server does not replace them: remove "
+                                   "them from 'prompt', or send 'prompt' as a list of token ids.") from err
             except ValueError as err:
-                raise RequestError("prompt", str(err)) from err
+                raise RequestError("prompt", f"prompt: {err}") from err
         return list(prompt)
 
     def _options(self, body: CompletionRequest, prompt_tokens: int) -> list[SamplingOptions]:
@@ -171,16 +189,25 @@ def _rejection(err: Exception) -> JSONResponse:
     return JSONResponse(error_body(str(err), getattr(err, "field", None)), status_code=400)
 
 
-async def _next_event(events: asyncio.Queue, worker: EngineWorker, request: HttpRequest | None):
+async def _next_event(events: asyncio.Queue, worker: EngineWorker):
     """The next reply on ``events``; ("dead", message) if the worker died; None if the client went away."""
     while True:
         try:
-            return await asyncio.wait_for(events.get(), POLL_S)
+            event = await asyncio.wait_for(events.get(), POLL_S)
         except asyncio.TimeoutError:
             if not worker.alive:
                 return ("dead", f"engine stopped: {worker.error}")
-            if request is not None and await request.is_disconnected():
-                return None
+            continue
+        return None if event == _GONE else event
+
+
+async def _watch_disconnect(request: HttpRequest, events: asyncio.Queue) -> None:
+    """Put _GONE on ``events`` once the client has disconnected; polls every DISCONNECT_POLL_S seconds, so a
+    disconnect is noticed within that time whether or not tokens are flowing (K10). Cancelled when the
+    response is complete."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    events.put_nowait(_GONE)
 
 
 class _Choice:
@@ -244,9 +271,19 @@ class _Completion:
 
     async def pieces(self, request: HttpRequest | None = None):
         """Yield (choice, text) as text arrives, and (choice, "") once when a choice ends, until every choice
-        has ended (or the client went away: then every unfinished choice is aborted and nothing more comes)."""
+        has ended (or the client went away: then every unfinished choice is aborted and nothing more comes).
+        With ``request``, a watcher task notices a disconnect while tokens flow (K10)."""
+        watcher = None if request is None else asyncio.create_task(_watch_disconnect(request, self.events))
+        try:
+            async for item in self._pieces():
+                yield item
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    async def _pieces(self):
         while not self.done:
-            event = await _next_event(self.events, self.service.worker, request)
+            event = await _next_event(self.events, self.service.worker)
             if event is None:  # the client disconnected
                 self._abort()
                 return
@@ -261,8 +298,8 @@ class _Completion:
             if choice is None or choice.done:  # e.g. the final "abort" output after a stop string
                 continue
             text = choice.push(out)
-            if choice.done and not out.finished:
-                self.service.worker.abort(choice.rid)
+            if choice.done and not out.finished:  # a stop string: finished by "stop" in the metrics
+                self.service.worker.abort(choice.rid, reason="stop")
             if text or choice.done:
                 yield choice, text
 
@@ -288,10 +325,10 @@ class _Completion:
         choices = [c.body(texts[c.index], c.finish_reason, stream=False) for c in self.choices]
         return JSONResponse(completion_body(self.cid, self.service.model_name, choices, self._usage()))
 
-    async def sse(self):
+    async def sse(self, request: HttpRequest | None = None):
         name = self.service.model_name
         try:
-            async for choice, text in self.pieces():
+            async for choice, text in self.pieces(request):
                 if text:
                     yield _event(completion_body(self.cid, name, [choice.body(text, None, True)], None))
                 if not choice.done:

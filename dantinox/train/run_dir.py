@@ -111,7 +111,8 @@ def truncate_log(out_dir: str | os.PathLike, last_step: int) -> None:
 
 
 def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, TextTokenizer, dict]:
-    """Load a run directory written by :func:`save_run`.
+    """Load a run directory written by :func:`save_run`, or a bundled model by name (a path that does not
+    exist but names one, see ``dantinox.bundled_runs``).
 
     Returns (model, cfg, tokenizer, summary): a Transformer with the saved float32 weights, its ModelConfig,
     the TextTokenizer and the model_summary.json dict ({} if that file is absent).
@@ -120,9 +121,12 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, Text
     shape or dtype mismatch, with expected and found shapes), a tokenizer whose vocab_size differs from
     config.vocab_size.
     """
-    run_dir = os.fspath(run_dir)
+    from ..bundled_runs import bundled_names, resolve_run_dir
+
+    run_dir = resolve_run_dir(run_dir)
     if not os.path.isdir(run_dir):
-        what = "is a file, not a directory" if os.path.exists(run_dir) else "does not exist"
+        what = ("is a file, not a directory" if os.path.exists(run_dir) else
+                f"does not exist (bundled models, usable by name from any directory: {', '.join(bundled_names())})")
         raise RunDirError(f"run directory {run_dir!r} {what}")
     for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE):
         if not os.path.isfile(os.path.join(run_dir, name)):

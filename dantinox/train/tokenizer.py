@@ -66,7 +66,7 @@ class TextTokenizer:
             # Char tokens are one per code point, so token index == character offset.
             where = np.flatnonzero(np.asarray(ids, np.int64) == self.unk_id)
             if where.size:
-                raise ValueError(_unknown_message(text, where))
+                raise UnknownCharactersError(_unknown_message(text, where))
         return ids
 
     def decode(self, ids) -> str:
@@ -121,13 +121,22 @@ def _infer_kind(data: dict) -> str:
     raise ValueError(f"model type {model_type!r} is neither WordLevel (char) nor BPE")
 
 
+class UnknownCharactersError(ValueError):
+    """Characters outside a char vocabulary. ``detail`` says which and where; the message adds the Python
+    remedy (``unknown='replace'``), which the CLI spells ``--unknown replace`` and the HTTP server replaces
+    with its own (it has no such option)."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"{detail} Pass unknown='replace' to map them to {UNK!r}, or train the tokenizer on "
+                         "text that has them.")
+        self.detail = detail
+
+
 def _unknown_message(text: str, where: np.ndarray) -> str:
     shown = ", ".join(f"{text[i]!r} (U+{ord(text[i]):04X}) at {i}" for i in where[:10])
     more = f" and {where.size - 10} more" if where.size > 10 else ""
     distinct = sorted({text[i] for i in where})
-    return (f"{where.size} character(s) outside the char vocabulary: {shown}{more}; distinct: {distinct}. "
-            f"Pass unknown='replace' (command line: --unknown replace) to map them to {UNK!r}, or train the "
-            "tokenizer on text that has them.")
+    return f"{where.size} character(s) outside the char vocabulary: {shown}{more}; distinct: {distinct}."
 
 
 def train_tokenizer(text: str, kind: str = "char", vocab_size: int | None = None) -> TextTokenizer:

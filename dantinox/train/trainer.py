@@ -85,6 +85,8 @@ class TrainConfig:
     mesh: "data=D,model=M" to train on D x M devices (batch_size must divide by D); fsdp: also split the
     parameters and optimizer state over data (see dantinox.train.sharded). Neither changes the trajectory, so
     a checkpoint resumes on any mesh.
+    schedule_steps: steps of the warmup + cosine schedule (None: steps); after them the learning rate stays
+    at min_lr. Resuming with a larger steps (extending a run) keeps the checkpoint's schedule_steps.
     """
 
     tokenizer: str = "char"
@@ -106,6 +108,7 @@ class TrainConfig:
     init_from: str | None = None
     mesh: str | None = None
     fsdp: bool = False
+    schedule_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokenizer not in KINDS:
@@ -114,7 +117,7 @@ class TrainConfig:
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("checkpoint_every", "seed"):
             _check_int(name, getattr(self, name), minimum=0)
-        for name in ("seq_len", "warmup_steps"):
+        for name in ("seq_len", "warmup_steps", "schedule_steps"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1 if name == "seq_len" else 0)
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
@@ -134,18 +137,21 @@ class TrainConfig:
             object.__setattr__(self, "init_from", os.fspath(self.init_from))
 
     def resolved(self, cfg: ModelConfig) -> "TrainConfig":
-        """Fill seq_len and warmup_steps defaults; raise TrainError if they do not fit cfg / steps."""
+        """Fill seq_len, warmup_steps and schedule_steps defaults; raise TrainError if they do not fit cfg /
+        steps."""
         seq_len = cfg.max_context if self.seq_len is None else self.seq_len
         if seq_len > cfg.max_context:
             _bad("seq_len", seq_len, f"at most the model's max_context={cfg.max_context}")
-        warmup = min(100, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
-        if warmup >= self.steps:
-            _bad("warmup_steps", warmup, f"fewer than steps={self.steps}")
-        return dataclasses.replace(self, seq_len=seq_len, warmup_steps=warmup)
+        schedule = self.steps if self.schedule_steps is None else self.schedule_steps
+        warmup = min(100, schedule // 10) if self.warmup_steps is None else self.warmup_steps
+        if warmup >= schedule:
+            _bad("warmup_steps", warmup, f"fewer than steps={schedule}")
+        return dataclasses.replace(self, seq_len=seq_len, warmup_steps=warmup, schedule_steps=schedule)
 
 
 # Options that shape the training trajectory: a checkpoint only resumes under the same values.
-TRAJECTORY_FIELDS = ("tokenizer", "bpe_vocab_size", "steps", "batch_size", "seq_len", "lr", "min_lr",
+# (steps is not one: a run may be extended; its schedule_steps stays, see continue_options.)
+TRAJECTORY_FIELDS = ("tokenizer", "bpe_vocab_size", "schedule_steps", "batch_size", "seq_len", "lr", "min_lr",
                      "warmup_steps", "weight_decay", "grad_clip", "seed", "val_fraction")
 
 
@@ -166,9 +172,10 @@ def decay_mask(params):
 
 
 def learning_rate_schedule(opts: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0 to opts.lr over warmup_steps, then cosine decay to min_lr at opts.steps."""
+    """Linear warmup from 0 to opts.lr over warmup_steps, cosine decay to min_lr at opts.schedule_steps, then
+    min_lr (the steps an extended run adds; optax holds the end value after decay_steps)."""
     return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=opts.lr,
-                                              warmup_steps=opts.warmup_steps, decay_steps=opts.steps,
+                                              warmup_steps=opts.warmup_steps, decay_steps=opts.schedule_steps,
                                               end_value=opts.min_lr)
 
 
@@ -218,7 +225,7 @@ def training_loss(graphdef, params, rest, windows: jax.Array, noise: jax.Array |
 
 
 # Options baked into the compiled update (the learning-rate schedule and the optimizer).
-OPTIMIZER_FIELDS = ("steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
+OPTIMIZER_FIELDS = ("schedule_steps", "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip")
 
 
 def make_step_functions(graphdef, opts: TrainConfig):
@@ -329,7 +336,8 @@ def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.Path
                          f"{[f.name for f in dataclasses.fields(TrainConfig)]}")
     if options.get("init_from") is not None:
         options = _tokenizer_options_from(options)
-    opts = TrainConfig(**options).resolved(cfg)
+    opts = TrainConfig(**options)
+    opts.resolved(cfg)  # bad options fail before the data is read (resuming may fill defaults differently)
     if stop_at is not None:
         _check_int("stop_at", stop_at, minimum=1)
     session = _start_session(cfg, os.fspath(data_path), os.fspath(out_dir), opts, log)
@@ -356,6 +364,7 @@ def _start_session(cfg: ModelConfig, data_path: str, out_dir: str, opts: TrainCo
     train_text, val_text = split_text(text, opts.val_fraction)
     ckpt_dir = os.path.join(out_dir, "checkpoint")
     meta = ckpt.read_checkpoint_meta(ckpt_dir) if opts.resume else None
+    opts = (continue_options(opts, meta, ckpt_dir) if meta is not None else opts).resolved(cfg)
     if meta is not None:
         tokenizer = TextTokenizer.from_json(meta["tokenizer"])
     elif opts.init_from is not None:
@@ -396,14 +405,36 @@ def _start_session(cfg: ModelConfig, data_path: str, out_dir: str, opts: TrainCo
     return s
 
 
+RESUME_HINT = "; pass resume=False to start over, or use another out_dir"
+
+
+def continue_options(opts: TrainConfig, meta: dict, ckpt_dir: str) -> TrainConfig:
+    """The options of a resumed run: steps may differ from the checkpoint's (a finished run is extended by
+    a larger steps), while the learning-rate schedule stays the checkpoint's: schedule_steps, and
+    warmup_steps and seq_len when not given, come from it, so the extension trains at min_lr.
+    Raises TrainError when steps is below the checkpoint's step."""
+    saved = meta.get("train_options", {})
+    at = int(meta.get("step", 0))
+    if opts.steps < at:
+        raise TrainError(f"training option steps={opts.steps} is not allowed: the checkpoint {ckpt_dir} is at "
+                         f"step {at}; give steps={at} or more to continue it (more steps extend the run at "
+                         f"min_lr){RESUME_HINT}")
+    fill = {name: saved.get(name) for name in ("warmup_steps", "seq_len") if getattr(opts, name) is None}
+    if opts.schedule_steps is None:
+        fill["schedule_steps"] = saved.get("schedule_steps") or saved.get("steps")
+    return dataclasses.replace(opts, **{k: v for k, v in fill.items() if v is not None})
+CLI_RESUME_HINT = "; pass --no_resume to start over, or write to another --out directory"
+
+
 def _check_resumable(meta: dict, cfg: ModelConfig, opts: TrainConfig, sha: str, ckpt_dir: str) -> None:
-    hint = "; pass resume=False (--no_resume) to start over, or use another out_dir"
+    hint = RESUME_HINT
     saved_cfg = meta.get("model_config", {})
     for name, value in cfg.to_dict().items():
         if saved_cfg.get(name) != value:
             raise TrainError(f"checkpoint {ckpt_dir} was made with ModelConfig.{name}="
                              f"{saved_cfg.get(name)!r}, not {value!r}{hint}")
     saved_opts = meta.get("train_options", {})
+    saved_opts = {**saved_opts, "schedule_steps": saved_opts.get("schedule_steps") or saved_opts.get("steps")}
     for name in TRAJECTORY_FIELDS:
         if saved_opts.get(name) != getattr(opts, name):
             raise TrainError(f"checkpoint {ckpt_dir} was made with {name}={saved_opts.get(name)!r}, not "
@@ -602,7 +633,10 @@ def run_train_from_args(args) -> int:
         options["resume"] = False
     if args.fsdp:
         options["fsdp"] = True
-    train(cfg, args.data, args.out, progress=not args.no_progress, **options)
+    try:
+        train(cfg, args.data, args.out, progress=not args.no_progress, **options)
+    except TrainError as err:  # the Python remedy, in the flags a command-line user types
+        raise TrainError(str(err).replace(RESUME_HINT, CLI_RESUME_HINT)) from None
     return 0
 
 

@@ -1,0 +1,48 @@
+"""After ``Generator(...)`` a generate or stream call of any prompt length and any max_new_tokens up to the
+context compiles nothing. Run in a subprocess with the persistent compilation cache off (DANTINOX_XLA_CACHE=off),
+so a cache load cannot stand in for a compilation and the test process's own compilations do not count."""
+
+import json
+import os
+import subprocess
+import sys
+
+from dantinox.generator import prompt_buckets
+from test_generator_cli import make_run
+
+CHILD = r"""
+import json, sys
+from dantinox import CompileCounter
+from dantinox.generator import Generator
+gen = Generator(sys.argv[1])
+S = gen.cfg.max_context
+counts = []
+for prompt_len, new in [(1, 1), (1, S - 1), (5, 2), (17, 30), (40, 10), (S - 1, 1), (33, S - 33)]:
+    prompt = ("Nel mezzo del cammin di nostra vita " * 4)[:prompt_len]
+    with CompileCounter() as counted:
+        gen.generate(prompt, new, temperature=0)
+        gen.generate(prompt, new, temperature=0.9, top_k=5, top_p=0.8, seed=3)
+        "".join(gen.stream(prompt, new, temperature=0.7, chunk_size=3))
+    counts.append(counted.compilations)
+print(json.dumps({"warmup": gen.warmup.compilations, "after": counts}))
+"""
+
+
+def test_generator_warmup_covers_prefill_buckets_and_the_decode_loop(tmp_path):
+    run_dir = make_run(tmp_path / "tiny", attention="gqa", kv_heads=2)  # max_context 64, char tokenizer
+    env = {**os.environ, "DANTINOX_XLA_CACHE": "off", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", CHILD, run_dir], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["warmup"] > 0
+    assert result["after"] == [0] * 7
+
+
+def test_prompt_buckets_cover_every_prompt_length():
+    from dantinox.generate import bucket_length
+
+    for S in (16, 17, 64, 100, 256):
+        buckets = prompt_buckets(S)
+        assert {bucket_length(n, S) for n in range(1, S)} == {bucket_length(b, S) for b in buckets}
+        assert all(b < S for b in buckets)
