@@ -138,7 +138,8 @@ def run_budget(args: argparse.Namespace) -> int:
                  for label, v in rows],
                 title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
                       f"{args.reserve_fraction:.0%}, float32 weights")
-    print_dtype_table(rows)
+    if dtype == "int8":
+        print_dtype_table(rows)
     if cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None):
         if dtype == "int8":
             print("Masked diffusion: no DualCache table for --dtype int8 (the DualCache has no int8 form)\n")
@@ -148,7 +149,8 @@ def run_budget(args: argparse.Namespace) -> int:
 
 
 def print_dtype_table(rows: list[tuple[str, ModelConfig]]) -> None:
-    """KV bytes per token (all layers) of each attention variant in every cache dtype, with int8 / float32."""
+    """KV bytes per token (all layers) of each attention variant in every cache dtype, with int8 / float32
+    (printed for --dtype int8)."""
     names = ["float32", "bfloat16", "int8"]
     table = []
     for label, v in rows:
