@@ -188,3 +188,19 @@ def test_verify_cli_with_kv_dtype_int8_passes_and_prints_the_distance_to_the_flo
     assert "cache=int8" in out and "PASS" in out
     distance = float(out.split("float32 cached| logits = ")[1].split()[0])
     assert distance > 1e-5
+
+
+def test_generate_with_kv_dtype_int8_uses_an_int8_cache_with_the_run_parameters(float_run, capsys):
+    from dantinox.generator import Generator
+
+    gen = Generator(float_run, warmup=False, kv_dtype="int8")
+    plain = Generator(float_run, warmup=False)
+    assert gen.cfg.cache_dtype == "int8" and plain.cfg.cache_dtype == "float32"
+    assert isinstance(dx.init_cache(gen.cfg, 1)[0], dx.QuantLayerKV)
+    np.testing.assert_array_equal(np.asarray(gen.model.embed.embedding[...]),
+                                  np.asarray(plain.model.embed.embedding[...]))
+    text = gen.generate("Nel mezzo", 12, temperature=0)
+    assert text == gen.generate("Nel mezzo", 12, temperature=0, use_cache=False)   # int8 round-trip reference
+    assert cli.main(["generate", "--run_dir", float_run, "--kv-dtype", "int8", "--prompt", "Nel mezzo",
+                     "--max_new_tokens", "12", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "Nel mezzo" + text + "\n"
