@@ -29,7 +29,7 @@ import jax
 import yaml
 
 from .cache import cache_nbytes, init_cache
-from .config import PRESETS, ModelConfig, canonical_dtype
+from .config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
 from .planner import kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes
 
 MIB = 2 ** 20
@@ -84,7 +84,8 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context lengths in tokens (default: max_context / 4, max_context / 2 and "
                              "max_context of the model; longer ones are marked ^: the model cannot run them)")
     parser.add_argument("--dtype", default=None,
-                        help="cache dtype: bf16 or fp32 (default: the model's cache_dtype)")
+                        help="cache dtype: fp32, bf16 or int8 (int8 with one float32 scale per token and KV "
+                             "head; default: the model's cache_dtype)")
     parser.add_argument("--reserve-fraction", dest="reserve_fraction", type=float, default=0.1,
                         help="device memory kept free for activations and workspaces (default 0.1)")
     parser.add_argument("--kv-heads", dest="kv_heads", type=int, default=None,
@@ -122,11 +123,12 @@ def run_budget(args: argparse.Namespace) -> int:
     per_seq = [[label, str(kv_bytes_per_token(v, dtype))] + [_mib(kv_cache_bytes(v, 1, c, dtype))
                                                              for c in contexts] for label, v in rows]
     batch = [_batch_row(label, v, device_bytes, contexts, args.reserve_fraction, dtype) for label, v in rows]
-    diffusion = (diffusion_rows(cfg, contexts, dtype, args.gen_len)
-                 if cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None) else None)
+    wants_diffusion = cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None)
+    diffusion = diffusion_rows(cfg, contexts, dtype, args.gen_len) if wants_diffusion and dtype != "int8" else None
     print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
           f"vocab {cfg.vocab_size}; cache dtype {dtype}")
-    print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes)\n")
+    print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes); int8 "
+          "adds a 4-byte scale per token and KV head (MLA: 2 per token)\n")
     if any(c > cfg.max_context for c in contexts):
         print(f"^ longer than the model's max_context={cfg.max_context}: the model cannot run it; the figures "
               "are for the same shape with a longer context\n")
@@ -135,10 +137,14 @@ def run_budget(args: argparse.Namespace) -> int:
     print_table(["attention", "weights MiB"] + heads, [row for row, _ in batch],
                 title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
                       f"{args.reserve_fraction:.0%}, float32 weights", notes=notes)
+    if dtype == "int8":
+        print_dtype_table(rows)
     if mesh_sizes is not None:
         from .mesh_budget import print_mesh_budget
 
         print_mesh_budget(rows, mesh_sizes, device_bytes, contexts, args.reserve_fraction, dtype, print_table)
+    if wants_diffusion and dtype == "int8":
+        print("Masked diffusion: no DualCache table for --dtype int8 (the DualCache has no int8 form)\n")
     if diffusion is not None:
         print_table(["context", "prompt", "gen_len", "DualCache", "AR cache", "ratio"], diffusion,
                     title="Masked diffusion: DualCache (prefix + suffix KV) vs AR cache per sequence (MiB)")
@@ -149,9 +155,9 @@ def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, 
     """(cache dtype, device bytes, context lengths) from the flags; ValueError naming the flag as typed for
     any value that is not allowed (checked before anything is printed)."""
     try:
-        dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype)
+        dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype, CACHE_DTYPES)
     except ValueError:
-        raise ValueError(f"--dtype {args.dtype!r} is not allowed: bf16, bfloat16, fp32 or float32") from None
+        raise ValueError(f"--dtype {args.dtype!r} is not allowed: bf16, bfloat16, fp32, float32 or int8") from None
     try:
         device_bytes = parse_memory_size(args.device_memory)
     except ValueError as err:
@@ -170,6 +176,18 @@ def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, 
         if c <= 0:
             raise ValueError(f"--context {c} is not allowed: context lengths are positive integers")
     return dtype, device_bytes, contexts
+
+
+def print_dtype_table(rows: list[tuple[str, ModelConfig]]) -> None:
+    """KV bytes per token (all layers) of each attention variant in every cache dtype, with int8 / float32
+    (printed for --dtype int8)."""
+    names = ["float32", "bfloat16", "int8"]
+    table = []
+    for label, v in rows:
+        sizes = [kv_bytes_per_token(v, d) for d in names]
+        table.append([label] + [str(n) for n in sizes] + [f"{sizes[-1] / sizes[0]:.3f}"])
+    print_table(["attention"] + names + ["int8/float32"], table,
+                title="KV bytes per token by cache dtype (int8 includes its float32 scales)")
 
 
 def diffusion_rows(cfg: ModelConfig, contexts: list[int], dtype: str, gen_len: int | None) -> list[list[str]]:

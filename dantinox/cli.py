@@ -5,7 +5,7 @@
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step]
-  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F]
+  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--kv-dtype int8]
   (generate, verify, train: [--mesh data=D,model=M] shards over D x M devices, and
    [--coordinator HOST:PORT --num-processes N --process-id I] joins N processes into one mesh;
    docs/multi-device.md)
@@ -30,6 +30,7 @@ from .config import ConfigError
 from .distributed import add_distributed_arguments, initialize_from_args
 from .generate import check_request
 from .mesh import add_mesh_argument, mesh_from_flag, naming_flag
+from .kv_dtype import parse_kv_dtype, with_kv_dtype
 from .sampling import make_sampling_params
 from .sharding import shard_model
 
@@ -70,8 +71,10 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--{flag} {value} is not allowed: an integer >= 1")
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
-    with naming_flag(args.mesh):
-        gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh))  # warmed up below
+    if args.kv_dtype is not None:
+        parse_kv_dtype(args.kv_dtype)
+    with naming_flag(args.mesh):  # warmed up below, for this prompt's bucket only
+        gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype)
     ids = gen.encode(args.prompt, args.unknown)
     if gen.cfg.paradigm == "diffusion":
         return _generate_diffusion(args, gen, ids)
@@ -163,7 +166,11 @@ def cmd_verify(args) -> int:
 
     run_dir = resolve_run_dir(args.run_dir)
     mesh = mesh_from_flag(args.mesh)
+    if args.kv_dtype is not None:
+        parse_kv_dtype(args.kv_dtype)
     model, cfg, tokenizer, _ = load_run(run_dir)
+    model = with_kv_dtype(model, args.kv_dtype)
+    cfg = model.cfg
     with naming_flag(args.mesh):
         shard_model(model, mesh)
     if not args.prompt:
@@ -188,6 +195,9 @@ def cmd_verify(args) -> int:
     print(f"{'positions':>12}  max |cached - uncached|")
     for first, last, diff in report.ranges(args.range):
         print(f"{first:>5}-{last:<6}  {diff:.3e}")
+    if report.float_distance is not None:
+        print(f"distance to the float32 cache: max |int8 cached - float32 cached| logits = "
+              f"{report.float_distance:.3e} (same tokens; what int8 costs, not an exactness check)")
     verdict = "PASS" if report.passed else "FAIL"
     print(f"{verdict}: largest difference {report.max_diff.max():.3e} (tolerance {args.tolerance:.1e}) "
           f"over {len(report.positions)} positions")
@@ -208,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no_cache", action="store_true", help="recompute the whole sequence for every token")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    _add_kv_dtype(gen)
     gen.add_argument("--unknown", choices=("error", "replace"), default="error",
                      help="characters outside the vocabulary: error (default) or replace with <unk>")
     _add_sampling(gen)
@@ -223,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--range", type=int, default=32, help="positions per printed range")
     add_mesh_argument(ver)
     add_distributed_arguments(ver)
+    _add_kv_dtype(ver)
     ver.set_defaults(func=cmd_verify)
     try:
         from .budget_cli import add_budget_arguments, run_budget
@@ -247,6 +259,9 @@ def _add_import(sub) -> None:
     imp = sub.add_parser("import", help="import a Hugging Face model directory or a GGUF file as a run directory")
     add_import_arguments(imp)
     imp.set_defaults(func=run_import)
+def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype: float32, bfloat16 or int8 (symmetric absmax "
+                   "per token and head, float32 scales; default: the run's cache_dtype)")
 
 
 def _add_serve(sub) -> None:

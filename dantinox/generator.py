@@ -22,6 +22,7 @@ from .bundled_runs import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # n
 from .compile_count import CompileCounter
 from .generate import bucket_length, generate_result, stream_tokens
 from .sharding import shard_model
+from .kv_dtype import with_kv_dtype
 from .train.run_dir import load_run
 from .train.tokenizer import StreamDecoder
 
@@ -66,15 +67,20 @@ class Generator:
         models only (diffusion compiles per (bucket, gen_len, block_size)).
       mesh: a ``dantinox.make_mesh`` mesh to shard the parameters over (every generation then runs on it;
         docs/multi-device.md); None: one device.
+      kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter).
     Raises: RunDirError for a missing or inconsistent run directory; MeshError when n_heads or mlp_hidden
-    does not divide by the mesh's model axis.
+    does not divide by the mesh's model axis; KVDtypeError for a kv_dtype outside the allowed set or one the
+    model cannot hold (int8 for a diffusion model).
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, mesh=None):
+    def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, mesh=None,
+                 kv_dtype: str | None = None):
         start = time.perf_counter()
         self.run_dir = resolve_run_dir(run_dir)
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
+        self.model = with_kv_dtype(self.model, kv_dtype, "kv_dtype")
+        self.cfg = self.model.cfg
         shard_model(self.model, mesh)
         self.warmup = CompileCounter()
         if warmup:

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from .attention import Attention
-from .cache import KVCache, check_cache_capacity, layer_cache_shapes
+from .cache import KVCache, check_cache_capacity, cache_field_shapes
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .mla import MLAttention
@@ -70,7 +70,8 @@ class Transformer(nnx.Module):
           ids: [B, T] integer token ids in [0, V).
           use_cache: attend over and write into ``kv_caches``; False runs the plain causal forward.
           kv_caches: from ``init_cache(cfg, B)``: per layer LayerKV(k, v) of [B, K, S, D] (MLA: LatentKV(c_kv
-            [B, S, C], k_rope [B, S, R])). Required when use_cache is True (it is never allocated lazily).
+            [B, S, C], k_rope [B, S, R]); cache_dtype="int8": QuantLayerKV / QuantLatentKV, the int8 rows plus
+            float32 scales [..., S, 1]). Required when use_cache is True (it is never allocated lazily).
           cache_index: int or [B] int32: slot of each row's first new token. The Python int 0 marks a fresh
             prefill (the old cache is not read).
           key_start: optional [B] int32: number of left-padding slots per row; those slots are never
@@ -169,8 +170,11 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
         raise ValueError("use_cache=True needs kv_caches: allocate them with dantinox.init_cache(cfg, batch_size)")
     if len(kv_caches) != cfg.num_blocks:
         raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has num_blocks={cfg.num_blocks}")
-    want = layer_cache_shapes(cfg, batch)
+    want = cache_field_shapes(cfg, batch)
     got = tuple(tuple(a.shape) for a in kv_caches[0])
     if got != want:
         layout = "c_kv [B, S, C], k_rope [B, S, R]" if cfg.attention == "mla" else "k, v [B, K, S, D]"
-        raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}")
+        if cfg.cache_dtype == "int8":
+            layout += " and their scales [..., 1] (cache_dtype='int8')"
+        raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}; allocate them with "
+                         "dantinox.init_cache(cfg, batch_size)")

@@ -154,8 +154,8 @@ def shard_cache(cache, cfg: ModelConfig, mesh: Mesh | None):
         return cache
     batch = jax.tree_util.tree_leaves(cache)[0].shape[0]
     specs = cache_specs(cfg, batch, mesh_shape(mesh))
-    return tuple(type(layer)(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(layer, specs)))
-                 for layer in cache)
+    return tuple(type(layer)(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(layer, _per_field(
+        specs, layer)))) for layer in cache)
 
 
 def constrain_cache(cache, cfg: ModelConfig):
@@ -167,8 +167,14 @@ def constrain_cache(cache, cfg: ModelConfig):
         return cache
     batch = jax.tree_util.tree_leaves(cache)[0].shape[0]
     specs = cache_specs(cfg, batch, sizes)
-    return tuple(type(layer)(*(jax.lax.with_sharding_constraint(a, s) for a, s in zip(layer, specs)))
-                 for layer in cache)
+    return tuple(type(layer)(*(jax.lax.with_sharding_constraint(a, s) for a, s in zip(layer, _per_field(
+        specs, layer)))) for layer in cache)
+
+
+def _per_field(specs: tuple[P, P], layer) -> tuple[P, ...]:
+    """One spec per field of a layer cache: (k, v) or MLA (c_kv, k_rope) take the two specs; the int8 layouts
+    (QuantLayerKV, QuantLatentKV) add their scales, which have the same rank and split as their values."""
+    return specs * (len(layer) // len(specs))
 
 
 def constrain_pool(pool):
