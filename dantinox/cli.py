@@ -4,8 +4,8 @@
   dantinox generate [--run_dir R] --prompt P [--no_cache] [--stream] [--max_new_tokens N] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
-                    [--refresh block|prompt_once|step]
-  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F]
+                    [--refresh block|prompt_once|step] [--quantize bf16|int8]
+  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--quantize bf16|int8]
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
 
@@ -25,6 +25,7 @@ from .cache import CapacityError
 from .config import ConfigError
 from .generate import check_request
 from .sampling import make_sampling_params
+from .weight_quant import add_quantize_argument, check_quantize, quantize_weights
 
 USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
 DEFAULT_NEW_TOKENS = 200
@@ -63,7 +64,7 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--{flag} {value} is not allowed: an integer >= 1")
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
-    gen = Generator(args.run_dir)
+    gen = Generator(args.run_dir, quantize=check_quantize(args.quantize, "--quantize"))
     ids = gen.encode(args.prompt, args.unknown)
     if gen.cfg.paradigm == "diffusion":
         return _generate_diffusion(args, gen, ids)
@@ -143,7 +144,9 @@ def cmd_verify(args) -> int:
     from .verify import verify_cache
 
     run_dir = args.run_dir or bundled_run_dir()
+    check_quantize(args.quantize, "--quantize")
     model, cfg, tokenizer, _ = load_run(run_dir)
+    quantize_weights(model, args.quantize)
     if not args.prompt:
         raise ValueError("--prompt is empty: give at least one character")
     if args.new_tokens is not None and args.new_tokens < 1:
@@ -157,7 +160,8 @@ def cmd_verify(args) -> int:
         raise CapacityError(f"--prompt has {len(prompt)} tokens; max_context={cfg.max_context} leaves no room")
     new_tokens = args.new_tokens or cfg.max_context - len(prompt)
     report = verify_cache(model, prompt, new_tokens, args.tolerance)
-    print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype}; "
+    print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype} "
+          f"weights={args.quantize or 'float32'}; "
           f"prompt {len(prompt)} tokens, {new_tokens} greedy tokens decoded")
     print(f"{'positions':>12}  max |cached - uncached|")
     for first, last, diff in report.ranges(args.range):
@@ -183,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     gen.add_argument("--unknown", choices=("error", "replace"), default="error",
                      help="characters outside the vocabulary: error (default) or replace with <unk>")
+    add_quantize_argument(gen)
     _add_sampling(gen)
     _add_diffusion(gen)
     gen.set_defaults(func=cmd_generate)
@@ -192,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--new_tokens", type=int, default=None, help="default: fill the context")
     ver.add_argument("--tolerance", type=float, default=1e-4)
     ver.add_argument("--range", type=int, default=32, help="positions per printed range")
+    add_quantize_argument(ver)
     ver.set_defaults(func=cmd_verify)
     try:
         from .budget_cli import add_budget_arguments, run_budget

@@ -23,6 +23,7 @@ from .compile_count import CompileCounter
 from .generate import generate_result, stream_tokens
 from .train.run_dir import load_run
 from .train.tokenizer import StreamDecoder
+from .weight_quant import check_quantize, quantize_weights
 
 BUNDLED_RUN = "dante"
 
@@ -39,14 +40,19 @@ class Generator:
       run_dir: a run directory from ``dantinox train``; None loads the bundled model.
       warmup: run one 1-token generation at load time so the first real call is not slowed by compilation
         (compiles prefill for the smallest prompt bucket and the decode loop for batch 1).
+      quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
+        ``dantinox.weight_quant``.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter).
-    Raises: RunDirError for a missing or inconsistent run directory.
+    Raises: RunDirError for a missing or inconsistent run directory; ValueError for another quantize value.
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True):
+    def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, quantize: str | None = None):
         start = time.perf_counter()
+        check_quantize(quantize)
         self.run_dir = os.fspath(run_dir) if run_dir is not None else bundled_run_dir()
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
+        self.quantize = quantize
+        quantize_weights(self.model, quantize)
         self.warmup = CompileCounter()
         if warmup and self.cfg.paradigm == "ar":  # diffusion compiles per (bucket, gen_len, block_size)
             with self.warmup:
