@@ -8,6 +8,7 @@
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--quantize bf16|int8]
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
+  dantinox eval     [--run_dir R] --slice NAME=FILE ... [--kv-dtype D] [--quantize Q] [--gate GATE.yaml] [--json OUT]
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
 exit with status 2 and one line on stderr; verify exits with status 1 when the cache is not exact.
@@ -208,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_budget_arguments(budget)
         budget.set_defaults(func=run_budget)
     _add_serve(sub)
+    _add_eval(sub)
     return parser
 
 
@@ -217,6 +219,14 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
+
+
+def _add_eval(sub) -> None:
+    from .eval_cli import add_eval_arguments, run_eval
+
+    ev = sub.add_parser("eval", help="quality per text slice of a quantized variant against the float baseline")
+    add_eval_arguments(ev)
+    ev.set_defaults(func=run_eval)
 
 
 def main(argv: list[str] | None = None) -> int:
