@@ -136,6 +136,16 @@ class LowPrecisionEmbed(nnx.Module):
         return out if self.scale is None else out * self.scale[...]
 
 
+def weights_setting(model) -> str | None:
+    """How ``model``'s weights are stored: "int8", "bf16" or None (as built: float32), from its modules."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Int8Linear) or (isinstance(node, LowPrecisionEmbed) and node.scale is not None):
+            return "int8"
+        if isinstance(node, (Bf16Linear, LowPrecisionEmbed)):
+            return "bf16"
+    return None
+
+
 def quantize_weights(model, quantize: str | None):
     """Rewrite ``model``'s weights for ``quantize`` ("bf16", "int8" or None = leave float32); returns model.
 
