@@ -3,8 +3,8 @@
 ``quantize_weights(model, "bf16" | "int8")`` rewrites a built Transformer in place and returns it:
 
   bf16  every projection kernel (attention, MLP, lm_head), the embedding table and MLA's W_UK / W_UV are stored
-        bfloat16; each matmul takes bf16 operands and accumulates in float32 (``preferred_element_type``), so
-        the CPU can use its bf16 dot instructions (avx512_bf16 / AMX) where it has them.
+        bfloat16; each matmul converts the kernel to float32 (exact) right before the dot and accumulates in
+        float32 (see ``_dot_last`` for why not a bf16 x bf16 dot).
   int8  every projection kernel and the embedding table become int8 with one float32 scale per output channel
         (symmetric absmax: scale = max |W[:, n]| / 127, q = round(W / scale); Jacob et al. 2018, "Quantization
         and Training of Neural Networks for Efficient Integer-Arithmetic-Only Inference", section 2.1, with the
@@ -69,17 +69,18 @@ def quantize_channels(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _dot_last(x: jax.Array, kernel: jax.Array, contract_kernel_axis: int) -> jax.Array:
-    """x [..., M] . kernel (contracted on ``contract_kernel_axis``) with float32 accumulation.
+    """x [..., M] . kernel (contracted on ``contract_kernel_axis``) with float32 operands and accumulation.
 
-    A bf16 kernel meets a bf16 x (XLA CPU runs a bf16 x bf16 -> f32 dot); an int8 kernel is converted to
-    float32 right before the dot and meets a float32 x. XLA CPU emits that convert as a small loop fusion
-    feeding the dot: a kernel-sized float32 temporary that lives only within the step and stays in cache, while
-    the weights read from memory are 1 byte each. Converting int8 to bf16 instead was 7x slower on a 2-core
-    AVX-512 host (XLA's s8 -> bf16 convert loop is slow), so it is not done.
+    A bf16 or int8 kernel is converted to float32 (exactly) right before the dot; x stays float32. XLA CPU
+    emits the convert as a small loop fusion feeding the dot: a kernel-sized float32 temporary that lives only
+    within the step, while the weights read from memory are 2 or 1 bytes each. Not done, and why:
+      - a bf16 x bf16 -> f32 dot (YNNPACK on XLA CPU): its results depend on the number of rows, so the cached
+        and uncached logits of the bundled model differed by up to 4e-2 (``dantinox verify --quantize bf16``
+        failed); float32 operands keep them within 1e-5;
+      - converting int8 to bf16: XLA's s8 -> bf16 convert loop was 7x slower on a 2-core AVX-512 host.
     """
     dims = (((x.ndim - 1,), (contract_kernel_axis,)), ((), ()))
-    operand = jnp.bfloat16 if kernel.dtype == jnp.bfloat16 else jnp.float32
-    return jax.lax.dot_general(x.astype(operand), kernel.astype(operand), dims,
+    return jax.lax.dot_general(x.astype(jnp.float32), kernel.astype(jnp.float32), dims,
                                preferred_element_type=jnp.float32)
 
 
