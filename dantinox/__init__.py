@@ -17,6 +17,7 @@ from .planner import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_by
 from .sampling import SamplingParams, make_sampling_params, sample_next
 from .sharding import shard_cache, shard_model
 from .verify import VerifyReport, verify_cache
+from .weight_quant import quantize_weights
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,6 @@ __all__ = [
     "compile_totals", "diffusion_generate", "diffusion_generate_result", "generate", "generate_result",
     "init_cache", "init_dual_cache", "kv_bytes_per_token", "kv_cache_bytes", "make_sampling_params",
     "max_batch_size", "memory_split", "param_bytes", "parse_kv_dtype", "plan_capacity", "sample_next",
-    "stream_tokens", "verify_cache", "with_kv_dtype",
+    "stream_tokens", "verify_cache", "with_kv_dtype", "quantize_weights",
     "MeshError", "make_mesh", "shard_cache", "shard_model",  # multi-device (docs/multi-device.md)
 ]

@@ -4,13 +4,15 @@
   dantinox generate [--run_dir R] --prompt P [--no_cache] [--stream] [--max_new_tokens N] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
-                    [--refresh block|prompt_once|step]
+                    [--refresh block|prompt_once|step] [--kv-dtype int8] [--quantize bf16|int8]
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--kv-dtype int8]
+                    [--quantize bf16|int8]
   (generate, verify, train: [--mesh data=D,model=M] shards over D x M devices, and
    [--coordinator HOST:PORT --num-processes N --process-id I] joins N processes into one mesh;
    docs/multi-device.md)
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
+  dantinox eval     [--run_dir R] --slice NAME=FILE ... [--kv-dtype D] [--quantize Q] [--gate GATE.yaml] [--json OUT]
   dantinox models   (the bundled models; R may be one of their names, e.g. dante-diffusion, from any directory)
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
@@ -33,6 +35,7 @@ from .mesh import add_mesh_argument, mesh_from_flag, naming_flag
 from .kv_dtype import parse_kv_dtype, with_kv_dtype
 from .sampling import make_sampling_params
 from .sharding import shard_model
+from .weight_quant import add_quantize_argument, check_quantize, quantize_weights
 
 USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
 DEFAULT_NEW_TOKENS = 200
@@ -74,7 +77,8 @@ def cmd_generate(args) -> int:
     if args.kv_dtype is not None:
         parse_kv_dtype(args.kv_dtype)
     with naming_flag(args.mesh):  # warmed up below, for this prompt's bucket only
-        gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype)
+        gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
+                        quantize=check_quantize(args.quantize, "--quantize"))
     ids = gen.encode(args.prompt, args.unknown)
     if gen.cfg.paradigm == "diffusion":
         return _generate_diffusion(args, gen, ids)
@@ -168,8 +172,10 @@ def cmd_verify(args) -> int:
     mesh = mesh_from_flag(args.mesh)
     if args.kv_dtype is not None:
         parse_kv_dtype(args.kv_dtype)
+    check_quantize(args.quantize, "--quantize")
     model, cfg, tokenizer, _ = load_run(run_dir)
     model = with_kv_dtype(model, args.kv_dtype)
+    quantize_weights(model, args.quantize)
     cfg = model.cfg
     with naming_flag(args.mesh):
         shard_model(model, mesh)
@@ -190,7 +196,8 @@ def cmd_verify(args) -> int:
                             f"{cfg.max_context - len(prompt)} (omit --new_tokens to fill the context)")
     new_tokens = args.new_tokens or cfg.max_context - len(prompt)
     report = verify_cache(model, prompt, new_tokens, args.tolerance)
-    print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype}; "
+    print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype} "
+          f"weights={args.quantize or 'float32'}; "
           f"prompt {len(prompt)} tokens, {new_tokens} greedy tokens decoded")
     print(f"{'positions':>12}  max |cached - uncached|")
     for first, last, diff in report.ranges(args.range):
@@ -221,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_dtype(gen)
     gen.add_argument("--unknown", choices=("error", "replace"), default="error",
                      help="characters outside the vocabulary: error (default) or replace with <unk>")
+    add_quantize_argument(gen)
     _add_sampling(gen)
     _add_diffusion(gen)
     add_mesh_argument(gen)
@@ -235,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_mesh_argument(ver)
     add_distributed_arguments(ver)
     _add_kv_dtype(ver)
+    add_quantize_argument(ver)
     ver.set_defaults(func=cmd_verify)
     try:
         from .budget_cli import add_budget_arguments, run_budget
@@ -250,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the bundled models (usable by name: --run_dir dante-diffusion)"
                    ).set_defaults(func=run_models)
+    _add_eval(sub)
     return parser
 
 
@@ -270,6 +280,14 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
+
+
+def _add_eval(sub) -> None:
+    from .eval_cli import add_eval_arguments, run_eval
+
+    ev = sub.add_parser("eval", help="quality per text slice of a quantized variant against the float baseline")
+    add_eval_arguments(ev)
+    ev.set_defaults(func=run_eval)
 
 
 SIGPIPE_STATUS = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away

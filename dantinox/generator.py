@@ -25,6 +25,7 @@ from .sharding import shard_model
 from .kv_dtype import with_kv_dtype
 from .train.run_dir import load_run
 from .train.tokenizer import StreamDecoder
+from .weight_quant import check_quantize, quantize_weights
 
 BUNDLED_RUN = DEFAULT_BUNDLED
 
@@ -68,19 +69,24 @@ class Generator:
       mesh: a ``dantinox.make_mesh`` mesh to shard the parameters over (every generation then runs on it;
         docs/multi-device.md); None: one device.
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
+      quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
+        ``dantinox.weight_quant``.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter).
     Raises: RunDirError for a missing or inconsistent run directory; MeshError when n_heads or mlp_hidden
     does not divide by the mesh's model axis; KVDtypeError for a kv_dtype outside the allowed set or one the
-    model cannot hold (int8 for a diffusion model).
+    model cannot hold (int8 for a diffusion model); ValueError for another quantize value.
     """
 
     def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, mesh=None,
-                 kv_dtype: str | None = None):
+                 kv_dtype: str | None = None, quantize: str | None = None):
         start = time.perf_counter()
+        check_quantize(quantize)
         self.run_dir = resolve_run_dir(run_dir)
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
         self.model = with_kv_dtype(self.model, kv_dtype, "kv_dtype")
         self.cfg = self.model.cfg
+        self.quantize = quantize
+        quantize_weights(self.model, quantize)
         shard_model(self.model, mesh)
         self.warmup = CompileCounter()
         if warmup:
