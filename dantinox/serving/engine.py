@@ -33,13 +33,13 @@ from flax import nnx
 from ..compile_count import CompileCounter
 from ..sampling import SamplingParams
 from .allocator import BlockAllocator
-from .paged_cache import init_pool, num_blocks_for_memory, pool_nbytes
+from .paged_cache import init_pool, pool_nbytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
 from .runner import (StepLogprobs, copy_blocks, decode_steps, forward_step, read_blocks, static_graph,
                      write_blocks)
-from .scheduler import Chunk, ContextPolicy, Schedule, Scheduler
-from .step_plan import (advance, decode_step_calls, engine_buckets, finish_reason, forward_calls,
-                        plan_decode_steps)
+from .scheduler import Chunk, Schedule, Scheduler
+from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
+                        plan_decode_steps, pool_blocks)
 
 log = logging.getLogger("dantinox.serving")
 
@@ -126,20 +126,10 @@ class PagedEngine(Engine):
         graphdef, self.params = nnx.split(model)
         self.graph = static_graph(graphdef)
         P = config.block_size
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-        elif config.kv_memory_bytes is not None:
-            num_blocks = num_blocks_for_memory(cfg, config.kv_memory_bytes, P)
-        else:
-            num_blocks = config.max_running * -(-cfg.max_context // P)
+        num_blocks = pool_blocks(cfg, config)
         self.pool = init_pool(cfg, num_blocks, P)
         self.allocator = BlockAllocator(num_blocks, P, config.enable_prefix_caching)
-        self.policy = ContextPolicy(
-            max_prompt_tokens=min(config.max_prompt_tokens or cfg.max_context - 1, cfg.max_context - 1),
-            max_total_tokens=min(config.max_total_tokens or cfg.max_context, cfg.max_context),
-            max_running=config.max_running, max_queued=config.max_queued,
-            max_batched_tokens=config.max_batched_tokens, preemption=config.preemption,
-            swap_space_blocks=config.swap_space_blocks or 1 << 20)
+        self.policy = engine_policy(config, cfg.max_context)
         self.scheduler = Scheduler(self.policy, self.allocator)
         self.table_width = -(-cfg.max_context // P)  # M
         # Block-table widths of the multi-step decode call: it gathers only the blocks the batch's longest

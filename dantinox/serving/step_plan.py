@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .allocator import BlockAllocator
 from .request import Request
+from .scheduler import ContextPolicy
 
 def powers_of_two(first: int, last: int) -> tuple:
     """(first, 2 first, 4 first, ..., last): bucket sizes, the last one clipped to ``last``."""
@@ -49,6 +50,28 @@ def engine_buckets(config, max_context: int, min_table_tokens: int = 64) -> Buck
     chunk = tuple(sorted(config.chunk_buckets or powers_of_two(
         min(8, config.max_batched_tokens), min(config.max_batched_tokens, max_context))))
     return Buckets(decode, tuple(sorted(config.prefill_buckets)), chunk, table)
+
+
+def engine_policy(config, max_context: int) -> ContextPolicy:
+    """The ContextPolicy of an EngineConfig for a model of ``max_context`` tokens (prompts of at most
+    max_context - 1 tokens, prompt + output of at most max_context). Raises ValueError naming a bad field."""
+    return ContextPolicy(
+        max_prompt_tokens=min(config.max_prompt_tokens or max_context - 1, max_context - 1),
+        max_total_tokens=min(config.max_total_tokens or max_context, max_context),
+        max_running=config.max_running, max_queued=config.max_queued,
+        max_batched_tokens=config.max_batched_tokens, preemption=config.preemption,
+        swap_space_blocks=config.swap_space_blocks or 1 << 20)
+
+
+def pool_blocks(cfg, config) -> int:
+    """N, the blocks of the KV pool: config.num_blocks, or as many as fit in config.kv_memory_bytes, or
+    max_running sequences of max_context tokens. Raises ValueError if not even one block fits."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.kv_memory_bytes is not None:
+        from .paged_cache import num_blocks_for_memory
+        return num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size)
+    return config.max_running * -(-cfg.max_context // config.block_size)
 
 
 def forward_calls(chunks: list, buckets: Buckets) -> list[tuple[list, int, int]]:

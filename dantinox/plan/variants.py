@@ -1,0 +1,46 @@
+"""Model variants a candidate deployment may use: the KV cache dtype and the weight quantization.
+
+``apply_variant`` returns the model to serve for (kv_dtype, quantize). KV dtypes are those ModelConfig
+accepts (float32, bfloat16, and int8 once the quantized KV cache is in this version); weight quantization
+"none" is always available, "bf16" / "int8" only where ``dantinox.quantize`` exists (the quantized-path
+issue). A variant this version cannot build raises ValueError naming it, and the planner drops the candidate
+with that reason instead of guessing its cost or quality.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+QUANTIZE = ("none", "bf16", "int8")
+
+
+def weight_bytes_factor(quantize: str) -> float:
+    """Weight bytes relative to float32: none 1, bf16 1/2, int8 1/4 (+ per-channel scales, ignored)."""
+    return {"none": 1.0, "bf16": 0.5, "int8": 0.25}[quantize]
+
+
+def apply_variant(model, cfg, kv_dtype: str = "float32", quantize: str = "none"):
+    """(model, cfg) for the variant. Raises ValueError for an unknown or unavailable kv_dtype / quantize."""
+    from flax import nnx
+
+    from ..config import ConfigError
+    from ..model import Transformer
+
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize={quantize!r} is not allowed: one of {QUANTIZE}")
+    if kv_dtype != cfg.cache_dtype:
+        try:
+            new_cfg = dataclasses.replace(cfg, cache_dtype=kv_dtype)
+        except (ConfigError, ValueError) as err:
+            raise ValueError(f"kv_dtype={kv_dtype!r} is not available in this version: {err}") from None
+        rebuilt = Transformer(new_cfg, rngs=nnx.Rngs(0))
+        nnx.update(rebuilt, nnx.state(model))
+        model, cfg = rebuilt, new_cfg
+    if quantize != "none":
+        try:
+            from ..quantize import quantize_model  # the quantized-path issue
+        except ImportError:
+            raise ValueError(f"quantize={quantize!r} is not available in this version (dantinox.quantize is "
+                             "missing)") from None
+        model = quantize_model(model, quantize)
+    return model, cfg
