@@ -202,7 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_budget_arguments(budget)
         budget.set_defaults(func=run_budget)
     _add_serve(sub)
+    _add_plan(sub)
     return parser
+
+
+def _add_plan(sub) -> None:
+    from .plan.cli import add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="capacity plan: profile, simulate, replay, recommend"))
 
 
 def _add_serve(sub) -> None:
