@@ -8,7 +8,8 @@ profile.json with the measured points. Letters: B batch rows of a call, T chunk 
   decode_steps(B, S, n)       c0 + n (d0 + d1 B + d2 B S)             one multi-step call of n iterations
   swap out / swap in          seconds per preempted (read) / resumed (written) request
   copy_blocks                 seconds per copy-on-write call
-  step                        h0 host seconds per engine step (scheduling, input arrays, result fetch)
+  step                        host seconds per engine step (scheduling and bookkeeping), timed on the
+                              simulator's replica, which runs the engine's host code
 """
 
 from __future__ import annotations

@@ -2,17 +2,17 @@
 
 Reuses dantinox.planner: ``memory_split`` for the reserve (ceil(reserve_fraction x device bytes)) and
 ``kv_bytes_per_token`` for the pool (N blocks x P tokens x bytes per token, N = max_running x ceil(max_context
-/ P), the engine's default pool). Weights are the float32 parameter bytes scaled by the quantization
-(variants.weight_bytes_factor). A KV dtype the planner does not know yet (int8 before the quantized cache
-lands) is estimated as 1 byte per element plus one float32 scale per token, head and layer for keys and
-values, and marked as an estimate.
+/ P), the engine's default pool). Weights are counted by ``param_bytes(cfg, quantize)`` where the planner
+knows quantized weights, else estimated from the float32 bytes (variants.quantized_weight_bytes). A KV dtype
+the planner does not know yet (int8 before the quantized cache lands) is estimated as 1 byte per element plus
+one float32 scale per token, head and layer for keys and values, and marked as an estimate.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .variants import weight_bytes_factor
+from .variants import quantized_weight_bytes
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,
     """The candidate's ledger per replica. Raises ValueError for a bad device size or dtype."""
     from ..planner import memory_split
 
-    weights = int(weights_f32_bytes * weight_bytes_factor(candidate.quantize))
+    weights, w_estimated = quantized_weight_bytes(cfg, weights_f32_bytes, candidate.quantize)
     try:
         reserve = memory_split(cfg, device_bytes, weights, reserve_fraction).reserve_bytes
     except ValueError:  # weights + reserve exceed the device: the ledger shows by how much
@@ -65,4 +65,4 @@ def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,
     per_token, estimated = kv_bytes_per_token_for(cfg, candidate.kv_dtype)
     blocks = candidate.max_running * -(-cfg.max_context // candidate.block_size)
     return Ledger(device_bytes, weights, blocks * candidate.block_size * per_token, reserve, blocks,
-                  estimated)
+                  estimated or w_estimated)

@@ -103,7 +103,7 @@ def time_engine(engine, repeats: int = 5, max_steps: int = 8) -> dict:
             points["forward"][f"{B},{T}"] = _time_forward(engine, B, T, repeats)
     for B, M in DECODE_SHAPES:
         M = min(M, engine.table_width)
-        for n in (1, max_steps):
+        for n in (max_steps // 2, max_steps):  # not n = 1: a lone iteration carries the loop's start-up
             points["decode"][f"{B},{M},{n}"] = _time_decode(engine, B, M, n, max_steps, repeats)
     blocks = list(range(min(4, engine.allocator.num_blocks)))
     points["swap_out"] = _median_seconds(lambda: engine._read_host(blocks)[0][0], repeats)
@@ -119,17 +119,40 @@ def fit_cost_model(points: dict, block_size: int) -> CostModel:
     shapes = [tuple(int(v) for v in k.split(",")) for k in fwd]
     forward = _fit([[1, B, B * T] for B, T in shapes], list(fwd.values()))
     dec = {tuple(int(v) for v in k.split(",")): s for k, s in points["decode"].items()}
-    n_max = max(n for _, _, n in dec)
+    n_hi = max(n for _, _, n in dec)
+    n_lo = min(n for _, _, n in dec)
     rows, ys, overheads = [], [], []
     for (B, M, n), s in dec.items():
-        if n == n_max:
-            per_iter = max((s - dec[(B, M, 1)]) / (n_max - 1), 0.0)
+        if n == n_hi:
+            per_iter = max((s - dec[(B, M, n_lo)]) / (n_hi - n_lo), 0.0)
             rows.append([1, B, B * M * block_size])
             ys.append(per_iter)
-            overheads.append(max(dec[(B, M, 1)] - per_iter, 0.0))
+            overheads.append(max(s - n_hi * per_iter, 0.0))
     return CostModel(forward=forward, decode_call=float(np.median(overheads)), decode_iter=_fit(rows, ys),
                      swap_out=points["swap_out"], swap_in=points["swap_in"], copy=points["copy"],
-                     step=0.0, points=dict(fwd))
+                     step=points.get("host_step", 0.0), points=dict(fwd))
+
+
+def host_step_seconds(cfg, requests: int = 32, repeats: int = 3) -> float:
+    """Median host seconds per engine step of the scheduling and bookkeeping code (schedule, multi-step plan,
+    call shapes, advance), timed on the simulator's replica, which runs exactly that code, with 16 running
+    requests of 32 prompt and 32 output tokens."""
+    from ..serving.engine import EngineConfig
+    from ..serving.request import SamplingOptions
+    from .cost_model import CostModel
+    from .simulate import SimReplica
+
+    per_step = []
+    for _ in range(repeats):
+        rep = SimReplica(cfg, EngineConfig(block_size=16, max_running=16, max_batched_tokens=64), CostModel())
+        for i in range(requests):
+            rep.add(f"h{i}", [(7 * i + j) % cfg.vocab_size for j in range(32)], SamplingOptions(32), 0.0)
+        steps, t0 = 0, time.perf_counter()
+        while rep.scheduler.waiting or rep.scheduler.running:
+            rep.step()
+            steps += 1
+        per_step.append((time.perf_counter() - t0) / steps)
+    return float(np.median(per_step))
 
 
 def bottleneck_rows(cfg, points: dict, rates: dict, weights_bytes: int, kv_bytes_per_token: int,
@@ -146,6 +169,8 @@ def bottleneck_rows(cfg, points: dict, rates: dict, weights_bytes: int, kv_bytes
                          weights_bytes, kv_bytes_per_token, L * H * D, rates))
     for key, s in points["decode"].items():
         B, M, n = (int(v) for v in key.split(","))
+        if n != max(int(k.split(",")[2]) for k in points["decode"]):
+            continue
         rows.append(_row("decode (multi-step)", key, s / n, B, 1, M * block_size, n_params, weights_bytes,
                          kv_bytes_per_token, L * H * D, rates))
     return rows
@@ -179,6 +204,7 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     engine = PagedEngine(model, EngineConfig(block_size=16, max_running=16, max_batched_tokens=64,
                                              num_blocks=64, max_decode_steps=8))
     points = time_engine(engine, repeats)
+    points["host_step"] = host_step_seconds(cfg)
     rates = machine_rates()
     weights = param_bytes(model)
     kv_bpt = kv_bytes_per_token(cfg)

@@ -1,10 +1,10 @@
 """Model variants a candidate deployment may use: the KV cache dtype and the weight quantization.
 
-``apply_variant`` returns the model to serve for (kv_dtype, quantize). KV dtypes are those ModelConfig
-accepts (float32, bfloat16, and int8 once the quantized KV cache is in this version); weight quantization
-"none" is always available, "bf16" / "int8" only where ``dantinox.quantize`` exists (the quantized-path
-issue). A variant this version cannot build raises ValueError naming it, and the planner drops the candidate
-with that reason instead of guessing its cost or quality.
+``apply_variant`` returns the model to serve for (kv_dtype, quantize). KV dtypes are those ModelConfig accepts
+(float32, bfloat16, and int8 once the quantized KV cache is in this version); weight quantization "none" is
+always available, "bf16" / "int8" only where ``dantinox.weight_quant`` exists (the quantized-path issue). A
+variant this version cannot build raises ValueError naming it, and the planner drops the candidate with that
+reason instead of guessing its cost or quality.
 """
 
 from __future__ import annotations
@@ -38,9 +38,22 @@ def apply_variant(model, cfg, kv_dtype: str = "float32", quantize: str = "none")
         model, cfg = rebuilt, new_cfg
     if quantize != "none":
         try:
-            from ..quantize import quantize_model  # the quantized-path issue
+            from ..weight_quant import quantize_weights  # the quantized-path issue
         except ImportError:
-            raise ValueError(f"quantize={quantize!r} is not available in this version (dantinox.quantize is "
+            raise ValueError(f"quantize={quantize!r} is not available in this version (dantinox.weight_quant is "
                              "missing)") from None
-        model = quantize_model(model, quantize)
+        model = quantize_weights(nnx.clone(model), quantize)  # in place: the float model stays as it was
     return model, cfg
+
+
+def quantized_weight_bytes(cfg, weights_f32_bytes: int, quantize: str) -> tuple[int, bool]:
+    """(weight bytes under ``quantize``, estimated?): counted by dantinox.planner.param_bytes where it knows
+    quantized weights, else float32 bytes x weight_bytes_factor (an estimate)."""
+    if quantize == "none":
+        return int(weights_f32_bytes), False
+    try:
+        from ..planner import param_bytes
+
+        return int(param_bytes(cfg, quantize)), False
+    except TypeError:  # this planner's param_bytes takes no quantize argument
+        return int(weights_f32_bytes * weight_bytes_factor(quantize)), True
