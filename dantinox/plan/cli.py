@@ -51,7 +51,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--run_dir", default=None)
     pr.add_argument("--kv-dtype", default="float32")
     pr.add_argument("--quantize", default="none")
-    pr.add_argument("--repeats", type=int, default=5)
+    pr.add_argument("--repeats", type=int, default=15, help="timed runs per call (median)")
     pr.add_argument("--out", required=True)
     pr.set_defaults(func=run_profile_cmd)
     for name, func in (("simulate", run_simulate_cmd), ("replay", run_replay_cmd)):
@@ -96,7 +96,7 @@ def run_trace_cmd(args) -> int:
     return 0
 
 
-def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=5) -> dict:
+def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=15) -> dict:
     from .profile import take_profile
 
     print(f"profiling kv_dtype={kv_dtype} quantize={quantize} ...", file=sys.stderr)

@@ -40,8 +40,11 @@ def weights_digest(run_dir: str) -> str:
     return h.hexdigest()
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile (first call)
+def _median_seconds(fn, repeats: int, warm: int = 3) -> float:
+    """Median seconds of ``repeats`` calls of fn after ``warm`` untimed ones (the first compiles; the next
+    ones run noticeably slower on the CPU while caches and the thread pool warm up)."""
+    for _ in range(warm):
+        jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -64,8 +67,8 @@ def machine_rates(repeats: int = 5) -> dict:
         return state["x"]
     a = jnp.ones((1024, 1024), jnp.float32)
     mm = jax.jit(lambda m: m @ m)
-    t_add = min(_median_seconds(stream, 1) for _ in range(repeats))
-    t_mm = min(_median_seconds(lambda: mm(a), 1) for _ in range(repeats))
+    t_add = min(_median_seconds(stream, 1, 1) for _ in range(repeats))
+    t_mm = min(_median_seconds(lambda: mm(a), 1, 1) for _ in range(repeats))
     return {"bandwidth_bytes_per_s": 2 * state["x"].nbytes / t_add, "matmul_flops_per_s": 2 * 1024 ** 3 / t_mm}
 
 
@@ -94,7 +97,7 @@ def _time_forward(engine, B: int, T: int, repeats: int) -> float:
     return _median_seconds(lambda: engine._call_forward([], B, T)[0], repeats)
 
 
-def time_engine(engine, repeats: int = 5, max_steps: int = 8) -> dict:
+def time_engine(engine, repeats: int = 15, max_steps: int = 8) -> dict:
     """Time ``engine``'s compiled calls (nothing is written to its pool). Returns the measured points:
     {"forward": {"B,T": s}, "decode": {"B,M,n": s}, "swap_out": s, "swap_in": s, "copy": s}."""
     points = {"forward": {}, "decode": {}}
@@ -133,26 +136,36 @@ def fit_cost_model(points: dict, block_size: int) -> CostModel:
                      step=points.get("host_step", 0.0), points=dict(fwd))
 
 
-def host_step_seconds(cfg, requests: int = 32, repeats: int = 3) -> float:
-    """Median host seconds per engine step of the scheduling and bookkeeping code (schedule, multi-step plan,
-    call shapes, advance), timed on the simulator's replica, which runs exactly that code, with 16 running
-    requests of 32 prompt and 32 output tokens."""
-    from ..serving.engine import EngineConfig
+def _burst(tag: str, vocab: int, requests: int = 8, prompt: int = 40, new: int = 20) -> list:
+    """[(request id, prompt ids, options)]: the calibration burst (distinct prompts per tag, no prefix hits)."""
     from ..serving.request import SamplingOptions
-    from .cost_model import CostModel
+
+    return [(f"{tag}{i}", [(97 * i + 13 * j + len(tag)) % (vocab - 1) + 1 for j in range(prompt)],
+             SamplingOptions(new)) for i in range(requests)]
+
+
+def host_step_seconds(engine, cost: CostModel) -> float:
+    """Host seconds per engine step that the timed calls do not account for (scheduling, input arrays,
+    dispatch, result fetch, bookkeeping): a burst of 8 requests (40 prompt + 20 output tokens) runs through
+    the real engine twice (the first pass compiles what it needs); the second pass's wall time minus the
+    simulated cost of the same steps (same scheduler code, ``cost`` without host time), per step, >= 0."""
     from .simulate import SimReplica
 
-    per_step = []
-    for _ in range(repeats):
-        rep = SimReplica(cfg, EngineConfig(block_size=16, max_running=16, max_batched_tokens=64), CostModel())
-        for i in range(requests):
-            rep.add(f"h{i}", [(7 * i + j) % cfg.vocab_size for j in range(32)], SamplingOptions(32), 0.0)
+    for tag in ("warm", "timed"):
+        for rid, ids, opts in _burst(tag, engine.vocab_size):
+            engine.add_request(ids, opts, request_id=rid)
         steps, t0 = 0, time.perf_counter()
-        while rep.scheduler.waiting or rep.scheduler.running:
-            rep.step()
+        while engine.has_unfinished():
+            engine.step()
             steps += 1
-        per_step.append((time.perf_counter() - t0) / steps)
-    return float(np.median(per_step))
+        wall = time.perf_counter() - t0
+    rep = SimReplica(engine.cfg, engine.config, cost)
+    for rid, ids, opts in _burst("timed", engine.vocab_size):
+        rep.add(rid, ids, opts, 0.0)
+    predicted = 0.0
+    while rep.scheduler.waiting or rep.scheduler.running:
+        predicted += rep.step()[0]
+    return max((wall - predicted) / steps, 0.0)
 
 
 def bottleneck_rows(cfg, points: dict, rates: dict, weights_bytes: int, kv_bytes_per_token: int,
@@ -192,7 +205,7 @@ def model_identity(run_dir: str, cfg) -> dict:
 
 
 def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: str = "none",
-                 repeats: int = 5) -> dict:
+                 repeats: int = 15) -> dict:
     """Profile the model's engine at block size 16 (decode buckets up to 16 rows, chunks up to 64 tokens).
     Returns the profile dict (JSON-ready): identity, machine, rates, points, cost model, bottleneck rows.
     Raises ValueError for a kv_dtype / quantize this version cannot build."""
@@ -204,7 +217,7 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     engine = PagedEngine(model, EngineConfig(block_size=16, max_running=16, max_batched_tokens=64,
                                              num_blocks=64, max_decode_steps=8))
     points = time_engine(engine, repeats)
-    points["host_step"] = host_step_seconds(cfg)
+    points["host_step"] = host_step_seconds(engine, fit_cost_model(points, 16))
     rates = machine_rates()
     weights = param_bytes(model)
     kv_bpt = kv_bytes_per_token(cfg)

@@ -20,7 +20,7 @@ from .candidate import Candidate
 from .ledger import memory_ledger
 from .simulate import simulate
 
-RATE_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0)
+RATE_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @dataclass

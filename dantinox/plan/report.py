@@ -162,16 +162,17 @@ def _rate_plot(plt, plan: dict) -> bytes:
     sweep = plan["rate_sweep"]
     fig, ax = plt.subplots(figsize=(6, 3.2))
     rates = [s["rate_rps"] for s in sweep]
-    ax.plot(rates, [s["output_tokens_per_s"] for s in sweep], "o-", label="output tokens/s")
+    line1 = ax.plot(rates, [s["output_tokens_per_s"] for s in sweep], "o-", label="output tokens/s")
     ax.set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s",
            title=f"{plan['recommendation']['name']}: throughput and p99 TTFT vs load")
     ax2 = ax.twinx()
-    ax2.plot(rates, [(s["ttft_p99_s"] or 0) * 1e3 for s in sweep], "s--", color="C3", label="p99 TTFT")
+    line2 = ax2.plot(rates, [(s["ttft_p99_s"] or 0) * 1e3 for s in sweep], "s--", color="C3", label="p99 TTFT")
     ax2.set_ylabel("p99 TTFT (ms)")
+    ax2.set_yscale("log")
     slo = plan["inputs"]["slo"].get("ttft_p99")
     if slo:
-        ax2.axhline(slo * 1e3, color="k", linestyle=":", linewidth=0.8)
-    fig.legend(loc="upper left", fontsize=7)
+        ax2.axhline(slo * 1e3, color="k", linestyle=":", linewidth=0.8, label="SLO p99 TTFT")
+    ax.legend(line1 + line2, [h.get_label() for h in line1 + line2], loc="upper left", fontsize=7)
     fig.tight_layout()
     data = _png(fig)
     plt.close(fig)
