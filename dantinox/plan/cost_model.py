@@ -8,8 +8,8 @@ profile.json with the measured points. Letters: B batch rows of a call, T chunk 
   decode_steps(B, S, n)       c0 + n (d0 + d1 B + d2 B S)             one multi-step call of n iterations
   swap out / swap in          seconds per preempted (read) / resumed (written) request
   copy_blocks                 seconds per copy-on-write call
-  step                        host seconds per engine step (scheduling and bookkeeping), timed on the
-                              simulator's replica, which runs the engine's host code
+  step, scale                 a real step costs step + scale x (its calls' costs): fitted on a real burst
+                              through the engine (host work, dispatch and fetch that isolated timings miss)
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class CostModel:
     swap_in: float = 0.0
     copy: float = 0.0
     step: float = 0.0
+    scale: float = 1.0
     points: dict = field(default_factory=dict)
 
     def forward_cost(self, B: int, T: int) -> float:
@@ -55,6 +56,7 @@ class CostModel:
             return cls(forward=tuple(float(x) for x in d["forward"]), decode_call=float(d["decode_call"]),
                        decode_iter=tuple(float(x) for x in d["decode_iter"]), swap_out=float(d["swap_out"]),
                        swap_in=float(d["swap_in"]), copy=float(d["copy"]), step=float(d["step"]),
+                       scale=float(d.get("scale", 1.0)),
                        points={str(k): float(v) for k, v in d.get("points", {}).items()})
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"cost model: field {err} is missing or not a number") from None

@@ -133,7 +133,7 @@ def fit_cost_model(points: dict, block_size: int) -> CostModel:
             overheads.append(max(s - n_hi * per_iter, 0.0))
     return CostModel(forward=forward, decode_call=float(np.median(overheads)), decode_iter=_fit(rows, ys),
                      swap_out=points["swap_out"], swap_in=points["swap_in"], copy=points["copy"],
-                     step=points.get("host_step", 0.0), points=dict(fwd))
+                     step=points.get("step", 0.0), scale=points.get("scale", 1.0), points=dict(fwd))
 
 
 def _burst(tag: str, vocab: int, requests: int = 8, prompt: int = 40, new: int = 20) -> list:
@@ -144,28 +144,38 @@ def _burst(tag: str, vocab: int, requests: int = 8, prompt: int = 40, new: int =
              SamplingOptions(new)) for i in range(requests)]
 
 
-def host_step_seconds(engine, cost: CostModel) -> float:
-    """Host seconds per engine step that the timed calls do not account for (scheduling, input arrays,
-    dispatch, result fetch, bookkeeping): a burst of 8 requests (40 prompt + 20 output tokens) runs through
-    the real engine twice (the first pass compiles what it needs); the second pass's wall time minus the
-    simulated cost of the same steps (same scheduler code, ``cost`` without host time), per step, >= 0."""
+def calibrate_steps(engine, cost: CostModel) -> tuple[float, float]:
+    """(step seconds h, scale s) so that a real engine step costs h + s x (its calls' fitted cost).
+
+    A burst of 8 requests (40 prompt + 20 output tokens) runs through the real engine twice (the first pass
+    compiles what it needs); each step of the second pass is timed, the simulator replays the same steps with
+    ``cost`` (same scheduler code), and h, s are the least-squares fit (s >= 1, h >= 0). They cover what timing
+    calls in isolation misses: host work per step (inputs, dispatch, fetch, bookkeeping), and calls running
+    slower among other calls than alone."""
     from .simulate import SimReplica
 
     for tag in ("warm", "timed"):
         for rid, ids, opts in _burst(tag, engine.vocab_size):
             engine.add_request(ids, opts, request_id=rid)
-        steps, t0 = 0, time.perf_counter()
+        walls = []
         while engine.has_unfinished():
+            t0 = time.perf_counter()
             engine.step()
-            steps += 1
-        wall = time.perf_counter() - t0
+            walls.append(time.perf_counter() - t0)
     rep = SimReplica(engine.cfg, engine.config, cost)
     for rid, ids, opts in _burst("timed", engine.vocab_size):
         rep.add(rid, ids, opts, 0.0)
-    predicted = 0.0
+    predicted = []
     while rep.scheduler.waiting or rep.scheduler.running:
-        predicted += rep.step()[0]
-    return max((wall - predicted) / steps, 0.0)
+        predicted.append(rep.step()[0])
+    n = min(len(walls), len(predicted))
+    walls, predicted = np.asarray(walls[:n]), np.asarray(predicted[:n])
+    h, s = np.linalg.lstsq(np.stack([np.ones(n), predicted], 1), walls, rcond=None)[0]
+    if s < 1.0:      # calls no slower than alone: all of the difference is per-step host time
+        s, h = 1.0, max(float(np.mean(walls - predicted)), 0.0)
+    elif h < 0:      # no fixed part: a pure factor
+        s, h = max(float(walls.sum() / max(predicted.sum(), 1e-12)), 1.0), 0.0
+    return float(h), float(s)
 
 
 def bottleneck_rows(cfg, points: dict, rates: dict, weights_bytes: int, kv_bytes_per_token: int,
@@ -217,7 +227,7 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     engine = PagedEngine(model, EngineConfig(block_size=16, max_running=16, max_batched_tokens=64,
                                              num_blocks=64, max_decode_steps=8))
     points = time_engine(engine, repeats)
-    points["host_step"] = host_step_seconds(engine, fit_cost_model(points, 16))
+    points["step"], points["scale"] = calibrate_steps(engine, fit_cost_model(points, 16))
     rates = machine_rates()
     weights = param_bytes(model)
     kv_bpt = kv_bytes_per_token(cfg)

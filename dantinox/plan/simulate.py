@@ -83,7 +83,7 @@ class SimReplica(ReplicaView):
         self.queue_samples.append(len(self.scheduler.waiting))
         self.peak_blocks = max(self.peak_blocks, self.allocator.num_used)
         c = self.cost
-        seconds = c.step + c.swap_out * len(sched.swap_out) + c.swap_in * len(sched.swap_in)
+        seconds = c.swap_out * len(sched.swap_out) + c.swap_in * len(sched.swap_in)
         seconds += c.copy * math.ceil(len(sched.copies) / self.scheduler.policy.max_running)
         counts, copies = plan_decode_steps(sched.chunks, self.allocator, self.config.max_decode_steps,
                                            bool(self.scheduler.waiting))
@@ -95,7 +95,7 @@ class SimReplica(ReplicaView):
             counts = [1] * len(sched.chunks)
             for _, B, T in forward_calls(sched.chunks, self.buckets):
                 seconds += c.forward_cost(B, T)
-        return seconds, self._advance_all(sched.chunks, counts)
+        return c.step + c.scale * seconds, self._advance_all(sched.chunks, counts)
 
     def _advance_all(self, chunks: list, counts: list) -> list:
         emitted = []
