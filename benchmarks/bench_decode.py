@@ -15,6 +15,10 @@ Run:  python benchmarks/bench_decode.py [--attention mha gqa mqa mla mla-naive] 
       python benchmarks/bench_decode.py --windows-ab [--attention ...]   decode with the attention windows of
       dantinox.generate.decode_windows (128, 256, 384, 512) against one window of 512, alternating in one
       process (how the per-kind default was chosen)
+      python benchmarks/bench_decode.py --kv-dtype float32 bfloat16 int8 [--batch 1 8 32]   the KV cache
+      dtypes A/B: the same parameters with each cache dtype, runs alternating in one process; decode tok/s,
+      the ratio to the first dtype, KV bytes per sequence (max_context slots, int8 scales included) and the
+      largest batch whose cache fits 64 MiB. One dtype alone sets the cache dtype of the main table.
 """
 
 from __future__ import annotations
@@ -44,9 +48,12 @@ VARIANTS = {
 }
 
 
-def reference_config(variant: str) -> dx.ModelConfig:
-    """The reference shape with the attention settings of ``variant`` (a key of VARIANTS)."""
-    return dx.ModelConfig.from_preset("reference", **VARIANTS[variant])
+KV_BUDGET = 64 * 2**20   # bytes: the fixed KV budget of the --kv-dtype table
+
+
+def reference_config(variant: str, kv_dtype: str = "float32") -> dx.ModelConfig:
+    """The reference shape with the attention settings of ``variant`` (a key of VARIANTS) and a cache dtype."""
+    return dx.ModelConfig.from_preset("reference", cache_dtype=kv_dtype, **VARIANTS[variant])
 
 
 def timed(fn, repeats: int) -> float:
@@ -59,9 +66,9 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(variant: str, batches: list[int], repeats: int, ratios: bool) -> dict:
+def measure(variant: str, batches: list[int], repeats: int, ratios: bool, kv_dtype: str = "float32") -> dict:
     """All figures for one attention variant; returns a dict of named numbers."""
-    cfg = reference_config(variant)
+    cfg = reference_config(variant, kv_dtype)
     model = dx.build_model(cfg, seed=0)
     rng = np.random.default_rng(0)
     row = {"variant": variant, "kv_bytes": cache_nbytes(dx.init_cache(cfg, 1))}
@@ -119,6 +126,31 @@ def windows_ab(variant: str, batches: list[int], repeats: int) -> list[str]:
     return rows
 
 
+def kv_dtype_ab(variant: str, batches: list[int], repeats: int, dtypes: list[str]) -> list[str]:
+    """Decode tokens/s of the same parameters with each cache dtype, timed runs alternating between the
+    dtypes; greedy tokens are not compared (int8 may pick other tokens). Returns markdown table rows."""
+    base = dx.build_model(reference_config(variant), seed=0)
+    models = {d: dx.with_kv_dtype(base, d) for d in dtypes}
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in batches:
+        prompts = rng.integers(0, 256, (b, PROMPT)).tolist()
+        for m in models.values():  # compile prefill and decode for this batch
+            dx.generate(m, prompts, NEW)
+            dx.generate(m, prompts, 1)
+        full, pre = {d: [] for d in dtypes}, {d: [] for d in dtypes}
+        for _ in range(repeats):
+            for d, m in models.items():
+                full[d].append(timed(lambda m=m: dx.generate(m, prompts, NEW), 1))
+                pre[d].append(timed(lambda m=m: dx.generate(m, prompts, 1), 1))
+        rate = {d: b * (NEW - 1) / (statistics.median(full[d]) - statistics.median(pre[d])) for d in dtypes}
+        for d, m in models.items():
+            per_seq = dx.kv_cache_bytes(m.cfg, 1, m.cfg.max_context)
+            rows.append(f"| {variant} | {b} | {d} | {rate[d]:.0f} | {rate[d] / rate[dtypes[0]]:.2f} | "
+                        f"{per_seq:,} | {KV_BUDGET // per_seq} |")
+    return rows
+
+
 def print_table(rows: list[dict], batches: list[int], ratios: bool) -> None:
     head = ["attention", "KV bytes/seq"]
     for b in batches:
@@ -144,6 +176,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ratios", action="store_true", help="cache on/off ratio at 128, 320, 512 tokens")
     parser.add_argument("--windows-ab", action="store_true", help="attention windows against one window")
+    parser.add_argument("--kv-dtype", nargs="+", default=["float32"], type=dx.parse_kv_dtype,
+                        help="cache dtypes; two or more: the A/B table of decode speed and bytes per dtype")
     args = parser.parse_args()
     print(f"# dantinox {dx.__version__}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
@@ -152,7 +186,13 @@ def main() -> None:
         for variant in args.attention:
             print("\n".join(windows_ab(variant, args.batch, max(args.repeats, 5))), flush=True)
         return
-    rows = [measure(v, args.batch, args.repeats, args.ratios) for v in args.attention]
+    if len(args.kv_dtype) > 1:
+        print(f"| attention | batch | KV dtype | decode tok/s | vs {args.kv_dtype[0]} | KV bytes/seq "
+              f"(max_context) | max batch in {KV_BUDGET // 2**20} MiB |\n|---|---|---|---|---|---|---|")
+        for variant in args.attention:
+            print("\n".join(kv_dtype_ab(variant, args.batch, args.repeats, args.kv_dtype)), flush=True)
+        return
+    rows = [measure(v, args.batch, args.repeats, args.ratios, args.kv_dtype[0]) for v in args.attention]
     print_table(rows, args.batch, args.ratios)
 
 

@@ -16,6 +16,11 @@ then write the new keys and values into the cache. Attending before writing lets
 buffers in place inside the compiled decode loop instead of copying them every step
 (../shared/PERFORMANCE.md, item 1).
 
+int8 cache (cfg.cache_dtype="int8"). The new keys and values are quantized once (``dantinox.kv_quant``,
+one scale per token and KV head); the new tokens attend over their read-back values and the int8 rows and
+scales are what gets stored, and old slots are read back (dequantized) inside ``attend``. So a cached call
+and the uncached forward (which round-trips its keys and values the same way) see identical keys and values.
+
 Masks. For row b with ``cache_index[b] = c`` and ``key_start[b] = p`` (left-padding slots, default 0),
 the query in new position i sits in slot c + i and may see
   - cache slot s when p <= s < c (and c + i - s < window when a sliding window is set);
@@ -30,8 +35,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .cache import LayerKV, write_layer
+from .cache import LayerKV, write_layer, write_rows
 from .config import ModelConfig
+from .kv_quant import roundtrip
 from .layers import apply_rope
 
 NEG_INF = -1e30
@@ -61,7 +67,9 @@ class Attention(nnx.Module):
         (the caller guarantees cache_index <= L for every row; see ``old_slots``).
         A layer cache with an ``attend_and_write(q, k, v, cache_index, key_start, window) -> (y, new cache)``
         method (the paged cache's PagedView) does its own attention and write; q, k, v are passed as
-        [B, K, G, T, D] (scaled) and [B, K, T, D].
+        [B, K, G, T, D] (scaled) and [B, K, T, D]; with cache_dtype="int8" also ``stored=(k_q, v_q, k_scale,
+        v_scale)``, the int8 rows [B, K, T, D] and float32 scales [B, K, T, 1] to write (k, v are then the
+        read-back values).
 
         Returns (y [B, T, E], updated LayerKV or None).
         """
@@ -74,12 +82,20 @@ class Attention(nnx.Module):
         v = v.reshape(B, T, K, D)
         q = (q * (1.0 / math.sqrt(D))).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,D]
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+        stored = None
+        if cfg.cache_dtype == "int8":  # quantize once: attend over the read-back values, store the int8 rows
+            (k, (k_q, k_s)), (v, (v_q, v_s)) = roundtrip(k), roundtrip(v)
+            stored = (k_q, v_q, k_s, v_s)
         if hasattr(layer_cache, "attend_and_write"):  # another cache layout, e.g. dantinox.serving.paged_cache
-            y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window)
+            extra = {} if stored is None else {"stored": stored}
+            y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window,
+                                                        **extra)
         else:
             y = attend(q, k, v, old_slots(layer_cache, read_slots), cache_index, key_start, cfg.sliding_window,
                        causal=cfg.paradigm != "diffusion")
-            new_cache = None if layer_cache is None else write_layer(layer_cache, k, v, cache_index)
+            new_cache = None if layer_cache is None else (
+                write_layer(layer_cache, k, v, cache_index) if stored is None
+                else write_rows(layer_cache, stored, cache_index))
         y = y.transpose(0, 3, 1, 2, 4).reshape(B, T, H * D).astype(x.dtype)
         return self.out(y), new_cache
 
@@ -129,11 +145,13 @@ def old_slot_mask(S: int, T: int, cache_index, key_start, window: int | None) ->
 def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None, causal: bool = True):
     """Softmax attention of q over [old cache slots ; new keys], computed jointly in float32.
 
-    q: [B, K, G, T, D] (already scaled by 1/sqrt(D)); k, v: [B, K, T, D]; old: LayerKV [B, K, S, D] or None;
-    cache_index: [B] int32; key_start: [B] int32 or None; causal: see new_token_mask.
-    Returns [B, K, G, T, D] float32.
+    q: [B, K, G, T, D] (already scaled by 1/sqrt(D)); k, v: [B, K, T, D]; old: LayerKV [B, K, S, D], an int8
+    QuantLayerKV (read back here, in q's dtype) or None; cache_index: [B] int32; key_start: [B] int32 or None;
+    causal: see new_token_mask. Returns [B, K, G, T, D] float32.
     """
     T = q.shape[3]
+    if hasattr(old, "dequantized"):
+        old = old.dequantized(q.dtype)
     f32 = jnp.float32
     new_scores = grouped_scores(q, k)
     new_mask = new_token_mask(T, cache_index, key_start, window, causal)

@@ -28,7 +28,7 @@ import jax
 import yaml
 
 from .cache import cache_nbytes, init_cache
-from .config import PRESETS, ModelConfig, canonical_dtype
+from .config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
 from .planner import kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes
 
 MIB = 2 ** 20
@@ -83,7 +83,8 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context lengths in tokens (default: max_context / 4, max_context / 2 and "
                              "max_context of the model; longer ones are marked ^: the model cannot run them)")
     parser.add_argument("--dtype", default=None,
-                        help="cache dtype: bf16 or fp32 (default: the model's cache_dtype)")
+                        help="cache dtype: fp32, bf16 or int8 (int8 with one float32 scale per token and KV "
+                             "head; default: the model's cache_dtype)")
     parser.add_argument("--reserve-fraction", dest="reserve_fraction", type=float, default=0.1,
                         help="device memory kept free for activations and workspaces (default 0.1)")
     parser.add_argument("--kv-heads", dest="kv_heads", type=int, default=None,
@@ -107,9 +108,9 @@ def run_budget(args: argparse.Namespace) -> int:
     """
     cfg = load_config(args)
     try:
-        dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype)
+        dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype, CACHE_DTYPES)
     except ValueError:
-        raise ValueError(f"--dtype {args.dtype!r} is not allowed: bf16, bfloat16, fp32 or float32") from None
+        raise ValueError(f"--dtype {args.dtype!r} is not allowed: bf16, bfloat16, fp32, float32 or int8") from None
     try:
         device_bytes = parse_memory_size(args.device_memory)
     except ValueError as err:
@@ -122,7 +123,8 @@ def run_budget(args: argparse.Namespace) -> int:
     rows = attention_variants(shape, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
     print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
           f"vocab {cfg.vocab_size}; cache dtype {dtype}")
-    print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes)\n")
+    print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes); int8 "
+          "adds a 4-byte scale per token and KV head (MLA: 2 per token)\n")
     heads = [f"{c} tok" + ("^" if c > cfg.max_context else "") for c in contexts]
     if any(c > cfg.max_context for c in contexts):
         print(f"^ longer than the model's max_context={cfg.max_context}: the model cannot run it; the figures "
@@ -136,9 +138,26 @@ def run_budget(args: argparse.Namespace) -> int:
                  for label, v in rows],
                 title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
                       f"{args.reserve_fraction:.0%}, float32 weights")
+    if dtype == "int8":
+        print_dtype_table(rows)
     if cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None):
-        print_diffusion_table(cfg, contexts, dtype, args.gen_len)
+        if dtype == "int8":
+            print("Masked diffusion: no DualCache table for --dtype int8 (the DualCache has no int8 form)\n")
+        else:
+            print_diffusion_table(cfg, contexts, dtype, args.gen_len)
     return measure(rows, contexts, dtype) if args.measure else 0
+
+
+def print_dtype_table(rows: list[tuple[str, ModelConfig]]) -> None:
+    """KV bytes per token (all layers) of each attention variant in every cache dtype, with int8 / float32
+    (printed for --dtype int8)."""
+    names = ["float32", "bfloat16", "int8"]
+    table = []
+    for label, v in rows:
+        sizes = [kv_bytes_per_token(v, d) for d in names]
+        table.append([label] + [str(n) for n in sizes] + [f"{sizes[-1] / sizes[0]:.3f}"])
+    print_table(["attention"] + names + ["int8/float32"], table,
+                title="KV bytes per token by cache dtype (int8 includes its float32 scales)")
 
 
 def print_diffusion_table(cfg: ModelConfig, contexts: list[int], dtype: str, gen_len: int | None) -> None:

@@ -2,7 +2,9 @@
 
 Layout per layer: k and v of shape [B, K, S, D] (batch, KV heads, max_context slots, head size), in
 ``cfg.cache_dtype``; for attention="mla" a ``dantinox.mla.LatentKV`` of c_kv [B, S, C] and k_rope [B, S, R]
-instead (the latent and the shared RoPE key, never per-head keys and values). The cache holds no write index
+instead (the latent and the shared RoPE key, never per-head keys and values). With cache_dtype="int8" the
+layers are ``QuantLayerKV`` (int8 k, v plus float32 scales [B, K, S, 1]) and ``dantinox.mla.QuantLatentKV``
+(int8 c_kv, k_rope plus scales [B, S, 1]); see ``dantinox.kv_quant``. The cache holds no write index
 of its own: the caller passes ``cache_index`` (a scalar or one slot per row, [B] int32) so rows of different
 lengths share a batch.
 
@@ -19,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import DTYPES, ModelConfig, canonical_dtype
+from .config import CACHE_DTYPES, ModelConfig, canonical_dtype
+from .kv_quant import SCALE_BYTES, SCALE_DTYPE, dequantize_rows
 
 
 class CapacityError(ValueError):
@@ -33,6 +36,20 @@ class LayerKV(NamedTuple):
     v: jax.Array
 
 
+class QuantLayerKV(NamedTuple):
+    """One layer's int8 cache. k, v: [B, K, S, D] int8; k_scale, v_scale: [B, K, S, 1] float32 (one scale per
+    token and KV head; ``dantinox.kv_quant``)."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+
+    def dequantized(self, dtype) -> LayerKV:
+        """The float keys and values the int8 rows stand for: LayerKV of [B, K, S, D] in ``dtype``."""
+        return LayerKV(dequantize_rows(self.k, self.k_scale, dtype), dequantize_rows(self.v, self.v_scale, dtype))
+
+
 KVCache = tuple  # tuple[LayerKV, ...] (or tuple[LatentKV, ...] for MLA), one entry per decoder block
 
 
@@ -41,12 +58,16 @@ def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int
 
     MHA / GQA / MQA: 2 * K * D * bytes_per_element (keys and values).
     MLA: (C + R) * bytes_per_element (the latent c_kv and the shared RoPE key).
+    int8 adds one float32 scale per row: 2 * K * (D + 4) bytes, or for MLA C + R + 2 * 4 (one scale for the
+    latent and one for the RoPE key, kept even when R = 0 so every field has its scale).
     dtype: cache dtype name (default cfg.cache_dtype). Raises ConfigError for an unknown dtype name.
     """
-    itemsize = np.dtype(DTYPES[canonical_dtype("cache_dtype", dtype or cfg.cache_dtype)]).itemsize
+    name = canonical_dtype("cache_dtype", dtype or cfg.cache_dtype, CACHE_DTYPES)
+    itemsize = np.dtype(CACHE_DTYPES[name]).itemsize
+    scale = SCALE_BYTES if name == "int8" else 0
     if cfg.attention == "mla":
-        return (cfg.kv_latent_dim + cfg.rope_head_dim) * itemsize
-    return 2 * cfg.kv_heads * cfg.head_size * itemsize
+        return (cfg.kv_latent_dim + cfg.rope_head_dim) * itemsize + 2 * scale
+    return 2 * cfg.kv_heads * (cfg.head_size * itemsize + scale)
 
 
 def layer_cache_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -59,22 +80,42 @@ def layer_cache_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ..
     return shape, shape
 
 
+def cache_field_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of every array of one layer's cache, in field order: ``layer_cache_shapes`` and, for
+    cache_dtype="int8", one scale shape per row shape with the last axis 1 ([B, K, S, 1] or [B, S, 1])."""
+    shapes = layer_cache_shapes(cfg, batch_size)
+    if cfg.cache_dtype != "int8":
+        return shapes
+    return shapes + tuple(tuple(s[:-1]) + (1,) for s in shapes)
+
+
 def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
     """Allocate the whole cache up front, zeros in cfg.cache_dtype, one entry per layer:
-    LayerKV(k, v) of [B, K, S, D] each, or for attention="mla" LatentKV(c_kv [B, S, C], k_rope [B, S, R]).
+    LayerKV(k, v) of [B, K, S, D] each, or for attention="mla" LatentKV(c_kv [B, S, C], k_rope [B, S, R]);
+    for cache_dtype="int8" QuantLayerKV / QuantLatentKV, the same int8 arrays plus float32 zero scales of the
+    same shape with a last axis of 1.
 
     Raises ValueError if batch_size is not a positive integer.
     """
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r} is not allowed: a positive integer")
+    from .mla import LatentKV, QuantLatentKV  # mla imports attention, which imports this module
+    int8 = cfg.cache_dtype == "int8"
     if cfg.attention == "mla":
-        from .mla import LatentKV  # mla imports attention, which imports this module
-        layer_type = LatentKV
+        layer_type = QuantLatentKV if int8 else LatentKV
     else:
-        layer_type = LayerKV
-    first, second = layer_cache_shapes(cfg, batch_size)
-    dtype = cfg.jnp_cache_dtype
-    return tuple(layer_type(jnp.zeros(first, dtype), jnp.zeros(second, dtype)) for _ in range(cfg.num_blocks))
+        layer_type = QuantLayerKV if int8 else LayerKV
+    shapes = layer_cache_shapes(cfg, batch_size)
+    return tuple(layer_type(*zero_arrays(shapes, cfg.jnp_cache_dtype, int8)) for _ in range(cfg.num_blocks))
+
+
+def zero_arrays(shapes, dtype, int8: bool) -> list:
+    """Zeros of each shape in ``dtype``; with int8 also one float32 zero scale array per shape, the shape's
+    last axis set to 1 (rows first, then their scales, the field order of the Quant* layer types)."""
+    arrays = [jnp.zeros(shape, dtype) for shape in shapes]
+    if int8:
+        arrays += [jnp.zeros(tuple(shape[:-1]) + (1,), SCALE_DTYPE) for shape in shapes]
+    return arrays
 
 
 def cache_nbytes(cache: KVCache) -> int:
@@ -115,3 +156,22 @@ def write_layer(layer: LayerKV, k_new: jax.Array, v_new: jax.Array, cache_index:
                        jax.lax.dynamic_update_slice(layer.v, v_new, start))
     row_write = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (0, i, 0)))
     return LayerKV(row_write(layer.k, k_new, cache_index), row_write(layer.v, v_new, cache_index))
+
+
+def write_rows(layer: tuple, new: tuple, cache_index: jax.Array) -> tuple:
+    """Write T new rows into every array of a layer cache along its slot axis (the second to last).
+
+    layer: a layer cache NamedTuple (e.g. QuantLayerKV [B, K, S, D] / [B, K, S, 1], QuantLatentKV
+    [B, S, C] / [B, S, 1]); new: one array per field, the same shapes with T in place of S;
+    cache_index: scalar or [B] int32. Returns the layer of the same type with the rows written.
+    """
+    def one(cache, rows):
+        rows = rows.astype(cache.dtype)
+        if jnp.ndim(cache_index) == 0:
+            start = (0,) * (cache.ndim - 2) + (cache_index, 0)
+            return jax.lax.dynamic_update_slice(cache, rows, start)
+        row_start = lambda i: (0,) * (cache.ndim - 3) + (i, 0)  # noqa: E731
+        return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, row_start(i)))(cache, rows,
+                                                                                           cache_index)
+
+    return type(layer)(*(one(c, r) for c, r in zip(layer, new)))

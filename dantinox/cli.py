@@ -5,7 +5,7 @@
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step]
-  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F]
+  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--kv-dtype int8]
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
 
@@ -24,6 +24,7 @@ import numpy as np
 from .cache import CapacityError
 from .config import ConfigError
 from .generate import check_request
+from .kv_dtype import parse_kv_dtype, with_kv_dtype
 from .sampling import make_sampling_params
 
 USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
@@ -63,7 +64,9 @@ def cmd_generate(args) -> int:
             raise ValueError(f"--{flag} {value} is not allowed: an integer >= 1")
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
-    gen = Generator(args.run_dir)
+    if args.kv_dtype is not None:
+        parse_kv_dtype(args.kv_dtype)
+    gen = Generator(args.run_dir, kv_dtype=args.kv_dtype)
     ids = gen.encode(args.prompt, args.unknown)
     if gen.cfg.paradigm == "diffusion":
         return _generate_diffusion(args, gen, ids)
@@ -143,7 +146,11 @@ def cmd_verify(args) -> int:
     from .verify import verify_cache
 
     run_dir = args.run_dir or bundled_run_dir()
+    if args.kv_dtype is not None:
+        parse_kv_dtype(args.kv_dtype)
     model, cfg, tokenizer, _ = load_run(run_dir)
+    model = with_kv_dtype(model, args.kv_dtype)
+    cfg = model.cfg
     if not args.prompt:
         raise ValueError("--prompt is empty: give at least one character")
     if args.new_tokens is not None and args.new_tokens < 1:
@@ -162,6 +169,9 @@ def cmd_verify(args) -> int:
     print(f"{'positions':>12}  max |cached - uncached|")
     for first, last, diff in report.ranges(args.range):
         print(f"{first:>5}-{last:<6}  {diff:.3e}")
+    if report.float_distance is not None:
+        print(f"distance to the float32 cache: max |int8 cached - float32 cached| logits = "
+              f"{report.float_distance:.3e} (same tokens; what int8 costs, not an exactness check)")
     verdict = "PASS" if report.passed else "FAIL"
     print(f"{verdict}: largest difference {report.max_diff.max():.3e} (tolerance {args.tolerance:.1e}) "
           f"over {len(report.positions)} positions")
@@ -181,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--no_cache", action="store_true", help="recompute the whole sequence for every token")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    _add_kv_dtype(gen)
     gen.add_argument("--unknown", choices=("error", "replace"), default="error",
                      help="characters outside the vocabulary: error (default) or replace with <unk>")
     _add_sampling(gen)
@@ -192,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--new_tokens", type=int, default=None, help="default: fill the context")
     ver.add_argument("--tolerance", type=float, default=1e-4)
     ver.add_argument("--range", type=int, default=32, help="positions per printed range")
+    _add_kv_dtype(ver)
     ver.set_defaults(func=cmd_verify)
     try:
         from .budget_cli import add_budget_arguments, run_budget
@@ -210,6 +222,11 @@ def _add_plan(sub) -> None:
     from .plan.cli import add_plan_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="capacity plan: profile, simulate, replay, recommend"))
+
+
+def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype: float32, bfloat16 or int8 (symmetric absmax "
+                   "per token and head, float32 scales; default: the run's cache_dtype)")
 
 
 def _add_serve(sub) -> None:

@@ -18,6 +18,7 @@ ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
 MLA_FIELDS = ("kv_latent_dim", "rope_head_dim", "q_latent_dim")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16"}
+CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: keys/values plus float32 scales (dantinox.kv_quant)
 
 
 class ConfigError(ValueError):
@@ -32,13 +33,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def canonical_dtype(name: str, value: Any) -> str:
-    """Map 'fp32'/'bf16'/'float32'/'bfloat16' (any case) to the canonical name; raise ConfigError otherwise."""
+def canonical_dtype(name: str, value: Any, allowed: Mapping[str, Any] = DTYPES) -> str:
+    """Map 'fp32'/'bf16'/'float32'/'bfloat16' (any case; also 'int8' when ``allowed`` is CACHE_DTYPES) to
+    the canonical name; raise ConfigError otherwise."""
+    names = sorted(allowed) + sorted(DTYPE_ALIASES)
     if not isinstance(value, str):
-        _fail(name, value, f"a dtype name, one of {sorted(DTYPES) + sorted(DTYPE_ALIASES)}")
+        _fail(name, value, f"a dtype name, one of {names}")
     key = DTYPE_ALIASES.get(value.lower(), value.lower())
-    if key not in DTYPES:
-        _fail(name, value, f"one of {sorted(DTYPES) + sorted(DTYPE_ALIASES)}")
+    if key not in allowed:
+        _fail(name, value, f"one of {names}")
     return key
 
 
@@ -71,7 +74,9 @@ class ModelConfig:
       rope_theta: RoPE base (Su et al. 2021, "RoFormer").  norm_eps: RMSNorm epsilon.
       tie_embeddings: the output projection is the transposed token embedding.
       compute_dtype: "float32" or "bfloat16" (activations and matmuls; parameters stay float32).
-      cache_dtype: "float32" or "bfloat16" (dtype of the stored keys and values).
+      cache_dtype: "float32", "bfloat16" or "int8" (dtype of the stored keys and values; int8 stores symmetric
+        absmax int8 with one float32 scale per token and KV head, see dantinox.kv_quant; not with
+        paradigm="diffusion").
       sliding_window: if set, a query attends only to the last `sliding_window` positions (itself included).
         The static cache still holds max_context slots.
       kv_latent_dim: MLA only (required there, None otherwise): d_c, the width C of the per-token latent c_kv
@@ -137,7 +142,7 @@ class ModelConfig:
         if not self.norm_eps > 0:
             _fail("norm_eps", self.norm_eps, "a positive number")
         set_("compute_dtype", canonical_dtype("compute_dtype", self.compute_dtype))
-        set_("cache_dtype", canonical_dtype("cache_dtype", self.cache_dtype))
+        set_("cache_dtype", canonical_dtype("cache_dtype", self.cache_dtype, CACHE_DTYPES))
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window <= 0):
             _fail("sliding_window", self.sliding_window, "a positive integer or None")
@@ -156,6 +161,9 @@ class ModelConfig:
             return
         if self.attention == "mla":
             _fail("attention", self.attention, "one of ('mha', 'gqa', 'mqa') for paradigm='diffusion'")
+        if self.cache_dtype == "int8":
+            _fail("cache_dtype", self.cache_dtype, "'float32' or 'bfloat16' for paradigm='diffusion' (its "
+                  "DualCache has no int8 form)")
         if self.sliding_window is not None:
             _fail("sliding_window", self.sliding_window, "None for paradigm='diffusion' (bidirectional)")
         if self.mask_token_id is not None and (not _is_int(self.mask_token_id)
@@ -225,7 +233,7 @@ class ModelConfig:
 
     @property
     def jnp_cache_dtype(self):
-        return DTYPES[self.cache_dtype]
+        return CACHE_DTYPES[self.cache_dtype]
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with `changes` applied and validated again. Changing ``attention`` alone resets the fields

@@ -25,6 +25,10 @@ with it, calls of many tokens still run naive where that is cheaper, see ``MLAtt
             W_UV can be absorbed into W_O"). Per step the cache is read by einsums against c_kv [B, S, C] and
             k_R [B, S, R] only; nothing cache-sized is expanded per head.
 
+int8 cache (cfg.cache_dtype="int8", ``QuantLatentKV``): the new latent and RoPE key are quantized once per
+token (one scale each, ``dantinox.kv_quant``); attention uses their read-back values, the int8 rows and scales
+are stored, and both forms read the old slots back (``_float_latents``) before attending.
+
 Both attend over the old cache slots plus the new tokens' own latents jointly and write afterwards (see
 ``dantinox.attention`` for why), with the same masks (causal, sliding window, left padding).
 """
@@ -39,8 +43,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .attention import NEG_INF, attend, new_token_mask, old_slot_mask, old_slots
-from .cache import LayerKV
+from .cache import LayerKV, write_rows
 from .config import ModelConfig
+from .kv_quant import dequantize_rows, roundtrip
 from .layers import RMSNorm, apply_rope
 
 
@@ -51,19 +56,24 @@ class LatentKV(NamedTuple):
     k_rope: jax.Array
 
 
-def write_latent(layer: LatentKV, c_new: jax.Array, kr_new: jax.Array, cache_index: jax.Array) -> LatentKV:
-    """Write T new latents at slots cache_index .. cache_index+T-1.
+class QuantLatentKV(NamedTuple):
+    """One MLA layer's int8 cache. c_kv: [B, S, C] int8; k_rope: [B, S, R] int8; c_scale, r_scale: [B, S, 1]
+    float32 (one scale per token for the latent and one for the RoPE key; ``dantinox.kv_quant``)."""
 
-    c_new: [B, T, C]; kr_new: [B, T, R]; cache_index: scalar or [B] int32. Returns the updated LatentKV.
-    """
-    c_new = c_new.astype(layer.c_kv.dtype)
-    kr_new = kr_new.astype(layer.k_rope.dtype)
-    if jnp.ndim(cache_index) == 0:
-        start = (0, cache_index, 0)
-        return LatentKV(jax.lax.dynamic_update_slice(layer.c_kv, c_new, start),
-                        jax.lax.dynamic_update_slice(layer.k_rope, kr_new, start))
-    row_write = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (i, 0)))
-    return LatentKV(row_write(layer.c_kv, c_new, cache_index), row_write(layer.k_rope, kr_new, cache_index))
+    c_kv: jax.Array
+    k_rope: jax.Array
+    c_scale: jax.Array
+    r_scale: jax.Array
+
+    def dequantized(self, dtype) -> LatentKV:
+        """The float latents the int8 rows stand for: LatentKV(c_kv [B, S, C], k_rope [B, S, R]) in dtype."""
+        return LatentKV(dequantize_rows(self.c_kv, self.c_scale, dtype),
+                        dequantize_rows(self.k_rope, self.r_scale, dtype))
+
+
+def _float_latents(old, dtype):
+    """The old slots as float latents: a QuantLatentKV read back in ``dtype``; LatentKV or None unchanged."""
+    return old.dequantized(dtype) if hasattr(old, "dequantized") else old
 
 
 class MLAttention(nnx.Module):
@@ -74,9 +84,10 @@ class MLAttention(nnx.Module):
     [Q, H (D + R)] (or [E, H (D + R)]), kv_norm, the up-projections w_uk [H, D, C] and w_uv [H, C, D], out
     [H D, E]. The up-projections are stored in the layouts the absorbed einsums consume (contraction axis
     second), so no weight is transposed per step. The layer cache is the static LatentKV, or an object with
-    an ``attend_and_write_latent(attend_over, c_new, kr_new, cache_index, key_start) -> (o, new cache)``
-    method (the paged serving cache, ``dantinox.serving.paged_cache.PagedLatentView``) that gathers its old
-    latents as a LatentKV, calls ``attend_over`` on them and writes the new latents itself.
+    an ``attend_and_write_latent(attend_over, stored, cache_index, key_start) -> (o, new cache)`` method (the
+    paged serving cache, ``dantinox.serving.paged_cache.PagedLatentView``) that gathers its old latents as a
+    LatentKV (or QuantLatentKV), calls ``attend_over`` on them and writes ``stored`` itself: (c_new [B, T, C],
+    kr_new [B, T, R]), or for cache_dtype="int8" (c_q, kr_q int8, c_scale, r_scale [B, T, 1] float32).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -118,16 +129,20 @@ class MLAttention(nnx.Module):
         q_nope, q_rope = q[..., :D], apply_rope(q[..., D:], *rope)              # [B,T,H,D], [B,T,H,R]
         c_new = self.kv_norm(c_new)                                              # [B, T, C]
         kr_new = apply_rope(kr_new[:, :, None, :], *rope)[:, :, 0, :]            # [B, T, R]
+        stored = (c_new, kr_new)
+        if cfg.cache_dtype == "int8":  # quantize once: attend over the read-back values, store the int8 rows
+            (c_new, (c_q, c_s)), (kr_new, (r_q, r_s)) = roundtrip(c_new), roundtrip(kr_new)
+            stored = (c_q, r_q, c_s, r_s)
         attention = self._path(T)
         if hasattr(layer_cache, "attend_and_write_latent"):  # the paged pool (dantinox.serving.paged_cache)
             o, new_cache = layer_cache.attend_and_write_latent(
                 lambda old: attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start),
-                c_new, kr_new, cache_index, key_start)
+                stored, cache_index, key_start)
             return self.out(o.reshape(B, T, H * D).astype(x.dtype)), new_cache
         old = old_slots(layer_cache, read_slots)
         o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, D] float32
         y = self.out(o.reshape(B, T, H * D).astype(x.dtype))
-        new_cache = None if layer_cache is None else write_latent(layer_cache, c_new, kr_new, cache_index)
+        new_cache = None if layer_cache is None else write_rows(layer_cache, stored, cache_index)
         return y, new_cache
 
     def _path(self, T: int):
@@ -160,6 +175,7 @@ class MLAttention(nnx.Module):
         parameters' dtype; XLA on CPU has no bf16 x bf16 -> f32 kernel for these head-batched products).
         """
         f32, dt = jnp.float32, q_nope.dtype
+        old = _float_latents(old, dt)
         B, T, H, _ = q_nope.shape
         q_lat = jnp.einsum("bthd,hdc->bthc", q_nope.astype(f32), self.w_uk[...].astype(f32))
         q_lat = q_lat.astype(dt).reshape(B, T * H, -1).transpose(0, 2, 1)             # [B, C, N]
@@ -194,6 +210,7 @@ class MLAttention(nnx.Module):
         Same arguments and result as ``_absorbed``.
         """
         B, T, H, _ = q_nope.shape
+        old = _float_latents(old, q_nope.dtype)
         q = jnp.concatenate([q_nope, q_rope], axis=-1).transpose(0, 2, 1, 3)[:, :, None]  # [B, H, 1, T, D+R]
         k, v = self._expand(c_new, kr_new)
         old_kv = None if old is None else LayerKV(*self._expand(old.c_kv.astype(q.dtype),

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from .attention import Attention
-from .cache import KVCache, check_cache_capacity, layer_cache_shapes
+from .cache import KVCache, check_cache_capacity, cache_field_shapes
 from .config import ModelConfig
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .mla import MLAttention
@@ -164,8 +164,11 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
         raise ValueError("use_cache=True needs kv_caches: allocate them with dantinox.init_cache(cfg, batch_size)")
     if len(kv_caches) != cfg.num_blocks:
         raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has num_blocks={cfg.num_blocks}")
-    want = layer_cache_shapes(cfg, batch)
+    want = cache_field_shapes(cfg, batch)
     got = tuple(tuple(a.shape) for a in kv_caches[0])
     if got != want:
         layout = "c_kv [B, S, C], k_rope [B, S, R]" if cfg.attention == "mla" else "k, v [B, K, S, D]"
-        raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}")
+        if cfg.cache_dtype == "int8":
+            layout += " and their scales [..., 1] (cache_dtype='int8')"
+        raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}; allocate them with "
+                         "dantinox.init_cache(cfg, batch_size)")

@@ -12,9 +12,22 @@ def tiny_config(**overrides) -> dx.ModelConfig:
     return dx.ModelConfig.from_preset("tiny", **overrides)
 
 
+KV_DTYPES = ["float32", "int8"]   # cache dtypes the exactness and acceptance tests run with
+
+
+def qdq_rows(t: np.ndarray) -> np.ndarray:
+    """Numpy reference of the int8 cache's round trip: symmetric absmax int8 per row (last axis), the scale
+    max|row| / 127 in float32, read back as q * scale (float64 result). A zero row stays zero."""
+    t32 = np.asarray(t, np.float32)
+    scale = np.abs(t32).max(-1, keepdims=True) / np.float32(127)
+    q = np.clip(np.round(t32 / np.where(scale > 0, scale, np.float32(1))), -127, 127)
+    return (q.astype(np.float32) * scale).astype(np.float64)
+
+
 def reference_logits(model, ids: np.ndarray) -> np.ndarray:
     """Independent reference: numpy forward with an explicit causal mask and naive per-head GQA mapping
-    (query head h reads KV head h // (H / K)). ids: [B, T] -> logits [B, T, V] float64."""
+    (query head h reads KV head h // (H / K)). ids: [B, T] -> logits [B, T, V] float64. With
+    cache_dtype="int8" every key and value row (per token and KV head) goes through ``qdq_rows``."""
     cfg = model.cfg
     p = lambda x: np.asarray(x[...], np.float64)  # noqa: E731
     emb = p(model.embed.embedding)
@@ -39,6 +52,8 @@ def reference_logits(model, ids: np.ndarray) -> np.ndarray:
         q = rope(qkv[..., : H * D].reshape(B, T, H, D))
         k = rope(qkv[..., H * D:(H + K) * D].reshape(B, T, K, D))
         v = qkv[..., (H + K) * D:].reshape(B, T, K, D)
+        if cfg.cache_dtype == "int8":
+            k, v = qdq_rows(k), qdq_rows(v)
         out = np.zeros((B, T, H, D))
         mask = np.tril(np.ones((T, T), bool))
         for head in range(H):

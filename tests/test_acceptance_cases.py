@@ -1,5 +1,7 @@
 """Cases K01-K05 of ../shared/cases/ACCEPTANCE.md, one named test (or group) each. K05's HTTP part belongs
-to the serving issue. "Equal logits" is max |diff| <= 1e-5 in float32."""
+to the serving issue. "Equal logits" is max |diff| <= 1e-5 in float32. K01, K02, K03 and K05 also run with
+cache_dtype="int8" (issue 10): there the uncached forward and the numpy reference round-trip every key and
+value row through int8 the same way the cache does."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +9,7 @@ import numpy as np
 import pytest
 
 import dantinox as dx
-from conftest import reference_logits, spiky_model, tiny_config
+from conftest import KV_DTYPES, reference_logits, spiky_model, tiny_config
 
 EQ = 1e-5
 
@@ -26,9 +28,10 @@ def decode_greedy(model, prompt, steps, cache=None):
     return tokens, step_logits, cache
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("prompt_len", [6, 1, 22])
-def test_K01_decode_positions_follow_cache_index(prompt_len):
-    model = spiky_model(tiny_config())
+def test_K01_decode_positions_follow_cache_index(prompt_len, kv_dtype):
+    model = spiky_model(tiny_config(cache_dtype=kv_dtype))
     prompt = list(np.random.default_rng(prompt_len).integers(0, 128, prompt_len))
     tokens, step_logits, cache = decode_greedy(model, prompt, 10)
     for t, logits in enumerate(step_logits):
@@ -57,8 +60,9 @@ def left_padded_run(model, prompts, pad_id, steps):
     return np.stack(tokens, 1), np.stack(all_logits, 1)
 
 
-def test_K02_left_padded_batch_matches_solo_runs():
-    model = spiky_model(tiny_config())
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_K02_left_padded_batch_matches_solo_runs(kv_dtype):
+    model = spiky_model(tiny_config(cache_dtype=kv_dtype))
     prompts = [[11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     tokens, logits = left_padded_run(model, prompts, pad_id=0, steps=12)
     for b, prompt in enumerate(prompts):
@@ -73,10 +77,11 @@ def test_K02_left_padded_batch_matches_solo_runs():
     assert np.abs(logits[0, 0] - alone).max() <= EQ
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("kv_heads", [8, 4, 2, 1])
-def test_K03_grouped_heads_map_to_kv_head_h_div_group(kv_heads):
+def test_K03_grouped_heads_map_to_kv_head_h_div_group(kv_heads, kv_dtype):
     attention = {8: "mha", 1: "mqa"}.get(kv_heads, "gqa")
-    cfg = tiny_config(attention=attention, kv_heads=kv_heads)
+    cfg = tiny_config(attention=attention, kv_heads=kv_heads, cache_dtype=kv_dtype)
     model = spiky_model(cfg)
     for batch in ([1, 3] if kv_heads == 1 else [1]):
         prompts = np.random.default_rng(batch).integers(0, 128, (batch, 5))
@@ -132,8 +137,9 @@ def test_K05_prompt_longer_than_context_is_rejected():
         model(np.array([prompt], np.int32), use_cache=True, kv_caches=dx.init_cache(model.cfg, 1), cache_index=0)
 
 
-def test_K05_prompt_plus_new_tokens_beyond_context_never_writes_past_last_slot():
-    model = spiky_model(tiny_config())
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_K05_prompt_plus_new_tokens_beyond_context_never_writes_past_last_slot(kv_dtype):
+    model = spiky_model(tiny_config(cache_dtype=kv_dtype))
     with pytest.raises(dx.CapacityError, match=r"28 tokens \+ max_new_tokens=10 = 38 exceeds max_context=32"):
         dx.generate(model, list(range(28)), 10)
     assert len(dx.generate(model, list(range(28)), 4)) == 4  # what fits is served

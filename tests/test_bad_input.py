@@ -64,7 +64,8 @@ def test_capacity_errors_name_both_numbers(model):
     (dict(dim=60), r"dim=60 .*n_heads \* head_size"),
     (dict(num_blocks=0), r"num_blocks=0 .*positive integer"),
     (dict(compute_dtype="float16"), r"compute_dtype='float16'"),
-    (dict(cache_dtype="int8"), r"cache_dtype='int8'"),
+    (dict(cache_dtype="int4"), r"cache_dtype='int4' .*'int8'"),
+    (dict(compute_dtype="int8"), r"compute_dtype='int8'"),
     (dict(sliding_window=0), r"sliding_window=0"),
     (dict(paradigm="encoder"), r"paradigm='encoder'"),
 ])

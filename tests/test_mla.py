@@ -14,7 +14,7 @@ from flax import nnx
 
 import dantinox as dx
 from dantinox.mla import LatentKV
-from conftest import spiky_mla
+from conftest import KV_DTYPES, qdq_rows, spiky_mla
 
 EQ = 1e-5
 PATHS = {"absorbed": True, "naive": False}
@@ -33,7 +33,8 @@ def twin(model):
 
 def mla_reference_logits(model, ids: np.ndarray) -> np.ndarray:
     """Independent float64 numpy forward (DeepSeek-V2 section 2.1 written out per head, explicit causal mask,
-    no cache, no absorption). ids: [B, T] -> logits [B, T, V]."""
+    no cache, no absorption). ids: [B, T] -> logits [B, T, V]. With cache_dtype="int8" the latent and the
+    RoPE key rows of every token go through ``qdq_rows``."""
     cfg = model.cfg
     p = lambda x: np.asarray(x[...], np.float64)  # noqa: E731
     B, T = ids.shape
@@ -58,6 +59,8 @@ def mla_reference_logits(model, ids: np.ndarray) -> np.ndarray:
         c_q, c_kv, k_r = down[..., :Q], down[..., Q:Q + C], rope(down[..., Q + C:])
         q = ((rms(c_q, p(a.q_norm.scale)) if Q else h) @ p(a.q_up.kernel)).reshape(B, T, H, D + R)
         c_kv = rms(c_kv, p(a.kv_norm.scale))
+        if cfg.cache_dtype == "int8":
+            c_kv, k_r = qdq_rows(c_kv), qdq_rows(k_r)
         out = np.zeros((B, T, H, D))
         for head in range(H):
             k = np.concatenate([c_kv @ p(a.w_uk)[head].T, k_r], -1)      # [B, T, D + R]
@@ -202,12 +205,13 @@ def test_absorbed_path_runs_in_bfloat16():
     assert np.abs(np.concatenate([pre, steps], 1) - full).max() <= 0.05 * max(1.0, np.abs(full).max())
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("path", PATHS)
-def test_ragged_batch_with_per_row_cache_index_matches_uncached(path):
+def test_ragged_batch_with_per_row_cache_index_matches_uncached(path, kv_dtype):
     """Three prompts of lengths 3, 5 and 8 prefilled together (right-padded), then decoded with one cache
     slot per row ([B] cache_index): every row's logits at every generated position equal its own uncached
-    forward."""
-    model = spiky_mla(mla_config(mla_absorb=PATHS[path]))
+    forward (for int8: the uncached forward that round-trips its latents the same way)."""
+    model = spiky_mla(mla_config(mla_absorb=PATHS[path], cache_dtype=kv_dtype))
     rng = np.random.default_rng(1)
     seqs = [list(rng.integers(0, 128, n)) for n in (3, 5, 8)]
     lengths = np.array([len(q) for q in seqs], np.int32)
@@ -237,9 +241,10 @@ def test_query_latent_sliding_window_and_no_rope_key_cached_match_uncached():
 # Acceptance cases K01-K03 with attention="mla"
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("prompt_len", [6, 1, 22])
-def test_K01_mla_decode_positions_follow_cache_index(prompt_len):
-    model = spiky_mla(mla_config())
+def test_K01_mla_decode_positions_follow_cache_index(prompt_len, kv_dtype):
+    model = spiky_mla(mla_config(cache_dtype=kv_dtype))
     prompt = list(np.random.default_rng(prompt_len).integers(0, 128, prompt_len))
     tokens, step_logits, cache = decode_greedy(model, prompt, 10)
     assert_matches_uncached(model, prompt, tokens, step_logits)
@@ -264,9 +269,10 @@ def left_padded_run(model, prompts, pad_id, steps):
     return all_logits.argmax(-1), all_logits
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("path", PATHS)
-def test_K02_mla_left_padded_batch_matches_solo_runs(path):
-    model = spiky_mla(mla_config(mla_absorb=PATHS[path]))
+def test_K02_mla_left_padded_batch_matches_solo_runs(path, kv_dtype):
+    model = spiky_mla(mla_config(mla_absorb=PATHS[path], cache_dtype=kv_dtype))
     prompts = [[11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     tokens, logits = left_padded_run(model, prompts, pad_id=0, steps=12)
     full = uncached(model, [p + list(t[:-1]) for p, t in zip(prompts, tokens)])
@@ -281,12 +287,13 @@ def test_K02_mla_left_padded_batch_matches_solo_runs(path):
     assert np.abs(logits - logits17).max() <= EQ
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_K03_mla_heads_read_their_own_up_projection_of_the_latent(batch):
+def test_K03_mla_heads_read_their_own_up_projection_of_the_latent(batch, kv_dtype):
     """MLA's counterpart of the head-mapping case: the cache is [B, S, d_c] + [B, S, d_rope] whatever the
     batch (no squeezed axis), and at every position the logits equal a per-head reference in which head h
     uses W_UK[h], W_UV[h] and the shared RoPE key."""
-    model = spiky_mla(mla_config())
+    model = spiky_mla(mla_config(cache_dtype=kv_dtype))
     seq = np.random.default_rng(batch).integers(0, 128, (batch, 5)).astype(np.int32)
     logits, cache = _prefill(model, seq, dx.init_cache(model.cfg, batch))
     got = [np.asarray(logits[:, -1])]

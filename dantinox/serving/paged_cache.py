@@ -7,6 +7,11 @@ Layout per layer, the static cache's layout with the slot axis cut into blocks, 
   MHA / GQA / MQA   ``PagedLayerKV(k, v)``, each [N, P, K, D];
   MLA               ``PagedLatentKV(c_kv, k_rope)``: the latent [N, P, C] and the shared RoPE key [N, P, R]
                     (what ``dantinox.mla.LatentKV`` holds per slot; never per-head keys and values).
+  int8 (cache_dtype="int8") ``PagedQuantKV(k, v, k_scale, v_scale)``: int8 [N, P, K, D] plus float32 scales
+                    [N, P, K, 1]; ``PagedQuantLatentKV(c_kv, k_rope, c_scale, r_scale)``: int8 [N, P, C],
+                    [N, P, R] plus scales [N, P, 1] each. The scales live in blocks of their own arrays,
+                    indexed by the same block ids, so every block operation (copy-on-write, swap out/in,
+                    prefix sharing) that moves or shares a block moves or shares its scales with it.
 Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
 The pool is sized from a memory budget with ``dantinox.cache.bytes_per_token_per_layer``, the figure the
 planner sums (2 K D or C + R elements per token and layer), so N x P x L x bytes_per_token_per_layer equals
@@ -22,7 +27,7 @@ pool, the batch's block tables [B, M] and the number of valid new tokens per row
      s < cache_index[b] together with the T new keys, causal among the new ones,
   3. scatters the new keys and values into the pool at (block, offset), dropping the padding positions
      j >= num_new[b] (rows of a bucketed batch are right-padded; unused rows have num_new = 0).
-  ``PagedLatentView.attend_and_write_latent(attend, c_new, kr_new, cache_index, key_start)`` (MLA) does
+  ``PagedLatentView.attend_and_write_latent(attend, stored, cache_index, key_start)`` (MLA) does
   the same with latents: it gathers LatentKV(c_kv [B, M*P, C], k_rope [B, M*P, R]), hands it to the
   model's own MLA attention (absorbed or naive, ``cfg.mla_absorb``) as the old cache, and scatters the new
   latents.
@@ -37,9 +42,9 @@ import jax
 import jax.numpy as jnp
 
 from ..attention import attend
-from ..cache import LayerKV, bytes_per_token_per_layer
+from ..cache import LayerKV, QuantLayerKV, bytes_per_token_per_layer, zero_arrays
 from ..config import ModelConfig
-from ..mla import LatentKV
+from ..mla import LatentKV, QuantLatentKV
 
 
 class PagedLayerKV(NamedTuple):
@@ -55,6 +60,30 @@ class PagedLatentKV(NamedTuple):
     c_kv: jax.Array
     k_rope: jax.Array
 
+
+class PagedQuantKV(NamedTuple):
+    """One MHA / GQA / MQA layer's int8 block pool. k, v: [N, P, K, D] int8; k_scale, v_scale: [N, P, K, 1]
+    float32."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+
+
+class PagedQuantLatentKV(NamedTuple):
+    """One MLA layer's int8 block pool. c_kv: [N, P, C] int8; k_rope: [N, P, R] int8; c_scale, r_scale:
+    [N, P, 1] float32."""
+
+    c_kv: jax.Array
+    k_rope: jax.Array
+    c_scale: jax.Array
+    r_scale: jax.Array
+
+
+# the static layer type each pool layer type gathers into
+_GATHERED = {PagedLayerKV: LayerKV, PagedQuantKV: QuantLayerKV, PagedLatentKV: LatentKV,
+             PagedQuantLatentKV: QuantLatentKV}
 
 PagedPool = tuple  # tuple[PagedLayerKV, ...] (or tuple[PagedLatentKV, ...] for MLA), one entry per block
 
@@ -79,21 +108,22 @@ def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int) 
 
 def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int) -> PagedPool:
     """Zeros in cfg.cache_dtype, one entry per layer: PagedLayerKV(k, v) of [N, P, K, D] each, or for
-    attention="mla" PagedLatentKV(c_kv [N, P, C], k_rope [N, P, R]).
+    attention="mla" PagedLatentKV(c_kv [N, P, C], k_rope [N, P, R]); for cache_dtype="int8" PagedQuantKV /
+    PagedQuantLatentKV, the same int8 arrays plus float32 zero scales ([N, P, K, 1] / [N, P, 1]).
 
     Raises ValueError for a non-positive num_blocks or block_size.
     """
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
-    dtype = cfg.jnp_cache_dtype
+    int8 = cfg.cache_dtype == "int8"
     if cfg.attention == "mla":
-        return tuple(PagedLatentKV(jnp.zeros((num_blocks, block_size, cfg.kv_latent_dim), dtype),
-                                   jnp.zeros((num_blocks, block_size, cfg.rope_head_dim), dtype))
-                     for _ in range(cfg.num_blocks))
-    shape = (num_blocks, block_size, cfg.kv_heads, cfg.head_size)
-    return tuple(PagedLayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                 for _ in range(cfg.num_blocks))
+        layer_type = PagedQuantLatentKV if int8 else PagedLatentKV
+        shapes = ((num_blocks, block_size, cfg.kv_latent_dim), (num_blocks, block_size, cfg.rope_head_dim))
+    else:
+        layer_type = PagedQuantKV if int8 else PagedLayerKV
+        shapes = ((num_blocks, block_size, cfg.kv_heads, cfg.head_size),) * 2
+    return tuple(layer_type(*zero_arrays(shapes, cfg.jnp_cache_dtype, int8)) for _ in range(cfg.num_blocks))
 
 
 def pool_nbytes(pool: PagedPool) -> int:
@@ -101,26 +131,27 @@ def pool_nbytes(pool: PagedPool) -> int:
     return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(pool)))
 
 
-def gather_rows(layer: PagedLayerKV, block_table: jax.Array) -> LayerKV:
-    """Each row's blocks laid end to end. block_table: [B, M] int32 -> LayerKV of [B, K, M*P, D]."""
+def gather_rows(layer: PagedLayerKV | PagedQuantKV, block_table: jax.Array) -> LayerKV | QuantLayerKV:
+    """Each row's blocks laid end to end. block_table: [B, M] int32 -> LayerKV of [B, K, M*P, D] (int8 pool:
+    QuantLayerKV, its scales [B, K, M*P, 1]; read back later, inside ``attend``)."""
     B, M = block_table.shape
-    _, P, K, D = layer.k.shape
 
     def rows(pool):
-        return pool[block_table].reshape(B, M * P, K, D).transpose(0, 2, 1, 3)
+        _, P, K, W = pool.shape
+        return pool[block_table].reshape(B, M * P, K, W).transpose(0, 2, 1, 3)
 
-    return LayerKV(rows(layer.k), rows(layer.v))
+    return _GATHERED[type(layer)](*(rows(a) for a in layer))
 
 
-def gather_latents(layer: PagedLatentKV, block_table: jax.Array) -> LatentKV:
+def gather_latents(layer: PagedLatentKV | PagedQuantLatentKV, block_table: jax.Array) -> LatentKV | QuantLatentKV:
     """Each row's blocks laid end to end. block_table: [B, M] int32 -> LatentKV(c_kv [B, M*P, C],
-    k_rope [B, M*P, R])."""
+    k_rope [B, M*P, R]) (int8 pool: QuantLatentKV, its scales [B, M*P, 1])."""
     B, M = block_table.shape
 
     def rows(pool):
         return pool[block_table].reshape(B, M * pool.shape[1], pool.shape[2])
 
-    return LatentKV(rows(layer.c_kv), rows(layer.k_rope))
+    return _GATHERED[type(layer)](*(rows(a) for a in layer))
 
 
 def _write_slots(block_table, cache_index, num_new, T: int, N: int, P: int):
@@ -140,81 +171,94 @@ def _put(pool: jax.Array, rows: jax.Array, block, offset) -> jax.Array:
     return pool.at[block, offset].set(flat, mode="drop")
 
 
-def scatter_new(layer: PagedLayerKV, k_new, v_new, block_table, cache_index, num_new) -> PagedLayerKV:
+def scatter_new(layer: PagedLayerKV | PagedQuantKV, stored: tuple, block_table, cache_index, num_new):
     """Write row b's first num_new[b] new keys/values at token positions cache_index[b] + j.
 
-    k_new, v_new: [B, K, T, D]; block_table: [B, M] int32; cache_index, num_new: [B] int32.
-    Padding positions (j >= num_new[b]) are dropped, never written.
+    stored: one array per pool field: (k_new, v_new) [B, K, T, D], or for an int8 pool (k_q, v_q [B, K, T, D]
+    int8, k_scale, v_scale [B, K, T, 1] float32); block_table: [B, M] int32; cache_index, num_new: [B] int32.
+    Padding positions (j >= num_new[b]) are dropped, never written. Returns the pool layer, same type.
     """
     N, P = layer.k.shape[:2]
-    block, offset = _write_slots(block_table, cache_index, num_new, k_new.shape[2], N, P)
-    return PagedLayerKV(_put(layer.k, k_new.transpose(0, 2, 1, 3), block, offset),
-                        _put(layer.v, v_new.transpose(0, 2, 1, 3), block, offset))
+    block, offset = _write_slots(block_table, cache_index, num_new, stored[0].shape[2], N, P)
+    return type(layer)(*(_put(a, new.transpose(0, 2, 1, 3), block, offset) for a, new in zip(layer, stored)))
 
 
-def scatter_latents(layer: PagedLatentKV, c_new, kr_new, block_table, cache_index, num_new) -> PagedLatentKV:
+def scatter_latents(layer: PagedLatentKV | PagedQuantLatentKV, stored: tuple, block_table, cache_index, num_new):
     """Write row b's first num_new[b] new latents at token positions cache_index[b] + j.
 
-    c_new: [B, T, C]; kr_new: [B, T, R]; block_table: [B, M] int32; cache_index, num_new: [B] int32.
-    Padding positions (j >= num_new[b]) are dropped, never written.
+    stored: one array per pool field: (c_new [B, T, C], kr_new [B, T, R]), or for an int8 pool (c_q, kr_q
+    int8, c_scale, r_scale [B, T, 1] float32); block_table: [B, M] int32; cache_index, num_new: [B] int32.
+    Padding positions (j >= num_new[b]) are dropped, never written. Returns the pool layer, same type.
     """
     N, P = layer.c_kv.shape[:2]
-    block, offset = _write_slots(block_table, cache_index, num_new, c_new.shape[1], N, P)
-    return PagedLatentKV(_put(layer.c_kv, c_new, block, offset), _put(layer.k_rope, kr_new, block, offset))
+    block, offset = _write_slots(block_table, cache_index, num_new, stored[0].shape[1], N, P)
+    return type(layer)(*(_put(a, new, block, offset) for a, new in zip(layer, stored)))
 
 
 class PagedView(NamedTuple):
     """An MHA / GQA / MQA layer's pool plus the batch's paging metadata, handed to the model as its layer
     cache.
 
-    pool: PagedLayerKV [N, P, K, D]; block_table: [B, M] int32; num_new: [B] int32 valid new tokens per row.
+    pool: PagedLayerKV [N, P, K, D] or PagedQuantKV; block_table: [B, M] int32; num_new: [B] int32 valid new
+    tokens per row.
     """
 
-    pool: PagedLayerKV
+    pool: PagedLayerKV | PagedQuantKV
     block_table: jax.Array
     num_new: jax.Array
 
-    def attend_and_write(self, q, k, v, cache_index, key_start, window):
+    def attend_and_write(self, q, k, v, cache_index, key_start, window, stored=None):
         """Attention hook called by ``dantinox.attention.Attention``.
 
         q: [B, K, G, T, D] (scaled); k, v: [B, K, T, D]; cache_index: [B] int32 tokens already cached per
-        row; key_start must be None (no left padding in a paged batch). Returns (y [B, K, G, T, D] float32,
-        the PagedView with the new keys and values written). Raises ValueError for a key_start.
+        row; key_start must be None (no left padding in a paged batch); stored: what to write, one array per
+        pool field (default (k, v); an int8 pool needs (k_q, v_q, k_scale, v_scale)). Returns (y [B, K, G, T,
+        D] float32, the PagedView with the new keys and values written). Raises ValueError for a key_start,
+        or for an int8 pool without ``stored`` (cfg.cache_dtype and the pool disagree).
         """
         if key_start is not None:
             raise ValueError("key_start (left padding) is not used with a paged cache: pass key_start=None")
+        stored = (k, v) if stored is None else stored
+        if len(stored) != len(self.pool):
+            raise ValueError(f"the pool holds {type(self.pool).__name__} but the model writes {len(stored)} "
+                             "arrays: build the pool from the model's config (cache_dtype)")
         y = attend(q, k, v, gather_rows(self.pool, self.block_table), cache_index, None, window)
-        pool = scatter_new(self.pool, k, v, self.block_table, cache_index, self.num_new)
+        pool = scatter_new(self.pool, stored, self.block_table, cache_index, self.num_new)
         return y, self._replace(pool=pool)
 
 
 class PagedLatentView(NamedTuple):
     """An MLA layer's latent pool plus the batch's paging metadata, handed to the model as its layer cache.
 
-    pool: PagedLatentKV (c_kv [N, P, C], k_rope [N, P, R]); block_table: [B, M] int32; num_new: [B] int32.
+    pool: PagedLatentKV (c_kv [N, P, C], k_rope [N, P, R]) or PagedQuantLatentKV; block_table: [B, M] int32;
+    num_new: [B] int32.
     """
 
-    pool: PagedLatentKV
+    pool: PagedLatentKV | PagedQuantLatentKV
     block_table: jax.Array
     num_new: jax.Array
 
-    def attend_and_write_latent(self, attend_over, c_new, kr_new, cache_index, key_start):
+    def attend_and_write_latent(self, attend_over, stored, cache_index, key_start):
         """Attention hook called by ``dantinox.mla.MLAttention``.
 
-        attend_over: the layer's attention as a function of the old cache, LatentKV -> o [B, T, H, D]
-        float32 (it masks slots s >= cache_index[b] itself); c_new: [B, T, C]; kr_new: [B, T, R];
+        attend_over: the layer's attention as a function of the old cache, LatentKV (or QuantLatentKV) ->
+        o [B, T, H, D] float32 (it masks slots s >= cache_index[b] itself); stored: the new rows, one array
+        per pool field ((c_new [B, T, C], kr_new [B, T, R]) or the int8 form with scales [B, T, 1]);
         cache_index: [B] int32; key_start must be None. Returns (o, the PagedLatentView with the new
-        latents written). Raises ValueError for a key_start.
+        latents written). Raises ValueError for a key_start or for ``stored`` that does not match the pool.
         """
         if key_start is not None:
             raise ValueError("key_start (left padding) is not used with a paged cache: pass key_start=None")
+        if len(stored) != len(self.pool):
+            raise ValueError(f"the pool holds {type(self.pool).__name__} but the model writes {len(stored)} "
+                             "arrays: build the pool from the model's config (cache_dtype)")
         o = attend_over(gather_latents(self.pool, self.block_table))
-        pool = scatter_latents(self.pool, c_new, kr_new, self.block_table, cache_index, self.num_new)
+        pool = scatter_latents(self.pool, stored, self.block_table, cache_index, self.num_new)
         return o, self._replace(pool=pool)
 
 
 def paged_views(pool: PagedPool, block_table, num_new) -> tuple:
     """One view per layer (PagedView, or PagedLatentView for an MLA pool), sharing the batch's block
     tables [B, M] int32 and valid-token counts [B] int32."""
-    view = PagedLatentView if pool and isinstance(pool[0], PagedLatentKV) else PagedView
+    view = PagedLatentView if pool and isinstance(pool[0], (PagedLatentKV, PagedQuantLatentKV)) else PagedView
     return tuple(view(layer, block_table, num_new) for layer in pool)

@@ -1,11 +1,14 @@
 """``dantinox serve``: load a run directory, size the paged KV pool from a memory budget, serve over HTTP.
 
-  dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
+  dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--kv-dtype int8]
+                 [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
                  [--no-prefix-caching] [--no-warmup] [--config serve.yaml]
 
 Without --kv-memory the pool holds max-running sequences of max_context tokens. At start the server logs
-"KV cache: N blocks = T tokens, max concurrency C at L tokens per request" (L = max_context).
+"KV cache: N blocks = T tokens, max concurrency C at L tokens per request" (L = max_context). --kv-dtype
+(float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same --kv-memory holds
+about 3.5x the blocks in int8 as in float32 (scales included; dantinox.kv_quant).
 FastAPI and uvicorn are imported only when the command runs.
 """
 
@@ -41,6 +44,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 2GB or 512MiB")
+    p.add_argument("--kv-dtype", default=None,
+                   help="KV cache dtype: float32, bfloat16 or int8 (default: the run's cache_dtype)")
     p.add_argument("--policy", choices=("recompute", "swap"), default="recompute",
                    help="what a preempted sequence does with its KV blocks (default recompute)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -63,7 +68,7 @@ def kv_summary(engine) -> str:
     concurrency = alloc.num_blocks // alloc.blocks_for(L)
     mib = engine.stats()["kv_cache_bytes"] / 2**20
     line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
-            f"tokens per request ({mib:.2f} MiB, block size {alloc.block_size})")
+            f"tokens per request ({mib:.2f} MiB, block size {alloc.block_size}, {engine.cfg.cache_dtype})")
     if concurrency == 0:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")
@@ -118,17 +123,22 @@ def check_serve_args(args: argparse.Namespace) -> None:
                              "or a host name") from None
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory)
+    if getattr(args, "kv_dtype", None) is not None:
+        from ..kv_dtype import parse_kv_dtype
+        parse_kv_dtype(args.kv_dtype)
 
 
 def build_engine(args: argparse.Namespace):
     """(engine, tokenizer, model name) from the parsed arguments. Raises RunDirError / ValueError."""
     from ..generator import bundled_run_dir
+    from ..kv_dtype import with_kv_dtype
     from ..train.run_dir import load_run
     from .engine import EngineConfig, PagedEngine
 
     check_serve_args(args)
     run_dir = args.run_dir or bundled_run_dir()
     model, cfg, tokenizer, _ = load_run(run_dir)
+    model = with_kv_dtype(model, getattr(args, "kv_dtype", None))
     config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
                           max_queued=args.max_queued, max_batched_tokens=args.max_batched_tokens,
                           preemption=args.policy, max_decode_steps=args.max_decode_steps,

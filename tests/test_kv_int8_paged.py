@@ -1,0 +1,190 @@
+"""The int8 KV cache in the serving engine's paged pool (issue 10): int8 blocks plus scale blocks; paged
+logits equal the int8 static cache's; swap moves the scales with their blocks, prefix-cached blocks share
+them, copy-on-write copies them; ``--kv-dtype int8`` with the same --kv-memory gives more blocks and admits
+more concurrent sequences; bad --kv-dtype values exit 2 naming the flag."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dantinox as dx
+from dantinox import cli
+from dantinox.serving.paged_cache import (PagedQuantKV, PagedQuantLatentKV, block_bytes, init_pool,
+                                          pool_nbytes)
+from dantinox.serving.runner import copy_blocks, read_blocks, write_blocks
+from dantinox.serving.serve_cli import build_engine, kv_summary
+from dantinox.train import save_run, train_tokenizer
+from conftest import spiky_mla, spiky_model, tiny_config
+from serving_util import chunked_paged_run, drain, greedy, lively_model, make_engine, solo, static_logits
+from test_serving_engine import check_resumed_requests_reprefilled
+
+P, M = 4, 8  # block size; block-table entries (max_context 32 / P)
+KINDS = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
+         "mqa": dict(attention="mqa", kv_heads=None),
+         "mla": dict(attention="mla", kv_heads=None, kv_latent_dim=16, rope_head_dim=8)}
+CFG = tiny_config(attention="gqa", kv_heads=2, max_context=64, cache_dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lively_model(CFG)
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_paged_logits_equal_the_int8_static_cache_ragged_chunked(kind):
+    cfg = tiny_config(cache_dtype="int8", **KINDS[kind])
+    model = spiky_mla(cfg) if kind == "mla" else spiky_model(cfg)
+    rng = np.random.default_rng(1)
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 11, 17)]
+    perm = 1 + rng.permutation(16)
+    tables = np.zeros((3, M), np.int32)
+    tables[0, :2], tables[1, :3], tables[2, :5] = perm[:2], perm[2:5], perm[5:10]
+    pool = init_pool(cfg, 17, P)
+    assert isinstance(pool[0], PagedQuantLatentKV if kind == "mla" else PagedQuantKV)
+    got, pool = chunked_paged_run(model, pool, seqs, tables)
+    for b in range(3):
+        uncached = np.asarray(model(jnp.asarray([seqs[b]], jnp.int32))[0][0])   # the round-trip reference
+        assert np.abs(got[b] - static_logits(model, seqs[b])).max() <= 1e-5
+        assert np.abs(got[b] - uncached).max() <= 1e-5
+    untouched = np.concatenate([[0], perm[10:]])
+    for layer in pool:
+        assert all(float(jnp.abs(a[untouched]).max()) == 0.0 for a in layer)     # rows and scales
+        assert float(layer[2][perm[0]].max()) > 0.0                              # written blocks have scales
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_pool_bytes_include_the_scale_blocks(kind):
+    cfg = tiny_config(cache_dtype="int8", **KINDS[kind])
+    pool = init_pool(cfg, 7, P)
+    assert pool_nbytes(pool) == 7 * block_bytes(cfg, P) == 7 * P * dx.kv_bytes_per_token(cfg)
+    layer = pool[0]
+    assert layer[0].dtype == jnp.int8 and layer[2].dtype == jnp.float32 and layer[2].shape[:2] == (7, P)
+    assert layer[2].shape[-1] == 1
+
+
+def filled_pool(cfg, n):
+    """An int8 pool whose every array holds distinct nonzero values (rows and scales)."""
+    pool = init_pool(cfg, n, P)
+    rng = np.random.default_rng(0)
+    return tuple(type(layer)(*(jnp.asarray(rng.integers(1, 100, a.shape).astype(a.dtype)) for a in layer))
+                 for layer in pool)
+
+
+def test_swap_out_and_in_moves_the_scales_with_their_blocks():
+    pool = filled_pool(CFG, 8)
+    before = [[np.asarray(a) for a in layer] for layer in pool]
+    host = read_blocks(pool, jnp.asarray([1, 2], jnp.int32))                   # swap out blocks 1, 2
+    pool = write_blocks(pool, jnp.asarray([5, 6], jnp.int32), host)            # swap in as blocks 5, 6
+    for layer, old in zip(pool, before):
+        for a, b in zip(layer, old):                                           # k, v, k_scale, v_scale
+            np.testing.assert_array_equal(np.asarray(a)[[5, 6]], b[[1, 2]])
+
+
+def test_copy_on_write_copies_the_scales():
+    pool = filled_pool(CFG, 8)
+    before = [[np.asarray(a) for a in layer] for layer in pool]
+    pool = copy_blocks(pool, jnp.asarray([3, 0], jnp.int32), jnp.asarray([7, 8], jnp.int32))   # 8: padding
+    for layer, old in zip(pool, before):
+        for a, b in zip(layer, old):
+            np.testing.assert_array_equal(np.asarray(a)[7], b[3])
+            np.testing.assert_array_equal(np.asarray(a)[:7], b[:7])
+
+
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_int8_preempted_requests_resume_with_the_int8_static_output(model, policy):
+    engine = make_engine(model, num_blocks=10, preemption=policy, enable_prefix_caching=False, max_running=3)
+    batch = prompts([6, 7, 9])
+    ids = [engine.add_request(p, greedy(16)) for p in batch]
+    results = drain(engine)
+    assert engine.stats()["preemptions"] >= 1
+    for rid, prompt in zip(ids, batch):
+        tokens, reason = results[rid]
+        assert len(set(tokens)) > 3 and tokens == solo(model, prompt, 16)   # static int8 cache, batch 1
+    for req in engine.finished:
+        if req.num_preemptions:
+            check_resumed_requests_reprefilled(req)
+
+
+def test_int8_prefix_cached_blocks_share_their_scales_and_copy_on_write_copies_them(model):
+    engine = make_engine(model, num_blocks=40)
+    shared = prompts([8], seed=4)[0]
+    first = engine.add_request(shared, greedy(6))
+    first_token = engine.step()[0].new_token_ids
+    second = engine.add_request(shared, greedy(6))                 # wholly cached: copy-on-write of block 2
+    third = engine.add_request(shared[:4] + [1, 2, 3], greedy(6))  # first block shared
+    results = drain(engine)
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] == 3 and stats["cow_copies"] == 1
+    assert results[second][0] == first_token + results[first][0] == solo(model, shared, 6)
+    assert results[third][0] == solo(model, shared[:4] + [1, 2, 3], 6)
+
+
+def serve_engine(run_dir, kv_dtype, memory="48KiB"):
+    flags = ["serve", "--run_dir", run_dir, "--kv-memory", memory, "--block-size", "4", "--max-running", "32",
+             "--max-batched-tokens", "1024"]
+    return build_engine(cli.build_parser().parse_args(flags + (["--kv-dtype", kv_dtype] if kv_dtype else [])))[0]
+
+
+@pytest.fixture(scope="module")
+def float_run(tmp_path_factory):
+    tokenizer = train_tokenizer("Nel mezzo del cammin di nostra vita\n" * 4, "char")
+    cfg = tiny_config(attention="mqa", kv_heads=None, n_heads=2, head_size=32, vocab_size=tokenizer.vocab_size)
+    path = tmp_path_factory.mktemp("run") / "mqa"
+    save_run(path, lively_model(cfg), cfg.replace(tie_embeddings=False), tokenizer)
+    return str(path)
+
+
+def test_serve_kv_dtype_int8_logs_more_blocks_and_admits_more_sequences_in_the_same_memory(float_run):
+    engines = {name: serve_engine(float_run, name) for name in (None, "int8")}
+    fp32, int8 = engines[None], engines["int8"]
+    assert fp32.cfg.cache_dtype == "float32" and int8.cfg.cache_dtype == "int8"
+    budget = 48 * 1024
+    for engine in (fp32, int8):
+        assert engine.allocator.num_blocks == budget // block_bytes(engine.cfg, 4)
+        assert engine.stats()["kv_cache_bytes"] <= budget
+    assert int8.allocator.num_blocks >= 3 * fp32.allocator.num_blocks       # 2 x 32 x 4 against 2 x (32 + 4)
+    assert "int8" in kv_summary(int8) and f"{int8.allocator.num_blocks} blocks" in kv_summary(int8)
+    admitted = {}
+    for name, engine in engines.items():   # 24 requests of 28 + 4 tokens: 7 blocks to start, 8 at the end
+        for prompt in prompts([28] * 24, seed=3):
+            engine.add_request([t % engine.vocab_size for t in prompt], greedy(4))
+        peak = 0
+        while engine.has_unfinished():
+            engine.step()
+            peak = max(peak, engine.stats()["running"])
+        admitted[name] = peak
+    assert 1 <= admitted[None] <= fp32.allocator.num_blocks // 7
+    assert admitted["int8"] >= 3 * admitted[None], admitted
+
+
+@pytest.mark.parametrize("command", [["verify"], ["generate", "--prompt", "Nel"]])
+def test_bad_kv_dtype_exits_2_naming_the_flag_and_the_allowed_values(command, capsys, float_run):
+    assert cli.main(command + ["--run_dir", float_run, "--kv-dtype", "int4"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-dtype 'int4' is not allowed" in err and "int8" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_bad_kv_dtype_is_rejected_before_loading(float_run):
+    args = cli.build_parser().parse_args(["serve", "--run_dir", float_run, "--kv-dtype", "fp8"])
+    with pytest.raises(dx.KVDtypeError, match="--kv-dtype 'fp8' is not allowed"):
+        build_engine(args)
+
+
+def test_int8_for_a_diffusion_model_is_a_clear_error():
+    model = dx.build_model(tiny_config(paradigm="diffusion", attention="mha", kv_heads=None, mask_token_id=127))
+    with pytest.raises(dx.KVDtypeError, match=r"--kv-dtype int8 cannot be used.*paradigm='diffusion'"):
+        dx.with_kv_dtype(model, "int8")
+
+
+def test_verify_cli_with_kv_dtype_int8_passes_and_prints_the_distance_to_the_float_cache(float_run, capsys):
+    assert cli.main(["verify", "--run_dir", float_run, "--kv-dtype", "int8", "--new_tokens", "8",
+                     "--tolerance", "1e-5", "--prompt", "Nel mezzo"]) == 0
+    out = capsys.readouterr().out
+    assert "cache=int8" in out and "PASS" in out
+    distance = float(out.split("float32 cached| logits = ")[1].split()[0])
+    assert distance > 1e-5
