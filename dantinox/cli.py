@@ -4,10 +4,11 @@
   dantinox generate [--run_dir R] --prompt P [--no_cache] [--stream] [--max_new_tokens N] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
-                    [--refresh block|prompt_once|step]
-  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--kv-dtype int8]
+                    [--refresh block|prompt_once|step] [--kv-dtype D] [--quantize bf16|int8]
+  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--kv-dtype int8] [--quantize bf16|int8]
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
+  dantinox eval     [--run_dir R] --slice NAME=FILE ... [--kv-dtype D] [--quantize Q] [--gate GATE.yaml] [--json OUT]
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
 exit with status 2 and one line on stderr; verify exits with status 1 when the cache is not exact.
@@ -26,6 +27,7 @@ from .config import ConfigError
 from .generate import check_request
 from .kv_dtype import parse_kv_dtype, with_kv_dtype
 from .sampling import make_sampling_params
+from .weight_quant import add_quantize_argument, check_quantize, quantize_weights
 
 USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
 DEFAULT_NEW_TOKENS = 200
@@ -66,7 +68,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
     if args.kv_dtype is not None:
         parse_kv_dtype(args.kv_dtype)
-    gen = Generator(args.run_dir, kv_dtype=args.kv_dtype)
+    gen = Generator(args.run_dir, kv_dtype=args.kv_dtype, quantize=check_quantize(args.quantize, "--quantize"))
     ids = gen.encode(args.prompt, args.unknown)
     if gen.cfg.paradigm == "diffusion":
         return _generate_diffusion(args, gen, ids)
@@ -148,9 +150,11 @@ def cmd_verify(args) -> int:
     run_dir = args.run_dir or bundled_run_dir()
     if args.kv_dtype is not None:
         parse_kv_dtype(args.kv_dtype)
+    check_quantize(args.quantize, "--quantize")
     model, cfg, tokenizer, _ = load_run(run_dir)
     model = with_kv_dtype(model, args.kv_dtype)
     cfg = model.cfg
+    quantize_weights(model, args.quantize)
     if not args.prompt:
         raise ValueError("--prompt is empty: give at least one character")
     if args.new_tokens is not None and args.new_tokens < 1:
@@ -164,7 +168,8 @@ def cmd_verify(args) -> int:
         raise CapacityError(f"--prompt has {len(prompt)} tokens; max_context={cfg.max_context} leaves no room")
     new_tokens = args.new_tokens or cfg.max_context - len(prompt)
     report = verify_cache(model, prompt, new_tokens, args.tolerance)
-    print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype}; "
+    print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype} "
+          f"weights={args.quantize or 'float32'}; "
           f"prompt {len(prompt)} tokens, {new_tokens} greedy tokens decoded")
     print(f"{'positions':>12}  max |cached - uncached|")
     for first, last, diff in report.ranges(args.range):
@@ -194,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_dtype(gen)
     gen.add_argument("--unknown", choices=("error", "replace"), default="error",
                      help="characters outside the vocabulary: error (default) or replace with <unk>")
+    add_quantize_argument(gen)
     _add_sampling(gen)
     _add_diffusion(gen)
     gen.set_defaults(func=cmd_generate)
@@ -204,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--tolerance", type=float, default=1e-4)
     ver.add_argument("--range", type=int, default=32, help="positions per printed range")
     _add_kv_dtype(ver)
+    add_quantize_argument(ver)
     ver.set_defaults(func=cmd_verify)
     try:
         from .budget_cli import add_budget_arguments, run_budget
@@ -215,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         budget.set_defaults(func=run_budget)
     _add_serve(sub)
     _add_plan(sub)
+    _add_eval(sub)
     return parser
 
 
@@ -235,6 +243,14 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, paged KV cache)")
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
+
+
+def _add_eval(sub) -> None:
+    from .eval_cli import add_eval_arguments, run_eval
+
+    ev = sub.add_parser("eval", help="quality per text slice of a quantized variant against the float baseline")
+    add_eval_arguments(ev)
+    ev.set_defaults(func=run_eval)
 
 
 def main(argv: list[str] | None = None) -> int:

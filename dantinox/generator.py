@@ -24,6 +24,7 @@ from .generate import generate_result, stream_tokens
 from .kv_dtype import with_kv_dtype
 from .train.run_dir import load_run
 from .train.tokenizer import StreamDecoder
+from .weight_quant import check_quantize, quantize_weights
 
 BUNDLED_RUN = "dante"
 
@@ -41,17 +42,23 @@ class Generator:
       warmup: run one 1-token generation at load time so the first real call is not slowed by compilation
         (compiles prefill for the smallest prompt bucket and the decode loop for batch 1).
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
+      quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
+        ``dantinox.weight_quant``.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter).
     Raises: RunDirError for a missing or inconsistent run directory; KVDtypeError for a kv_dtype outside the
-    allowed set or one the model cannot hold (int8 for a diffusion model).
+    allowed set or one the model cannot hold (int8 for a diffusion model); ValueError for another quantize value.
     """
 
-    def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, kv_dtype: str | None = None):
+    def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, kv_dtype: str | None = None,
+                 quantize: str | None = None):
         start = time.perf_counter()
+        check_quantize(quantize)
         self.run_dir = os.fspath(run_dir) if run_dir is not None else bundled_run_dir()
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
         self.model = with_kv_dtype(self.model, kv_dtype, "kv_dtype")
         self.cfg = self.model.cfg
+        self.quantize = quantize
+        quantize_weights(self.model, quantize)
         self.warmup = CompileCounter()
         if warmup and self.cfg.paradigm == "ar":  # diffusion compiles per (bucket, gen_len, block_size)
             with self.warmup:

@@ -74,17 +74,25 @@ def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: in
     return batch * seq_len * kv_bytes_per_token(cfg, dtype)
 
 
-def param_bytes(source: ModelConfig | Mapping[str, Any] | nnx.Module) -> int:
-    """Bytes of the model's parameters (nnx.Param leaves).
+def param_bytes(source: ModelConfig | Mapping[str, Any] | nnx.Module, quantize: str | None = None) -> int:
+    """Bytes of the model's parameters (nnx.Param leaves), int8 kernels and their float32 scales included.
 
-    source: a built model (counted from its real parameter tree) or a config (the Transformer is built with
-    nnx.eval_shape, so only shapes and dtypes exist and nothing is allocated).
+    source: a built model (counted from its real parameter tree as it is, quantized or not) or a config (the
+    Transformer is built with nnx.eval_shape, so only shapes and dtypes exist and nothing is allocated).
+    quantize: for a config, count the weights as ``dantinox.weight_quant.quantize_weights`` stores them (None,
+    "bf16" or "int8"). Raises ValueError for another quantize value, or a quantize given with a built model.
     """
+    from .weight_quant import check_quantize, quantize_weights
+
+    check_quantize(quantize)
     if isinstance(source, nnx.Module):
+        if quantize is not None:
+            raise ValueError("quantize applies to a config; a built model is counted as it is stored")
         state = nnx.state(source, nnx.Param)
     else:
         cfg = _as_config(source)
-        state = nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+        shape = nnx.eval_shape(lambda: quantize_weights(Transformer(cfg, rngs=nnx.Rngs(0)), quantize))
+        state = nnx.state(shape, nnx.Param)
     return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(state)))
 
 

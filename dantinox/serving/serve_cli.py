@@ -20,13 +20,14 @@ import logging
 import os
 import re
 
+from ..weight_quant import add_quantize_argument, check_quantize, quantize_weights
+
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 # flag -> (attribute, smallest allowed value); checked before the model loads or warms up
 _INT_FLAGS = (("--block-size", "block_size", 1), ("--max-running", "max_running", 1),
               ("--max-queued", "max_queued", 1), ("--max-batched-tokens", "max_batched_tokens", 1),
               ("--max-decode-steps", "max_decode_steps", 1))
-
 
 def parse_bytes(text: str) -> int:
     """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (the budget command's parser).
@@ -59,6 +60,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: run dir name)")
     p.add_argument("--config", default=None, help="YAML/JSON file of serve flags (e.g. a plan's serve.yaml); "
                    "flags given on the command line win")
+    add_quantize_argument(p)
 
 
 def kv_summary(engine) -> str:
@@ -126,6 +128,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if getattr(args, "kv_dtype", None) is not None:
         from ..kv_dtype import parse_kv_dtype
         parse_kv_dtype(args.kv_dtype)
+    check_quantize(getattr(args, "quantize", None), "--quantize")
 
 
 def build_engine(args: argparse.Namespace):
@@ -139,6 +142,7 @@ def build_engine(args: argparse.Namespace):
     run_dir = args.run_dir or bundled_run_dir()
     model, cfg, tokenizer, _ = load_run(run_dir)
     model = with_kv_dtype(model, getattr(args, "kv_dtype", None))
+    quantize_weights(model, getattr(args, "quantize", None))
     config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
                           max_queued=args.max_queued, max_batched_tokens=args.max_batched_tokens,
                           preemption=args.policy, max_decode_steps=args.max_decode_steps,
