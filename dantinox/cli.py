@@ -9,6 +9,7 @@
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
   dantinox eval     [--run_dir R] --slice NAME=FILE ... [--kv-dtype D] [--quantize Q] [--gate GATE.yaml] [--json OUT]
+  dantinox plan     [trace|profile|simulate|replay|gate] ... (capacity plan; see docs/planning.md)
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
 exit with status 2 and one line on stderr; verify exits with status 1 when the cache is not exact.

@@ -33,7 +33,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slice", action="append", default=[], help="NAME=FILE quality slice (repeatable)")
     p.add_argument("--candidates", default=None, help="YAML list of candidates (default: the built-in sweep)")
     p.add_argument("--baseline", default="baseline", help="fallback: a candidate name or a last known-good plan.json")
-    p.add_argument("--profile", default=None, help="profile.json (default: profile now)")
+    p.add_argument("--profile", action="append", default=None,
+                   help="profile.json, one per model variant (repeatable; default: profile the float model now)")
     p.add_argument("--out", default="plan", help="output directory")
     p.set_defaults(func=run_plan)
     sub = p.add_subparsers(dest="plan_command")
@@ -117,21 +118,30 @@ def run_profile_cmd(args) -> int:
 
 
 def _costs(args, run_dir, model, cfg) -> tuple[dict, dict]:
-    """({(kv, quantize): CostModel}, the profile) from --profile (checked) or a fresh profile."""
+    """({(kv, quantize): CostModel}, the first profile) from --profile (one path or several, each checked
+    against the model) or from a fresh profile of the float model."""
     from .cost_model import CostModel
     from .inputs import load_json
     from .profile import check_profile, model_identity
 
-    if args.profile:
-        prof = load_json("--profile", args.profile)
-        check_profile(prof, model_identity(run_dir, cfg))
-    else:
-        prof = _profile(run_dir, model, cfg)
-    try:
-        cost = CostModel.from_dict(prof["cost_model"])
-    except (KeyError, ValueError) as err:
-        raise ValueError(f"--profile: {err}") from None
-    return {(prof.get("kv_dtype", "float32"), prof.get("quantize", "none")): cost}, prof
+    paths = [args.profile] if isinstance(args.profile, str) else (args.profile or [])
+    profiles = []
+    for path in paths:
+        prof = load_json("--profile", path)
+        check_profile(prof, model_identity(run_dir, cfg), f"--profile {path}")
+        profiles.append(prof)
+    if not profiles:
+        profiles = [_profile(run_dir, model, cfg)]
+    costs = {}
+    for prof in profiles:
+        try:
+            costs[(prof.get("kv_dtype", "float32"), prof.get("quantize", "none"))] = CostModel.from_dict(
+                prof["cost_model"])
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"--profile: {err}") from None
+    if ("float32", "none") not in costs:
+        raise ValueError("--profile: one profile must be of the float model (--kv-dtype float32 --quantize none)")
+    return costs, profiles[0]
 
 
 def _one_candidate(path):

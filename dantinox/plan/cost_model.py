@@ -8,8 +8,9 @@ profile.json with the measured points. Letters: B batch rows of a call, T chunk 
   decode_steps(B, S, n)       c0 + n (d0 + d1 B + d2 B S)             one multi-step call of n iterations
   swap out / swap in          seconds per preempted (read) / resumed (written) request
   copy_blocks                 seconds per copy-on-write call
-  step, scale                 a real step costs step + scale x (its calls' costs): fitted on a real burst
-                              through the engine (host work, dispatch and fetch that isolated timings miss)
+  step, scale                 a step of forward_step calls costs step + scale x (its calls' costs), fitted on
+                              a real burst through the engine (host work, dispatch and fetch that isolated
+                              timings miss); multi-step decode steps cost their calls
 """
 
 from __future__ import annotations

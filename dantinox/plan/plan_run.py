@@ -64,5 +64,5 @@ def build_plan(args) -> tuple[dict, dict, str]:
                 inputs={"trace": os.path.basename(args.trace), "trace_sha256": file_sha256(args.trace),
                         "trace_requests": len(requests), "slo": slo, "device_bytes": device,
                         "price_per_hour": price, "baseline": baseline,
-                        "profile_sha256": file_sha256(args.profile) if args.profile else None})
+                        "profile_sha256": [file_sha256(p) for p in args.profile or []]})
     return plan, ttfts, run_dir

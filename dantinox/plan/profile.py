@@ -145,7 +145,8 @@ def _burst(tag: str, vocab: int, requests: int = 8, prompt: int = 40, new: int =
 
 
 def calibrate_steps(engine, cost: CostModel) -> tuple[float, float]:
-    """(step seconds h, scale s) so that a real engine step costs h + s x (its calls' fitted cost).
+    """(step seconds h, scale s) so that a real engine step of forward_step calls (prefill, or decode mixed
+    with prefill) costs h + s x (its calls' fitted cost); multi-step decode steps are left as timed.
 
     A burst of 8 requests (40 prompt + 20 output tokens) runs through the real engine twice (the first pass
     compiles what it needs); each step of the second pass is timed, the simulator replays the same steps with
@@ -165,11 +166,16 @@ def calibrate_steps(engine, cost: CostModel) -> tuple[float, float]:
     rep = SimReplica(engine.cfg, engine.config, cost)
     for rid, ids, opts in _burst("timed", engine.vocab_size):
         rep.add(rid, ids, opts, 0.0)
-    predicted = []
+    predicted, keep = [], []
     while rep.scheduler.waiting or rep.scheduler.running:
         predicted.append(rep.step()[0])
+        keep.append(not rep.last_multi_step)
     n = min(len(walls), len(predicted))
-    walls, predicted = np.asarray(walls[:n]), np.asarray(predicted[:n])
+    use = np.asarray(keep[:n])
+    walls, predicted = np.asarray(walls[:n])[use], np.asarray(predicted[:n])[use]
+    n = len(walls)
+    if n < 2:
+        return 0.0, 1.0
     h, s = np.linalg.lstsq(np.stack([np.ones(n), predicted], 1), walls, rcond=None)[0]
     if s < 1.0:      # calls no slower than alone: all of the difference is per-step host time
         s, h = 1.0, max(float(np.mean(walls - predicted)), 0.0)

@@ -12,6 +12,7 @@ never recommended.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -31,10 +32,14 @@ class GateResult:
         return {"passed": self.passed, "failed": list(self.failed), "detail": self.detail}
 
 
-def eval_command(run_dir: str | None, gate: str, slices: list, kv_dtype: str, quantize: str) -> list:
-    """The ``dantinox eval`` argv for a variant."""
-    cmd = [sys.executable, "-m", "dantinox.cli", "eval", "--gate", gate, "--kv-dtype", kv_dtype,
-           "--quantize", quantize]
+def eval_command(run_dir: str | None, gate: str, slices: list, kv_dtype: str, quantize: str, json_out: str,
+                 extra: tuple = ()) -> list:
+    """The ``dantinox eval`` argv for a variant (figures and failures written to ``json_out``; ``extra``: more
+    eval flags, e.g. ("--prompts", "2"))."""
+    cmd = [sys.executable, "-m", "dantinox.cli", "eval", "--gate", gate, "--kv-dtype", kv_dtype, "--json", json_out,
+           *extra]
+    if quantize != "none":
+        cmd += ["--quantize", quantize]
     if run_dir:
         cmd += ["--run_dir", run_dir]
     for item in slices:
@@ -43,26 +48,34 @@ def eval_command(run_dir: str | None, gate: str, slices: list, kv_dtype: str, qu
 
 
 def run_eval_gate(run_dir: str | None, gate: str | None, slices: list, kv_dtype: str, quantize: str,
-                  timeout_s: float = 600.0) -> GateResult:
+                  timeout_s: float = 600.0, extra: tuple = ()) -> GateResult:
     """Evaluate one variant with ``dantinox eval --gate`` (see the module docstring)."""
+    import json
+    import tempfile
+
     if (kv_dtype, quantize) == FLOAT_VARIANT:
         return GateResult(True, detail="the float baseline itself")
     if not gate:
         return GateResult(None, detail="no --gate given: quality of a non-float variant not measured")
-    try:
-        done = subprocess.run(eval_command(run_dir, gate, slices, kv_dtype, quantize), capture_output=True,
-                              text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return GateResult(None, detail=f"dantinox eval took more than {timeout_s:.0f} s")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "eval.json")
+        try:
+            done = subprocess.run(eval_command(run_dir, gate, slices, kv_dtype, quantize, out, extra),
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return GateResult(None, detail=f"dantinox eval took more than {timeout_s:.0f} s")
+        figures = json.load(open(out)) if os.path.exists(out) else {}
     text = (done.stdout + done.stderr).strip()
     if done.returncode == 0:
         return GateResult(True, detail="dantinox eval --gate passed")
     if done.returncode == 1:
-        lines = [ln.strip() for ln in text.splitlines() if "fail" in ln.lower()]
-        return GateResult(False, tuple(lines) or (text.splitlines()[-1],), "dantinox eval --gate failed")
+        failed = tuple(figures.get("failures") or [ln.split("gate failed: ", 1)[-1] for ln in text.splitlines()
+                                                   if "gate failed" in ln])
+        return GateResult(False, failed, "dantinox eval --gate failed")
     if "invalid choice: 'eval'" in text:
         return GateResult(None, detail="this dantinox has no eval command (quantized-path issue not merged)")
-    return GateResult(None, detail=f"dantinox eval exited {done.returncode}: {text.splitlines()[-1] if text else ''}")
+    last = text.splitlines()[-1] if text else ""
+    raise ValueError(f"dantinox eval for kv {kv_dtype}, weights {quantize} exited {done.returncode}: {last}")
 
 
 def gate_variants(variants: list, evaluate) -> dict:

@@ -54,7 +54,8 @@ def _cost_model(inp: PlanInputs, cand: Candidate):
     key = (cand.kv_dtype, cand.quantize)
     if key in inp.costs:
         return inp.costs[key], None
-    return inp.costs[("float32", "none")], f"no profile for kv_dtype={key[0]}, quantize={key[1]}: float costs used"
+    return inp.costs[("float32", "none")], (f"no profile for kv_dtype={key[0]}, quantize={key[1]}: float costs "
+                                            "used")
 
 
 def evaluate_candidate(inp: PlanInputs, cand: Candidate) -> dict:

@@ -24,18 +24,19 @@ def apply_variant(model, cfg, kv_dtype: str = "float32", quantize: str = "none")
     from flax import nnx
 
     from ..config import ConfigError
-    from ..model import Transformer
 
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize={quantize!r} is not allowed: one of {QUANTIZE}")
     if kv_dtype != cfg.cache_dtype:
         try:
-            new_cfg = dataclasses.replace(cfg, cache_dtype=kv_dtype)
+            from ..kv_dtype import with_kv_dtype  # the quantized-path issue (int8 KV cache)
+        except ImportError:
+            with_kv_dtype = _rebuilt_with_cache_dtype
+        try:
+            model = with_kv_dtype(model, kv_dtype, "kv_dtype")
         except (ConfigError, ValueError) as err:
             raise ValueError(f"kv_dtype={kv_dtype!r} is not available in this version: {err}") from None
-        rebuilt = Transformer(new_cfg, rngs=nnx.Rngs(0))
-        nnx.update(rebuilt, nnx.state(model))
-        model, cfg = rebuilt, new_cfg
+        cfg = model.cfg
     if quantize != "none":
         try:
             from ..weight_quant import quantize_weights  # the quantized-path issue
@@ -44,6 +45,17 @@ def apply_variant(model, cfg, kv_dtype: str = "float32", quantize: str = "none")
                              "missing)") from None
         model = quantize_weights(nnx.clone(model), quantize)  # in place: the float model stays as it was
     return model, cfg
+
+
+def _rebuilt_with_cache_dtype(model, kv_dtype: str, flag: str):
+    """The model rebuilt for cache_dtype=kv_dtype with the same parameters (before dantinox.kv_dtype)."""
+    from flax import nnx
+
+    from ..model import Transformer
+
+    rebuilt = Transformer(dataclasses.replace(model.cfg, cache_dtype=kv_dtype), rngs=nnx.Rngs(0))
+    nnx.update(rebuilt, nnx.state(model))
+    return rebuilt
 
 
 def quantized_weight_bytes(cfg, weights_f32_bytes: int, quantize: str) -> tuple[int, bool]:
