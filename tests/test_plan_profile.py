@@ -22,7 +22,7 @@ def test_profile_fits_measured_calls_and_records_identity(tmp_path):
     a0, a1, a2 = cost.forward
     assert min(a0, a1, a2) >= 0 and cost.forward_cost(8, 32) == a0 + 8 * a1 + 256 * a2
     assert cost.decode_cost(4, 64, 8) >= cost.decode_cost(4, 64, 1) > 0
-    assert cost.scale >= 1.0 and cost.step >= 0.0 and cost.step + cost.scale > 1.0   # calibrated on real steps
+    assert cost.scale >= 1.0 and cost.forward_overhead >= 0.0 and cost.step == 0.0   # calibrated on real steps
     kinds = {r["call"] for r in prof["bottleneck"]}
     assert kinds == {"prefill", "decode (one step)", "decode (multi-step)"}
     for r in prof["bottleneck"]:

@@ -8,9 +8,10 @@ profile.json with the measured points. Letters: B batch rows of a call, T chunk 
   decode_steps(B, S, n)       c0 + n (d0 + d1 B + d2 B S)             one multi-step call of n iterations
   swap out / swap in          seconds per preempted (read) / resumed (written) request
   copy_blocks                 seconds per copy-on-write call
-  step, scale                 a step of forward_step calls costs step + scale x (its calls' costs), fitted on
-                              a real burst through the engine (host work, dispatch and fetch that isolated
-                              timings miss); multi-step decode steps cost their calls
+  step                        seconds every step costs besides its calls (0 from a profile)
+  forward_overhead, scale     a step of forward_step calls costs step + forward_overhead + scale x (its calls'
+                              costs), fitted on a real burst through the engine (host work, dispatch and
+                              fetch that isolated timings miss); a multi-step decode step costs step + its call
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class CostModel:
     swap_in: float = 0.0
     copy: float = 0.0
     step: float = 0.0
+    forward_overhead: float = 0.0
     scale: float = 1.0
     points: dict = field(default_factory=dict)
 
@@ -57,7 +59,7 @@ class CostModel:
             return cls(forward=tuple(float(x) for x in d["forward"]), decode_call=float(d["decode_call"]),
                        decode_iter=tuple(float(x) for x in d["decode_iter"]), swap_out=float(d["swap_out"]),
                        swap_in=float(d["swap_in"]), copy=float(d["copy"]), step=float(d["step"]),
-                       scale=float(d.get("scale", 1.0)),
+                       forward_overhead=float(d.get("forward_overhead", 0.0)), scale=float(d.get("scale", 1.0)),
                        points={str(k): float(v) for k, v in d.get("points", {}).items()})
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"cost model: field {err} is missing or not a number") from None

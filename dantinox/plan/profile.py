@@ -133,7 +133,8 @@ def fit_cost_model(points: dict, block_size: int) -> CostModel:
             overheads.append(max(s - n_hi * per_iter, 0.0))
     return CostModel(forward=forward, decode_call=float(np.median(overheads)), decode_iter=_fit(rows, ys),
                      swap_out=points["swap_out"], swap_in=points["swap_in"], copy=points["copy"],
-                     step=points.get("step", 0.0), scale=points.get("scale", 1.0), points=dict(fwd))
+                     forward_overhead=points.get("forward_overhead", 0.0), scale=points.get("scale", 1.0),
+                     points=dict(fwd))
 
 
 def _burst(tag: str, vocab: int, requests: int = 8, prompt: int = 40, new: int = 20) -> list:
@@ -145,7 +146,7 @@ def _burst(tag: str, vocab: int, requests: int = 8, prompt: int = 40, new: int =
 
 
 def calibrate_steps(engine, cost: CostModel) -> tuple[float, float]:
-    """(step seconds h, scale s) so that a real engine step of forward_step calls (prefill, or decode mixed
+    """(forward_overhead seconds h, scale s) so that a real engine step of forward_step calls (prefill, or decode mixed
     with prefill) costs h + s x (its calls' fitted cost); multi-step decode steps are left as timed.
 
     A burst of 8 requests (40 prompt + 20 output tokens) runs through the real engine twice (the first pass
@@ -233,7 +234,7 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     engine = PagedEngine(model, EngineConfig(block_size=16, max_running=16, max_batched_tokens=64,
                                              num_blocks=64, max_decode_steps=8))
     points = time_engine(engine, repeats)
-    points["step"], points["scale"] = calibrate_steps(engine, fit_cost_model(points, 16))
+    points["forward_overhead"], points["scale"] = calibrate_steps(engine, fit_cost_model(points, 16))
     rates = machine_rates()
     weights = param_bytes(model)
     kv_bpt = kv_bytes_per_token(cfg)

@@ -93,11 +93,11 @@ class SimReplica(ReplicaView):
         if counts:  # a multi-step decode call: timed as the engine makes it, no calibration applies
             for _, part_counts, B, M in decode_step_calls(sched.chunks, counts, self.buckets, self.allocator):
                 seconds += c.decode_cost(B, M * self.allocator.block_size, max(part_counts))
-            return seconds, self._advance_all(sched.chunks, counts)
+            return c.step + seconds, self._advance_all(sched.chunks, counts)
         counts = [1] * len(sched.chunks)
         for _, B, T in forward_calls(sched.chunks, self.buckets):
             seconds += c.forward_cost(B, T)
-        return c.step + c.scale * seconds, self._advance_all(sched.chunks, counts)
+        return c.step + c.forward_overhead + c.scale * seconds, self._advance_all(sched.chunks, counts)
 
     def _advance_all(self, chunks: list, counts: list) -> list:
         emitted = []
