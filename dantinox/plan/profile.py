@@ -14,6 +14,7 @@ differs. The machine is recorded but not checked: a profile from another machine
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import platform
@@ -186,11 +187,11 @@ def calibrate_steps(engine, cost: CostModel) -> tuple[float, float]:
 
 
 def bottleneck_rows(cfg, points: dict, rates: dict, weights_bytes: int, kv_bytes_per_token: int,
-                    block_size: int) -> list[dict]:
+                    block_size: int, n_params: int | None = None) -> list[dict]:
     """Per measured call: seconds measured, seconds at the bandwidth for its bytes (weights once + the KV
     slots it attends), seconds at the matmul rate for its FLOPs (2 x params x tokens + 4 x L x H x D x tokens
     x attended slots), the bound (the larger of the two) and the fraction of that bound reached."""
-    n_params = weights_bytes / 4
+    n_params = n_params or weights_bytes / 4     # parameter count (weights_bytes may be int8 or bf16)
     L, H, D = cfg.num_blocks, cfg.n_heads, cfg.head_size
     rows = []
     for key, s in points["forward"].items():
@@ -237,13 +238,14 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     points["forward_overhead"], points["scale"] = calibrate_steps(engine, fit_cost_model(points, 16))
     rates = machine_rates()
     weights = param_bytes(model)
+    n_params = param_bytes(dataclasses.replace(cfg, cache_dtype="float32")) // 4   # float32 build: 4 B each
     kv_bpt = kv_bytes_per_token(cfg)
     return {"format": PROFILE_FORMAT, "identity": model_identity(run_dir, cfg), "kv_dtype": kv_dtype,
             "quantize": quantize, "block_size": 16,
             "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                         "device": str(jax.devices()[0].device_kind), "cpus": os.cpu_count()},
             "rates": rates, "points": points, "cost_model": fit_cost_model(points, 16).to_dict(),
-            "bottleneck": bottleneck_rows(cfg, points, rates, weights, kv_bpt, 16)}
+            "bottleneck": bottleneck_rows(cfg, points, rates, weights, kv_bpt, 16, n_params)}
 
 
 def check_profile(profile: dict, identity: dict, where: str = "--profile") -> None:
