@@ -105,6 +105,8 @@ def test_course_failure_max_throughput_rejected_and_plan_falls_back(bundled, mix
     assert any("quality gate failed: rare" in r for r in row["dropped"]), row["dropped"]
     rec = plan["recommendation"]
     assert rec["fallback"] and rec["name"] == "baseline" and rec["candidate"]["quantize"] == "none"
+    fallback_row = _row(plan, "baseline")              # simulated for the report, never chosen by the sweep
+    assert fallback_row["notes"] == ["the fallback, not among the swept candidates"]
     # with the baseline among the candidates it passes the same SLO and is recommended outright
     both = make_plan(_inputs(bundled, mixed_trace, gates=gates, slo={"ttft_p99": 0.2}), [Candidate(), max_tp])
     assert both["recommendation"]["name"] == "baseline" and not both["recommendation"]["fallback"]

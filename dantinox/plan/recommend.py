@@ -139,5 +139,9 @@ def make_plan(inp: PlanInputs, candidates: list) -> dict:
         raise ValueError(f"candidates: name {dup[0]!r} is used twice; names must be unique")
     rows = [evaluate_candidate(inp, c) for c in candidates]
     rec = choose(rows, inp.baseline, inp.last_good)
+    if rec["fallback"] and rec["name"] not in names:  # show what the fallback does on this trace too
+        row = evaluate_candidate(inp, Candidate.from_dict(rec["candidate"]))
+        row["notes"].append("the fallback, not among the swept candidates")
+        rows.append(row)
     sweep = rate_sweep(inp, Candidate.from_dict(rec["candidate"]))
     return {"candidates": rows, "recommendation": rec, "rate_sweep": sweep}
