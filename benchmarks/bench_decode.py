@@ -15,6 +15,8 @@ Run:  python benchmarks/bench_decode.py [--attention mha gqa mqa mla mla-naive] 
       python benchmarks/bench_decode.py --windows-ab [--attention ...]   decode with the attention windows of
       dantinox.generate.decode_windows (128, 256, 384, 512) against one window of 512, alternating in one
       process (how the per-kind default was chosen)
+      python benchmarks/bench_decode.py --quantize fp32 bf16 int8 [--batch 1 8 32]   decode tokens/s with float32,
+      bf16 and int8 weights (dantinox.weight_quant), runs alternating in one process; ratios against fp32
       python benchmarks/bench_decode.py --kv-dtype float32 bfloat16 int8 [--batch 1 8 32]   the KV cache
       dtypes A/B: the same parameters with each cache dtype, runs alternating in one process; decode tok/s,
       the ratio to the first dtype, KV bytes per sequence (max_context slots, int8 scales included) and the
@@ -126,6 +128,52 @@ def windows_ab(variant: str, batches: list[int], repeats: int) -> list[str]:
     return rows
 
 
+def quantize_ab(variant: str, batches: list[int], repeats: int, settings: list[str]) -> list[str]:
+    """Decode-only tokens/s for each weight setting (dantinox.weight_quant), runs alternating in one process.
+
+    Each round prefills every setting's batch, then times one compiled decode of NEW - 1 steps per setting
+    (wall and process CPU seconds; the host is shared, so CPU time drifts less). Returns table rows: median
+    tokens/s, the median over rounds of the per-round ratio against the first setting (wall, then CPU), and
+    the ratio of the fastest runs (best of ``repeats``, the least disturbed by other processes).
+    """
+    from dantinox.weight_quant import quantize_weights
+
+    gen = sys.modules["dantinox.generate"]
+    cfg = reference_config(variant)
+    models = {q: quantize_weights(dx.build_model(cfg, seed=0), None if q == "fp32" else q) for q in settings}
+    splits = {q: gen.split_model(m) for q, m in models.items()}
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in batches:
+        req = gen._prepare(models[settings[0]], rng.integers(0, cfg.vocab_size, (b, PROMPT)).tolist(), NEW,
+                           0.0, 0, 1.0, 0, None)
+
+        def run(q, req=req):
+            graphdef, params = splits[q]
+            state = gen.prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+            state.out.block_until_ready()
+            wall, cpu = time.perf_counter(), time.process_time()
+            state = gen.decode(graphdef, params, state, jnp.int32(NEW), req.key, req.sampling, req.eos_id, req.fill)
+            state.out.block_until_ready()
+            return time.perf_counter() - wall, time.process_time() - cpu
+
+        for q in settings:
+            run(q)  # compile
+        times = {q: [] for q in settings}
+        for _ in range(repeats):
+            for q in settings:
+                times[q].append(run(q))
+        cells = []
+        for q in settings:
+            rate = b * (NEW - 1) / statistics.median(t[0] for t in times[q])
+            wall = statistics.median(a[0] / c[0] for a, c in zip(times[settings[0]], times[q]))
+            cpu = statistics.median(a[1] / c[1] for a, c in zip(times[settings[0]], times[q]))
+            best = min(t[0] for t in times[settings[0]]) / min(t[0] for t in times[q])
+            cells.append(f"{rate:.0f} ({wall:.2f}x wall, {cpu:.2f}x cpu, {best:.2f}x best)")
+        rows.append(f"| {variant} | {b} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def kv_dtype_ab(variant: str, batches: list[int], repeats: int, dtypes: list[str]) -> list[str]:
     """Decode tokens/s of the same parameters with each cache dtype, timed runs alternating between the
     dtypes; greedy tokens are not compared (int8 may pick other tokens). Returns markdown table rows."""
@@ -176,6 +224,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ratios", action="store_true", help="cache on/off ratio at 128, 320, 512 tokens")
     parser.add_argument("--windows-ab", action="store_true", help="attention windows against one window")
+    parser.add_argument("--quantize", nargs="+", default=None, choices=("fp32", "bf16", "int8"),
+                        help="weight settings to compare (alternating runs, ratios against the first)")
     parser.add_argument("--kv-dtype", nargs="+", default=["float32"], type=dx.parse_kv_dtype,
                         help="cache dtypes; two or more: the A/B table of decode speed and bytes per dtype")
     args = parser.parse_args()
@@ -185,6 +235,12 @@ def main() -> None:
         print("| attention | batch | windows tok/s (prefill incl.) | one window tok/s | ratio |\n|---|---|---|---|---|")
         for variant in args.attention:
             print("\n".join(windows_ab(variant, args.batch, max(args.repeats, 5))), flush=True)
+        return
+    if args.quantize:
+        print("| attention | batch | " + " | ".join(f"{q} weights tok/s" for q in args.quantize) + " |\n|---|---|"
+              + "---|" * len(args.quantize))
+        for variant in args.attention:
+            print("\n".join(quantize_ab(variant, args.batch, args.repeats, args.quantize)), flush=True)
         return
     if len(args.kv_dtype) > 1:
         print(f"| attention | batch | KV dtype | decode tok/s | vs {args.kv_dtype[0]} | KV bytes/seq "

@@ -15,6 +15,7 @@ from .planner import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_by
                       memory_split, param_bytes, plan_capacity)
 from .sampling import SamplingParams, make_sampling_params, sample_next
 from .verify import VerifyReport, verify_cache
+from .weight_quant import quantize_weights
 
 __version__ = "0.1.0"
 
@@ -26,5 +27,5 @@ __all__ = [
     "compile_totals", "diffusion_generate", "diffusion_generate_result", "generate", "generate_result",
     "init_cache", "init_dual_cache", "kv_bytes_per_token", "kv_cache_bytes", "make_sampling_params",
     "max_batch_size", "memory_split", "param_bytes", "parse_kv_dtype", "plan_capacity", "sample_next",
-    "stream_tokens", "verify_cache", "with_kv_dtype",
+    "stream_tokens", "verify_cache", "with_kv_dtype", "quantize_weights",
 ]

@@ -4,8 +4,9 @@
   dantinox generate [--run_dir R] --prompt P [--no_cache] [--stream] [--max_new_tokens N] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
-                    [--refresh block|prompt_once|step] [--kv-dtype D] [--quantize bf16|int8]
-  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--kv-dtype int8] [--quantize bf16|int8]
+                    [--refresh block|prompt_once|step] [--kv-dtype int8] [--quantize bf16|int8]
+  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--kv-dtype int8]
+                    [--quantize bf16|int8]
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
   dantinox eval     [--run_dir R] --slice NAME=FILE ... [--kv-dtype D] [--quantize Q] [--gate GATE.yaml] [--json OUT]
@@ -154,8 +155,8 @@ def cmd_verify(args) -> int:
     check_quantize(args.quantize, "--quantize")
     model, cfg, tokenizer, _ = load_run(run_dir)
     model = with_kv_dtype(model, args.kv_dtype)
-    cfg = model.cfg
     quantize_weights(model, args.quantize)
+    cfg = model.cfg
     if not args.prompt:
         raise ValueError("--prompt is empty: give at least one character")
     if args.new_tokens is not None and args.new_tokens < 1:

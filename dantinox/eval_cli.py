@@ -26,8 +26,7 @@ import re
 import sys
 import tempfile
 
-from flax import nnx
-
+from .kv_dtype import parse_kv_dtype
 from .quality_gate import GATE_METRICS, check_gate, gate_passes, gate_value, load_gate
 from .weight_quant import add_quantize_argument, check_quantize, quantize_weights
 
@@ -91,24 +90,18 @@ def check_eval_args(args) -> None:
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not allowed: an integer >= 1")
     check_quantize(args.quantize, "--quantize")
+    if args.kv_dtype is not None:
+        parse_kv_dtype(args.kv_dtype)
     if args.baseline not in BASELINES:
         raise ValueError(f"--baseline {args.baseline} is not allowed: one of {', '.join(BASELINES)}")
 
 
 def candidate_model(model, kv_dtype: str | None, quantize: str | None):
-    """``model`` with the cache dtype ``kv_dtype`` (the same parameters) and weights of ``quantize``.
-    Raises ValueError naming --kv-dtype for a dtype the config does not accept."""
-    from .config import ConfigError
-    from .model import Transformer
+    """``model`` with the cache dtype ``kv_dtype`` (the same parameters; ``dantinox.kv_dtype.with_kv_dtype``)
+    and the weights of ``quantize``. Raises KVDtypeError / ValueError naming --kv-dtype or --quantize."""
+    from .kv_dtype import with_kv_dtype
 
-    if kv_dtype is not None:
-        try:
-            cfg = model.cfg.replace(cache_dtype=kv_dtype)
-        except ConfigError as err:
-            raise ValueError(f"--kv-dtype {kv_dtype} is not allowed: {str(err).partition(': ')[2] or err}") from None
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-        model = nnx.merge(graphdef, nnx.state(model))
-    return quantize_weights(model, quantize)
+    return quantize_weights(with_kv_dtype(model, kv_dtype), quantize)
 
 
 def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict[str, dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from flax import nnx
 
 from .config import CACHE_DTYPES, DTYPE_ALIASES, ConfigError, ModelConfig, canonical_dtype
+from .weight_quant import quantize_weights, weights_setting
 
 KV_DTYPE_CHOICES = tuple(sorted(CACHE_DTYPES)) + tuple(sorted(DTYPE_ALIASES))
 
@@ -48,6 +49,7 @@ def with_kv_dtype(model, value: str | None, flag: str = "--kv-dtype"):
     cfg = config_with_kv_dtype(model.cfg, value, flag)
     if cfg == model.cfg:
         return model
-    twin = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
+    weights = weights_setting(model)  # a model with quantized weights gets a twin with the same modules
+    twin = nnx.eval_shape(lambda: quantize_weights(type(model)(cfg, rngs=nnx.Rngs(0)), weights))
     nnx.update(twin, nnx.state(model))
     return twin

@@ -8,9 +8,10 @@
   int8  every projection kernel and the embedding table become int8 with one float32 scale per output channel
         (symmetric absmax: scale = max |W[:, n]| / 127, q = round(W / scale); Jacob et al. 2018, "Quantization
         and Training of Neural Networks for Efficient Integer-Arithmetic-Only Inference", section 2.1, with the
-        zero point fixed at 0). Inside the matmul the int8 kernel is converted to float32 (exact) within the
-        dot's fusion, the dot accumulates in float32 and the fp32 scale multiplies the output columns, so no
-        dequantized copy of a weight is kept, not even within a step; activations stay float32.
+        zero point fixed at 0). In each matmul the int8 kernel is converted to float32 (exact) right before
+        the dot, the dot accumulates in float32 and the fp32 scale multiplies the output columns; no
+        dequantized weight is kept between steps, and activations stay float32. Decoding at small batch is
+        bound by reading the weights, which int8 cuts to a quarter.
         A tied embedding is one int8 table with one scale per vocabulary row: the row of the lookup and the
         output channel of the logits share it. MLA's W_UK / W_UV (used inside the absorbed attention
         einsums) stay float32.
@@ -70,9 +71,11 @@ def quantize_channels(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
 def _dot_last(x: jax.Array, kernel: jax.Array, contract_kernel_axis: int) -> jax.Array:
     """x [..., M] . kernel (contracted on ``contract_kernel_axis``) with float32 accumulation.
 
-    A bf16 kernel meets a bf16 x; an int8 kernel is converted to float32 inside the dot's fusion and meets a
-    float32 x (XLA CPU fuses that convert into the dot loop, reading 1 byte per weight; converting it to bf16
-    instead materializes a bf16 copy of the kernel every call, 7x slower on a 2-core AVX-512 host).
+    A bf16 kernel meets a bf16 x (XLA CPU runs a bf16 x bf16 -> f32 dot); an int8 kernel is converted to
+    float32 right before the dot and meets a float32 x. XLA CPU emits that convert as a small loop fusion
+    feeding the dot: a kernel-sized float32 temporary that lives only within the step and stays in cache, while
+    the weights read from memory are 1 byte each. Converting int8 to bf16 instead was 7x slower on a 2-core
+    AVX-512 host (XLA's s8 -> bf16 convert loop is slow), so it is not done.
     """
     dims = (((x.ndim - 1,), (contract_kernel_axis,)), ((), ()))
     operand = jnp.bfloat16 if kernel.dtype == jnp.bfloat16 else jnp.float32
@@ -131,6 +134,16 @@ class LowPrecisionEmbed(nnx.Module):
     def attend(self, h: jax.Array) -> jax.Array:
         out = _dot_last(h, self.embedding[...], 1)
         return out if self.scale is None else out * self.scale[...]
+
+
+def weights_setting(model) -> str | None:
+    """How ``model``'s weights are stored: "int8", "bf16" or None (as built: float32), from its modules."""
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Int8Linear) or (isinstance(node, LowPrecisionEmbed) and node.scale is not None):
+            return "int8"
+        if isinstance(node, (Bf16Linear, LowPrecisionEmbed)):
+            return "bf16"
+    return None
 
 
 def quantize_weights(model, quantize: str | None):

@@ -139,3 +139,17 @@ def test_cli_rejects_unknown_quantize_with_one_line(argv, capsys):
 def test_cli_verify_with_int8_weights_passes(capsys):
     assert cli.main(["verify", "--quantize", "int8", "--new_tokens", "8", "--prompt", "Nel mezzo"]) == 0
     assert "weights=int8" in capsys.readouterr().out
+
+
+def test_paged_engine_with_int8_weights_matches_batch_one_generate():
+    from conftest import tiny_config
+    from serving_util import drain, greedy, lively_model, make_engine, solo
+
+    model = quantize_weights(lively_model(tiny_config()), "int8")
+    engine = make_engine(model)
+    rng = np.random.default_rng(4)
+    batch = [rng.integers(0, 128, n).tolist() for n in (3, 9)]
+    ids = [engine.add_request(p, greedy(10)) for p in batch]
+    out = drain(engine)
+    for rid, prompt in zip(ids, batch):
+        assert out[rid][0] == solo(model, prompt, 10, temperature=0.0)

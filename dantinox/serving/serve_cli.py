@@ -125,10 +125,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
                              "or a host name") from None
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory)
+    check_quantize(getattr(args, "quantize", None), "--quantize")
     if getattr(args, "kv_dtype", None) is not None:
         from ..kv_dtype import parse_kv_dtype
         parse_kv_dtype(args.kv_dtype)
-    check_quantize(getattr(args, "quantize", None), "--quantize")
 
 
 def build_engine(args: argparse.Namespace):
