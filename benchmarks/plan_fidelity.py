@@ -1,7 +1,8 @@
 """Simulator fidelity: the same trace simulated (profiled costs, virtual clock) and replayed on the real engine
 (in process, wall clock), at three loads: light, near capacity and overloaded.
 
-  python benchmarks/plan_fidelity.py [--run_dir R] [--profile P] [--requests 60] [--seed 0] [--out F.json]
+  python benchmarks/plan_fidelity.py [--run_dir R] [--profile P] [--requests 60] [--seed 0] [--reprofile]
+                                     [--out F.json]
 
 Capacity is found in simulation: the highest of rates 1, 1.5, 2.25, ... requests/s at which the simulated
 output tokens/s keep up with the offered output tokens/s (>= 90 %) and p99 TTFT stays under 10 s; the loads
@@ -64,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--reprofile", action="store_true",
+                   help="profile again right before each load's replay (the host's speed drifts on a shared machine)")
     args = p.parse_args(argv)
     from dantinox.serving.engine import PagedEngine
 
@@ -82,6 +85,9 @@ def main(argv=None) -> int:
         cap = find_capacity(cfg, tok, cost, cand, args.requests, args.seed, d)
         for label, factor in (("light", 0.25), ("near capacity", 0.8), ("overloaded", 1.5)):
             reqs, prompts = make_trace(cfg, tok, cap * factor, args.requests, args.seed, d)
+            if args.reprofile:
+                from dantinox.plan.profile import take_profile
+                cost = CostModel.from_dict(take_profile(run_dir, model, cfg)["cost_model"])
             sim = simulate(cfg, cand, cost, reqs, prompts)
             real = replay_realtime(engine, reqs, prompts)
             engine.allocator.pool.forget_all_hashes()   # every load starts with a cold prefix cache
