@@ -63,6 +63,7 @@ class Candidate:
                 "policy": self.preemption, "no_prefix_caching": not self.prefix_caching}
 
     def to_dict(self) -> dict:
+        """Every field (JSON-ready)."""
         return dataclasses.asdict(self)
 
     @classmethod

@@ -82,6 +82,7 @@ def _json_bytes(obj) -> bytes:
 
 
 def run_trace_cmd(args) -> int:
+    """``plan trace``: write a generated trace (temp file, rename). Raises TraceError / FileNotFoundError."""
     from .inputs import positive_number
     from .trace import TraceSpec, default_classes, generate_trace, trace_text
 
@@ -105,6 +106,7 @@ def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=1
 
 
 def run_profile_cmd(args) -> int:
+    """``plan profile``: write profile.json and its bottleneck report next to it."""
     from .inputs import load_model
     from .report import bottleneck_markdown
 
@@ -152,6 +154,7 @@ def _one_candidate(path):
 
 
 def run_simulate_cmd(args) -> int:
+    """``plan simulate``: one candidate on a trace in simulation; metrics JSON to --out or stdout."""
     from .inputs import load_model, load_trace, parse_slo
     from .simulate import simulate
 
@@ -168,6 +171,7 @@ def run_simulate_cmd(args) -> int:
 
 
 def run_replay_cmd(args) -> int:
+    """``plan replay``: the trace through the real engine in process (and simulated with --profile)."""
     from .inputs import load_model, load_trace, parse_slo
     from .replay import replay_realtime
     from .variants import apply_variant
@@ -204,6 +208,7 @@ def _emit(path, obj) -> None:
 
 
 def run_gate_cmd(args) -> int:
+    """``plan gate``: exit 0 to release, 1 with the failed checks and the fallback."""
     from .gate import release_gate
 
     ok, lines = release_gate(args.candidate, args.last_good)

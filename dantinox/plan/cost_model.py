@@ -48,6 +48,7 @@ class CostModel:
         return self.decode_call + n * (d0 + d1 * B + d2 * B * S)
 
     def to_dict(self) -> dict:
+        """Every field (JSON-ready; tuples as lists)."""
         d = asdict(self)
         d["forward"], d["decode_iter"] = list(self.forward), list(self.decode_iter)
         return d

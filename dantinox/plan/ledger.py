@@ -28,13 +28,16 @@ class Ledger:
 
     @property
     def total(self) -> int:
+        """weights + kv + reserve, bytes."""
         return self.weights + self.kv + self.reserve
 
     @property
     def fits(self) -> bool:
+        """total <= device."""
         return self.total <= self.device
 
     def to_dict(self) -> dict:
+        """The fields plus total and fits (JSON-ready)."""
         return dict(asdict(self), total=self.total, fits=self.fits)
 
 

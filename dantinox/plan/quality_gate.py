@@ -29,6 +29,7 @@ class GateResult:
     detail: str = ""
 
     def to_dict(self) -> dict:
+        """passed, failed (list), detail."""
         return {"passed": self.passed, "failed": list(self.failed), "detail": self.detail}
 
 

@@ -41,6 +41,7 @@ class RealReplica(ReplicaView):
         return self.engine.requests[rid]
 
     def step(self) -> tuple[float, list]:
+        """One engine.step(): (its cost: step_seconds or the wall time, [(request id, tokens generated)])."""
         t0 = time.perf_counter()
         outputs = self.engine.step()
         seconds = time.perf_counter() - t0
@@ -51,6 +52,7 @@ class RealReplica(ReplicaView):
         return (self.step_seconds if self.step_seconds is not None else seconds), emitted
 
     def counters(self) -> dict:
+        """The engine's preemptions, prefix-cache hits and queries; peak and total KV blocks."""
         s = self.engine.stats()
         return {"preemptions": s["preemptions"], "prefix_cache_hits": s["prefix_cache_hits"],
                 "prefix_cache_queries": s["prefix_cache_queries"], "peak_kv_blocks": self.peak_blocks,

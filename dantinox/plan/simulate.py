@@ -48,10 +48,12 @@ class ReplicaView:
         return count
 
     def first_block_key(self, prompt_ids: list):
+        """The prefix-cache hash of the prompt's first full block (None for a shorter prompt)."""
         hashes = self.allocator.prompt_hashes(prompt_ids[:self.allocator.block_size])
         return hashes[0] if hashes else None
 
     def has_work(self) -> bool:
+        """True while requests are routed here, queued or running."""
         return bool(self.inbox or self.scheduler.waiting or self.scheduler.running)
 
 
@@ -118,6 +120,7 @@ class SimReplica(ReplicaView):
         return emitted
 
     def counters(self) -> dict:
+        """Preemptions, prefix-cache hits and queries, peak and total KV blocks."""
         return {"preemptions": self.scheduler.num_preemptions, "prefix_cache_hits": self.allocator.prefix_hits,
                 "prefix_cache_queries": self.allocator.prefix_queries, "peak_kv_blocks": self.peak_blocks,
                 "kv_blocks": self.allocator.num_blocks}

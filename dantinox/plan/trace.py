@@ -221,6 +221,7 @@ class TraceSpec:
     max_context: int = 256
 
     def validate(self) -> None:
+        """Raise TraceError naming the flag for a bad count, rate, arrival process, burstiness or class mix."""
         if not _is_int(self.requests) or self.requests < 1:
             raise TraceError(f"--requests={self.requests!r} is not allowed: an integer >= 1")
         if not _is_num(self.rate) or self.rate <= 0:
