@@ -13,6 +13,7 @@
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
   dantinox eval     [--run_dir R] --slice NAME=FILE ... [--kv-dtype D] [--quantize Q] [--gate GATE.yaml] [--json OUT]
+  dantinox plan     [trace|profile|simulate|replay|gate] ... (capacity plan; see docs/planning.md)
   dantinox models   (the bundled models; R may be one of their names, e.g. dante-diffusion, from any directory)
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the bundled models (usable by name: --run_dir dante-diffusion)"
                    ).set_defaults(func=run_models)
+    _add_plan(sub)
     _add_eval(sub)
     return parser
 
@@ -269,6 +271,14 @@ def _add_import(sub) -> None:
     imp = sub.add_parser("import", help="import a Hugging Face model directory or a GGUF file as a run directory")
     add_import_arguments(imp)
     imp.set_defaults(func=run_import)
+
+
+def _add_plan(sub) -> None:
+    from .plan.cli import add_plan_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="capacity plan: profile, simulate, replay, recommend"))
+
+
 def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype: float32, bfloat16 or int8 (symmetric absmax "
                    "per token and head, float32 scales; default: the run's cache_dtype)")

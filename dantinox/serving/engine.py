@@ -33,11 +33,13 @@ from flax import nnx
 from ..compile_count import CompileCounter
 from ..sampling import SamplingParams
 from .allocator import BlockAllocator
-from .paged_cache import init_pool, num_blocks_for_memory, pool_nbytes
+from .paged_cache import init_pool, pool_nbytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
 from .runner import (StepLogprobs, copy_blocks, decode_steps, forward_step, read_blocks, static_graph,
                      write_blocks)
-from .scheduler import Chunk, ContextPolicy, Schedule, Scheduler
+from .scheduler import Chunk, Schedule, Scheduler
+from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
+                        plan_decode_steps, pool_blocks)
 
 log = logging.getLogger("dantinox.serving")
 
@@ -106,17 +108,6 @@ class EngineConfig:
     max_decode_steps: int = 8
 
 
-def _powers_of_two(first: int, last: int) -> tuple:
-    out = [first]
-    while out[-1] < last:
-        out.append(min(out[-1] * 2, last))
-    return tuple(out)
-
-
-def _bucket(n: int, buckets: tuple) -> int:
-    return next(b for b in buckets if b >= n)
-
-
 class PagedEngine(Engine):
     """Continuous batching over a paged KV cache for a dantinox Transformer (MHA / GQA / MQA, or MLA with a
     latent pool).
@@ -135,30 +126,18 @@ class PagedEngine(Engine):
         graphdef, self.params = nnx.split(model)
         self.graph = static_graph(graphdef)
         P = config.block_size
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-        elif config.kv_memory_bytes is not None:
-            num_blocks = num_blocks_for_memory(cfg, config.kv_memory_bytes, P)
-        else:
-            num_blocks = config.max_running * -(-cfg.max_context // P)
+        num_blocks = pool_blocks(cfg, config)
         self.pool = init_pool(cfg, num_blocks, P)
         self.allocator = BlockAllocator(num_blocks, P, config.enable_prefix_caching)
-        self.policy = ContextPolicy(
-            max_prompt_tokens=min(config.max_prompt_tokens or cfg.max_context - 1, cfg.max_context - 1),
-            max_total_tokens=min(config.max_total_tokens or cfg.max_context, cfg.max_context),
-            max_running=config.max_running, max_queued=config.max_queued,
-            max_batched_tokens=config.max_batched_tokens, preemption=config.preemption,
-            swap_space_blocks=config.swap_space_blocks or 1 << 20)
+        self.policy = engine_policy(config, cfg.max_context)
         self.scheduler = Scheduler(self.policy, self.allocator)
         self.table_width = -(-cfg.max_context // P)  # M
         # Block-table widths of the multi-step decode call: it gathers only the blocks the batch's longest
         # row reaches, rounded up to a power of two of at least 64 tokens (the gather is most of a decode
         # step's attention cost on the CPU).
-        self.table_buckets = _powers_of_two(min(self.table_width, max(1, MIN_TABLE_TOKENS // P)), self.table_width)
-        self.decode_buckets = tuple(sorted(config.decode_buckets or _powers_of_two(1, config.max_running)))
-        self.prefill_buckets = tuple(sorted(config.prefill_buckets))
-        self.chunk_buckets = tuple(sorted(config.chunk_buckets or _powers_of_two(
-            min(8, config.max_batched_tokens), min(config.max_batched_tokens, cfg.max_context))))
+        self.buckets = engine_buckets(config, cfg.max_context, MIN_TABLE_TOKENS)
+        self.table_buckets, self.decode_buckets = self.buckets.table, self.buckets.decode
+        self.prefill_buckets, self.chunk_buckets = self.buckets.prefill, self.buckets.chunk
         widest = min(config.max_batched_tokens, cfg.max_context)
         if self.chunk_buckets[-1] < widest:
             raise ValueError(f"chunk_buckets={self.chunk_buckets} is not allowed: the largest must be >= "
@@ -292,14 +271,8 @@ class PagedEngine(Engine):
         if counts:
             return [(tokens, None) for tokens in self._run_decode_steps(chunks, counts)]
         sampled: dict[int, tuple] = {}
-        decode = [c for c in chunks if c.num_tokens == 1]
-        prefill = [c for c in chunks if c.num_tokens > 1]
-        calls = []  # every call is dispatched before any result is fetched, so host work overlaps the device's
-        for group, buckets in ((decode, self.decode_buckets), (prefill, self.prefill_buckets)):
-            for i in range(0, len(group), buckets[-1]):
-                part = group[i:i + buckets[-1]]
-                T = 1 if group is decode else _bucket(max(c.num_tokens for c in part), self.chunk_buckets)
-                calls.append((part, self._call_forward(part, _bucket(len(part), buckets), T)))
+        # every call is dispatched before any result is fetched, so host work overlaps the device's
+        calls = [(part, self._call_forward(part, B, T)) for part, B, T in forward_calls(chunks, self.buckets)]
         for part, (out, logprobs) in calls:
             tokens = np.asarray(out)
             logprobs = None if logprobs is None else jax.device_get(logprobs)
@@ -315,36 +288,17 @@ class PagedEngine(Engine):
         any row may still generate. Blocks for the extra positions are taken now (copy-on-write copies
         done); a row that cannot get them runs only as far as the blocks it holds.
         """
-        K = self.config.max_decode_steps
-        if K == 1 or not chunks or any(c.num_tokens != 1 or c.request.options.logprobs is not None
-                                       for c in chunks):
-            return None
-        left = [c.request.options.max_new_tokens - len(c.request.output_ids) for c in chunks]
-        counts = [min(K, n) for n in left]
-        if self.scheduler.waiting:
-            counts = [min(counts)] * len(chunks)
-        if max(counts) == 1:
-            return None
-        alloc, copies = self.allocator, []
-        for i, chunk in enumerate(chunks):
-            grown = alloc.grow(chunk.request.request_id, chunk.start, chunk.start + counts[i])
-            if grown is None:
-                held = len(alloc.table(chunk.request.request_id)) * alloc.block_size - chunk.start
-                counts[i] = max(1, min(counts[i], held))
-            else:
-                copies += grown
+        counts, copies = plan_decode_steps(chunks, self.allocator, self.config.max_decode_steps,
+                                           bool(self.scheduler.waiting))
         self._copy_blocks(copies)
         return counts
 
     def _run_decode_steps(self, chunks: list[Chunk], counts: list[int]) -> list[list[int]]:
         """Run the multi-step decode call(s); returns each chunk's counts[i] sampled tokens."""
-        out, width = [], self.decode_buckets[-1]
-        for i in range(0, len(chunks), width):
-            part, part_counts = chunks[i:i + width], counts[i:i + width]
-            reach = max(c.start + n for c, n in zip(part, part_counts))  # positions written: < reach
-            M = _bucket(self.allocator.blocks_for(reach), self.table_buckets)
-            tokens = self._call_decode_steps(part, part_counts, _bucket(len(part), self.decode_buckets), M)
-            out += [tokens[b, :counts[i + b]].tolist() for b in range(len(part))]
+        out = []
+        for part, part_counts, B, M in decode_step_calls(chunks, counts, self.buckets, self.allocator):
+            tokens = self._call_decode_steps(part, part_counts, B, M)
+            out += [tokens[b, :n].tolist() for b, n in enumerate(part_counts)]
         return out
 
     def _warm_decode_steps(self, B: int, M: int) -> None:
@@ -405,23 +359,16 @@ class PagedEngine(Engine):
         req = chunk.request
         if req.finished:  # aborted while its step ran
             return []
-        req.events.append(("chunk", chunk.start, chunk.num_tokens))
-        req.num_computed += chunk.num_tokens
         self.counters["computed_tokens"] += chunk.num_tokens
-        if chunk.start < len(req.prompt_ids):
-            self.allocator.commit(req.request_id, req.prompt_ids, req.num_computed)
-        if req.num_computed < req.num_tokens:
+        if not advance(req, chunk.start, chunk.num_tokens, self.allocator):
             return []  # a prefill chunk that has not reached the last token yet
         now = time.perf_counter()
-        req.output_ids.append(token)
-        req.events.append(("token", token))
+        reason = finish_reason(req, token)
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
         self.counters["generated_tokens"] += 1
-        if token in req.options.stop_token_ids:
-            self._finish(req, "stop")
-        elif len(req.output_ids) >= req.options.max_new_tokens:
-            self._finish(req, "length")
+        if reason is not None:
+            self._finish(req, reason)
         return [self._output(req, [token], None if logprobs is None else [logprobs])]
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:

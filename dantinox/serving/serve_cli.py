@@ -3,7 +3,7 @@
   dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--kv-dtype int8]
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
-                 [--no-prefix-caching] [--no-warmup]
+                 [--no-prefix-caching] [--no-warmup] [--config serve.yaml]
 
 Without --kv-memory the pool holds max-running sequences of max_context tokens. At start the server logs
 "KV cache: N blocks = T tokens, max concurrency C at L tokens per request" (L = max_context). --kv-dtype
@@ -62,6 +62,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: run dir name)")
+    p.add_argument("--config", default=None, help="YAML/JSON file of serve flags (e.g. a plan's serve.yaml); "
+                   "flags given on the command line win")
     add_quantize_argument(p)
 
 
@@ -77,6 +79,37 @@ def kv_summary(engine) -> str:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")
     return line
+
+
+def apply_config_file(args: argparse.Namespace) -> None:
+    """Fill ``args`` from ``args.config`` (a YAML or JSON mapping of flag names, dashes or underscores) where
+    the command line left a flag at its default. Raises ValueError naming the file and an unknown key, a
+    value of the wrong type, or a file that is not a mapping; FileNotFoundError for a missing file."""
+    import yaml
+
+    if not getattr(args, "config", None):
+        return
+    with open(args.config, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)  # JSON is YAML
+        except yaml.YAMLError as err:
+            raise ValueError(f"--config {args.config}: not valid YAML or JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {args.config}: a mapping of serve flags is required")
+    defaults = argparse.ArgumentParser()
+    add_serve_arguments(defaults)
+    default = vars(defaults.parse_args([]))
+    for key, value in data.items():
+        attr = str(key).replace("-", "_")
+        if attr not in default or attr == "config":
+            raise ValueError(f"--config {args.config}: unknown key {key!r}; allowed: "
+                             f"{', '.join(sorted(k for k in default if k != 'config'))}")
+        expected = type(default[attr]) if default[attr] is not None else str
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            kind = {int: "an integer", bool: "true or false", str: "a string"}.get(expected, expected.__name__)
+            raise ValueError(f"--config {args.config}: {key}={value!r} is not allowed: {kind}")
+        if getattr(args, attr) == default[attr]:
+            setattr(args, attr, value)
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -163,6 +196,7 @@ def configure_logging() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``dantinox serve``; blocks until the server stops (Ctrl-C)."""
+    apply_config_file(args)
     check_serve_args(args)  # before uvicorn and the model are imported / loaded
     sock = bind_address(args.host, args.port)
     import uvicorn

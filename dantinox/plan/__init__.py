@@ -1,0 +1,15 @@
+"""The capacity plan: traces, a profile of the engine's calls, a simulator over the serving scheduler, a replay
+on the real engine, a sweep of candidate deployments behind SLOs and quality gates, and a release gate.
+
+  trace.py         JSONL trace format and a seeded generator of mixed traces
+  profile.py       time the engine's compiled calls; machine rates; bottleneck rows     cost_model.py: the fit
+  simulate.py      virtual clock over the real Scheduler / BlockAllocator / ContextPolicy, several replicas
+  router.py        round robin, least outstanding tokens, prefix affinity
+  replay.py        the same trace through the real engine, in process
+  metrics.py       TTFT / TPOT / ITL percentiles, tokens/s, goodput
+  candidate.py     a deployment to sweep; ledger.py its memory; variants.py kv dtype / weight quantization
+  quality_gate.py  dantinox eval --gate per model variant
+  recommend.py     drop by memory, quality and SLO; cheapest survivor by cost per million tokens
+  plan_run.py      one plan run; report.py plan.md, plots, plan.json, serve.yaml; gate.py the release gate
+  cli.py           ``dantinox plan`` and its subcommands
+"""

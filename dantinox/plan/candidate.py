@@ -1,0 +1,101 @@
+"""A candidate deployment: the serving settings the planner sweeps, and its serve flags.
+
+Fields: kv_dtype (cache dtype: float32, bfloat16, or int8 where available), quantize (weights: none, bf16,
+int8), block_size P (tokens), max_running (sequences), max_batched_tokens (prefill tokens per step),
+max_decode_steps (multi-step decode, 1 = off), preemption (recompute or swap), prefix_caching, replicas
+(engines, one device each) and routing (round_robin, least_tokens, prefix_affinity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ROUTING = ("round_robin", "least_tokens", "prefix_affinity")
+_INTS = ("block_size", "max_running", "max_batched_tokens", "max_decode_steps", "replicas")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One deployment to simulate. Raises ValueError naming the field for a bad value."""
+
+    name: str = "baseline"
+    kv_dtype: str = "float32"
+    quantize: str = "none"
+    block_size: int = 16
+    max_running: int = 16
+    max_batched_tokens: int = 64
+    max_decode_steps: int = 8
+    preemption: str = "recompute"
+    prefix_caching: bool = True
+    replicas: int = 1
+    routing: str = "round_robin"
+
+    def __post_init__(self):
+        for name in _INTS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"candidate {self.name!r}: {name}={v!r} is not allowed: an integer >= 1")
+        if self.max_decode_steps > 64:
+            raise ValueError(f"candidate {self.name!r}: max_decode_steps={self.max_decode_steps} is not "
+                             "allowed: at most 64")
+        if self.preemption not in ("recompute", "swap"):
+            raise ValueError(f"candidate {self.name!r}: preemption={self.preemption!r} is not allowed: "
+                             "recompute or swap")
+        if self.routing not in ROUTING:
+            raise ValueError(f"candidate {self.name!r}: routing={self.routing!r} is not allowed: one of {ROUTING}")
+        if self.quantize not in ("none", "bf16", "int8"):
+            raise ValueError(f"candidate {self.name!r}: quantize={self.quantize!r} is not allowed: none, bf16, "
+                             "int8")
+
+    def engine_config(self, num_blocks: int | None = None):
+        """The EngineConfig of one replica (pool of num_blocks blocks, or the engine's default sizing)."""
+        from ..serving.engine import EngineConfig
+
+        return EngineConfig(block_size=self.block_size, num_blocks=num_blocks, max_running=self.max_running,
+                            max_batched_tokens=self.max_batched_tokens, max_decode_steps=self.max_decode_steps,
+                            preemption=self.preemption, enable_prefix_caching=self.prefix_caching)
+
+    def serve_flags(self) -> dict:
+        """The ``dantinox serve --config`` keys for one replica (flag names without dashes)."""
+        return {"block_size": self.block_size, "max_running": self.max_running,
+                "max_batched_tokens": self.max_batched_tokens, "max_decode_steps": self.max_decode_steps,
+                "policy": self.preemption, "no_prefix_caching": not self.prefix_caching}
+
+    def to_dict(self) -> dict:
+        """Every field (JSON-ready)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Candidate":
+        """Raises ValueError naming an unknown field or a bad value."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a candidate must be a mapping of fields, got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"candidate {d.get('name')!r}: unknown field {unknown[0]!r}; allowed: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**d)
+
+
+def default_candidates() -> list[Candidate]:
+    """The default sweep: a float baseline, batch / chunk / multi-step / preemption variations, two replicas
+    under each router, and the maximum-throughput configuration (largest batch and chunks, int8 everything)."""
+    C = Candidate
+    return [
+        C("baseline"),
+        C("running-8", max_running=8),
+        C("running-32", max_running=32),
+        C("chunk-32", max_batched_tokens=32),
+        C("chunk-128", max_batched_tokens=128),
+        C("single-step", max_decode_steps=1),
+        C("block-32", block_size=32),
+        C("swap", preemption="swap"),
+        C("kv-bf16", kv_dtype="bfloat16"),
+        C("2x-round-robin", replicas=2, routing="round_robin"),
+        C("2x-least-tokens", replicas=2, routing="least_tokens"),
+        C("2x-prefix-affinity", replicas=2, routing="prefix_affinity"),
+        C("max-throughput", kv_dtype="int8", quantize="int8", max_running=64, max_batched_tokens=256,
+          max_decode_steps=16),
+    ]

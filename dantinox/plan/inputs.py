@@ -1,0 +1,115 @@
+"""Reading and checking the planner's inputs: the model, a trace, a profile, SLOs, prices, memory sizes.
+
+Every function raises ValueError (or TraceError, a ValueError) with one line naming the flag or the file
+and line, the value, and what is allowed; the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+from .trace import prompt_token_ids, read_trace
+
+SLO_KEYS = ("ttft_p99", "tpot_p99")
+
+
+def parse_slo(text: str) -> dict:
+    """'ttft_p99=500,tpot_p99=80' (milliseconds) -> {"ttft_p99": 0.5, "tpot_p99": 0.08} (seconds)."""
+    out = {}
+    for part in (p for p in str(text).split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in SLO_KEYS:
+            raise ValueError(f"--slo {key}: unknown SLO; allowed: {', '.join(SLO_KEYS)} (milliseconds)")
+        ms = positive_number(f"--slo {key}", value)
+        out[key] = ms / 1e3
+    if not out:
+        raise ValueError(f"--slo {text!r} is not allowed: e.g. ttft_p99=500,tpot_p99=80 (milliseconds)")
+    return out
+
+
+def positive_number(flag: str, value) -> float:
+    """float(value) if it is a finite number > 0, else ValueError naming ``flag``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{flag}={value!r} is not allowed: a positive number")
+    return number
+
+
+def parse_memory(flag: str, text: str) -> int:
+    """'80GB', '512MiB', '1000' -> bytes, via the budget command's parser; ValueError naming ``flag``."""
+    from ..budget_cli import parse_memory_size
+
+    try:
+        return parse_memory_size(text)
+    except ValueError as err:
+        raise ValueError(f"{flag}={text!r} is not allowed: {err}") from None
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def load_model(run_dir: str | None):
+    """(run_dir, model, cfg, tokenizer) of a run directory or the bundled model. Raises RunDirError."""
+    from ..generator import bundled_run_dir
+    from ..train.run_dir import load_run
+
+    run_dir = run_dir or bundled_run_dir()
+    model, cfg, tokenizer, _ = load_run(run_dir)
+    return run_dir, model, cfg, tokenizer
+
+
+def load_trace(path: str, cfg, tokenizer) -> tuple[list, list]:
+    """(requests, prompt ids) of a trace for the model; TraceError naming file and line for a bad request,
+    including a text prompt that, encoded, no longer fits the context."""
+    from .trace import TraceError
+
+    requests = read_trace(path, cfg.max_context)
+    prompts = []
+    for q in requests:
+        try:
+            ids = prompt_token_ids(q, tokenizer, cfg.vocab_size)
+        except TraceError as err:
+            raise TraceError(f"{path} {err}") from None
+        if len(ids) + q.max_tokens > cfg.max_context:
+            raise TraceError(f"{path} line {q.index + 1}: prompt of {len(ids)} tokens + max_tokens={q.max_tokens}"
+                             f" exceeds the model's context of {cfg.max_context} tokens")
+        prompts.append(ids)
+    return requests, prompts
+
+
+def load_json(flag: str, path: str) -> dict:
+    """A JSON object from ``path``; ValueError naming the flag for unreadable or non-object JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{flag} {path}: not valid JSON (line {err.lineno}: {err.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag} {path}: a JSON object is required")
+    return data
+
+
+def load_candidates(path: str) -> list:
+    """Candidates from a YAML file: a list of mappings (Candidate fields), or {"candidates": [...]}."""
+    import yaml
+
+    from .candidate import Candidate
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise ValueError(f"--candidates {path}: not valid YAML ({err})") from None
+    if isinstance(data, dict):
+        data = data.get("candidates")
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"--candidates {path}: a non-empty list of candidates is required")
+    return [Candidate.from_dict(d) for d in data]

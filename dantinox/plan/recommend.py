@@ -1,0 +1,147 @@
+"""Sweep candidate deployments in simulation, drop the ones that cannot be deployed, recommend the cheapest.
+
+For every candidate, in this order, every reason to drop it is collected (none short-circuits the others
+except memory, which skips the simulation):
+  1. memory: weights + KV pool + reserve > device memory (ledger.memory_ledger; per replica);
+  2. quality: the candidate's model variant (kv dtype, weight quantization) failed its quality gate, or was
+     not measured (quality_gate);
+  3. SLO: simulated p99 TTFT or p99 TPOT above the SLO, or requests rejected (queue full, too long).
+Survivors are ranked by cost per million output tokens = replicas x price per hour / (output tokens/s x 3600)
+x 1e6, ties by name. With no survivor the plan recommends the fallback: the last known-good plan's
+recommendation (--baseline plan.json) or the named baseline candidate, and says that no candidate passed.
+A variant with no profile of its own is simulated with the float profile's costs and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .candidate import Candidate
+from .ledger import memory_ledger
+from .simulate import simulate
+
+RATE_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@dataclass
+class PlanInputs:
+    """What a plan is computed from. costs: {(kv_dtype, quantize): CostModel}; gates: {(kv_dtype, quantize):
+    GateResult}; slo: {"ttft_p99": s, "tpot_p99": s}; device_bytes: bytes per replica; price_per_hour: USD
+    per replica-hour; baseline: a candidate name; last_good: a plan dict (or None)."""
+
+    cfg: object
+    requests: list
+    prompts: list
+    costs: dict
+    slo: dict
+    device_bytes: int
+    price_per_hour: float
+    weights_bytes: int
+    gates: dict = field(default_factory=dict)
+    baseline: str = "baseline"
+    last_good: dict | None = None
+    reserve_fraction: float = 0.1
+
+
+def cost_per_million(replicas: int, price_per_hour: float, tokens_per_s: float) -> float | None:
+    """USD per million output tokens (None when nothing was generated)."""
+    if tokens_per_s <= 0:
+        return None
+    return float(f"{replicas * price_per_hour / (tokens_per_s * 3600) * 1e6:.9g}")
+
+
+def _cost_model(inp: PlanInputs, cand: Candidate):
+    key = (cand.kv_dtype, cand.quantize)
+    if key in inp.costs:
+        return inp.costs[key], None
+    return inp.costs[("float32", "none")], (f"no profile for kv_dtype={key[0]}, quantize={key[1]}: float costs "
+                                            "used")
+
+
+def evaluate_candidate(inp: PlanInputs, cand: Candidate) -> dict:
+    """One candidate's row: ledger, metrics (no per-request records), cost, reasons it is dropped, notes, and
+    the sorted TTFTs (for the CDF plot)."""
+    ledger = memory_ledger(inp.cfg, cand, inp.weights_bytes, inp.device_bytes, inp.reserve_fraction)
+    row = {"candidate": cand.to_dict(), "ledger": ledger.to_dict(), "dropped": [], "notes": [],
+           "metrics": None, "cost_per_million_usd": None, "ttfts": []}
+    if ledger.estimated:
+        row["notes"].append(f"KV bytes for kv_dtype={cand.kv_dtype} estimated")
+    if not ledger.fits:
+        row["dropped"].append(f"memory: weights {ledger.weights} B + KV {ledger.kv} B + reserve {ledger.reserve}"
+                              f" B = {ledger.total} B > device {ledger.device} B")
+        return row
+    gate = inp.gates.get((cand.kv_dtype, cand.quantize))
+    if gate is not None and gate.passed is False:
+        row["dropped"].append("quality gate failed: " + "; ".join(gate.failed))
+    elif gate is not None and gate.passed is None:
+        row["dropped"].append(f"quality not measured: {gate.detail}")
+    cost, note = _cost_model(inp, cand)
+    if note:
+        row["notes"].append(note)
+    result = simulate(inp.cfg, cand, cost, inp.requests, inp.prompts, inp.slo)
+    records = result.pop("records")
+    row["ttfts"] = sorted(r.token_times[0] - r.arrival for r in records if r.token_times and not r.rejected)
+    row["metrics"] = result
+    row["cost_per_million_usd"] = cost_per_million(cand.replicas, inp.price_per_hour, result["output_tokens_per_s"])
+    row["dropped"] += slo_failures(result, inp.slo)
+    return row
+
+
+def slo_failures(metrics: dict, slo: dict) -> list[str]:
+    """Reasons a run misses its SLOs (p99 TTFT, p99 TPOT in seconds) or rejected requests; [] if none."""
+    out = []
+    for key, metric in (("ttft_p99", "ttft"), ("tpot_p99", "tpot")):
+        value = metrics[metric]["p99"]
+        if key in slo and value is not None and value > slo[key]:
+            out.append(f"SLO: p99 {metric.upper()} {value * 1e3:.1f} ms > {slo[key] * 1e3:.1f} ms")
+    if metrics["rejected"]:
+        out.append(f"SLO: {metrics['rejected']} requests rejected")
+    return out
+
+
+def choose(rows: list, baseline: str, last_good: dict | None) -> dict:
+    """The recommendation: {"name", "candidate", "fallback": bool, "reason"}."""
+    passing = [r for r in rows if not r["dropped"] and r["cost_per_million_usd"] is not None]
+    if passing:
+        best = min(passing, key=lambda r: (r["cost_per_million_usd"], r["candidate"]["name"]))
+        return {"name": best["candidate"]["name"], "candidate": best["candidate"], "fallback": False,
+                "reason": f"cheapest of {len(passing)} passing candidates"}
+    if last_good is not None:
+        rec = last_good["recommendation"]
+        return {"name": rec["name"], "candidate": rec["candidate"], "fallback": True,
+                "reason": "no candidate passed: the last known-good plan's deployment"}
+    named = [r for r in rows if r["candidate"]["name"] == baseline]
+    cand = named[0]["candidate"] if named else Candidate(name=baseline).to_dict()
+    return {"name": baseline, "candidate": cand, "fallback": True,
+            "reason": f"no candidate passed: the named baseline {baseline!r}"}
+
+
+def rate_sweep(inp: PlanInputs, cand: Candidate, factors=RATE_FACTORS) -> list[dict]:
+    """The candidate at the trace's arrival rate times each factor: output tokens/s and p99 TTFT."""
+    import dataclasses
+
+    cost, _ = _cost_model(inp, cand)
+    span = max(inp.requests[-1].arrival, 1e-9)
+    out = []
+    for f in factors:
+        scaled = [dataclasses.replace(q, arrival=q.arrival / f) for q in inp.requests]
+        m = simulate(inp.cfg, cand, cost, scaled, inp.prompts, inp.slo)
+        out.append({"factor": f, "rate_rps": float(f"{len(scaled) / (span / f):.6g}"),
+                    "output_tokens_per_s": m["output_tokens_per_s"], "ttft_p99_s": m["ttft"]["p99"]})
+    return out
+
+
+def make_plan(inp: PlanInputs, candidates: list) -> dict:
+    """Evaluate every candidate and choose. Returns {"candidates": rows, "recommendation", "rate_sweep"}."""
+    names = [c.name for c in candidates]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"candidates: name {dup[0]!r} is used twice; names must be unique")
+    rows = [evaluate_candidate(inp, c) for c in candidates]
+    rec = choose(rows, inp.baseline, inp.last_good)
+    if rec["fallback"] and rec["name"] not in names:  # show what the fallback does on this trace too
+        row = evaluate_candidate(inp, Candidate.from_dict(rec["candidate"]))
+        row["notes"].append("the fallback, not among the swept candidates")
+        rows.append(row)
+    sweep = rate_sweep(inp, Candidate.from_dict(rec["candidate"]))
+    return {"candidates": rows, "recommendation": rec, "rate_sweep": sweep}

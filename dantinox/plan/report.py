@@ -1,0 +1,212 @@
+"""Write a plan: plan.json, plan.md, the plots and the serve configuration, each to a temporary file renamed
+into place (a reader never sees half a file).
+
+plan.json is deterministic: keys sorted, floats from the simulation (rounded there), no timestamps; the same
+inputs give the same bytes. plan.md holds the recommendation, the table of every candidate and why each was
+dropped, the memory ledger and the bottleneck report. Plots (matplotlib, Agg backend, fixed metadata so the
+PNG bytes do not carry a date): TTFT CDF per candidate with the SLO line; output tokens/s and p99 TTFT
+against arrival rate; the memory ledger as a stacked bar.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+from ..train.checkpoint import atomic_write_bytes
+
+PLOTS = ("ttft_cdf.png", "rate_sweep.png", "memory_ledger.png")
+
+
+def plan_json_bytes(plan: dict) -> bytes:
+    """The canonical bytes of a plan (sorted keys, one-space indent, trailing newline)."""
+    return (json.dumps(plan, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode()
+
+
+def serve_config(candidate: dict, run_dir: str | None) -> str:
+    """The YAML that ``dantinox serve --config`` reads for one replica of ``candidate``."""
+    from .candidate import Candidate
+
+    flags = Candidate.from_dict(candidate).serve_flags()
+    if run_dir:
+        flags["run_dir"] = run_dir
+    if candidate.get("kv_dtype", "float32") != "float32":
+        flags["kv_dtype"] = candidate["kv_dtype"]
+    if candidate.get("quantize", "none") != "none":
+        flags["quantize"] = candidate["quantize"]
+    lines = [f"# dantinox serve --config: candidate {candidate['name']!r}, one of {candidate['replicas']} "
+             f"replica(s) routed by {candidate['routing']}"]
+    lines += [f"{k}: {json.dumps(v)}" for k, v in sorted(flags.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_ms(s) -> str:
+    return "-" if s is None else f"{s * 1e3:.1f}"
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:.2f}"
+
+
+def plan_markdown(plan: dict, plots_dir: str = ".") -> str:
+    """plan.md text."""
+    rec, slo = plan["recommendation"], plan["inputs"]["slo"]
+    out = ["# Capacity plan", ""]
+    row = next((r for r in plan["candidates"] if r["candidate"]["name"] == rec["name"]), None)
+    if rec["fallback"]:
+        out += [f"**No candidate passed.** Recommended fallback: **{rec['name']}** ({rec['reason']}).", ""]
+    else:
+        cost = row["cost_per_million_usd"]
+        out += [f"**Recommended: {rec['name']}** ({rec['reason']}): "
+                f"{row['metrics']['output_tokens_per_s']:.1f} output tokens/s, p99 TTFT "
+                f"{_fmt_ms(row['metrics']['ttft']['p99'])} ms, p99 TPOT {_fmt_ms(row['metrics']['tpot']['p99'])} "
+                f"ms, **${cost:.4f} per million output tokens** at ${plan['inputs']['price_per_hour']}/h per "
+                "replica.", ""]
+    out += [f"SLO: p99 TTFT <= {_fmt_ms(slo.get('ttft_p99'))} ms, p99 TPOT <= {_fmt_ms(slo.get('tpot_p99'))} ms. "
+            f"Device memory {_mib(plan['inputs']['device_bytes'])} MiB per replica. Trace: "
+            f"{plan['inputs']['trace_requests']} requests (sha256 {plan['inputs']['trace_sha256'][:12]}). Model "
+            f"weights sha256 {plan['identity']['weights_sha256'][:12]}, "
+            f"dantinox {plan['identity']['dantinox_version']}.",
+            "", "## Candidates", "",
+            "| candidate | kv | weights | P | run | chunk | steps | preempt | replicas | routing | tok/s | "
+            "TTFT p50 / p99 ms | TPOT p99 ms | preempt | prefix hits | $/M tok | verdict |",
+            "|---" * 17 + "|"]
+    for r in plan["candidates"]:
+        out.append(_candidate_line(r))
+    out += ["", "## Memory ledger (per replica, MiB)", "",
+            "| candidate | weights | KV pool (blocks) | reserve | total | device | fits |", "|---" * 7 + "|"]
+    for r in plan["candidates"]:
+        g = r["ledger"]
+        out.append(f"| {r['candidate']['name']} | {_mib(g['weights'])} | {_mib(g['kv'])} ({g['kv_blocks']}) | "
+                   f"{_mib(g['reserve'])} | {_mib(g['total'])} | {_mib(g['device'])} | "
+                   f"{'yes' if g['fits'] else 'NO'} |")
+    out += ["", "## Load sweep (recommended deployment)", "", "| rate (req/s) | output tok/s | p99 TTFT ms |",
+            "|---|---|---|"]
+    out += [f"| {s['rate_rps']} | {s['output_tokens_per_s']:.1f} | {_fmt_ms(s['ttft_p99_s'])} |"
+            for s in plan["rate_sweep"]]
+    out += ["", "## Bottleneck report (profile)", ""] + bottleneck_markdown(plan.get("bottleneck", []),
+                                                                            plan.get("rates", {}))
+    out += ["", "## Quality gates", ""]
+    out += [f"- kv {g['variant'][0]}, weights {g['variant'][1]}: "
+            f"{ {True: 'pass', False: 'FAIL', None: 'not measured'}[g['passed']] } {g['detail']} "
+            f"{'; '.join(g['failed'])}" for g in plan.get("gates", [])]
+    out += ["", "## Plots", ""] + [f"![{p}]({os.path.join(plots_dir, p)})" for p in PLOTS]
+    return "\n".join(out) + "\n"
+
+
+def _candidate_line(r: dict) -> str:
+    c, m = r["candidate"], r["metrics"]
+    verdict = "pass" if not r["dropped"] else "dropped: " + "; ".join(r["dropped"])
+    if r["notes"]:
+        verdict += " (" + "; ".join(r["notes"]) + ")"
+    head = (f"| {c['name']} | {c['kv_dtype']} | {c['quantize']} | {c['block_size']} | {c['max_running']} | "
+            f"{c['max_batched_tokens']} | {c['max_decode_steps']} | {c['preemption']} | {c['replicas']} | "
+            f"{c['routing']} |")
+    if m is None:
+        return head + " - | - | - | - | - | - | " + verdict + " |"
+    cost = r["cost_per_million_usd"]
+    return head + (f" {m['output_tokens_per_s']:.1f} | {_fmt_ms(m['ttft']['p50'])} / {_fmt_ms(m['ttft']['p99'])} | "
+                   f"{_fmt_ms(m['tpot']['p99'])} | {m['preemptions']} | {m['prefix_cache_hits']} | "
+                   f"{'-' if cost is None else f'{cost:.4f}'} | {verdict} |")
+
+
+def bottleneck_markdown(rows: list, rates: dict) -> list[str]:
+    """The bottleneck table: per call, measured time against bytes / bandwidth and FLOPs / matmul rate."""
+    if not rows:
+        return ["(no profile rows)"]
+    out = [f"Machine: {rates.get('bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s streaming, "
+           f"{rates.get('matmul_flops_per_s', 0) / 1e9:.1f} GFLOP/s float32 matmul (measured).", "",
+           "| call | shape | measured ms | bytes / bandwidth ms | FLOPs / rate ms | bound | of bound |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['call']} | {r['shape']} | {r['measured_s'] * 1e3:.3f} | {r['memory_s'] * 1e3:.3f} | "
+                   f"{r['compute_s'] * 1e3:.3f} | {r['bound']} | {r['efficiency']:.0%} |")
+    return out
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, metadata={"Software": None})
+    return buf.getvalue()
+
+
+def plot_files(plan: dict, ttfts: dict) -> dict:
+    """{file name: PNG bytes} of the three plots. ttfts: {candidate name: sorted TTFTs in seconds}."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = {}
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, values in ttfts.items():
+        if values:
+            ax.step([v * 1e3 for v in values], [(i + 1) / len(values) for i in range(len(values))], where="post",
+                    label=name, linewidth=1)
+    slo = plan["inputs"]["slo"].get("ttft_p99")
+    if slo:
+        ax.axvline(slo * 1e3, color="k", linestyle="--", label="SLO p99 TTFT")
+        ax.axhline(0.99, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF per candidate")
+    ax.legend(fontsize=5, ncol=2)
+    fig.tight_layout()
+    files["ttft_cdf.png"] = _png(fig)
+    plt.close(fig)
+    files["rate_sweep.png"] = _rate_plot(plt, plan)
+    files["memory_ledger.png"] = _ledger_plot(plt, plan)
+    return files
+
+
+def _rate_plot(plt, plan: dict) -> bytes:
+    sweep = plan["rate_sweep"]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    rates = [s["rate_rps"] for s in sweep]
+    line1 = ax.plot(rates, [s["output_tokens_per_s"] for s in sweep], "o-", label="output tokens/s")
+    ax.set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s",
+           title=f"{plan['recommendation']['name']}: throughput and p99 TTFT vs load")
+    ax2 = ax.twinx()
+    line2 = ax2.plot(rates, [(s["ttft_p99_s"] or 0) * 1e3 for s in sweep], "s--", color="C3", label="p99 TTFT")
+    ax2.set_ylabel("p99 TTFT (ms)")
+    ax2.set_yscale("log")
+    slo = plan["inputs"]["slo"].get("ttft_p99")
+    if slo:
+        ax2.axhline(slo * 1e3, color="k", linestyle=":", linewidth=0.8, label="SLO p99 TTFT")
+    ax.legend(line1 + line2, [h.get_label() for h in line1 + line2], loc="upper left", fontsize=7)
+    fig.tight_layout()
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+def _ledger_plot(plt, plan: dict) -> bytes:
+    rows = plan["candidates"]
+    names = [r["candidate"]["name"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    bottom = [0.0] * len(rows)
+    for part in ("weights", "kv", "reserve"):
+        values = [r["ledger"][part] / 2**20 for r in rows]
+        ax.bar(names, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.axhline(plan["inputs"]["device_bytes"] / 2**20, color="k", linestyle="--", label="device memory")
+    ax.set(ylabel="MiB per replica", title="Memory ledger")
+    ax.tick_params(axis="x", labelrotation=60, labelsize=6)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+def write_plan(out_dir: str, plan: dict, ttfts: dict, run_dir: str | None) -> list[str]:
+    """Write plan.json, plan.md, the plots and serve.yaml under out_dir (created). Returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    files = {"plan.json": plan_json_bytes(plan), "plan.md": plan_markdown(plan).encode(),
+             "serve.yaml": serve_config(plan["recommendation"]["candidate"], run_dir).encode()}
+    files.update(plot_files(plan, ttfts))
+    paths = []
+    for name, data in files.items():
+        path = os.path.join(out_dir, name)
+        atomic_write_bytes(path, data)
+        paths.append(path)
+    return paths

@@ -1,0 +1,199 @@
+"""Simulate a trace through the serving engine's own scheduling code with a virtual clock.
+
+A ``SimReplica`` holds the real ``Scheduler``, ``BlockAllocator`` and ``ContextPolicy`` of dantinox.serving,
+built exactly as ``PagedEngine`` builds them (``step_plan.engine_policy`` / ``pool_blocks`` /
+``engine_buckets``). Its ``step()`` does what ``PagedEngine.step()`` does on the host: schedule, plan the
+multi-step decode (``plan_decode_steps``), pick the compiled calls (``forward_calls`` / ``decode_step_calls``)
+and advance every request (``advance`` / ``finish_reason``); instead of running the calls it adds up their
+profiled cost (a CostModel). No model runs. Generated tokens are id 0 and requests never stop early (the
+trace's max_tokens are generated), as in a replay with no stop tokens.
+
+The event loop (``run_trace``) is discrete-event over several replicas: the next event is the next arrival
+or the end of a replica's step, whichever is first (arrivals first on a tie, then replicas by index). An
+arrival is routed at once; a replica takes its routed requests at the start of its next step, as the server's
+engine thread takes its commands before each step. A step's tokens are stamped at the step's end. Everything
+is ordered by (time, index): the same inputs give the same output, byte for byte.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..serving.allocator import BlockAllocator
+from ..serving.request import QueueFullError, Request, RequestError, RequestStatus, SamplingOptions
+from ..serving.scheduler import Scheduler
+from ..serving.step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason,
+                                 forward_calls, plan_decode_steps, pool_blocks)
+from .cost_model import CostModel
+from .metrics import RequestRecord, summarize
+from .router import Router
+
+
+class ReplicaView:
+    """What routers and the event loop read from a replica holding ``scheduler`` and ``allocator``."""
+
+    def outstanding_tokens(self) -> int:
+        """Prompt tokens still to compute + output tokens still to generate, queued, running or routed."""
+        reqs = list(self.scheduler.waiting) + list(self.scheduler.running)
+        left = sum(r.num_tokens - r.num_computed + r.options.max_new_tokens - len(r.output_ids) for r in reqs)
+        return left + sum(len(ids) + opts.max_new_tokens for _, ids, opts, _ in self.inbox)
+
+    def cached_prefix_blocks(self, prompt_ids: list) -> int:
+        """Leading full blocks of ``prompt_ids`` this replica's prefix cache holds now."""
+        count = 0
+        for h in self.allocator.prompt_hashes(prompt_ids):
+            if self.allocator.pool.lookup(h) is None:
+                break
+            count += 1
+        return count
+
+    def first_block_key(self, prompt_ids: list):
+        """The prefix-cache hash of the prompt's first full block (None for a shorter prompt)."""
+        hashes = self.allocator.prompt_hashes(prompt_ids[:self.allocator.block_size])
+        return hashes[0] if hashes else None
+
+    def has_work(self) -> bool:
+        """True while requests are routed here, queued or running."""
+        return bool(self.inbox or self.scheduler.waiting or self.scheduler.running)
+
+
+class SimReplica(ReplicaView):
+    """One simulated engine. cfg: the ModelConfig (max_context); config: EngineConfig; cost: CostModel."""
+
+    def __init__(self, cfg, config, cost: CostModel):
+        self.config, self.cost = config, cost
+        self.allocator = BlockAllocator(pool_blocks(cfg, config), config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(engine_policy(config, cfg.max_context), self.allocator)
+        self.buckets = engine_buckets(config, cfg.max_context)
+        self.inbox: list = []
+        self.requests: list = []          # every request added, in order (finished ones included)
+        self.finished_order: list = []
+        self.peak_blocks = 0
+        self.queue_samples: list = []
+        self.last_multi_step = False      # whether the last step was one multi-step decode call
+
+    def add(self, rid: str, ids: list, options: SamplingOptions, arrival: float) -> Request:
+        """Queue a request (as PagedEngine.add_request). Raises RequestError / QueueFullError."""
+        req = Request(rid, list(ids), options, arrival_time=arrival)
+        self.scheduler.check_admission(req)
+        self.scheduler.add(req)
+        self.requests.append(req)
+        return req
+
+    def step(self) -> tuple[float, list]:
+        """One engine step: (seconds it costs, [(request id, tokens generated)])."""
+        sched = self.scheduler.schedule()
+        self.queue_samples.append(len(self.scheduler.waiting))
+        self.peak_blocks = max(self.peak_blocks, self.allocator.num_used)
+        c = self.cost
+        seconds = c.swap_out * len(sched.swap_out) + c.swap_in * len(sched.swap_in)
+        seconds += c.copy * math.ceil(len(sched.copies) / self.scheduler.policy.max_running)
+        counts, copies = plan_decode_steps(sched.chunks, self.allocator, self.config.max_decode_steps,
+                                           bool(self.scheduler.waiting))
+        seconds += c.copy * math.ceil(len(copies) / self.scheduler.policy.max_running)
+        self.last_multi_step = bool(counts)
+        if counts:  # a multi-step decode call: timed as the engine makes it, no calibration applies
+            for _, part_counts, B, M in decode_step_calls(sched.chunks, counts, self.buckets, self.allocator):
+                seconds += c.decode_cost(B, M * self.allocator.block_size, max(part_counts))
+            return c.step + seconds, self._advance_all(sched.chunks, counts)
+        counts = [1] * len(sched.chunks)
+        for _, B, T in forward_calls(sched.chunks, self.buckets):
+            seconds += c.forward_cost(B, T)
+        return c.step + c.forward_overhead + c.scale * seconds, self._advance_all(sched.chunks, counts)
+
+    def _advance_all(self, chunks: list, counts: list) -> list:
+        emitted = []
+        for chunk, count in zip(chunks, counts):
+            req, new = chunk.request, 0
+            for j in range(count):
+                n = chunk.num_tokens if j == 0 else 1
+                if not advance(req, chunk.start + j, n, self.allocator):
+                    break
+                new += 1
+                if finish_reason(req, 0) is not None:
+                    self.scheduler.remove(req)
+                    req.status, req.finish_reason = RequestStatus.FINISHED, "length"
+                    self.finished_order.append(req.request_id)
+                    break
+            if new:
+                emitted.append((req.request_id, new))
+        return emitted
+
+    def counters(self) -> dict:
+        """Preemptions, prefix-cache hits and queries, peak and total KV blocks."""
+        return {"preemptions": self.scheduler.num_preemptions, "prefix_cache_hits": self.allocator.prefix_hits,
+                "prefix_cache_queries": self.allocator.prefix_queries, "peak_kv_blocks": self.peak_blocks,
+                "kv_blocks": self.allocator.num_blocks}
+
+
+def options_for(req) -> SamplingOptions:
+    """The SamplingOptions of a TraceRequest (no stop tokens: every request generates max_tokens)."""
+    return SamplingOptions(max_new_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
+                           top_p=req.top_p, seed=req.seed)
+
+
+def run_trace(replicas: list, router: Router, requests: list, prompts: list, slo: dict | None = None) -> dict:
+    """Run ``requests`` (TraceRequest, in arrival order) with their prompt ids through ``replicas`` (objects
+    with add / step / has_work / inbox and the ReplicaView queries), routing with ``router``, on a virtual
+    clock. Returns the metrics dict (see metrics.summarize) with "records" (RequestRecord list) attached."""
+    records = {f"r{q.index}": RequestRecord(q.index, q.arrival, q.slice) for q in requests}
+    busy_until = [None] * len(replicas)
+    i, now = 0, 0.0
+    while True:
+        ends = [(t, k) for k, t in enumerate(busy_until) if t is not None]
+        t_end, k_end = min(ends) if ends else (math.inf, -1)
+        if i < len(requests) and requests[i].arrival <= t_end:
+            now = requests[i].arrival
+            while i < len(requests) and requests[i].arrival <= now:
+                q = requests[i]
+                k = router.choose(replicas, prompts[i])
+                records[f"r{q.index}"].replica = k
+                replicas[k].inbox.append((f"r{q.index}", prompts[i], options_for(q), q.arrival))
+                i += 1
+        elif ends:
+            now, busy_until[k_end] = t_end, None
+        else:
+            break
+        for k, rep in enumerate(replicas):
+            if busy_until[k] is None:
+                busy_until[k] = _start_step(rep, now, records)
+    counters = _merge_counters(replicas)
+    out = summarize(list(records.values()), slo, counters)
+    out["records"] = list(records.values())
+    return out
+
+
+def _start_step(rep, now: float, records: dict) -> float | None:
+    """Take the replica's routed requests and run one step at ``now``; returns when it ends (None: idle)."""
+    for rid, ids, opts, arrival in rep.inbox:
+        try:
+            rep.add(rid, ids, opts, arrival)
+        except (RequestError, QueueFullError) as err:
+            records[rid].rejected = f"{type(err).__name__}: {err}"
+    rep.inbox.clear()
+    if not (rep.scheduler.waiting or rep.scheduler.running):
+        return None
+    seconds, emitted = rep.step()
+    end = now + seconds
+    for rid, n in emitted:
+        records[rid].token_times.extend([end] * n)
+    return end
+
+
+def _merge_counters(replicas: list) -> dict:
+    total: dict = {}
+    for rep in replicas:
+        for key, value in rep.counters().items():
+            total[key] = total.get(key, 0) + value if key != "peak_kv_blocks" else max(total.get(key, 0), value)
+    samples = [s for rep in replicas for s in getattr(rep, "queue_samples", [])]
+    total["queue_mean"] = float(sum(samples) / len(samples)) if samples else 0.0
+    total["queue_max"] = max(samples, default=0)
+    return total
+
+
+def simulate(cfg, candidate, cost: CostModel, requests: list, prompts: list, slo: dict | None = None,
+             num_blocks: int | None = None) -> dict:
+    """Simulate ``candidate`` (replicas, routing, engine settings) on a trace. Returns run_trace's dict."""
+    config = candidate.engine_config(num_blocks)
+    replicas = [SimReplica(cfg, config, cost) for _ in range(candidate.replicas)]
+    return run_trace(replicas, Router(candidate.routing), requests, prompts, slo)

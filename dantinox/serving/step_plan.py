@@ -1,0 +1,153 @@
+"""The host-side arithmetic of one engine step, shared by ``PagedEngine`` and the capacity planner's simulator.
+
+Plain Python, no device. After the Scheduler has chosen a step's chunks, the engine decides which compiled
+calls run them (batch bucket B, chunk bucket T, or for a multi-step decode call the block-table width M and
+the steps per row) and, once the calls return, advances each request. ``dantinox.plan.simulate`` runs the same
+functions with a virtual clock, so a simulated step makes the same calls and the same bookkeeping as a real
+one; only the time a call takes comes from a profile instead of the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .allocator import BlockAllocator
+from .request import Request
+from .scheduler import ContextPolicy
+
+def powers_of_two(first: int, last: int) -> tuple:
+    """(first, 2 first, 4 first, ..., last): bucket sizes, the last one clipped to ``last``."""
+    out = [first]
+    while out[-1] < last:
+        out.append(min(out[-1] * 2, last))
+    return tuple(out)
+
+
+def bucket(n: int, buckets: tuple) -> int:
+    """The smallest bucket >= n (StopIteration if none: callers size buckets to cover every n)."""
+    return next(b for b in buckets if b >= n)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Static shapes of the compiled calls. decode: batch sizes B of decode calls; prefill: batch sizes of
+    prefill calls; chunk: chunk lengths T of prefill calls (tokens); table: block-table widths M of multi-step
+    decode calls (blocks)."""
+
+    decode: tuple
+    prefill: tuple
+    chunk: tuple
+    table: tuple
+
+
+def engine_buckets(config, max_context: int, min_table_tokens: int = 64) -> Buckets:
+    """The buckets an EngineConfig gives for a model of ``max_context`` tokens (see EngineConfig);
+    min_table_tokens: the narrowest multi-step block-table width, in tokens."""
+    P = config.block_size
+    width = -(-max_context // P)
+    table = powers_of_two(min(width, max(1, min_table_tokens // P)), width)
+    decode = tuple(sorted(config.decode_buckets or powers_of_two(1, config.max_running)))
+    chunk = tuple(sorted(config.chunk_buckets or powers_of_two(
+        min(8, config.max_batched_tokens), min(config.max_batched_tokens, max_context))))
+    return Buckets(decode, tuple(sorted(config.prefill_buckets)), chunk, table)
+
+
+def engine_policy(config, max_context: int) -> ContextPolicy:
+    """The ContextPolicy of an EngineConfig for a model of ``max_context`` tokens (prompts of at most
+    max_context - 1 tokens, prompt + output of at most max_context). Raises ValueError naming a bad field."""
+    return ContextPolicy(
+        max_prompt_tokens=min(config.max_prompt_tokens or max_context - 1, max_context - 1),
+        max_total_tokens=min(config.max_total_tokens or max_context, max_context),
+        max_running=config.max_running, max_queued=config.max_queued,
+        max_batched_tokens=config.max_batched_tokens, preemption=config.preemption,
+        swap_space_blocks=config.swap_space_blocks or 1 << 20)
+
+
+def pool_blocks(cfg, config) -> int:
+    """N, the blocks of the KV pool: config.num_blocks, or as many as fit in config.kv_memory_bytes, or
+    max_running sequences of max_context tokens. Raises ValueError if not even one block fits."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.kv_memory_bytes is not None:
+        from .paged_cache import num_blocks_for_memory
+        return num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size)
+    return config.max_running * -(-cfg.max_context // config.block_size)
+
+
+def forward_calls(chunks: list, buckets: Buckets) -> list[tuple[list, int, int]]:
+    """The forward_step calls of an ordinary step: [(chunks of the call, B, T)], decode calls ([B, 1]) first,
+    then prefill calls ([B, T]), each at most the largest batch bucket."""
+    calls = []
+    decode = [c for c in chunks if c.num_tokens == 1]
+    prefill = [c for c in chunks if c.num_tokens > 1]
+    for group, sizes in ((decode, buckets.decode), (prefill, buckets.prefill)):
+        for i in range(0, len(group), sizes[-1]):
+            part = group[i:i + sizes[-1]]
+            T = 1 if group is decode else bucket(max(c.num_tokens for c in part), buckets.chunk)
+            calls.append((part, bucket(len(part), sizes), T))
+    return calls
+
+
+def plan_decode_steps(chunks: list, allocator: BlockAllocator, max_decode_steps: int,
+                      requests_waiting: bool) -> tuple[list[int] | None, list]:
+    """Decode steps per chunk for a multi-step call, or None for an ordinary step; and the copy-on-write
+    copies [(source, destination)] the engine must make before the call.
+
+    Only a step of decode chunks alone (no prefill, no logprobs asked) qualifies. Row b runs up to
+    min(max_decode_steps, tokens it may still generate); while requests wait, every row runs the fewest any
+    row may still generate. Blocks for the extra positions are taken now; a row that cannot get them runs
+    only as far as the blocks it holds.
+    """
+    K = max_decode_steps
+    if K == 1 or not chunks or any(c.num_tokens != 1 or c.request.options.logprobs is not None for c in chunks):
+        return None, []
+    left = [c.request.options.max_new_tokens - len(c.request.output_ids) for c in chunks]
+    counts = [min(K, n) for n in left]
+    if requests_waiting:
+        counts = [min(counts)] * len(chunks)
+    if max(counts) == 1:
+        return None, []
+    copies = []
+    for i, chunk in enumerate(chunks):
+        grown = allocator.grow(chunk.request.request_id, chunk.start, chunk.start + counts[i])
+        if grown is None:
+            held = len(allocator.table(chunk.request.request_id)) * allocator.block_size - chunk.start
+            counts[i] = max(1, min(counts[i], held))
+        else:
+            copies += grown
+    return counts, copies
+
+
+def decode_step_calls(chunks: list, counts: list[int], buckets: Buckets,
+                      allocator: BlockAllocator) -> list[tuple[list, list, int, int]]:
+    """The decode_steps calls of a multi-step step: [(chunks, their counts, B, M)], B at most the largest
+    decode bucket, M the table bucket covering the furthest position the call writes."""
+    calls, width = [], buckets.decode[-1]
+    for i in range(0, len(chunks), width):
+        part, part_counts = chunks[i:i + width], counts[i:i + width]
+        reach = max(c.start + n for c, n in zip(part, part_counts))  # positions written: < reach
+        M = bucket(allocator.blocks_for(reach), buckets.table)
+        calls.append((part, part_counts, bucket(len(part), buckets.decode), M))
+    return calls
+
+
+def advance(req: Request, start: int, num_tokens: int, allocator: BlockAllocator) -> bool:
+    """Record that ``num_tokens`` tokens of ``req`` from position ``start`` are computed; register its newly
+    full prompt blocks in the prefix cache. Returns True when the chunk reached the last token (the step's
+    token then belongs to ``req``), False for a prefill chunk that has not."""
+    req.events.append(("chunk", start, num_tokens))
+    req.num_computed += num_tokens
+    if start < len(req.prompt_ids):
+        allocator.commit(req.request_id, req.prompt_ids, req.num_computed)
+    return req.num_computed >= req.num_tokens
+
+
+def finish_reason(req: Request, token: int) -> str | None:
+    """Append ``token`` to ``req``'s output; returns "stop", "length" or None (not finished)."""
+    req.output_ids.append(token)
+    req.events.append(("token", token))
+    if token in req.options.stop_token_ids:
+        return "stop"
+    if len(req.output_ids) >= req.options.max_new_tokens:
+        return "length"
+    return None

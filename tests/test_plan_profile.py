@@ -1,0 +1,30 @@
+"""The profile times the engine's calls and fits the cost model the simulator uses; it records what it was
+measured on."""
+
+import numpy as np
+
+from conftest import spiky_model, tiny_config
+from dantinox.plan.cost_model import CostModel
+from dantinox.plan.profile import FORWARD_SHAPES, check_profile, model_identity, take_profile
+from dantinox.train import save_run, train_tokenizer
+
+
+def test_profile_fits_measured_calls_and_records_identity(tmp_path):
+    tok = train_tokenizer("abcdefghij klmnop\n" * 4, "char")
+    cfg = tiny_config(vocab_size=tok.vocab_size, max_context=64)
+    model = spiky_model(cfg)
+    save_run(tmp_path, model, cfg, tok)
+    prof = take_profile(str(tmp_path), model, cfg, repeats=2)
+    check_profile(prof, model_identity(str(tmp_path), cfg))          # its own model: accepted
+    cost = CostModel.from_dict(prof["cost_model"])
+    for B, T in FORWARD_SHAPES:                                       # measured shapes are used as measured
+        assert cost.forward_cost(B, T) == prof["points"]["forward"][f"{B},{T}"]
+    a0, a1, a2 = cost.forward
+    assert min(a0, a1, a2) >= 0 and cost.forward_cost(8, 32) == a0 + 8 * a1 + 256 * a2
+    assert cost.decode_cost(4, 64, 8) >= cost.decode_cost(4, 64, 1) > 0
+    assert cost.scale >= 1.0 and cost.forward_overhead >= 0.0 and cost.step == 0.0   # calibrated on real steps
+    kinds = {r["call"] for r in prof["bottleneck"]}
+    assert kinds == {"prefill", "decode (one step)", "decode (multi-step)"}
+    for r in prof["bottleneck"]:
+        assert r["bound"] == ("memory" if r["memory_s"] >= r["compute_s"] else "compute")
+        assert np.isclose(r["memory_s"], r["bytes"] / prof["rates"]["bandwidth_bytes_per_s"])
