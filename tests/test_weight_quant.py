@@ -1,6 +1,5 @@
 """Low-precision weights (issue 10, point 4): int8 per output channel and bf16, fp32 accumulation, honest bytes."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
