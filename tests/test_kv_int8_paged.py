@@ -1,7 +1,8 @@
 """The int8 KV cache in the serving engine's paged pool (issue 10): int8 blocks plus scale blocks; paged
 logits equal the int8 static cache's; swap moves the scales with their blocks, prefix-cached blocks share
-them, copy-on-write copies them; K06 and K08 with an int8 pool; ``--kv-dtype int8`` with the same --kv-memory gives more blocks and admits
-more concurrent sequences; bad --kv-dtype values exit 2 naming the flag."""
+them, copy-on-write copies them; K06 and K08 with an int8 pool; ``--kv-dtype int8`` with the same
+--kv-memory gives more blocks and admits more concurrent sequences; bad --kv-dtype values exit 2 naming the
+flag."""
 
 import jax.numpy as jnp
 import numpy as np
