@@ -71,7 +71,8 @@ class Attention(nnx.Module):
         v_scale)``, the int8 rows [B, K, T, D] and float32 scales [B, K, T, 1] to write (k, v are then the
         read-back values).
 
-        Returns (y [B, T, E], updated LayerKV or None).
+        Returns (y [B, T, E], the updated layer cache (LayerKV, QuantLayerKV for cache_dtype="int8", or the
+        hook's view) or None).
         """
         cfg = self.cfg
         B, T, _ = x.shape

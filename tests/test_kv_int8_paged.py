@@ -1,7 +1,8 @@
 """The int8 KV cache in the serving engine's paged pool (issue 10): int8 blocks plus scale blocks; paged
 logits equal the int8 static cache's; swap moves the scales with their blocks, prefix-cached blocks share
-them, copy-on-write copies them; ``--kv-dtype int8`` with the same --kv-memory gives more blocks and admits
-more concurrent sequences; bad --kv-dtype values exit 2 naming the flag."""
+them, copy-on-write copies them; K06 and K08 with an int8 pool; ``--kv-dtype int8`` with the same
+--kv-memory gives more blocks and admits more concurrent sequences; bad --kv-dtype values exit 2 naming the
+flag."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,7 @@ from dantinox.serving.serve_cli import build_engine, kv_summary
 from dantinox.train import save_run, train_tokenizer
 from conftest import spiky_mla, spiky_model, tiny_config
 from serving_util import chunked_paged_run, drain, greedy, lively_model, make_engine, solo, static_logits
-from test_serving_engine import check_resumed_requests_reprefilled
+from test_serving_engine import check_resumed_requests_reprefilled, run_k08_schedule
 
 P, M = 4, 8  # block size; block-table entries (max_context 32 / P)
 KINDS = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
@@ -110,6 +111,14 @@ def test_int8_preempted_requests_resume_with_the_int8_static_output(model, polic
             check_resumed_requests_reprefilled(req)
 
 
+@pytest.mark.parametrize("max_decode_steps", [1, 8])
+def test_K08_int8_requests_join_and_leave_the_batch(model, max_decode_steps):
+    runs = [run_k08_schedule(model, max_decode_steps) for _ in range(2)]
+    assert runs[0] == runs[1]
+    for name, (tokens, prompt, n) in runs[0].items():
+        assert tokens == solo(model, prompt, n), name        # the int8 static cache, batch 1
+
+
 def test_int8_prefix_cached_blocks_share_their_scales_and_copy_on_write_copies_them(model):
     engine = make_engine(model, num_blocks=40)
     shared = prompts([8], seed=4)[0]
@@ -188,3 +197,19 @@ def test_verify_cli_with_kv_dtype_int8_passes_and_prints_the_distance_to_the_flo
     assert "cache=int8" in out and "PASS" in out
     distance = float(out.split("float32 cached| logits = ")[1].split()[0])
     assert distance > 1e-5
+
+
+def test_generate_with_kv_dtype_int8_uses_an_int8_cache_with_the_run_parameters(float_run, capsys):
+    from dantinox.generator import Generator
+
+    gen = Generator(float_run, warmup=False, kv_dtype="int8")
+    plain = Generator(float_run, warmup=False)
+    assert gen.cfg.cache_dtype == "int8" and plain.cfg.cache_dtype == "float32"
+    assert isinstance(dx.init_cache(gen.cfg, 1)[0], dx.QuantLayerKV)
+    np.testing.assert_array_equal(np.asarray(gen.model.embed.embedding[...]),
+                                  np.asarray(plain.model.embed.embedding[...]))
+    text = gen.generate("Nel mezzo", 12, temperature=0)
+    assert text == gen.generate("Nel mezzo", 12, temperature=0, use_cache=False)   # int8 round-trip reference
+    assert cli.main(["generate", "--run_dir", float_run, "--kv-dtype", "int8", "--prompt", "Nel mezzo",
+                     "--max_new_tokens", "12", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "Nel mezzo" + text + "\n"
