@@ -189,8 +189,8 @@ def kv_dtype_ab(variant: str, batches: list[int], repeats: int, dtypes: list[str
         full, pre = {d: [] for d in dtypes}, {d: [] for d in dtypes}
         for _ in range(repeats):
             for d, m in models.items():
-                full[d].append(timed(lambda m=m: dx.generate(m, prompts, NEW), 1))
-                pre[d].append(timed(lambda m=m: dx.generate(m, prompts, 1), 1))
+                full[d].append(timed(lambda m=m, p=prompts: dx.generate(m, p, NEW), 1))
+                pre[d].append(timed(lambda m=m, p=prompts: dx.generate(m, p, 1), 1))
         rate = {d: b * (NEW - 1) / (statistics.median(full[d]) - statistics.median(pre[d])) for d in dtypes}
         for d, m in models.items():
             per_seq = dx.kv_cache_bytes(m.cfg, 1, m.cfg.max_context)

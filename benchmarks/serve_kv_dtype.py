@@ -90,7 +90,8 @@ def main() -> None:
         print(f"| {d} | {engines[d].allocator.num_blocks} | {m['concurrency']:.0f} | {m['tok_s']:.0f} | "
               f"{m['ttft_p50']:.2f} | {m['ttft_p99']:.2f} | {m['preemptions']:.0f} |")
     a, b = med["int8"], med["float32"]
-    print(f"\nint8 / float32: blocks {engines['int8'].allocator.num_blocks / engines['float32'].allocator.num_blocks:.2f}x, "
+    blocks = engines["int8"].allocator.num_blocks / engines["float32"].allocator.num_blocks
+    print(f"\nint8 / float32: blocks {blocks:.2f}x, "
           f"concurrency {a['concurrency'] / b['concurrency']:.2f}x, output tok/s {a['tok_s'] / b['tok_s']:.2f}x, "
           f"TTFT p99 {a['ttft_p99'] / b['ttft_p99']:.2f}x")
 

@@ -179,6 +179,9 @@ def run_eval(args) -> int:
         raise ValueError(f"--json {args.json}: its folder does not exist")
     run_dir = args.run_dir or bundled_run_dir()
     baseline, cfg, tokenizer, _ = load_run(run_dir)
+    if cfg.paradigm != "ar":
+        raise ValueError(f"--run_dir {run_dir} holds a paradigm={cfg.paradigm!r} model; eval measures "
+                         "autoregressive models (teacher forcing through the causal cache)")
     candidate = candidate_model(load_run(run_dir)[0], args.kv_dtype, args.quantize)
     rows = measure(args, texts, baseline, candidate, tokenizer)
     print(f"{run_dir}: baseline {args.baseline} (weights float32, cache {cfg.cache_dtype}); candidate weights "

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dantinox import ModelConfig, build_model, cli
+from dantinox import ModelConfig, build_model, bundled_run_dir, cli
 from dantinox.quality import slice_quality, windows
 from dantinox.train.run_dir import save_run
 from dantinox.train.tokenizer import train_tokenizer
@@ -141,6 +141,7 @@ def bad_files(tmp_path):
     (["--slice", "ok={d}/ok.txt", "--baseline", "fp16"], "--baseline fp16 is not allowed: one of default"),
     (["--slice", "ok={d}/ok.txt", "--batch", "0"], "--batch 0 is not allowed"),
     (["--slice", "ok={d}/ok.txt", "--json", "{d}/no/such/out.json"], "--json"),
+    (["--slice", "ok={d}/ok.txt", "--run_dir", bundled_run_dir("dante-diffusion")], "paradigm='diffusion'"),
 ])
 def test_bad_eval_input_exits_2_with_one_line(run_dir, tmp_path, capsys, args, needle):
     bad_files(tmp_path)

@@ -1,7 +1,8 @@
 """The int8 KV cache in the serving engine's paged pool (issue 10): int8 blocks plus scale blocks; paged
 logits equal the int8 static cache's; swap moves the scales with their blocks, prefix-cached blocks share
-them, copy-on-write copies them; ``--kv-dtype int8`` with the same --kv-memory gives more blocks and admits
-more concurrent sequences; bad --kv-dtype values exit 2 naming the flag."""
+them, copy-on-write copies them; K06 and K08 with an int8 pool; ``--kv-dtype int8`` with the same
+--kv-memory gives more blocks and admits more concurrent sequences; bad --kv-dtype values exit 2 naming the
+flag."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,7 @@ from dantinox.serving.serve_cli import build_engine, kv_summary
 from dantinox.train import save_run, train_tokenizer
 from conftest import spiky_mla, spiky_model, tiny_config
 from serving_util import chunked_paged_run, drain, greedy, lively_model, make_engine, solo, static_logits
-from test_serving_engine import check_resumed_requests_reprefilled
+from test_serving_engine import check_resumed_requests_reprefilled, run_k08_schedule
 
 P, M = 4, 8  # block size; block-table entries (max_context 32 / P)
 KINDS = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
@@ -108,6 +109,14 @@ def test_int8_preempted_requests_resume_with_the_int8_static_output(model, polic
     for req in engine.finished:
         if req.num_preemptions:
             check_resumed_requests_reprefilled(req)
+
+
+@pytest.mark.parametrize("max_decode_steps", [1, 8])
+def test_K08_int8_requests_join_and_leave_the_batch(model, max_decode_steps):
+    runs = [run_k08_schedule(model, max_decode_steps) for _ in range(2)]
+    assert runs[0] == runs[1]
+    for name, (tokens, prompt, n) in runs[0].items():
+        assert tokens == solo(model, prompt, n), name        # the int8 static cache, batch 1
 
 
 def test_int8_prefix_cached_blocks_share_their_scales_and_copy_on_write_copies_them(model):

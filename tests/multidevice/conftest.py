@@ -15,8 +15,9 @@ _spec = importlib.util.spec_from_file_location("_tests_conftest", os.path.join(T
 _parent = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_parent)
 # This file is imported as "conftest" too: re-export the helpers tests/ modules import from it.
-spiky_model, spiky_mla, tiny_config, reference_logits = (_parent.spiky_model, _parent.spiky_mla,
-                                                         _parent.tiny_config, _parent.reference_logits)
+# Every public helper (not the fixtures: tests/conftest.py already provides those here).
+globals().update({name: value for name, value in vars(_parent).items()
+                  if not name.startswith("_") and name not in ("tiny",) and name not in globals()})
 
 
 @pytest.fixture(autouse=True)
