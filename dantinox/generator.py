@@ -2,6 +2,7 @@
 
     gen = Generator("runs/my_run")          # loads config, weights and tokenizer; one warm-up generation
     gen.generate("Nel mezzo del cammin", max_new_tokens=200)
+    gen.chat([{"role": "user", "content": "What is the capital of France?"}])   # models with a chat template
     for piece in gen.stream("Nel mezzo", max_new_tokens=200):
         print(piece, end="", flush=True)
 
@@ -19,6 +20,8 @@ from typing import Iterator
 
 import numpy as np
 
+from .chat import load_chat_format, require_chat_format
+from .chat_template import ChatTemplateError
 from .compile_count import CompileCounter
 from .generate import generate_result, stream_tokens
 from .train.run_dir import load_run
@@ -39,7 +42,8 @@ class Generator:
       run_dir: a run directory from ``dantinox train``; None loads the bundled model.
       warmup: run one 1-token generation at load time so the first real call is not slowed by compilation
         (compiles prefill for the smallest prompt bucket and the decode loop for batch 1).
-    Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter).
+    Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter),
+      chat_format (``dantinox.chat.ChatFormat``, or None when the run has no chat template).
     Raises: RunDirError for a missing or inconsistent run directory.
     """
 
@@ -47,6 +51,7 @@ class Generator:
         start = time.perf_counter()
         self.run_dir = os.fspath(run_dir) if run_dir is not None else bundled_run_dir()
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
+        self.chat_format = load_chat_format(self.run_dir, self.tokenizer)
         self.warmup = CompileCounter()
         if warmup and self.cfg.paradigm == "ar":  # diffusion compiles per (bucket, gen_len, block_size)
             with self.warmup:
@@ -101,3 +106,36 @@ class Generator:
         tail = decoder.flush()
         if tail:
             yield tail
+
+    def chat(self, messages, max_new_tokens: int = 256, *, system: str | None = None, temperature: float = 0.8,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
+        """The assistant's answer to a conversation, rendered with the model's chat template.
+
+        messages: a list of {"role": "system" | "user" | "assistant" | "tool", "content": str}, or one string
+          (a single user message). system: an optional system message put first.
+        Generation stops at any of the model's end-of-turn ids (``chat_format.stop_ids``) or after
+        max_new_tokens (cut to what is left of max_context); the answer excludes the stop token.
+        Raises NoChatTemplateError (the run has no template), ChatTemplateError naming ``messages[i].role`` /
+        ``.content``, ValueError / CapacityError as :meth:`generate`.
+        """
+        chat = require_chat_format(self.chat_format, self.run_dir)
+        ids = chat.prompt_ids(chat_messages(messages, system), self.tokenizer)
+        if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
+            max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
+        result = generate_result(self.model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, eos_id=list(chat.stop_ids) or None)
+        row, n = result.tokens[0], int(result.lengths[0])
+        if result.finish_reasons[0] == "stop":
+            n -= 1  # drop the end-of-turn token
+        return self.tokenizer.decode(row[:n].tolist())
+
+
+def chat_messages(messages, system: str | None = None) -> list:
+    """``messages`` as a list (one string becomes one user message), with ``system`` first when given."""
+    if isinstance(messages, str):
+        listed = [{"role": "user", "content": messages}]
+    elif isinstance(messages, (list, tuple)):
+        listed = list(messages)
+    else:
+        raise ChatTemplateError(f"messages={messages!r} is not allowed: a string or a list of messages")
+    return ([{"role": "system", "content": system}] if system is not None else []) + listed
