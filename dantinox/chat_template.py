@@ -24,7 +24,14 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatTemplateError(ValueError):
-    """A conversation the template cannot render (bad messages, or the template's own raise_exception)."""
+    """A conversation the template cannot render (bad messages, or the template's own raise_exception).
+
+    field: the offending input as a request names it ("messages[1].role"), or "messages" when the template
+    itself refused or failed."""
+
+    def __init__(self, message: str, field: str = "messages"):
+        super().__init__(message)
+        self.field = field
 
 
 def normalize_messages(messages, field_name: str = "messages") -> list[dict]:
@@ -36,15 +43,15 @@ def normalize_messages(messages, field_name: str = "messages") -> list[dict]:
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ChatTemplateError(f"{field_name} must be a non-empty list of {{'role', 'content'}} messages; got "
-                                f"{messages!r}")
+                                f"{messages!r}", field_name)
     out = []
     for i, message in enumerate(messages):
         where = f"{field_name}[{i}]"
         if not isinstance(message, dict):
-            raise ChatTemplateError(f"{where} must be an object with 'role' and 'content'; got {message!r}")
+            raise ChatTemplateError(f"{where} must be an object with 'role' and 'content'; got {message!r}", where)
         role = message.get("role")
         if role not in ROLES:
-            raise ChatTemplateError(f"{where}.role={role!r} is not allowed: one of {list(ROLES)}")
+            raise ChatTemplateError(f"{where}.role={role!r} is not allowed: one of {list(ROLES)}", f"{where}.role")
         out.append({"role": role, "content": _content_text(message.get("content"), f"{where}.content")})
     return out
 
@@ -56,7 +63,7 @@ def _content_text(content, where: str) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise ChatTemplateError(f"{where}={content!r} is not allowed: a string or a list of "
-                            "{'type': 'text', 'text': ...} parts")
+                            "{'type': 'text', 'text': ...} parts", where)
 
 
 def _raise_exception(message):

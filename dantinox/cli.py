@@ -1,7 +1,8 @@
 """The ``dantinox`` command: thin subcommands over library functions.
 
   dantinox train    --data FILE --out runs/NAME [--preset NAME | --config YAML] [--set field=value ...]
-  dantinox generate [--run_dir R] (--prompt P | --chat MESSAGE [--system TEXT]) [--no_cache] [--stream] [--max_new_tokens N] [--temperature T]
+  dantinox generate [--run_dir R] (--prompt P | --chat MESSAGE [--system TEXT]) [--no_cache] [--stream]
+                    [--max_new_tokens N] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step]

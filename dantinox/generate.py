@@ -126,8 +126,9 @@ def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_i
     """Allocate the whole static cache, fill it with the right-padded prompts and sample each row's first token.
 
     ids: [B, T] int32; lengths: [B] int32 real prompt lengths; key: PRNG key; eos_id: [] or [E] int32 stop
-    ids (-1 = none; see ``is_eos``); fill: [] int32. The cache (``init_cache(cfg, B)``, [B, K, S, D] per layer) is allocated inside this compiled
-    call, which saves one host dispatch per layer. Returns the initial DecodeState (step 1).
+    ids (-1 = none; see ``is_eos``); fill: [] int32. The cache (``init_cache(cfg, B)``, [B, K, S, D] per
+    layer) is allocated inside this compiled call, which saves one host dispatch per layer. Returns the
+    initial DecodeState (step 1).
     """
     model = nnx.merge(graphdef, params)
     cache = init_cache(model.cfg, ids.shape[0])

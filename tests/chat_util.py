@@ -6,7 +6,6 @@ import os
 
 from tokenizers import AddedToken
 
-import dantinox as dx
 from dantinox.train import save_run, train_tokenizer
 from dantinox.train.tokenizer import TextTokenizer
 from conftest import tiny_config

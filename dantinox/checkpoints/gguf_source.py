@@ -162,7 +162,8 @@ def llama_config(meta: dict, path: str, tied: bool) -> dict:
         "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
         "tie_word_embeddings": tied, "attention_bias": False, "mlp_bias": False, "rope_scaling": None,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
     scaling = meta.get("llama.rope.scaling.type", "none")

@@ -110,15 +110,20 @@ def run_serve(args: argparse.Namespace) -> int:
     check_serve_args(args)  # before uvicorn and the model are imported / loaded
     import uvicorn
 
+    from ..chat import load_chat_format
+    from ..generator import bundled_run_dir
     from .server import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("dantinox.serving")
     engine, tokenizer, name = build_engine(args)
+    chat_format = load_chat_format(args.run_dir or bundled_run_dir(), tokenizer)
     log.info(kv_summary(engine))
+    log.info("chat: %s", "POST /v1/chat/completions (stops at token ids %s)" % (chat_format.stop_ids,)
+             if chat_format else "no chat template: /v1/chat/completions answers 400")
     if not args.no_warmup:
         counted = engine.warmup()
         log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,
                  counted.cache_hits, counted.seconds)
-    uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(engine, tokenizer, name, chat_format), host=args.host, port=args.port, log_level="info")
     return 0

@@ -17,7 +17,8 @@ Design (threads and queues):
   4. A stop string, or a client that disconnects (the event stream is cancelled, or a non-streaming
      request finds ``is_disconnected()``), sends an abort to the worker: the request leaves the engine and
      its KV blocks are freed at once.
-Endpoints: POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+Endpoints: POST /v1/completions, POST /v1/chat/completions (``dantinox.serving.chat_endpoint``), GET /v1/models,
+GET /health, GET /metrics (Prometheus text format).
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions, cut to what is left
 POLL_S = 0.5  # how often a waiting handler checks the worker's health and the client's connection
 
 
-def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastAPI:
+def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
-    engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer.
+    engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
+    model's ``dantinox.chat.ChatFormat`` (None: /v1/chat/completions answers 400, the model has no template).
     """
     metrics = ServerMetrics()
     worker = EngineWorker(engine, metrics)
@@ -89,6 +91,10 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastA
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest):
         return await service.complete(body, request)
+
+    from .chat_endpoint import add_chat_route
+
+    add_chat_route(app, service, chat_format)
 
     @app.get("/v1/models")
     async def models():
