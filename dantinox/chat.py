@@ -1,11 +1,14 @@
 """A run directory's chat settings: its template, its special tokens and the ids that end a turn.
 
-An imported model's run directory keeps the Hugging Face files that describe chatting with it:
-  tokenizer_config.json   ``chat_template`` (a string, or a list of {"name", "template"} of which "default" is
-                          used), ``bos_token`` / ``eos_token`` / ``unk_token`` / ``pad_token`` (text, or
-                          {"content": text}), as transformers writes it
-  chat_template.jinja     the template alone (newer transformers); it wins over tokenizer_config.json's
-  generation_config.json  ``eos_token_id``: one id or a list: every id that ends the assistant's turn
+An imported model's run directory (``dantinox import``) keeps the files that describe chatting with it:
+  chat_template.jinja     the template (written by the importer when the checkpoint has one)
+  generation_config.json  ``eos_token_ids`` (the importer's list) and/or ``eos_token_id`` (one id or a list, as
+                          Hugging Face writes it): every id that ends the assistant's turn; ``bos_token_id``
+  tokenizer_config.json   optional, as transformers writes it: ``chat_template`` (used when there is no
+                          chat_template.jinja; a string, or a list of {"name", "template"} of which "default"
+                          is used) and ``bos_token`` / ``eos_token`` / ``unk_token`` / ``pad_token`` (text, or
+                          {"content": text}); without them bos_token and eos_token are the texts of
+                          bos_token_id and of the first eos id
 :func:`load_chat_format` reads them into a :class:`ChatFormat`; a run directory without a template gives None
 (its model can complete text but cannot chat). Generation stops at any of ``stop_ids``: the generation
 config's eos ids plus the tokenizer's eos_token (SmolLM2-Instruct: ``<|im_end|>``).
@@ -31,7 +34,8 @@ class NoChatTemplateError(ValueError):
 
 @dataclass
 class ChatFormat:
-    """template: the compiled ChatTemplate; stop_ids: token ids that end the assistant's turn (sorted)."""
+    """template: the compiled ChatTemplate; stop_ids: token ids that end the assistant's turn (first the
+    generation config's, in order, then the eos_token's)."""
 
     template: ChatTemplate
     stop_ids: tuple
@@ -88,17 +92,24 @@ def load_chat_format(run_dir: str | os.PathLike, tokenizer) -> ChatFormat | None
     if source is None:
         return None
     special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS}
-    stops = set()
-    eos = _read_json(os.path.join(run_dir, GENERATION_CONFIG)).get("eos_token_id")
-    for value in ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)):
-        if not isinstance(value, int) or not 0 <= value < tokenizer.vocab_size:
-            raise ValueError(f"{os.path.join(run_dir, GENERATION_CONFIG)}: eos_token_id {value!r} is not a token "
-                             f"id in [0, {tokenizer.vocab_size})")
-        stops.add(value)
+    generation = _read_json(os.path.join(run_dir, GENERATION_CONFIG))
+    stops = []
+    for key in ("eos_token_ids", "eos_token_id"):
+        eos = generation.get(key)
+        for value in ([] if eos is None else [eos] if isinstance(eos, int) else list(eos)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < tokenizer.vocab_size:
+                raise ValueError(f"{os.path.join(run_dir, GENERATION_CONFIG)}: {key} {value!r} is not a token id "
+                                 f"in [0, {tokenizer.vocab_size})")
+            stops.append(value)
     if special["eos_token"] is not None and tokenizer.hf.token_to_id(special["eos_token"]) is not None:
-        stops.add(tokenizer.hf.token_to_id(special["eos_token"]))
+        stops.append(tokenizer.hf.token_to_id(special["eos_token"]))
+    if special["eos_token"] is None and stops:
+        special["eos_token"] = tokenizer.hf.id_to_token(stops[0])
+    bos = generation.get("bos_token_id")
+    if special["bos_token"] is None and isinstance(bos, int) and 0 <= bos < tokenizer.vocab_size:
+        special["bos_token"] = tokenizer.hf.id_to_token(bos)
     return ChatFormat(ChatTemplate(source, {k: v for k, v in special.items() if v is not None}),
-                      tuple(sorted(stops)))
+                      tuple(dict.fromkeys(stops)))
 
 
 def require_chat_format(chat: ChatFormat | None, run_dir: str) -> ChatFormat:
