@@ -32,7 +32,7 @@ from flax import nnx
 
 from .cache import LayerKV, write_layer
 from .config import ModelConfig
-from .layers import apply_rope
+from .layers import RMSNorm, apply_rope
 
 NEG_INF = -1e30
 
@@ -40,15 +40,21 @@ NEG_INF = -1e30
 class Attention(nnx.Module):
     """Multi-head attention with K <= H KV heads (MHA / GQA / MQA) and rotary positions.
 
-    Projections: one fused [E, (H + 2K) D] matmul for q, k, v; an [H D, E] output matmul; no biases.
+    Projections: one fused [E, (H + 2K) D] matmul for q, k, v (columns: the H query heads, then the K key
+    heads, then the K value heads, each head's D contiguous; with cfg.qkv_bias a bias of (H + 2K) D, as Qwen2);
+    an [H D, E] output matmul without bias. With cfg.qk_norm each query and key head is RMS-normalised over D
+    before RoPE (one [D] weight for all query heads, one for all key heads; Qwen3). Query head h reads KV head
+    h // G, the grouping of transformers' ``repeat_kv``.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         init = nnx.initializers.normal(stddev=0.02)
         qkv_width = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_size
-        self.qkv = nnx.Linear(cfg.dim, qkv_width, use_bias=False, dtype=cfg.jnp_compute_dtype,
+        self.qkv = nnx.Linear(cfg.dim, qkv_width, use_bias=cfg.qkv_bias, dtype=cfg.jnp_compute_dtype,
                               param_dtype=jnp.float32, kernel_init=init, rngs=rngs)
+        self.q_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
         self.out = nnx.Linear(cfg.n_heads * cfg.head_size, cfg.dim, use_bias=False,
                               dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
                               kernel_init=nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_blocks)),
@@ -69,8 +75,10 @@ class Attention(nnx.Module):
         B, T, _ = x.shape
         H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
         q, k, v = jnp.split(self.qkv(x), [H * D, (H + K) * D], axis=-1)
-        q = apply_rope(q.reshape(B, T, H, D), *rope)
-        k = apply_rope(k.reshape(B, T, K, D), *rope)
+        q, k = q.reshape(B, T, H, D), k.reshape(B, T, K, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         v = v.reshape(B, T, K, D)
         q = (q * (1.0 / math.sqrt(D))).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,D]
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]

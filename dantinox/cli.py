@@ -213,7 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
         add_budget_arguments(budget)
         budget.set_defaults(func=run_budget)
     _add_serve(sub)
+    _add_import(sub)
     return parser
+
+
+def _add_import(sub) -> None:
+    from .import_cli import add_import_arguments, run_import
+
+    imp = sub.add_parser("import", help="import a Hugging Face model directory or a GGUF file as a run directory")
+    add_import_arguments(imp)
+    imp.set_defaults(func=run_import)
 
 
 def _add_serve(sub) -> None:

@@ -64,7 +64,8 @@ class ModelConfig:
         `attention` alone (replace, presets, --set) resets it to that default. Must be None for
         "mla": there every query head has its own key and value, up-projected from one shared latent, so the
         cache holds no KV heads at all (kv_heads stays None and group_size is 1).
-      dim: model width; must equal n_heads * head_size.
+      dim: model width E. Need not equal n_heads * head_size (Qwen3, Gemma-style shapes): the attention
+        output projection maps H * D (MLA: H * v_head_size) back to E.
       n_heads: query heads H.  head_size: D.  num_blocks: decoder layers L.
       vocab_size: V.  max_context: S, the static cache length in tokens.
       mlp_hidden: SwiGLU hidden width (default 4 * dim).
@@ -80,6 +81,18 @@ class ModelConfig:
         head's RoPE query part). None means head_size // 2 rounded up to even; 0 drops the RoPE key (the
         cache then holds only the latent, but attention carries no position signal).
       q_latent_dim: MLA only: width of the compressed query latent c_q; None projects queries directly.
+      qkv_bias: MHA/GQA/MQA only: the fused q, k, v projection carries a bias (Qwen2). False for "mla".
+      qk_norm: MHA/GQA/MQA only: an RMSNorm over D on every query and key head before RoPE, one weight
+        vector of D shared by the heads (Qwen3). False for "mla".
+      rope_scaling: None (plain RoPE) or a mapping of frequency-scaling parameters, stored as sorted (key, value)
+        pairs so the config stays hashable. {"type": "linear", "factor": f} divides every frequency by f
+        (Chen et al. 2023, "position interpolation"); {"type": "llama3", "factor", "low_freq_factor",
+        "high_freq_factor", "original_max_position_embeddings"} is Llama 3.1's band-wise scaling (Meta's
+        reference rope code, also transformers' "llama3" rope type). Nothing else is accepted.
+      v_head_size: MLA only: width of each head's value (DeepSeek's v_head_dim); None means head_size.
+        head_size is the width of each head's non-rotary query/key part (qk_nope_head_dim).
+      mla_norm_eps: MLA only: epsilon of the RMSNorms on the query and kv latents (DeepSeek fixes it at
+        1e-6 whatever rms_norm_eps says); None means norm_eps.
       mla_absorb: MLA only: True (default) runs attention against the latent directly, with the key
         up-projection folded into the query and the value up-projection applied after attention (the
         "absorbed" decode of DeepSeek-V2 section 2.1.2); False expands the latent to per-head K and V
@@ -109,6 +122,11 @@ class ModelConfig:
     rope_head_dim: int | None = None
     q_latent_dim: int | None = None
     mla_absorb: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: tuple | None = None
+    v_head_size: int | None = None
+    mla_norm_eps: float | None = None
     mask_token_id: int | None = None
     shifted_prediction: bool = False
 
@@ -122,9 +140,6 @@ class ModelConfig:
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 _fail(name, value, "a positive integer")
-        if self.dim != self.n_heads * self.head_size:
-            _fail("dim", self.dim, f"must equal n_heads * head_size = {self.n_heads} * {self.head_size}"
-                  f" = {self.n_heads * self.head_size}")
         if self.head_size % 2:
             _fail("head_size", self.head_size, "an even integer (RoPE rotates pairs)")
         set_("kv_heads", self._resolve_kv_heads())
@@ -141,8 +156,18 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window <= 0):
             _fail("sliding_window", self.sliding_window, "a positive integer or None")
+        set_("rope_scaling", normalize_rope_scaling(self.rope_scaling))
         self._check_mla_fields()
+        self._check_head_extras()
         self._check_diffusion_fields()
+
+    def _check_head_extras(self) -> None:
+        for name in ("qkv_bias", "qk_norm"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                _fail(name, value, "True or False")
+            if value and self.attention == "mla":
+                _fail(name, value, "False for attention='mla' (only MHA/GQA/MQA projections have it)")
 
     def _check_diffusion_fields(self) -> None:
         if not isinstance(self.shifted_prediction, bool):
@@ -165,7 +190,7 @@ class ModelConfig:
 
     def _check_mla_fields(self) -> None:
         if self.attention != "mla":
-            for name in MLA_FIELDS:
+            for name in MLA_FIELDS + MLA_EXTRA_FIELDS:
                 if getattr(self, name) is not None:
                     _fail(name, getattr(self, name), f"None for attention={self.attention!r} "
                           "(only attention='mla' uses it)")
@@ -182,6 +207,11 @@ class ModelConfig:
             _fail("q_latent_dim", self.q_latent_dim, "a positive integer or None (no query compression)")
         if not isinstance(self.mla_absorb, bool):
             _fail("mla_absorb", self.mla_absorb, "True (absorbed attention on the latent) or False (naive)")
+        if self.v_head_size is not None and (not _is_int(self.v_head_size) or self.v_head_size <= 0):
+            _fail("v_head_size", self.v_head_size, "a positive integer or None (head_size)")
+        if self.mla_norm_eps is not None and not (isinstance(self.mla_norm_eps, (int, float))
+                                                  and self.mla_norm_eps > 0):
+            _fail("mla_norm_eps", self.mla_norm_eps, "a positive number or None (norm_eps)")
 
     def _resolve_kv_heads(self) -> int | None:
         k, h = self.kv_heads, self.n_heads
@@ -220,6 +250,16 @@ class ModelConfig:
         return self.rope_head_dim if self.attention == "mla" else self.head_size
 
     @property
+    def value_size(self) -> int:
+        """Width of each head's value (and attention output): v_head_size for MLA when set, else head_size."""
+        return self.v_head_size or self.head_size
+
+    @property
+    def latent_norm_eps(self) -> float:
+        """Epsilon of MLA's latent RMSNorms: mla_norm_eps when set, else norm_eps."""
+        return self.mla_norm_eps or self.norm_eps
+
+    @property
     def jnp_compute_dtype(self):
         return DTYPES[self.compute_dtype]
 
@@ -233,7 +273,11 @@ class ModelConfig:
         return dataclasses.replace(self, **switch_attention(self.to_dict(), changes))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as a JSON-ready dict (rope_scaling as a plain mapping)."""
+        out = dataclasses.asdict(self)
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -257,6 +301,40 @@ class ModelConfig:
 
 DEFAULT_GQA_KV_HEADS = 2  # kv_heads of attention="gqa" when not given (the seeds' reference shape)
 MLA_FIELDS = ("kv_latent_dim", "rope_head_dim", "q_latent_dim")
+MLA_EXTRA_FIELDS = ("v_head_size", "mla_norm_eps")
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def normalize_rope_scaling(value: Any) -> tuple | None:
+    """rope_scaling as sorted (key, value) pairs with float values (``type`` a string), or None.
+
+    Accepts None, a mapping or such pairs (a config read back from JSON). Raises ConfigError for an unknown
+    type, a missing or extra key, or a factor that is not a positive number (and for llama3,
+    high_freq_factor <= low_freq_factor).
+    """
+    if value is None:
+        return None
+    try:
+        items = dict(value)
+    except (TypeError, ValueError):
+        _fail("rope_scaling", value, "None or a mapping with a 'type' key")
+    kind = items.get("type")
+    if kind not in ROPE_SCALING_KEYS:
+        _fail("rope_scaling", value, f"'type' one of {sorted(ROPE_SCALING_KEYS)}")
+    want = set(ROPE_SCALING_KEYS[kind])
+    if set(items) - {"type"} != want:
+        _fail("rope_scaling", value, f"for type {kind!r} exactly the keys {sorted(want)} besides 'type'")
+    for key in want:
+        v = items[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            _fail("rope_scaling", value, f"{key!r} a positive number")
+        items[key] = float(v)
+    if kind == "llama3" and items["high_freq_factor"] <= items["low_freq_factor"]:
+        _fail("rope_scaling", value, "high_freq_factor > low_freq_factor")
+    return tuple(sorted(items.items()))
 
 
 def switch_attention(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dict:
@@ -273,7 +351,7 @@ def switch_attention(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dic
         return out
     out.setdefault("kv_heads", None)
     if old == "mla":
-        for name in MLA_FIELDS:
+        for name in MLA_FIELDS + MLA_EXTRA_FIELDS:
             out.setdefault(name, None)
     return out
 

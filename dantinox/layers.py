@@ -8,6 +8,8 @@ Shape letters (used in every docstring of the package):
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -47,14 +49,42 @@ class SwiGLU(nnx.Module):
         return self.down(jax.nn.silu(gate) * up)
 
 
-def rope_angles(positions: jax.Array, head_size: int, theta: float) -> tuple[jax.Array, jax.Array]:
+def rope_angles(positions: jax.Array, head_size: int, theta: float,
+                scaling: tuple | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin of the rotary angles (Su et al. 2021, "RoFormer", section 3.4.2).
 
-    positions: [B, T] int32 absolute token positions. Returns (cos, sin), each [B, T, D/2] float32.
+    positions: [B, T] int32 absolute token positions; scaling: ``ModelConfig.rope_scaling`` (None, or sorted
+    (key, value) pairs; see ``rope_inv_freq``). Returns (cos, sin), each [B, T, D/2] float32.
     """
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_size, 2, dtype=jnp.float32) / head_size))
+    inv_freq = rope_inv_freq(head_size, theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_inv_freq(head_size: int, theta: float, scaling: tuple | None = None) -> jax.Array:
+    """The D/2 rotary frequencies theta^(-2i/D), float32, optionally rescaled.
+
+    scaling None: plain RoPE. type "linear": every frequency divided by ``factor`` (Chen et al. 2023,
+    "Extending Context Window of Large Language Models via Positional Interpolation"). type "llama3": Llama 3.1's
+    band-wise rule: with wavelength w = 2 pi / f and L = original_max_position_embeddings, frequencies with
+    w < L / high_freq_factor are kept, those with w > L / low_freq_factor are divided by ``factor``, and the band
+    between interpolates linearly in L / w (Meta's Llama 3.1 reference ``apply_scaling``).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_size, 2, dtype=jnp.float32) / head_size))
+    if scaling is None:
+        return inv_freq
+    params = dict(scaling)
+    factor = params["factor"]
+    if params["type"] == "linear":
+        return inv_freq / factor
+    old_len = params["original_max_position_embeddings"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

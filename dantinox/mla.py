@@ -8,11 +8,11 @@ Per token with input h [E] (section 2.1.2, eqs. 9-13, and 2.1.3, eqs. 14-19):
   k_R  = RoPE(W_KR h)                     [R]      decoupled RoPE key shared by all heads, also cached
   c_q  = RMSNorm(W_DQ h)                  [Q]      (or c_q = h without query compression)
   q_C  = W_UQ c_q                         [H, D]   and  q_R = RoPE(W_QR c_q)  [H, R]
-  k_C  = W_UK c_kv, v_C = W_UV c_kv       [H, D]   each head's key and value, up-projected from the latent
+  k_C  = W_UK c_kv, v_C = W_UV c_kv       [H, D], [H, Dv]  each head's key and value from the latent
   score(h, t, s) = (q_C[t, h] . k_C[s, h] + q_R[t, h] . k_R[s]) / sqrt(D + R)
   y = W_O [softmax(score) v_C]_heads      [E]
 W_DQ, W_DKV and W_KR are fused in ``down`` ([E, Q + C + R]); W_UQ and W_QR in ``q_up``; W_UK and W_UV are
-``w_uk`` [H, D, C] and ``w_uv`` [H, C, D]. The RMSNorms on the latents follow section 3.1.2 ("additional
+``w_uk`` [H, D, C] and ``w_uv`` [H, C, Dv] (Dv = cfg.value_size, DeepSeek's v_head_dim). The RMSNorms on the latents follow section 3.1.2 ("additional
 RMSNorm layers after the compressed latent vectors").
 
 Two ways to run the same attention, same parameters, same logits (``cfg.mla_absorb`` picks the decode path;
@@ -71,8 +71,8 @@ class MLAttention(nnx.Module):
 
     Same call as ``dantinox.attention.Attention``. Projections (no biases): down [E, Q + C + R] (the query
     latent, the kv latent and the RoPE key in one matmul; Q = 0 without query compression), q_norm, q_up
-    [Q, H (D + R)] (or [E, H (D + R)]), kv_norm, the up-projections w_uk [H, D, C] and w_uv [H, C, D], out
-    [H D, E]. The up-projections are stored in the layouts the absorbed einsums consume (contraction axis
+    [Q, H (D + R)] (or [E, H (D + R)]), kv_norm, the up-projections w_uk [H, D, C] and w_uv [H, C, Dv], out
+    [H Dv, E]. The up-projections are stored in the layouts the absorbed einsums consume (contraction axis
     second), so no weight is transposed per step. The layer cache is the static LatentKV, or an object with
     an ``attend_and_write_latent(attend_over, c_new, kr_new, cache_index, key_start) -> (o, new cache)``
     method (the paged serving cache, ``dantinox.serving.paged_cache.PagedLatentView``) that gathers its old
@@ -82,6 +82,7 @@ class MLAttention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         H, D, C, R, E = cfg.n_heads, cfg.head_size, cfg.kv_latent_dim, cfg.rope_head_dim, cfg.dim
+        Dv = cfg.value_size
 
         def linear(n_in, n_out, stddev=0.02):
             return nnx.Linear(n_in, n_out, use_bias=False, dtype=cfg.jnp_compute_dtype,
@@ -90,13 +91,13 @@ class MLAttention(nnx.Module):
 
         Q = cfg.q_latent_dim or 0
         self.down = linear(E, Q + C + R)                       # [W_DQ ; W_DKV ; W_KR], one matmul over x
-        self.q_norm = RMSNorm(Q, cfg.norm_eps) if Q else None
+        self.q_norm = RMSNorm(Q, cfg.latent_norm_eps) if Q else None
         self.q_up = linear(Q or E, H * (D + R))                # [W_UQ ; W_QR]
-        self.kv_norm = RMSNorm(C, cfg.norm_eps)
+        self.kv_norm = RMSNorm(C, cfg.latent_norm_eps)
         up_init = nnx.initializers.normal(stddev=0.02)
         self.w_uk = nnx.Param(up_init(rngs.params(), (H, D, C), jnp.float32))   # W_UK, stored [H, D, C]
-        self.w_uv = nnx.Param(up_init(rngs.params(), (H, C, D), jnp.float32))   # W_UV, stored [H, C, D]
-        self.out = linear(H * D, E, stddev=0.02 / math.sqrt(2 * cfg.num_blocks))
+        self.w_uv = nnx.Param(up_init(rngs.params(), (H, C, Dv), jnp.float32))  # W_UV, stored [H, C, Dv]
+        self.out = linear(H * Dv, E, stddev=0.02 / math.sqrt(2 * cfg.num_blocks))
 
     def __call__(self, x, rope, layer_cache: LatentKV | None, cache_index, key_start, read_slots: int | None):
         """x: [B, T, E]; rope: (cos, sin) each [B, T, R/2]; layer_cache: LatentKV (c_kv [B, S, C], k_rope
@@ -123,10 +124,10 @@ class MLAttention(nnx.Module):
             o, new_cache = layer_cache.attend_and_write_latent(
                 lambda old: attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start),
                 c_new, kr_new, cache_index, key_start)
-            return self.out(o.reshape(B, T, H * D).astype(x.dtype)), new_cache
+            return self.out(o.reshape(B, T, -1).astype(x.dtype)), new_cache
         old = old_slots(layer_cache, read_slots)
-        o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, D] float32
-        y = self.out(o.reshape(B, T, H * D).astype(x.dtype))
+        o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, Dv] float32
+        y = self.out(o.reshape(B, T, -1).astype(x.dtype))
         new_cache = None if layer_cache is None else write_latent(layer_cache, c_new, kr_new, cache_index)
         return y, new_cache
 

@@ -100,7 +100,7 @@ class Transformer(nnx.Module):
         if key_start is not None:
             key_start = jnp.asarray(key_start, jnp.int32)
             positions = jnp.maximum(positions - key_start[:, None], 0)
-        rope = rope_angles(positions, cfg.rope_dim, cfg.rope_theta)
+        rope = rope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         x = self.embed(ids)
         new_caches = []
         for n, block in enumerate(self.blocks):

@@ -1,0 +1,19 @@
+"""Importing published checkpoints into ordinary dantinox run directories.
+
+  hf_config.py       a transformers ``config.json`` dict -> ImportSpec (ModelConfig + weight layout facts),
+                     refusing anything dantinox cannot run exactly
+  hf_weights.py      HF-named tensors -> the dantinox parameter tree, every shape checked against the config
+  hf_dir.py          reading a Hugging Face model directory (config, safetensors shards, tokenizer, template)
+  run_dir_writer.py  ``write_run_dir``: the one entry point every source (HF directory, GGUF) ends in
+  gguf_source.py     (branch import-gguf-chat) reading a GGUF file into the same inputs
+
+Every failure raises :class:`CheckpointError` with one line naming the file or field, the value and what is
+allowed; ``dantinox import`` prints it and exits 2.
+"""
+
+from .errors import CheckpointError
+from .hf_config import ImportSpec, import_spec
+from .hf_weights import convert_weights
+from .run_dir_writer import write_run_dir
+
+__all__ = ["CheckpointError", "ImportSpec", "convert_weights", "import_spec", "write_run_dir"]

@@ -1,0 +1,7 @@
+"""The one error type of the checkpoint importers."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be imported exactly: a missing file, an unsupported config field or value, a tensor
+    of the wrong shape. The message is one line naming the file, field or tensor, the value and what is allowed.
+    """

@@ -1,0 +1,196 @@
+"""A transformers ``config.json`` dict -> the dantinox ModelConfig that computes the same function.
+
+Supported ``architectures`` (transformers class names) and what each maps to:
+
+  LlamaForCausalLM     GQA/MHA/MQA, SwiGLU, RMSNorm; rope_scaling none, "linear" or "llama3"
+  MistralForCausalLM   as Llama plus ``sliding_window`` (ModelConfig.sliding_window: a query sees the last W
+                       positions, itself included, as transformers' sliding-window mask)
+  Qwen2ForCausalLM     as Llama plus a bias on the q, k and v projections (ModelConfig.qkv_bias)
+  Qwen3ForCausalLM     as Llama plus an RMSNorm over each query and key head (ModelConfig.qk_norm); head_dim
+                       may differ from hidden_size / num_attention_heads
+  DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+                       multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1):
+                       q_lora_rank -> q_latent_dim, kv_lora_rank -> kv_latent_dim, qk_nope_head_dim ->
+                       head_size, qk_rope_head_dim -> rope_head_dim, v_head_dim -> v_head_size; only when every
+                       layer is dense (first_k_dense_replace >= num_hidden_layers)
+
+Anything else that would change the function is refused with :class:`CheckpointError` naming the field and
+value: another architecture, mixture-of-experts layers, an activation other than SiLU, biases the model does
+not have, partial rotary embeddings, a rope_scaling type not listed above (DeepSeek: any rope_scaling, so its
+yarn softmax-scale correction never arises), Qwen's per-layer sliding windows. Fields that do not change the
+function (dropout, initializer range, torch dtype, token ids) are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..config import ConfigError, ModelConfig
+from .errors import CheckpointError
+
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+ARCHITECTURES = LLAMA_LIKE + DEEPSEEK
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM"}
+DEFAULT_MAX_CONTEXT = 8192      # static cache slots when the checkpoint allows more and --max_context is not given
+DEEPSEEK_LATENT_EPS = 1e-6      # transformers' DeepSeek q_a_layernorm / kv_a_layernorm ignore rms_norm_eps
+
+
+@dataclass(frozen=True)
+class ImportSpec:
+    """What an import needs beyond the ModelConfig.
+
+    cfg: the dantinox ModelConfig. architecture: the transformers class name. rope_interleaved: the checkpoint
+    rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek) where dantinox rotates halves (x_i, x_{i+R/2}),
+    so the weight converter permutes the rotary output rows of the query and RoPE-key projections.
+    context_note: a line for the user when max_context was capped below the checkpoint's, else None.
+    """
+
+    cfg: ModelConfig
+    architecture: str
+    rope_interleaved: bool
+    context_note: str | None = None
+
+
+def refuse(name: str, value: Any, why: str) -> None:
+    """Raise CheckpointError for config.json field ``name`` holding ``value``."""
+    raise CheckpointError(f"config.json: {name}={value!r} is not supported: {why}")
+
+
+def import_spec(hf: Mapping[str, Any], dtype: str = "float32", max_context: int | None = None) -> ImportSpec:
+    """The ImportSpec of a transformers config dict.
+
+    dtype: "float32" or "bfloat16", the run's compute and cache dtype (weights stay float32 in the run
+    directory). max_context: static cache slots S (default: the checkpoint's max_position_embeddings, at most
+    DEFAULT_MAX_CONTEXT). Raises CheckpointError naming the first field that dantinox cannot run exactly, or a
+    ModelConfig validation failure.
+    """
+    if not isinstance(hf, Mapping):
+        raise CheckpointError(f"config.json: expected a JSON object, got {type(hf).__name__}")
+    arch = _architecture(hf)
+    fields, interleaved = (_deepseek_fields(hf, arch) if arch in DEEPSEEK else (_llama_fields(hf, arch), False))
+    limit = _int(hf, "max_position_embeddings")
+    chosen = max_context or min(limit, DEFAULT_MAX_CONTEXT)
+    if chosen > limit:
+        raise CheckpointError(f"--max_context={chosen} is not allowed: at most the checkpoint's "
+                              f"max_position_embeddings={limit}")
+    note = (f"max_context={chosen} cache slots (the checkpoint allows {limit}; set --max_context to change it)"
+            if chosen < limit and max_context is None else None)
+    fields.update(_common_fields(hf), max_context=chosen, compute_dtype=dtype, cache_dtype=dtype)
+    try:
+        return ImportSpec(ModelConfig(**fields), arch, interleaved, note)
+    except ConfigError as err:
+        raise CheckpointError(f"config.json: {err}") from err
+
+
+def _architecture(hf: Mapping[str, Any]) -> str:
+    archs = hf.get("architectures")
+    if archs is None and hf.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf["model_type"]]
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        refuse("architectures", archs, f"exactly one of {list(ARCHITECTURES)}")
+    return archs[0]
+
+
+def _int(hf: Mapping[str, Any], name: str, default: Any = None) -> int:
+    value = hf.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        refuse(name, value, "a positive integer")
+    return value
+
+
+def _common_fields(hf: Mapping[str, Any]) -> dict:
+    """Fields every supported architecture shares: sizes, norm eps, activation, tied head, RoPE base."""
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", hf.get("hidden_act"), "'silu' (dantinox's MLP is SwiGLU)")
+    if hf.get("mlp_bias", False):
+        refuse("mlp_bias", hf["mlp_bias"], "false (dantinox's MLP has no biases)")
+    eps = hf.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+        refuse("rms_norm_eps", eps, "a positive number")
+    tied = hf.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        refuse("tie_word_embeddings", tied, "true or false")
+    return dict(dim=_int(hf, "hidden_size"), n_heads=_int(hf, "num_attention_heads"),
+                num_blocks=_int(hf, "num_hidden_layers"), vocab_size=_int(hf, "vocab_size"),
+                mlp_hidden=_int(hf, "intermediate_size"), norm_eps=float(eps), tie_embeddings=tied,
+                rope_theta=float(_rope_parameters(hf)[0]))
+
+
+def _rope_parameters(hf: Mapping[str, Any]) -> tuple[float, dict | None]:
+    """(theta, scaling) from either spelling: ``rope_theta`` + ``rope_scaling`` (transformers 4) or
+    ``rope_parameters`` (transformers 5). scaling is None for the default type, else a dict with "type"."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, Mapping):
+        refuse("rope_scaling", scaling, "null or an object")
+    params.update(scaling or {})
+    theta = hf.get("rope_theta", params.pop("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        refuse("rope_theta", theta, "a positive number")
+    partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        refuse("partial_rotary_factor", partial, "1.0 (every head dim rotates)")
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, {"type": "linear", "factor": params.get("factor")}
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return theta, {"type": "llama3", **{k: params.get(k) for k in keys}}
+    refuse("rope_scaling.rope_type", kind, "'default', 'linear' or 'llama3' (other scalings are not "
+           "implemented, and an approximate model is never built)")
+
+
+def _llama_fields(hf: Mapping[str, Any], arch: str) -> dict:
+    """Attention fields of Llama, Mistral, Qwen2 and Qwen3."""
+    heads = _int(hf, "num_attention_heads")
+    kv = _int(hf, "num_key_value_heads", heads)
+    head_dim = hf.get("head_dim") or _int(hf, "hidden_size") // heads
+    attention = "mha" if kv == heads else "mqa" if kv == 1 else "gqa"
+    if hf.get("attention_bias", False) and arch != "Qwen2ForCausalLM":
+        refuse("attention_bias", hf["attention_bias"], f"false for {arch} (dantinox's output projection has "
+               "no bias)")
+    fields = dict(attention=attention, kv_heads=None if attention != "gqa" else kv, head_size=head_dim,
+                  qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
+                  rope_scaling=_rope_parameters(hf)[1])
+    if arch == "MistralForCausalLM":
+        fields["sliding_window"] = hf.get("sliding_window")
+    elif arch.startswith("Qwen") and hf.get("use_sliding_window", False):
+        refuse("use_sliding_window", True, f"false for {arch} (its per-layer windows are not implemented)")
+    elif hf.get("sliding_window") is not None and arch == "LlamaForCausalLM":
+        refuse("sliding_window", hf["sliding_window"], "null for LlamaForCausalLM")
+    types = hf.get("layer_types")
+    if types is not None and set(types) - {"full_attention"} and arch != "MistralForCausalLM":
+        refuse("layer_types", sorted(set(types)), "only 'full_attention' layers")
+    return fields
+
+
+def _deepseek_fields(hf: Mapping[str, Any], arch: str) -> tuple[dict, bool]:
+    """MLA fields of DeepSeek-V2/V3 (dense layers only) and whether the RoPE pairs are interleaved."""
+    layers, dense = _int(hf, "num_hidden_layers"), hf.get("first_k_dense_replace", 0)
+    if not isinstance(dense, int) or dense < layers:
+        refuse("first_k_dense_replace", dense, f">= num_hidden_layers={layers}: layers {dense}..{layers - 1} "
+               "would be mixture-of-experts, which dantinox does not run")
+    heads = _int(hf, "num_attention_heads")
+    if hf.get("num_key_value_heads", heads) != heads:
+        refuse("num_key_value_heads", hf["num_key_value_heads"], f"equal to num_attention_heads={heads} for "
+               "MLA (every head up-projects its own key and value)")
+    if hf.get("attention_bias", False):
+        refuse("attention_bias", hf["attention_bias"], f"false for {arch}")
+    theta, scaling = _rope_parameters(hf)
+    if scaling is not None:
+        refuse("rope_scaling", scaling, f"none for {arch} (yarn and its softmax-scale correction are not "
+               "implemented)")
+    q_rank = hf.get("q_lora_rank")
+    fields = dict(attention="mla", kv_heads=None, head_size=_int(hf, "qk_nope_head_dim"),
+                  rope_head_dim=_int(hf, "qk_rope_head_dim"), v_head_size=_int(hf, "v_head_dim"),
+                  kv_latent_dim=_int(hf, "kv_lora_rank"),
+                  q_latent_dim=None if q_rank is None else _int(hf, "q_lora_rank"),
+                  mla_norm_eps=DEEPSEEK_LATENT_EPS)
+    interleaved = arch == "DeepseekV2ForCausalLM" or bool(hf.get("rope_interleave", True))
+    return fields, interleaved

@@ -1,0 +1,139 @@
+"""Hugging Face tensors (transformers' names and [out, in] layouts) -> the dantinox parameter tree.
+
+Names and layouts on the dantinox side are the run directory's (``blocks.N.attn.qkv.kernel`` ...; nnx.Linear
+kernels are [in, out], the transpose of torch's ``weight``). Per block N, with HF prefix ``model.layers.N.``:
+
+  input_layernorm.weight, post_attention_layernorm.weight   -> attn_norm.scale, mlp_norm.scale
+  mlp.gate_proj / up_proj / down_proj                       -> mlp.gate_up.kernel [E, 2F] (gate columns first),
+                                                               mlp.down.kernel [F, E]
+  Llama family: self_attn.q_proj, k_proj, v_proj           -> attn.qkv.kernel [E, (H + 2K) D] (q | k | v);
+                (Qwen2 biases -> attn.qkv.bias), o_proj      -> attn.out.kernel; Qwen3 q_norm, k_norm -> attn.q_norm,
+                                                               attn.k_norm (.scale)
+  DeepSeek MLA: q_a_proj + kv_a_proj_with_mqa               -> attn.down.kernel [E, Q + C + R]
+                q_a_layernorm, kv_a_layernorm               -> attn.q_norm, attn.kv_norm
+                q_b_proj (or q_proj)                        -> attn.q_up.kernel [Q or E, H (D + R)]
+                kv_b_proj [H (D + Dv), C]                   -> attn.w_uk [H, D, C], attn.w_uv [H, C, Dv]
+                o_proj                                      -> attn.out.kernel [H Dv, E]
+  model.embed_tokens, model.norm, lm_head (untied only)     -> embed.embedding, final_norm.scale, lm_head.kernel
+
+Interleaved RoPE (DeepSeek): the checkpoint rotates pairs (2i, 2i + 1); the query's and the RoPE key's rotary
+output rows are permuted to [0, 2, 4, ..., 1, 3, 5, ...], after which dantinox's rotate-half RoPE computes the
+same rotation (scores are dot products, so the order of the rotary dims does not matter otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from .errors import CheckpointError
+from .hf_config import ImportSpec
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints saved; recomputed from the config
+
+
+class _Tensors:
+    """The HF tensors, taken by name with the expected shape checked; remembers what was used."""
+
+    def __init__(self, tensors: Mapping[str, np.ndarray]):
+        self.tensors, self.used = tensors, set()
+
+    def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.tensors:
+            raise CheckpointError(f"tensor {name} is missing (expected shape {list(shape)})")
+        found = np.asarray(self.tensors[name])
+        if tuple(found.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name} has shape {list(found.shape)}; the config expects "
+                                  f"{list(shape)}")
+        self.used.add(name)
+        return found.astype(np.float32)
+
+    def linear(self, name: str, n_out: int, n_in: int) -> np.ndarray:
+        """A torch Linear weight [out, in] as an nnx kernel [in, out]."""
+        return np.ascontiguousarray(self.take(f"{name}.weight", (n_out, n_in)).T)
+
+    def leftover(self) -> list[str]:
+        return sorted(n for n in self.tensors if n not in self.used and not n.endswith(IGNORED_SUFFIXES))
+
+
+def convert_weights(tensors: Mapping[str, np.ndarray], spec: ImportSpec) -> dict[str, np.ndarray]:
+    """The dantinox parameter arrays (float32, run-directory names) for ``spec.cfg`` from HF-named tensors.
+
+    tensors: name -> array in any float dtype numpy can cast to float32 (bfloat16 through ml_dtypes).
+    Raises CheckpointError naming the tensor: missing, a shape that disagrees with the config (expected and
+    found), a tensor dantinox has no parameter for (for example a mixture-of-experts weight), or an lm_head
+    that differs from the embedding in a checkpoint whose config ties them.
+    """
+    cfg, src = spec.cfg, _Tensors(tensors)
+    E, V = cfg.dim, cfg.vocab_size
+    out = {"embed.embedding": src.take("model.embed_tokens.weight", (V, E)),
+           "final_norm.scale": src.take("model.norm.weight", (E,))}
+    if not cfg.tie_embeddings:
+        out["lm_head.kernel"] = src.linear("lm_head", V, E)
+    elif "lm_head.weight" in tensors:
+        if not np.array_equal(np.asarray(tensors["lm_head.weight"], np.float32), out["embed.embedding"]):
+            raise CheckpointError("tensor lm_head.weight differs from model.embed_tokens.weight but config.json "
+                                  "has tie_word_embeddings=true")
+        src.used.add("lm_head.weight")
+    for n in range(cfg.num_blocks):
+        p, q = f"model.layers.{n}.", f"blocks.{n}."
+        out[q + "attn_norm.scale"] = src.take(p + "input_layernorm.weight", (E,))
+        out[q + "mlp_norm.scale"] = src.take(p + "post_attention_layernorm.weight", (E,))
+        F = cfg.mlp_hidden
+        out[q + "mlp.gate_up.kernel"] = np.concatenate(
+            [src.linear(p + "mlp.gate_proj", F, E), src.linear(p + "mlp.up_proj", F, E)], axis=1)
+        out[q + "mlp.down.kernel"] = src.linear(p + "mlp.down_proj", E, F)
+        attention = _mla_block if cfg.attention == "mla" else _gqa_block
+        out.update({q + k: v for k, v in attention(src, p + "self_attn.", spec).items()})
+    extra = src.leftover()
+    if extra:
+        raise CheckpointError(f"tensor {extra[0]} has no place in a {spec.architecture} model built from "
+                              f"config.json ({len(extra)} such tensor(s)); the config and weights disagree")
+    return out
+
+
+def _gqa_block(src: _Tensors, p: str, spec: ImportSpec) -> dict[str, np.ndarray]:
+    """One Llama / Mistral / Qwen2 / Qwen3 attention: fused qkv (+ bias), out, optional per-head norms."""
+    cfg = spec.cfg
+    E, H, K, D = cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_size
+    parts = [("q_proj", H * D), ("k_proj", K * D), ("v_proj", K * D)]
+    out = {"attn.qkv.kernel": np.concatenate([src.linear(p + name, w, E) for name, w in parts], axis=1),
+           "attn.out.kernel": src.linear(p + "o_proj", E, H * D)}
+    if cfg.qkv_bias:
+        out["attn.qkv.bias"] = np.concatenate([src.take(f"{p}{name}.bias", (w,)) for name, w in parts])
+    if cfg.qk_norm:
+        out["attn.q_norm.scale"] = src.take(p + "q_norm.weight", (D,))
+        out["attn.k_norm.scale"] = src.take(p + "k_norm.weight", (D,))
+    return out
+
+
+def deinterleave(R: int) -> np.ndarray:
+    """Row order that turns interleaved rotary pairs (2i, 2i + 1) into halves (i, i + R/2): [0, 2, .., 1, 3, ..]."""
+    return np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)])
+
+
+def _mla_block(src: _Tensors, p: str, spec: ImportSpec) -> dict[str, np.ndarray]:
+    """One DeepSeek-V2/V3 multi-head latent attention (see the module docstring for the mapping)."""
+    cfg = spec.cfg
+    E, H, D, R, C, Dv = cfg.dim, cfg.n_heads, cfg.head_size, cfg.rope_head_dim, cfg.kv_latent_dim, cfg.value_size
+    Q = cfg.q_latent_dim or 0
+    order = deinterleave(R) if spec.rope_interleaved else np.arange(R)
+    kv_a = src.linear(p + "kv_a_proj_with_mqa", C + R, E)                          # [E, C + R]
+    kv_a = np.concatenate([kv_a[:, :C], kv_a[:, C:][:, order]], axis=1)
+    out = {"attn.kv_norm.scale": src.take(p + "kv_a_layernorm.weight", (C,))}
+    if Q:
+        out["attn.down.kernel"] = np.concatenate([src.linear(p + "q_a_proj", Q, E), kv_a], axis=1)
+        out["attn.q_norm.scale"] = src.take(p + "q_a_layernorm.weight", (Q,))
+        q_up = src.linear(p + "q_b_proj", H * (D + R), Q)
+    else:
+        out["attn.down.kernel"] = kv_a
+        q_up = src.linear(p + "q_proj", H * (D + R), E)
+    per_head = np.concatenate([np.arange(D), D + order])                             # within one head's D + R
+    cols = (np.arange(H)[:, None] * (D + R) + per_head[None]).reshape(-1)
+    out["attn.q_up.kernel"] = np.ascontiguousarray(q_up[:, cols])
+    kv_b = src.take(p + "kv_b_proj.weight", (H * (D + Dv), C)).reshape(H, D + Dv, C)
+    out["attn.w_uk"] = np.ascontiguousarray(kv_b[:, :D, :])                          # [H, D, C]
+    out["attn.w_uv"] = np.ascontiguousarray(kv_b[:, D:, :].transpose(0, 2, 1))      # [H, C, Dv]
+    out["attn.out.kernel"] = src.linear(p + "o_proj", E, H * Dv)
+    return out

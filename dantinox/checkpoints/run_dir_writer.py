@@ -1,0 +1,172 @@
+"""``write_run_dir``: an imported checkpoint becomes an ordinary dantinox run directory, atomically.
+
+The directory holds what ``dantinox.train.run_dir.load_run`` reads (so generate, verify, eval, budget, serve,
+plan and ``dx.Generator`` work unchanged) plus three files of imported models:
+
+  config.json             ModelConfig.to_dict()
+  model.safetensors       float32 parameters under run-directory names (see ``hf_weights``)
+  tokenizer.json          the checkpoint's ``tokenizers`` file (padded with unused special tokens
+                          ``<|dantinox_unused_N|>`` when the embedding has more rows than the tokenizer has ids)
+  model_summary.json      parameters, KV bytes per token, tokenizer kind, ``imported_from``, ``architecture``
+  chat_template.jinja     the chat template, verbatim (only when the checkpoint has one)
+  generation_config.json  the checkpoint's generation defaults as given (HF generation_config.json keys:
+                          temperature, top_p, top_k, do_sample, bos_token_id, ...) plus ``eos_token_ids``: every
+                          id that ends a turn (eos_token_id as a list, deduplicated, order kept)
+  source_config.json      the source's config dict, for reference
+
+Atomicity: everything is written into a hidden temporary directory beside ``out`` and renamed to ``out`` as
+the last step; on any error the temporary directory is removed, so a failed import leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from typing import Any, Mapping
+
+import numpy as np
+import safetensors.numpy
+
+from ..cache import bytes_per_token_per_layer
+from ..train.tokenizer import TextTokenizer
+from .errors import CheckpointError
+from .hf_config import ImportSpec, import_spec
+from .hf_weights import convert_weights
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_FILE = "generation_config.json"
+SOURCE_CONFIG_FILE = "source_config.json"
+PAD_TOKEN = "<|dantinox_unused_{}|>"
+
+
+def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
+                  tokenizer_json: str, chat_template: str | None, generation: Mapping[str, Any] | None,
+                  dtype: str = "float32", max_context: int | None = None, source: str = "") -> ImportSpec:
+    """Convert a checkpoint and write it as the run directory ``out`` (which must not exist yet).
+
+    The entry point of every importer (Hugging Face directory, GGUF file): the source reader produces
+    transformers-style inputs and this function does the rest.
+
+    Args:
+      out: the new run directory (its parent is created if needed).
+      hf_config: a transformers config.json dict (see ``hf_config`` for what is supported).
+      tensors: HF tensor name -> array ([out, in] torch layout for linears), any float dtype.
+      tokenizer_json: the text of a ``tokenizers`` tokenizer.json (BPE or WordLevel model).
+      chat_template: the Jinja chat template text, or None.
+      generation: generation defaults (HF generation_config.json keys), or None; ``eos_token_id`` (int or list)
+        becomes ``eos_token_ids``.
+      dtype: "float32" or "bfloat16": the run's compute and cache dtype (weights are stored float32).
+      max_context: static cache slots S; default the checkpoint's, at most hf_config.DEFAULT_MAX_CONTEXT.
+      source: where the checkpoint came from (recorded in model_summary.json).
+    Returns the ImportSpec (its cfg is the run's ModelConfig; context_note a line worth printing, or None).
+    Raises CheckpointError (one line): ``out`` exists, an unsupported config, a missing or misshapen tensor,
+    an unreadable tokenizer or one with more ids than vocab_size, eos ids outside the vocabulary.
+    OSError from the disk (the temporary directory is removed either way).
+    """
+    out = os.path.abspath(os.fspath(out))
+    if os.path.exists(out):
+        raise CheckpointError(f"--out {out} already exists; choose a new run directory")
+    spec = import_spec(hf_config, dtype, max_context)
+    params = convert_weights(tensors, spec)
+    _check_against_model(params, spec)
+    tokenizer = _tokenizer(tokenizer_json, spec.cfg.vocab_size)
+    gen = _generation(generation, spec.cfg.vocab_size)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.import-{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(tmp)
+    try:
+        _write_files(tmp, spec, params, tokenizer, chat_template, gen, hf_config, source)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return spec
+
+
+def read_chat_template(run_dir: str | os.PathLike) -> str | None:
+    """The run's chat template text, or None when it has none."""
+    path = os.path.join(os.fspath(run_dir), CHAT_TEMPLATE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def read_generation_config(run_dir: str | os.PathLike) -> dict:
+    """The run's generation_config.json dict ({} when absent; ``eos_token_ids`` a list of ints when present)."""
+    path = os.path.join(os.fspath(run_dir), GENERATION_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _check_against_model(params: Mapping[str, np.ndarray], spec: ImportSpec) -> None:
+    """Every parameter of the model built from spec.cfg is present with its shape, and nothing else."""
+    from flax import nnx
+
+    from ..model import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(spec.cfg, rngs=nnx.Rngs(0)))
+    want = {".".join(str(p) for p in path): tuple(v.get_value().shape)
+            for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+    got = {k: tuple(v.shape) for k, v in params.items()}
+    if want != got:
+        diff = sorted(set(want.items()) ^ set(got.items()))
+        raise CheckpointError(f"converted parameters disagree with the model built from the config at {diff[0]}")
+
+
+def _tokenizer(text: str, vocab_size: int) -> TextTokenizer:
+    try:
+        tokenizer = TextTokenizer.from_json(text)
+    except ValueError as err:
+        raise CheckpointError(f"tokenizer.json: {err}") from err
+    n = tokenizer.vocab_size
+    if n > vocab_size:
+        raise CheckpointError(f"tokenizer.json has {n} ids but config.json vocab_size={vocab_size}; the embedding "
+                              "must have a row for every id")
+    if n < vocab_size:
+        from tokenizers import AddedToken
+
+        tokenizer.hf.add_special_tokens([AddedToken(PAD_TOKEN.format(i), special=True)
+                                         for i in range(n, vocab_size)])
+        padded = TextTokenizer(tokenizer.hf, tokenizer.kind)
+        if padded.vocab_size != vocab_size or padded.hf.token_to_id(PAD_TOKEN.format(vocab_size - 1)) != vocab_size - 1:
+            raise CheckpointError(f"tokenizer.json: cannot pad {n} ids to vocab_size={vocab_size} contiguously")
+        tokenizer = padded
+    return tokenizer
+
+
+def _generation(generation: Mapping[str, Any] | None, vocab_size: int) -> dict:
+    gen = dict(generation or {})
+    eos = gen.get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise CheckpointError(f"generation_config.json: eos_token_id={eos!r} is not allowed: token ids in "
+                                  f"[0, vocab_size={vocab_size})")
+    gen["eos_token_ids"] = list(dict.fromkeys(ids))
+    return gen
+
+
+def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, chat_template: str | None,
+                 gen: dict, hf_config: Mapping[str, Any], source: str) -> None:
+    from .. import __version__
+    from ..train.checkpoint import atomic_write_bytes, atomic_write_json
+
+    cfg = spec.cfg
+    atomic_write_json(os.path.join(tmp, "config.json"), cfg.to_dict())
+    atomic_write_bytes(os.path.join(tmp, "model.safetensors"),
+                       safetensors.numpy.save(dict(params), {"format": "np"}))
+    tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+    summary = {"dantinox_version": __version__, "parameters": int(sum(a.size for a in params.values())),
+               "kv_bytes_per_token": int(bytes_per_token_per_layer(cfg) * cfg.num_blocks),
+               "tokenizer": tokenizer.kind, "imported_from": source, "architecture": spec.architecture}
+    atomic_write_json(os.path.join(tmp, "model_summary.json"), summary)
+    atomic_write_json(os.path.join(tmp, GENERATION_FILE), gen)
+    atomic_write_json(os.path.join(tmp, SOURCE_CONFIG_FILE), dict(hf_config))
+    if chat_template:
+        atomic_write_bytes(os.path.join(tmp, CHAT_TEMPLATE_FILE), chat_template.encode("utf-8"))
