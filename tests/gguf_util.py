@@ -90,7 +90,8 @@ def write_tiny_gguf(path, qtype=gguf.GGMLQuantizationType.F32, arch: str = "llam
             array = llama_cpp_permute(array, KV_HEADS)
         target = gguf_name(name)
         if raw_override and raw_override[0] == target:
-            w.add_tensor(target, np.zeros((array.shape[0], array.shape[1] // 32 * 36), np.uint8),
+            block, size = gguf.GGML_QUANT_SIZES[raw_override[1]]
+            w.add_tensor(target, np.zeros((array.shape[0], array.shape[1] // block * size), np.uint8),
                          raw_dtype=raw_override[1])
         elif array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(target, quantize(array, qtype), raw_dtype=qtype)

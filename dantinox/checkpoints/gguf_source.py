@@ -1,12 +1,13 @@
 """Read a GGUF file (llama.cpp's single-file format) as a Hugging Face checkpoint: config, tensors, tokenizer.
 
-``read_gguf(path)`` returns a :class:`GGUFCheckpoint` holding what a Hugging Face model directory holds:
+``read_gguf(path)`` returns the :class:`~dantinox.checkpoints.hf_dir.HFCheckpoint` a Hugging Face model
+directory of the same model would give:
   config             the config.json dict of the matching transformers class (LlamaForCausalLM)
   tensors            HF tensor names ("model.layers.0.self_attn.q_proj.weight") -> float32 [out, in] arrays
   tokenizer_json     tokenizer.json text (``dantinox.checkpoints.gguf_tokenizer``)
-  tokenizer_config   bos/eos/unk/pad tokens, add_bos_token and the chat template (tokenizer.chat_template)
-  generation_config  bos_token_id / eos_token_id
-so the Hugging Face importer turns it into a run directory as it would a downloaded model.
+  chat_template      tokenizer.chat_template, or None
+  generation         bos_token_id / eos_token_id (tokenizer.ggml.*)
+so ``write_run_dir`` turns it into a run directory as it would a downloaded model (``dantinox import``).
 
 Tensors are dequantized with the ``gguf`` package's own ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0,
 Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K; whatever that package can dequantize). A GGUF tensor of
@@ -19,7 +20,7 @@ rows of q_proj and k_proj inside each head: HF row (h, j, r) with j in {0, 1} (w
 GGUF row (h, r, j). :func:`unpermute_rope_rows` undoes it (as transformers does when it loads a GGUF file),
 so the tensors are exactly HF's.
 
-Errors: :class:`GGUFError` (a ValueError) with one line: not a GGUF file, corrupt or truncated, an
+Errors: :class:`GGUFError` (a CheckpointError) with one line: not a GGUF file, corrupt or truncated, an
 architecture other than "llama", a tensor type the ``gguf`` package cannot dequantize (the tensor and type
 named), an unknown tensor name, a tensor whose shape disagrees with the metadata.
 Shape letters: E model width, F MLP width, H query heads, K KV heads, D head size, V vocabulary.
@@ -29,29 +30,18 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf_tokenizer import GGUFTokenizerError, special_tokens, tokenizer_json
+from .errors import CheckpointError
+from .gguf_tokenizer import GGUFTokenizerError, tokenizer_json
+from .hf_dir import HFCheckpoint
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
-class GGUFError(ValueError):
+class GGUFError(CheckpointError):
     """A GGUF file that cannot be imported; the message names the file and the reason in one line."""
-
-
-@dataclass
-class GGUFCheckpoint:
-    """A GGUF file read as the parts of a Hugging Face model directory (see the module docstring)."""
-
-    config: dict
-    tensors: dict
-    tokenizer_json: str
-    tokenizer_config: dict
-    generation_config: dict
-    metadata: dict
 
 
 def read_metadata(reader) -> dict:
@@ -174,8 +164,8 @@ def llama_config(meta: dict, path: str, tied: bool) -> dict:
     return config
 
 
-def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
-    """Read ``path`` (a .gguf file of a Llama-architecture model) as a GGUFCheckpoint.
+def read_gguf(path: str | os.PathLike) -> HFCheckpoint:
+    """Read ``path`` (a .gguf file of a Llama-architecture model) as an HFCheckpoint.
 
     Returns float32 tensors in HF layout and names (q/k rows un-permuted, see the module docstring).
     Raises GGUFError / GGUFTokenizerError (both ValueError) with one line naming the problem.
@@ -206,8 +196,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
             array = unpermute_rope_rows(array, config["num_key_value_heads"])
         tensors[hf_name] = array
     try:
-        tok_json, tok_config = tokenizer_json(meta), special_tokens(meta)
+        tok_json = tokenizer_json(meta)
     except GGUFTokenizerError as err:
         raise GGUFTokenizerError(f"{path}: {err}") from None
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
-    return GGUFCheckpoint(config, tensors, tok_json, tok_config, generation, meta)
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+    return HFCheckpoint(config, tensors, tok_json, meta.get("tokenizer.chat_template"), generation)

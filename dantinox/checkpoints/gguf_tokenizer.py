@@ -20,6 +20,8 @@ import json
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from .errors import CheckpointError
+
 CONTROL, USER_DEFINED = 3, 4
 
 
@@ -37,7 +39,7 @@ def _bytelevel():
 PRE_TOKENIZERS = {"smollm": _digits_then_bytelevel, "gpt-2": _bytelevel, "default": _bytelevel}
 
 
-class GGUFTokenizerError(ValueError):
+class GGUFTokenizerError(CheckpointError):
     """The GGUF tokenizer metadata is missing, inconsistent, or of a kind this converter does not read."""
 
 
@@ -81,21 +83,6 @@ def tokenizer_from_gguf(meta: dict) -> Tokenizer:
     hf.add_tokens([AddedToken(t, special=False, normalized=False)
                    for t, kind_ in zip(tokens, types) if kind_ == USER_DEFINED])
     return hf
-
-
-def special_tokens(meta: dict) -> dict:
-    """The tokenizer_config.json entries a GGUF file implies: bos_token, eos_token, unk_token, pad_token (as
-    text, or None), add_bos_token and chat_template (None when absent)."""
-    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
-
-    def text(key):
-        i = meta.get(key)
-        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
-
-    return {"bos_token": text("tokenizer.ggml.bos_token_id"), "eos_token": text("tokenizer.ggml.eos_token_id"),
-            "unk_token": text("tokenizer.ggml.unknown_token_id"), "pad_token": text("tokenizer.ggml.padding_token_id"),
-            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            "chat_template": meta.get("tokenizer.chat_template")}
 
 
 def tokenizer_json(meta: dict) -> str:
