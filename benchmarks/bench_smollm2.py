@@ -10,9 +10,9 @@ llama.cpp (llama-cpp-python, the Q4_1 file as is, B = 1 only) in --ref-python's 
 the same 128 prompt token ids to every worker and alternates which engine goes first in each round.
 
 Per (engine, dtype, B): prefill_ms = time of a 1-new-token generation; decode tokens/s = B * 255 /
-(t(256 new tokens) - t(1 new token)); greedy, EOS ignored; medians over rounds. transformers runs in both its
-dynamic and static cache modes and its best is reported ("its best cache mode"; static + torch.compile is left
-out: its compile takes minutes on this 2-core host). peak_mib: the worker's peak resident memory (ru_maxrss),
+(t(256 new tokens) - t(1 new token)); greedy, EOS ignored; medians over rounds. transformers runs in the cache
+modes of --hf-modes (default dynamic; "dynamic,static" measures both and reports the faster: its best cache mode;
+static + torch.compile is left out: its compile takes minutes on this 2-core host). peak_mib: the worker's peak resident memory (ru_maxrss),
 loading included. dantinox's cache holds BENCH_CONTEXT = 512 slots (the imported run's max_context is 8192).
 dantinox keeps float32 parameters; "bfloat16" is its compute and cache dtype (matmuls in
 bfloat16), transformers' "bfloat16" casts the weights. Threads: 2 for torch and llama.cpp, XLA's default here.
@@ -84,6 +84,9 @@ def ours_worker(run_dir: str, dtype: str):
     return measure, lambda text: tokenizer.encode(text)
 
 
+HF_MODES = os.environ.get("BENCH_HF_MODES", "dynamic").split(",")
+
+
 def hf_worker(gguf: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -100,7 +103,7 @@ def hf_worker(gguf: str, dtype: str):
 
     def measure(ids, B):
         out = {}
-        for mode in ("dynamic", "static"):
+        for mode in HF_MODES:
             run(ids, B, 4, mode)
             t1 = timed(lambda m=mode: run(ids, B, 1, m), 3)
             t256 = timed(lambda m=mode: run(ids, B, NEW_TOKENS, m))
@@ -217,10 +220,12 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--ref-python", default="/work/venv-ref/bin/python")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--hf-modes", default="dynamic", help="transformers cache modes, comma-separated")
     args = parser.parse_args()
     if args.worker:
         return serve_worker(*args.worker)
     gguf = args.gguf or default_gguf()
+    os.environ["BENCH_HF_MODES"] = args.hf_modes
     rows, peaks = {}, {}
     llama = not args.no_llama and has_llama(args.ref_python)
     for i, dtype in enumerate(args.dtypes):
