@@ -9,13 +9,15 @@ once per dtype: dantinox here, transformers (AutoModelForCausalLM from the GGUF,
 llama.cpp (llama-cpp-python, the Q4_1 file as is, B = 1 only) in --ref-python's environment. The parent sends
 the same 128 prompt token ids to every worker and alternates which engine goes first in each round.
 
-Per (engine, dtype, B): prefill_ms = time of a 1-new-token generation; decode tokens/s = B * 255 /
-(t(256 new tokens) - t(1 new token)); greedy, EOS ignored; medians over rounds. transformers runs in the cache
-modes of --hf-modes (default dynamic; "dynamic,static" measures both and reports the faster: its best cache mode;
-static + torch.compile is left out: its compile takes minutes on this 2-core host). peak_mib: the worker's peak resident memory (ru_maxrss),
-loading included. dantinox's cache holds BENCH_CONTEXT = 512 slots (the imported run's max_context is 8192).
-dantinox keeps float32 parameters; "bfloat16" is its compute and cache dtype (matmuls in
-bfloat16), transformers' "bfloat16" casts the weights. Threads: 2 for torch and llama.cpp, XLA's default here.
+Per (engine, dtype, B): prefill_ms = time of a 1-new-token generation; decode tokens/s = B * (N - 1) /
+(t(N new tokens) - t(1 new token)), N = --new-tokens (default 256); greedy, EOS ignored; medians over rounds.
+transformers runs in the cache modes of --hf-modes (default dynamic; "dynamic,static" measures both and reports
+the faster: its best cache mode; static + torch.compile is left out: its compile takes minutes on this 2-core
+host), with OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads collapse on a shared host). peak_mib: the worker's
+peak resident memory (ru_maxrss), loading included. dantinox's cache holds BENCH_CONTEXT = 512 slots (the
+imported run's max_context is 8192). dantinox keeps float32 parameters; "bfloat16" is its compute and cache
+dtype (on this CPU XLA widens bfloat16 matmuls back to float32), transformers' "bfloat16" casts the weights.
+Threads: 2 for torch and llama.cpp, XLA's default here.
 Prints one table and the ratios dantinox / transformers.
 """
 
@@ -31,7 +33,8 @@ import subprocess
 import sys
 import time
 
-PROMPT_TOKENS, NEW_TOKENS = 128, 256
+PROMPT_TOKENS = 128
+NEW_TOKENS = int(os.environ.get("BENCH_NEW_TOKENS", 256))  # set by --new-tokens for the workers
 BENCH_CONTEXT = 512  # dantinox's static cache length here (prompt + new tokens = 384 fit)
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = ("Dante Alighieri wrote the Divine Comedy in the early fourteenth century; its three parts describe a "
@@ -221,11 +224,16 @@ def main() -> None:
     parser.add_argument("--ref-python", default="/work/venv-ref/bin/python")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--hf-modes", default="dynamic", help="transformers cache modes, comma-separated")
+    parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per measured generation")
     args = parser.parse_args()
     if args.worker:
         return serve_worker(*args.worker)
     gguf = args.gguf or default_gguf()
     os.environ["BENCH_HF_MODES"] = args.hf_modes
+    os.environ["BENCH_NEW_TOKENS"] = str(args.new_tokens)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's OpenMP threads must not spin on a shared host
+    global NEW_TOKENS
+    NEW_TOKENS = args.new_tokens
     rows, peaks = {}, {}
     llama = not args.no_llama and has_llama(args.ref_python)
     for i, dtype in enumerate(args.dtypes):
