@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -88,7 +89,12 @@ class ModelConfig:
         pairs so the config stays hashable. {"type": "linear", "factor": f} divides every frequency by f
         (Chen et al. 2023, "position interpolation"); {"type": "llama3", "factor", "low_freq_factor",
         "high_freq_factor", "original_max_position_embeddings"} is Llama 3.1's band-wise scaling (Meta's
-        reference rope code, also transformers' "llama3" rope type). Nothing else is accepted.
+        reference rope code, also transformers' "llama3" rope type); {"type": "yarn", "factor",
+        "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"} is YaRN
+        (Peng et al. 2023, "YaRN", sections 3.2-3.4: frequencies blended by a linear ramp between the beta_fast
+        and beta_slow rotation counts, cos and sin multiplied by attention_factor). Nothing else is accepted.
+      attention_scale: the softmax scale applied to q . k; None means 1 / sqrt(D) (MLA: 1 / sqrt(D + R)).
+        DeepSeek with YaRN multiplies its default by mscale^2 (``dantinox.checkpoints.hf_config``).
       v_head_size: MLA only: width of each head's value (DeepSeek's v_head_dim); None means head_size.
         head_size is the width of each head's non-rotary query/key part (qk_nope_head_dim).
       mla_norm_eps: MLA only: epsilon of the RMSNorms on the query and kv latents (DeepSeek fixes it at
@@ -127,6 +133,7 @@ class ModelConfig:
     rope_scaling: tuple | None = None
     v_head_size: int | None = None
     mla_norm_eps: float | None = None
+    attention_scale: float | None = None
     mask_token_id: int | None = None
     shifted_prediction: bool = False
 
@@ -157,6 +164,9 @@ class ModelConfig:
                                                 or self.sliding_window <= 0):
             _fail("sliding_window", self.sliding_window, "a positive integer or None")
         set_("rope_scaling", normalize_rope_scaling(self.rope_scaling))
+        if self.attention_scale is not None and (isinstance(self.attention_scale, bool) or not isinstance(
+                self.attention_scale, (int, float)) or not self.attention_scale > 0):
+            _fail("attention_scale", self.attention_scale, "a positive number or None (1 / sqrt(head width))")
         self._check_mla_fields()
         self._check_head_extras()
         self._check_diffusion_fields()
@@ -250,6 +260,12 @@ class ModelConfig:
         return self.rope_head_dim if self.attention == "mla" else self.head_size
 
     @property
+    def softmax_scale(self) -> float:
+        """The factor on q . k: attention_scale when set, else 1 / sqrt(D) (MLA: 1 / sqrt(D + R))."""
+        width = self.head_size + (self.rope_head_dim if self.attention == "mla" else 0)
+        return self.attention_scale or 1.0 / math.sqrt(width)
+
+    @property
     def value_size(self) -> int:
         """Width of each head's value (and attention output): v_head_size for MLA when set, else head_size."""
         return self.v_head_size or self.head_size
@@ -305,6 +321,8 @@ MLA_EXTRA_FIELDS = ("v_head_size", "mla_norm_eps")
 ROPE_SCALING_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+             "truncate"),
 }
 
 
@@ -329,6 +347,10 @@ def normalize_rope_scaling(value: Any) -> tuple | None:
         _fail("rope_scaling", value, f"for type {kind!r} exactly the keys {sorted(want)} besides 'type'")
     for key in want:
         v = items[key]
+        if key == "truncate":
+            if not isinstance(v, bool):
+                _fail("rope_scaling", value, "'truncate' true or false")
+            continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             _fail("rope_scaling", value, f"{key!r} a positive number")
         items[key] = float(v)
@@ -342,7 +364,8 @@ def switch_attention(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dic
 
     When ``changes`` sets ``attention`` to another kind than ``base`` has and does not set ``kv_heads``,
     kv_heads goes back to None (derived: n_heads for mha, 1 for mqa, 2 for gqa, none for mla); leaving "mla",
-    the MLA sizes (kv_latent_dim, rope_head_dim, q_latent_dim) not given go back to None. Switching *to*
+    the MLA sizes (kv_latent_dim, rope_head_dim, q_latent_dim, v_head_size, mla_norm_eps) not given go back to
+    None; entering "mla", qkv_bias and qk_norm not given go back to False. Switching *to*
     "mla" still needs kv_latent_dim and rope_head_dim (a ConfigError names them).
     """
     out = dict(changes)
@@ -353,6 +376,9 @@ def switch_attention(base: Mapping[str, Any], changes: Mapping[str, Any]) -> dic
     if old == "mla":
         for name in MLA_FIELDS + MLA_EXTRA_FIELDS:
             out.setdefault(name, None)
+    if new == "mla":
+        for name in ("qkv_bias", "qk_norm"):  # projections MLA does not have
+            out.setdefault(name, False)
     return out
 
 

@@ -58,6 +58,10 @@ def rope_angles(positions: jax.Array, head_size: int, theta: float,
     """
     inv_freq = rope_inv_freq(head_size, theta, scaling)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    params = dict(scaling or ())
+    if params.get("type") == "yarn":  # YaRN scales cos and sin, i.e. the rotated q and k (section 3.4)
+        factor = params["attention_factor"]
+        return jnp.cos(angles) * factor, jnp.sin(angles) * factor
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -68,7 +72,8 @@ def rope_inv_freq(head_size: int, theta: float, scaling: tuple | None = None) ->
     "Extending Context Window of Large Language Models via Positional Interpolation"). type "llama3": Llama 3.1's
     band-wise rule: with wavelength w = 2 pi / f and L = original_max_position_embeddings, frequencies with
     w < L / high_freq_factor are kept, those with w > L / low_freq_factor are divided by ``factor``, and the band
-    between interpolates linearly in L / w (Meta's Llama 3.1 reference ``apply_scaling``).
+    between interpolates linearly in L / w (Meta's Llama 3.1 reference ``apply_scaling``). type "yarn": see
+    ``_yarn_inv_freq`` (rope_angles also multiplies cos and sin by its attention_factor).
     """
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_size, 2, dtype=jnp.float32) / head_size))
     if scaling is None:
@@ -77,6 +82,8 @@ def rope_inv_freq(head_size: int, theta: float, scaling: tuple | None = None) ->
     factor = params["factor"]
     if params["type"] == "linear":
         return inv_freq / factor
+    if params["type"] == "yarn":
+        return _yarn_inv_freq(head_size, theta, params)
     old_len = params["original_max_position_embeddings"]
     low, high = params["low_freq_factor"], params["high_freq_factor"]
     wavelen = 2 * math.pi / inv_freq
@@ -85,6 +92,27 @@ def rope_inv_freq(head_size: int, theta: float, scaling: tuple | None = None) ->
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return jnp.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_size: int, theta: float, params: dict) -> jax.Array:
+    """YaRN's frequencies (Peng et al. 2023, section 3.2, "NTK-by-parts"): dims that turn fewer than beta_slow
+    times over the original context are interpolated (divided by factor), those that turn more than beta_fast
+    times are kept, with a linear ramp between; the ramp bounds are floored / ceiled when ``truncate``."""
+    old_len = params["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return head_size * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(params["beta_fast"]), correction_dim(params["beta_slow"])
+    if params["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(head_size // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (jnp.arange(0, head_size, 2, dtype=jnp.float32) / head_size)
+    keep = 1 - ramp
+    return (1.0 / (params["factor"] * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

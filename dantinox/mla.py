@@ -9,11 +9,11 @@ Per token with input h [E] (section 2.1.2, eqs. 9-13, and 2.1.3, eqs. 14-19):
   c_q  = RMSNorm(W_DQ h)                  [Q]      (or c_q = h without query compression)
   q_C  = W_UQ c_q                         [H, D]   and  q_R = RoPE(W_QR c_q)  [H, R]
   k_C  = W_UK c_kv, v_C = W_UV c_kv       [H, D], [H, Dv]  each head's key and value from the latent
-  score(h, t, s) = (q_C[t, h] . k_C[s, h] + q_R[t, h] . k_R[s]) / sqrt(D + R)
+  score(h, t, s) = (q_C[t, h] . k_C[s, h] + q_R[t, h] . k_R[s]) * cfg.softmax_scale  (default 1 / sqrt(D + R))
   y = W_O [softmax(score) v_C]_heads      [E]
 W_DQ, W_DKV and W_KR are fused in ``down`` ([E, Q + C + R]); W_UQ and W_QR in ``q_up``; W_UK and W_UV are
-``w_uk`` [H, D, C] and ``w_uv`` [H, C, Dv] (Dv = cfg.value_size, DeepSeek's v_head_dim). The RMSNorms on the latents follow section 3.1.2 ("additional
-RMSNorm layers after the compressed latent vectors").
+``w_uk`` [H, D, C] and ``w_uv`` [H, C, Dv] (Dv = cfg.value_size, DeepSeek's v_head_dim). The RMSNorms on the
+latents follow section 3.1.2 ("additional RMSNorm layers after the compressed latent vectors").
 
 Two ways to run the same attention, same parameters, same logits (``cfg.mla_absorb`` picks the decode path;
 with it, calls of many tokens still run naive where that is cheaper, see ``MLAttention._path``):
@@ -115,7 +115,7 @@ class MLAttention(nnx.Module):
         H, D, C, R = cfg.n_heads, cfg.head_size, cfg.kv_latent_dim, cfg.rope_head_dim
         Q = cfg.q_latent_dim or 0
         c_q, c_new, kr_new = jnp.split(self.down(x), [Q, Q + C], axis=-1)
-        q = self.q_up(self.q_norm(c_q) if Q else x).reshape(B, T, H, D + R) * (1.0 / math.sqrt(D + R))
+        q = self.q_up(self.q_norm(c_q) if Q else x).reshape(B, T, H, D + R) * cfg.softmax_scale
         q_nope, q_rope = q[..., :D], apply_rope(q[..., D:], *rope)              # [B,T,H,D], [B,T,H,R]
         c_new = self.kv_norm(c_new)                                              # [B, T, C]
         kr_new = apply_rope(kr_new[:, :, None, :], *rope)[:, :, 0, :]            # [B, T, R]

@@ -98,14 +98,15 @@ def test_truncated_safetensors(capsys, tmp_path):
 
 @pytest.mark.parametrize("fixture, changes, needles", [
     ("deepseek_v3", dict(first_k_dense_replace=1), ("first_k_dense_replace=1", "mixture-of-experts")),
-    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-     ("rope_type", "'yarn'")),
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+     ("rope_type", "'dynamic'")),
     ("llama", dict(architectures=["GPT2LMHeadModel"]), ("architectures", "GPT2LMHeadModel")),
     ("llama", dict(hidden_act="gelu"), ("hidden_act", "gelu")),
     ("llama", dict(attention_bias=True), ("attention_bias",)),
     ("qwen3", dict(use_sliding_window=True), ("use_sliding_window",)),
-    ("deepseek_v2", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0,
-                                          "rope_theta": 1e4}), ("rope_type", "'yarn'")),
+    ("deepseek_v2", dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
+     ("rope_type", "'longrope'")),
+    ("llama", dict(partial_rotary_factor=0.5), ("partial_rotary_factor", "0.5")),
 ])
 def test_configs_that_cannot_run_exactly_are_refused(capsys, tmp_path, fixture, changes, needles):
     src = copy_fixture(fixture, tmp_path)
@@ -178,6 +179,22 @@ def test_new_config_fields_are_validated(changes, field):
         ModelConfig.from_preset("tiny", **changes)
 
 
+def test_switching_to_mla_drops_the_projection_extras():
+    cfg = ModelConfig.from_preset("tiny", qkv_bias=True, qk_norm=True).replace(attention="mla", kv_latent_dim=16)
+    assert (cfg.qkv_bias, cfg.qk_norm) == (False, False)
+
+
+def test_yarn_resolves_transformers_defaults():
+    spec = import_spec({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 48, "num_attention_heads": 4,
+                        "num_hidden_layers": 1, "vocab_size": 64, "intermediate_size": 96, "head_dim": 24,
+                        "max_position_embeddings": 64, "rope_theta": 1e6,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}})
+    yarn = dict(spec.cfg.rope_scaling)
+    assert (yarn["beta_fast"], yarn["beta_slow"], yarn["truncate"]) == (32.0, 1.0, True)
+    assert yarn["attention_factor"] == pytest.approx(0.1 * np.log(4.0) + 1.0)
+    assert spec.cfg.attention_scale is None                       # only DeepSeek's mscale_all_dim changes it
+
+
 def test_rope_scaling_round_trips_through_json():
     cfg = ModelConfig.from_preset("tiny", rope_scaling={"type": "linear", "factor": 2})
     again = ModelConfig.from_dict(json.loads(cfg.to_json()))
@@ -187,3 +204,30 @@ def test_rope_scaling_round_trips_through_json():
 def test_import_spec_refuses_in_one_line():
     with pytest.raises(CheckpointError, match="architectures"):
         import_spec({"architectures": ["BertModel"]})
+
+
+def rewrite_tensors(src: str, edit) -> None:
+    path = os.path.join(src, "model.safetensors")
+    tensors = {k: np.array(v) for k, v in read_safetensors(path).items()}
+    edit(tensors)
+    safetensors.numpy.save_file(tensors, path)
+
+
+def test_tensor_without_a_place_is_refused(capsys, tmp_path):
+    src = copy_fixture("deepseek_v3", tmp_path)
+    name = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    rewrite_tensors(src, lambda t: t.update({name: np.zeros((32, 64), np.float32)}))
+    assert_refused(capsys, tmp_path, src, name, "no place")
+
+
+def test_tied_config_with_a_different_head_is_refused(capsys, tmp_path):
+    src = copy_fixture("llama", tmp_path)
+    rewrite_tensors(src, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1.0}))
+    assert_refused(capsys, tmp_path, src, "lm_head.weight", "tie_word_embeddings")
+
+
+def test_tokenizer_with_more_ids_than_the_embedding_is_refused(capsys, tmp_path):
+    src = copy_fixture("llama", tmp_path)
+    edit_config(src, vocab_size=200)
+    rewrite_tensors(src, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"][:200]}))
+    assert_refused(capsys, tmp_path, src, "tokenizer.json has 258 ids", "vocab_size=200")

@@ -52,3 +52,14 @@ def test_fixtures_cover_every_architecture():
             archs.add(json.load(f)["architecture"])
     assert archs == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+
+
+def test_generator_loads_an_imported_run(tmp_path):
+    """``dx.Generator("runs/NAME")`` works as for a trained run: text in, transformers' greedy text out."""
+    from dantinox import Generator
+
+    out, _, ref, _ = imported("mistral", tmp_path)
+    gen = Generator(out)
+    assert gen.encode(ref["prompt"]) == ref["prompt_ids"]
+    text = gen.generate(ref["prompt"], max_new_tokens=len(ref["greedy_tokens"]), temperature=0.0)
+    assert text == gen.tokenizer.decode(ref["greedy_tokens"])

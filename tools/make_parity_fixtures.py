@@ -58,15 +58,20 @@ FIXTURES = {
                 "sliding window 8 < sequence 43, MQA"),
     "qwen3": ("Qwen3Config", dict(vocab_size=258, hidden_size=48, head_dim=24, intermediate_size=96,
                                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                                  tie_word_embeddings=True, rope_theta=1000000.0),
-              "RMSNorm on q and k per head, head_dim 24 != 48/4, tied"),
+                                  tie_word_embeddings=True, rope_theta=1000000.0,
+                                  rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                    original_max_position_embeddings=16)),
+              "RMSNorm on q and k per head, head_dim 24 != 48/4, tied, rope_scaling yarn"),
     "deepseek_v2": ("DeepseekV2Config", dict(vocab_size=258, hidden_size=64, intermediate_size=96,
                                              moe_intermediate_size=32, num_attention_heads=4,
                                              num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
                                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                                              first_k_dense_replace=2, n_routed_experts=4, n_shared_experts=1,
-                                             rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0),
-                    "MLA without query compression, interleaved RoPE (complex form), dense layers"),
+                                             rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+                                             rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                               original_max_position_embeddings=16, mscale=1.0,
+                                                               mscale_all_dim=0.5, beta_fast=32, beta_slow=1)),
+                    "MLA without query compression, interleaved RoPE (complex form), yarn with mscale_all_dim"),
     "deepseek_v3": ("DeepseekV3Config", dict(vocab_size=258, hidden_size=64, intermediate_size=96,
                                              moe_intermediate_size=32, num_attention_heads=4,
                                              num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32,
@@ -142,8 +147,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, choices=sorted(FIXTURES))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    for seed, name in enumerate(args.only or FIXTURES):
-        ref = build(name, args.out, seed)
+    for name in args.only or FIXTURES:
+        ref = build(name, args.out, seed=list(FIXTURES).index(name))
         size = sum(os.path.getsize(os.path.join(args.out, name, f)) for f in os.listdir(os.path.join(args.out, name)))
         print(f"{name:12s} {ref['architecture']:24s} {size / 1e3:7.1f} kB  greedy {ref['greedy_tokens'][:8]}...")
 

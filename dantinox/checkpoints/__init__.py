@@ -5,7 +5,8 @@
   hf_weights.py      HF-named tensors -> the dantinox parameter tree, every shape checked against the config
   hf_dir.py          reading a Hugging Face model directory (config, safetensors shards, tokenizer, template)
   run_dir_writer.py  ``write_run_dir``: the one entry point every source (HF directory, GGUF) ends in
-  gguf_source.py     (branch import-gguf-chat) reading a GGUF file into the same inputs
+  gguf_source.py     (branch import-gguf-chat) ``read_gguf(path) -> hf_dir.HFCheckpoint``: a GGUF file as the
+                     same inputs (HF tensor names and layouts, a tokenizer.json text, template, generation)
 
 Every failure raises :class:`CheckpointError` with one line naming the file or field, the value and what is
 allowed; ``dantinox import`` prints it and exits 2.

@@ -2,7 +2,7 @@
 
 Supported ``architectures`` (transformers class names) and what each maps to:
 
-  LlamaForCausalLM     GQA/MHA/MQA, SwiGLU, RMSNorm; rope_scaling none, "linear" or "llama3"
+  LlamaForCausalLM     GQA/MHA/MQA, SwiGLU, RMSNorm; rope_scaling none, "linear", "llama3" or "yarn"
   MistralForCausalLM   as Llama plus ``sliding_window`` (ModelConfig.sliding_window: a query sees the last W
                        positions, itself included, as transformers' sliding-window mask)
   Qwen2ForCausalLM     as Llama plus a bias on the q, k and v projections (ModelConfig.qkv_bias)
@@ -12,17 +12,20 @@ Supported ``architectures`` (transformers class names) and what each maps to:
                        multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1):
                        q_lora_rank -> q_latent_dim, kv_lora_rank -> kv_latent_dim, qk_nope_head_dim ->
                        head_size, qk_rope_head_dim -> rope_head_dim, v_head_dim -> v_head_size; only when every
-                       layer is dense (first_k_dense_replace >= num_hidden_layers)
+                       layer is dense (first_k_dense_replace >= num_hidden_layers); with a rope_scaling
+                       that has mscale_all_dim, the softmax scale is multiplied by yarn_mscale(factor,
+                       mscale_all_dim)^2 as transformers' DeepSeek attention does
 
 Anything else that would change the function is refused with :class:`CheckpointError` naming the field and
 value: another architecture, mixture-of-experts layers, an activation other than SiLU, biases the model does
-not have, partial rotary embeddings, a rope_scaling type not listed above (DeepSeek: any rope_scaling, so its
-yarn softmax-scale correction never arises), Qwen's per-layer sliding windows. Fields that do not change the
+not have, partial rotary embeddings, a rope_scaling type not listed above (dynamic, longrope, ...), Qwen's
+per-layer sliding windows. Fields that do not change the
 function (dropout, initializer range, torch dtype, token ids) are ignored.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -142,8 +145,33 @@ def _rope_parameters(hf: Mapping[str, Any]) -> tuple[float, dict | None]:
     if kind == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         return theta, {"type": "llama3", **{k: params.get(k) for k in keys}}
-    refuse("rope_scaling.rope_type", kind, "'default', 'linear' or 'llama3' (other scalings are not "
+    if kind == "yarn":
+        return theta, _yarn(hf, params)
+    refuse("rope_scaling.rope_type", kind, "'default', 'linear', 'llama3' or 'yarn' (other scalings are not "
            "implemented, and an approximate model is never built)")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(hf: Mapping[str, Any], params: dict) -> dict:
+    """The resolved YaRN parameters, with transformers' defaults: original context from the top-level
+    ``original_max_position_embeddings`` if present, else the rope parameters', else max_position_embeddings;
+    factor from the ratio of the two when missing; beta_fast 32, beta_slow 1, truncate true; attention_factor
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given, else mscale(factor)."""
+    original = (hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                or hf.get("max_position_embeddings"))
+    factor = params.get("factor") or (hf.get("max_position_embeddings", 0) / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                            else yarn_mscale(factor))
+    return {"type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "beta_fast": params.get("beta_fast") or 32, "beta_slow": params.get("beta_slow") or 1,
+            "attention_factor": attention_factor, "truncate": params.get("truncate", True)}
 
 
 def _llama_fields(hf: Mapping[str, Any], arch: str) -> dict:
@@ -182,15 +210,14 @@ def _deepseek_fields(hf: Mapping[str, Any], arch: str) -> tuple[dict, bool]:
                "MLA (every head up-projects its own key and value)")
     if hf.get("attention_bias", False):
         refuse("attention_bias", hf["attention_bias"], f"false for {arch}")
-    theta, scaling = _rope_parameters(hf)
-    if scaling is not None:
-        refuse("rope_scaling", scaling, f"none for {arch} (yarn and its softmax-scale correction are not "
-               "implemented)")
-    q_rank = hf.get("q_lora_rank")
-    fields = dict(attention="mla", kv_heads=None, head_size=_int(hf, "qk_nope_head_dim"),
-                  rope_head_dim=_int(hf, "qk_rope_head_dim"), v_head_size=_int(hf, "v_head_dim"),
-                  kv_latent_dim=_int(hf, "kv_lora_rank"),
+    scaling = _rope_parameters(hf)[1]
+    q_rank, nope, rope = hf.get("q_lora_rank"), _int(hf, "qk_nope_head_dim"), _int(hf, "qk_rope_head_dim")
+    fields = dict(attention="mla", kv_heads=None, head_size=nope, rope_head_dim=rope,
+                  v_head_size=_int(hf, "v_head_dim"), kv_latent_dim=_int(hf, "kv_lora_rank"),
                   q_latent_dim=None if q_rank is None else _int(hf, "q_lora_rank"),
-                  mla_norm_eps=DEEPSEEK_LATENT_EPS)
+                  mla_norm_eps=DEEPSEEK_LATENT_EPS, rope_scaling=scaling)
+    raw = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    if scaling is not None and raw.get("mscale_all_dim"):  # DeepSeek's softmax scale times mscale^2
+        fields["attention_scale"] = (nope + rope) ** -0.5 * yarn_mscale(raw["factor"], raw["mscale_all_dim"]) ** 2
     interleaved = arch == "DeepseekV2ForCausalLM" or bool(hf.get("rope_interleave", True))
     return fields, interleaved
