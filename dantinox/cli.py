@@ -1,7 +1,8 @@
 """The ``dantinox`` command: thin subcommands over library functions.
 
   dantinox train    --data FILE --out runs/NAME [--preset NAME | --config YAML] [--set field=value ...]
-  dantinox generate [--run_dir R] --prompt P [--no_cache] [--stream] [--max_new_tokens N] [--temperature T]
+  dantinox generate [--run_dir R] (--prompt P | --chat MESSAGE [--system TEXT]) [--no_cache] [--stream]
+                    [--max_new_tokens N] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step] [--kv-dtype int8] [--quantize bf16|int8]
@@ -69,6 +70,14 @@ def cmd_generate(args) -> int:
     """Print the prompt followed by the generated text; timings go to stderr."""
     from .generator import Generator
 
+    if args.chat is not None:
+        from .chat_cli import run_chat
+
+        return run_chat(args)
+    if args.prompt is None:
+        raise ValueError("give --prompt TEXT (continue text) or --chat MESSAGE (answer with the chat template)")
+    if args.system is not None:
+        raise ValueError("--system needs --chat")
     for flag in ("max_new_tokens",) + DIFFUSION_INT_ARGS:
         value = getattr(args, flag, None)
         if value is not None and value < 1:
@@ -223,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=run_train_from_args)
     gen = sub.add_parser("generate", help="generate text from a run directory")
     gen.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", default=None, help="text to continue")
+    gen.add_argument("--chat", default=None, help="a user message, answered with the model's chat template")
+    gen.add_argument("--system", default=None, help="with --chat: a system message put first")
     gen.add_argument("--no_cache", action="store_true", help="recompute the whole sequence for every token")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     _add_kv_dtype(gen)

@@ -128,9 +128,10 @@ def check_request(lengths: np.ndarray, max_new_tokens: int, max_context: int) ->
 def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_id, fill):
     """Allocate the whole static cache, fill it with the right-padded prompts and sample each row's first token.
 
-    ids: [B, T] int32; lengths: [B] int32 real prompt lengths; key: PRNG key; eos_id, fill: [] int32
-    (-1 = no EOS). The cache (``init_cache(cfg, B)``, [B, K, S, D] per layer) is allocated inside this compiled
-    call, which saves one host dispatch per layer. Returns the initial DecodeState (step 1).
+    ids: [B, T] int32; lengths: [B] int32 real prompt lengths; key: PRNG key; eos_id: [] or [E] int32 stop
+    ids (-1 = none; see ``is_eos``); fill: [] int32. The cache (``init_cache(cfg, B)``, [B, K, S, D] per
+    layer) is allocated inside this compiled call, which saves one host dispatch per layer. Returns the
+    initial DecodeState (step 1).
     """
     model = nnx.merge(graphdef, params)
     cache = init_cache(model.cfg, ids.shape[0])
@@ -138,7 +139,7 @@ def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_i
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     first = sample_next(last, jax.random.fold_in(key, 0), sampling)
     out = jnp.full((ids.shape[0], model.cfg.max_context), fill, jnp.int32).at[:, 0].set(first)
-    return DecodeState(jnp.int32(1), first, lengths, first == eos_id, out, cache)
+    return DecodeState(jnp.int32(1), first, lengths, is_eos(first, eos_id), out, cache)
 
 
 _SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -209,7 +210,7 @@ def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: Sampl
         token = sample_next(logits[:, 0], jax.random.fold_in(key, s.step), sampling)
         token = jnp.where(s.done, fill, token)
         out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))
-        return DecodeState(s.step + 1, token, s.index + 1, s.done | (token == eos_id), out, cache)
+        return DecodeState(s.step + 1, token, s.index + 1, s.done | is_eos(token, eos_id), out, cache)
 
     for width in windows:
         def cond(s: DecodeState, width=width):
@@ -240,26 +241,47 @@ def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
     sampling = make_sampling_params(len(ids), temperature, top_k, top_p, cfg.vocab_size)
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r} is not allowed: an integer in [0, 2**32)")
-    if eos_id is not None and not (isinstance(eos_id, (int, np.integer)) and 0 <= eos_id < cfg.vocab_size):
-        raise ValueError(f"eos_id={eos_id!r} is not allowed: None or a token id in [0, {cfg.vocab_size})")
-    eos = -1 if eos_id is None else int(eos_id)
-    return _Request(ids, lengths, single, sampling, jax.random.key(np.uint32(seed)), jnp.int32(eos),
-                    jnp.int32(max(eos, 0)), int(max_new_tokens))
+    eos = eos_array(eos_id, cfg.vocab_size)
+    return _Request(ids, lengths, single, sampling, jax.random.key(np.uint32(seed)), jnp.asarray(eos),
+                    jnp.int32(max(int(eos[0]), 0)), int(max_new_tokens))
+
+
+MAX_EOS_IDS = 8  # stop ids one call may give (a fixed [E] shape, so no id set compiles anything new)
+
+
+def eos_array(eos_id, vocab_size: int) -> np.ndarray:
+    """eos_id (None, one token id, or a sequence of up to MAX_EOS_IDS ids) as [E] int32, padded with -1.
+
+    Raises ValueError naming eos_id when an id is not an integer in [0, vocab_size) or there are too many.
+    """
+    given = [] if eos_id is None else [eos_id] if np.ndim(eos_id) == 0 else list(eos_id)
+    for value in given:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < vocab_size:
+            raise ValueError(f"eos_id={eos_id!r} is not allowed: None, a token id in [0, {vocab_size}) or a "
+                             f"list of up to {MAX_EOS_IDS} such ids")
+    if len(given) > MAX_EOS_IDS:
+        raise ValueError(f"eos_id has {len(given)} ids; at most {MAX_EOS_IDS}")
+    return np.array([int(v) for v in given] + [-1] * (MAX_EOS_IDS - len(given)), np.int32)
+
+
+def is_eos(token: jax.Array, eos_id: jax.Array) -> jax.Array:
+    """token: [B] int32; eos_id: [] or [E] int32 stop ids (-1 entries match nothing). Returns [B] bool."""
+    return jnp.any(token[:, None] == jnp.atleast_1d(eos_id)[None, :], axis=-1)
 
 
 def _finish(out: np.ndarray, req: _Request) -> GenerationResult:
     tokens = np.asarray(out)[:, : req.max_new_tokens]
-    eos = int(req.eos_id)
+    eos = [int(e) for e in np.asarray(req.eos_id) if e >= 0]
     lengths, reasons = [], []
     for row in tokens:
-        hits = np.flatnonzero(row == eos) if eos >= 0 else []
+        hits = np.flatnonzero(np.isin(row, eos))
         lengths.append(int(hits[0]) + 1 if len(hits) else len(row))
         reasons.append("stop" if len(hits) else "length")
     return GenerationResult(tokens, np.array(lengths, np.int32), reasons)
 
 
 def generate_result(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True,
-                    temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None,
+                    temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
                     mesh=None) -> GenerationResult:
     """Like :func:`generate` but always batched ([B, N] tokens) and with per-row lengths and finish reasons."""
     place_on_mesh(model, mesh)
@@ -309,7 +331,7 @@ def _check_paradigm_options(cfg, top_k, top_p, eos_id, diffusion: dict) -> None:
 
 
 def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True, temperature=0.0,
-             top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None, block_size: int | None = None,
+             top_k=0, top_p=1.0, seed: int = 0, eos_id=None, block_size: int | None = None,
              steps_per_block: int | None = None, threshold: float | None = None,
              refresh: str | None = None, mesh=None) -> np.ndarray:
     """Generate up to max_new_tokens for one prompt or a batch of prompts of different lengths.
@@ -325,12 +347,13 @@ def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = T
       use_cache: False recomputes the whole sequence for every token (same greedy tokens, much slower).
       temperature: float or one per row; 0 (or <= 1e-5) is greedy (argmax, ties to the lowest id).
       top_k: int or one per row; 0 = off.   top_p: float in (0, 1] or one per row; 1.0 = off.
-      seed: integer in [0, 2**32) for the sampling keys.   eos_id: a row stops after producing it.
+      seed: integer in [0, 2**32) for the sampling keys.
+      eos_id: a token id or a list of up to MAX_EOS_IDS ids; a row stops after producing any of them.
       mesh: a ``dantinox.make_mesh`` mesh: the parameters are sharded over it (in place, once) and the
         program runs on it (``docs/multi-device.md``). A model already sharded runs on its mesh anyway.
     Returns:
       int32 array of new tokens, [N] for a single prompt or [B, N] for a batch; after a row's EOS the
-      remaining positions hold eos_id.
+      remaining positions hold the first eos_id.
     Raises:
       ValueError: empty prompt or batch, ids outside the vocabulary, bad sampling settings, bad seed/eos_id,
         AR-only options (top_k, top_p, eos_id) on a diffusion model or diffusion options on an AR model.
@@ -354,8 +377,7 @@ def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = T
 
 
 def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: int = 8, temperature=0.0,
-                  top_k=0, top_p=1.0, seed: int = 0, eos_id: int | None = None, mesh=None
-                  ) -> Iterator[np.ndarray]:
+                  top_k=0, top_p=1.0, seed: int = 0, eos_id=None, mesh=None) -> Iterator[np.ndarray]:
     """Yield new tokens as they are produced, chunk_size decode steps at a time: arrays [B, n] int32
     (n <= chunk_size; the first chunk holds the prefill token too). Rows past their EOS yield eos_id.
     Same arguments, errors and tokens as :func:`generate` with use_cache=True."""
@@ -407,7 +429,7 @@ def recompute_segment(graphdef, params, state: RecomputeState, lengths, stop_ste
         token = jnp.where(s.done, fill, sample_next(last, jax.random.fold_in(key, s.step), sampling))
         seq = s.seq.at[rows, lengths + s.step].set(token, mode="drop")
         out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))
-        return RecomputeState(s.step + 1, seq, s.done | (token == eos_id), out)
+        return RecomputeState(s.step + 1, seq, s.done | is_eos(token, eos_id), out)
 
     return jax.lax.while_loop(cond, body, state)
 

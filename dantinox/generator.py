@@ -2,6 +2,7 @@
 
     gen = Generator("runs/my_run")          # loads config, weights and tokenizer; one warm-up generation
     gen.generate("Nel mezzo del cammin", max_new_tokens=200)
+    gen.chat([{"role": "user", "content": "What is the capital of France?"}])   # models with a chat template
     for piece in gen.stream("Nel mezzo", max_new_tokens=200):
         print(piece, end="", flush=True)
 
@@ -19,6 +20,8 @@ from typing import Iterator
 import numpy as np
 
 from .bundled_runs import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # noqa: F401 (re-exported)
+from .chat import load_chat_format, require_chat_format
+from .chat_template import ChatTemplateError
 from .compile_count import CompileCounter
 from .generate import bucket_length, generate_result, stream_tokens
 from .sharding import shard_model
@@ -71,7 +74,8 @@ class Generator:
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
       quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
         ``dantinox.weight_quant``.
-    Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter).
+    Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter),
+      chat_format (``dantinox.chat.ChatFormat``, or None when the run has no chat template).
     Raises: RunDirError for a missing or inconsistent run directory; MeshError when n_heads or mlp_hidden
     does not divide by the mesh's model axis; KVDtypeError for a kv_dtype outside the allowed set or one the
     model cannot hold (int8 for a diffusion model); ValueError for another quantize value.
@@ -88,6 +92,7 @@ class Generator:
         self.quantize = quantize
         quantize_weights(self.model, quantize)
         shard_model(self.model, mesh)
+        self.chat_format = load_chat_format(self.run_dir, self.tokenizer)
         self.warmup = CompileCounter()
         if warmup:
             self.warm_up()
@@ -150,3 +155,36 @@ class Generator:
         tail = decoder.flush()
         if tail:
             yield tail
+
+    def chat(self, messages, max_new_tokens: int = 256, *, system: str | None = None, temperature: float = 0.8,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
+        """The assistant's answer to a conversation, rendered with the model's chat template.
+
+        messages: a list of {"role": "system" | "user" | "assistant" | "tool", "content": str}, or one string
+          (a single user message). system: an optional system message put first.
+        Generation stops at any of the model's end-of-turn ids (``chat_format.stop_ids``) or after
+        max_new_tokens (cut to what is left of max_context); the answer excludes the stop token.
+        Raises NoChatTemplateError (the run has no template), ChatTemplateError naming ``messages[i].role`` /
+        ``.content``, ValueError / CapacityError as :meth:`generate`.
+        """
+        chat = require_chat_format(self.chat_format, self.run_dir)
+        ids = chat.prompt_ids(chat_messages(messages, system), self.tokenizer)
+        if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
+            max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
+        result = generate_result(self.model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, eos_id=list(chat.stop_ids) or None)
+        row, n = result.tokens[0], int(result.lengths[0])
+        if result.finish_reasons[0] == "stop":
+            n -= 1  # drop the end-of-turn token
+        return self.tokenizer.decode(row[:n].tolist())
+
+
+def chat_messages(messages, system: str | None = None) -> list:
+    """``messages`` as a list (one string becomes one user message), with ``system`` first when given."""
+    if isinstance(messages, str):
+        listed = [{"role": "user", "content": messages}]
+    elif isinstance(messages, (list, tuple)):
+        listed = list(messages)
+    else:
+        raise ChatTemplateError(f"messages={messages!r} is not allowed: a string or a list of messages")
+    return ([{"role": "system", "content": system}] if system is not None else []) + listed

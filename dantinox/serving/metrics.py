@@ -52,6 +52,7 @@ class ServerMetrics:
         object), "invalid_<field>" (a type error in one field, 422) and "unavailable" (503)."""
         if reason is None:
             field = getattr(err, "field", None)
+            field = field and field.split("[")[0].split(".")[0]  # messages[3].role -> messages: bounded labels
             reason = ("queue_full" if type(err).__name__ == "QueueFullError"
                       else f"invalid_{field}" if field else "invalid")
         self.rejections.labels(reason=reason).inc()

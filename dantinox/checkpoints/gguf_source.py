@@ -1,0 +1,203 @@
+"""Read a GGUF file (llama.cpp's single-file format) as a Hugging Face checkpoint: config, tensors, tokenizer.
+
+``read_gguf(path)`` returns the :class:`~dantinox.checkpoints.hf_dir.HFCheckpoint` a Hugging Face model
+directory of the same model would give:
+  config             the config.json dict of the matching transformers class (LlamaForCausalLM)
+  tensors            HF tensor names ("model.layers.0.self_attn.q_proj.weight") -> float32 [out, in] arrays
+  tokenizer_json     tokenizer.json text (``dantinox.checkpoints.gguf_tokenizer``)
+  chat_template      tokenizer.chat_template, or None
+  generation         bos_token_id / eos_token_id (tokenizer.ggml.*)
+so ``write_run_dir`` turns it into a run directory as it would a downloaded model (``dantinox import``).
+
+Tensors are dequantized with the ``gguf`` package's own ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K; whatever that package can dequantize). A GGUF tensor of
+logical shape [in, out] (ggml order, fastest dimension first) is the row-major array [out, in], which is
+already the HF / torch ``nn.Linear`` layout.
+
+RoPE layout. llama.cpp applies rotary embeddings to adjacent pairs (x[2i], x[2i+1]); HF Llama rotates halves
+(x[i], x[i + D/2]). Its converter (convert_hf_to_gguf.py, ``LlamaModel.permute``) therefore reorders the
+rows of q_proj and k_proj inside each head: HF row (h, j, r) with j in {0, 1} (which half), r < D/2 becomes
+GGUF row (h, r, j). :func:`unpermute_rope_rows` undoes it (as transformers does when it loads a GGUF file),
+so the tensors are exactly HF's.
+
+Errors: :class:`GGUFError` (a CheckpointError) with one line: not a GGUF file, corrupt or truncated, an
+architecture other than "llama", a tensor type the ``gguf`` package cannot dequantize (the tensor and type
+named), an unknown tensor name, a tensor whose shape disagrees with the metadata.
+Shape letters: E model width, F MLP width, H query heads, K KV heads, D head size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+
+from .errors import CheckpointError
+from .gguf_tokenizer import GGUFTokenizerError, tokenizer_json
+from .hf_dir import HFCheckpoint
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file that cannot be imported; the message names the file and the reason in one line."""
+
+
+def read_metadata(reader) -> dict:
+    """Every metadata key of a ``gguf.GGUFReader`` as plain Python (str, int, float, bool or lists of them)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def open_reader(path: str | os.PathLike):
+    """A ``gguf.GGUFReader`` for ``path``. Raises GGUFError for a missing, non-GGUF, corrupt or truncated file."""
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise GGUFError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as err:  # the reader raises ValueError, struct.error, IndexError... on damaged files
+        raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(err).__name__}: {err})") from None
+
+
+def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (adjacent RoPE pairs) to HF's (rotate-half).
+
+    weight: [heads * D, E] as stored in the GGUF file; heads: H for q_proj, K for k_proj.
+    Returns [heads * D, E] with row (h, j, r) = GGUF row (h, r, j) for j < 2, r < D / 2.
+    """
+    rows = weight.shape[0]
+    return (weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2)
+            .reshape(weight.shape))
+
+
+_BLOCK_NAMES = {  # GGUF name inside blk.N -> HF name inside model.layers.N
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """The HF Llama name of a GGUF tensor name ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj
+    .weight"); None for a name this mapping does not know."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    match = _BLOCK.match(name)
+    if match and match.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
+    return None
+
+
+def dequantize(tensor, path: str) -> np.ndarray:
+    """A GGUF tensor as float32 [rows, cols] (numpy order: the reverse of ggml's shape).
+
+    Raises GGUFError naming the tensor and its type when the ``gguf`` package cannot dequantize that type,
+    or when the values are not finite (a damaged file).
+    """
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    try:
+        array = np.asarray(gguf.quants.dequantize(tensor.data, qtype), np.float32)
+    except NotImplementedError:
+        raise GGUFError(f"{path}: tensor {tensor.name} has quantization type {qtype.name}, which the gguf "
+                        f"package cannot dequantize (supported here: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
+                        f"Q8_0, Q2_K..Q6_K)") from None
+    except Exception as err:
+        raise GGUFError(f"{path}: tensor {tensor.name} ({qtype.name}) cannot be read: {err}") from None
+    array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+    if not np.all(np.isfinite(array)):
+        raise GGUFError(f"{path}: tensor {tensor.name} holds non-finite values (NaN or inf); the file is damaged")
+    return array
+
+
+def llama_config(meta: dict, path: str, tied: bool) -> dict:
+    """The HF LlamaForCausalLM config.json of a GGUF file's ``llama.*`` metadata.
+
+    Raises GGUFError naming a missing key, or a rope scaling type other than none / linear.
+    """
+    def need(key):
+        if key not in meta:
+            raise GGUFError(f"{path}: metadata key {key!r} is missing")
+        return meta[key]
+
+    heads = int(need("llama.attention.head_count"))
+    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
+    dim = int(need("llama.embedding_length"))
+    head_dim = int(meta.get("llama.attention.key_length", meta.get("llama.rope.dimension_count", dim // heads)))
+    vocab = int(meta.get("llama.vocab_size", len(meta.get("tokenizer.ggml.tokens") or [])))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": dim, "intermediate_size": int(need("llama.feed_forward_length")),
+        "num_hidden_layers": int(need("llama.block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
+        "max_position_embeddings": int(need("llama.context_length")),
+        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": tied, "attention_bias": False, "mlp_bias": False, "rope_scaling": None,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("llama.rope.scaling.factor"))}
+    elif scaling != "none":
+        raise GGUFError(f"{path}: llama.rope.scaling.type={scaling!r} is not supported: 'none' or 'linear'")
+    return config
+
+
+def read_gguf(path: str | os.PathLike) -> HFCheckpoint:
+    """Read ``path`` (a .gguf file of a Llama-architecture model) as an HFCheckpoint.
+
+    Returns float32 tensors in HF layout and names (q/k rows un-permuted, see the module docstring).
+    Raises GGUFError / GGUFTokenizerError (both ValueError) with one line naming the problem.
+    """
+    path = os.fspath(path)
+    reader = open_reader(path)
+    try:
+        meta = read_metadata(reader)
+    except Exception as err:
+        raise GGUFError(f"{path}: corrupt GGUF metadata ({type(err).__name__}: {err})") from None
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path}: general.architecture={arch!r} is not supported: one of {SUPPORTED_ARCHITECTURES}")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFError(f"{path}: tensor rope_freqs.weight (per-frequency RoPE scaling, Llama 3.1 style) is not "
+                        "supported from GGUF; import the Hugging Face directory instead")
+    config = llama_config(meta, path, tied="output.weight" not in names)
+    tensors = {}
+    for tensor in reader.tensors:
+        hf_name = hf_tensor_name(tensor.name)
+        if hf_name is None:
+            raise GGUFError(f"{path}: unknown tensor {tensor.name!r} for a llama model")
+        array = dequantize(tensor, path)
+        if hf_name.endswith("q_proj.weight"):
+            array = unpermute_rope_rows(array, config["num_attention_heads"])
+        elif hf_name.endswith("k_proj.weight"):
+            array = unpermute_rope_rows(array, config["num_key_value_heads"])
+        tensors[hf_name] = array
+    try:
+        tok_json = tokenizer_json(meta)
+    except GGUFTokenizerError as err:
+        raise GGUFTokenizerError(f"{path}: {err}") from None
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+    return HFCheckpoint(config, tensors, tok_json, meta.get("tokenizer.chat_template"), generation)

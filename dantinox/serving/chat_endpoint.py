@@ -1,0 +1,224 @@
+"""OpenAI ``POST /v1/chat/completions`` for a model with a chat template.
+
+The conversation (``messages``) is rendered with the model's template (``dantinox.chat``), encoded, and run
+through the same worker, engine and per-choice text pipeline as ``/v1/completions`` (``dantinox.serving.
+server``): stop strings, n choices with seeds seed + i, streaming, client disconnects. What differs:
+  - each choice stops at the model's end-of-turn ids (the engine's ``stop_token_ids``); that token is counted
+    in usage but not shown in the answer;
+  - the answer is ``choices[i].message = {"role": "assistant", "content": text}``; streamed chunks are
+    ``chat.completion.chunk`` objects whose ``delta`` holds the role first, then content pieces, and a last
+    chunk per choice with an empty delta and the finish_reason;
+  - max_completion_tokens (or the older max_tokens; the former wins) defaults to what is left of the context.
+Supported fields: model, messages, max_tokens, max_completion_tokens, temperature (default 1.0), top_p, top_k
+(an extension), seed, stop, stream, stream_options.include_usage, n, user (ignored). Fields this server does
+not implement (tools, tool_choice, response_format, logprobs, top_logprobs, penalties, logit_bias) are rejected
+with 400 naming the field unless they hold their no-op value. A model without a template answers 400
+(param "model"), a message with an unknown role 400 naming ``messages[i].role``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import time
+import uuid
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from ..chat_template import ChatTemplateError
+from .protocol import MAX_CHOICES, MAX_STOP_STRINGS, error_body
+from .request import RequestError, SamplingOptions
+from .server import _Choice, _Completion, _next_event, _rejection
+
+# fields this endpoint does not implement -> the values that change nothing
+UNSUPPORTED_CHAT_FIELDS = {"tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
+                           "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0),
+                           "presence_penalty": (None, 0), "logit_bias": (None, {}), "functions": (None, []),
+                           "audio": (None,), "modalities": (None, ["text"])}
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    messages: list
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: StrictFloat | StrictInt = 1.0
+    top_p: StrictFloat | StrictInt = 1.0
+    top_k: StrictInt = 0
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: dict | None = None
+    n: StrictInt = 1
+
+    def check_supported(self) -> None:
+        """Raise RequestError naming the field for n, seed, stop or an unimplemented OpenAI field."""
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise RequestError("n", f"n={self.n} is not allowed: an integer in [1, {MAX_CHOICES}]")
+        for name, no_op in UNSUPPORTED_CHAT_FIELDS.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and not any(_same(value, v) for v in no_op if v is not None):
+                raise RequestError(name, f"{name}={value!r} is not supported by this server")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise RequestError("seed", f"seed={self.seed} is not allowed: null or an integer in [0, 2**32)")
+        stops = self.stop_strings()
+        if len(stops) != len([self.stop] if isinstance(self.stop, str) else list(self.stop or [])):
+            raise RequestError("stop", f"stop={self.stop!r} is not allowed: stop strings must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise RequestError("stop", f"{len(stops)} stop strings given; at most {MAX_STOP_STRINGS}")
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    @property
+    def logprobs(self):  # read by the shared per-choice pipeline; chat answers carry no logprobs
+        return None
+
+    def token_limit(self) -> tuple[str, int | None]:
+        """(field name, value) of the completion token limit: max_completion_tokens, else max_tokens."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+
+def _same(value, no_op) -> bool:
+    """value == no_op, where true/false never stand for 1/0."""
+    return value == no_op and isinstance(value, bool) == isinstance(no_op, bool)
+
+
+class _ChatChoice(_Choice):
+    """A completion choice that hides the end-of-turn tokens from the text (they still count as tokens)."""
+
+    def __init__(self, index: int, rid: str, tokenizer, stops: list[str], hidden: tuple):
+        super().__init__(index, rid, tokenizer, stops, None)
+        self.hidden = set(hidden)
+
+    def push(self, out):
+        shown = [t for t in out.new_token_ids if t not in self.hidden]
+        text = super().push(dataclasses.replace(out, new_token_ids=shown, logprobs=None))
+        self.completion_tokens += len(out.new_token_ids) - len(shown)
+        return text
+
+
+class _ChatCompletion(_Completion):
+    """One accepted chat request of n choices -> a ``chat.completion`` body or ``chat.completion.chunk`` events."""
+
+    def __init__(self, service, cid, rids, prompt_tokens, body: ChatCompletionRequest, events, hidden: tuple):
+        super().__init__(service, cid, rids, prompt_tokens, body, events)
+        self.choices = [_ChatChoice(i, rid, service.tokenizer, body.stop_strings(), hidden)
+                        for i, rid in enumerate(rids)]
+        self.by_rid = {c.rid: c for c in self.choices}
+
+    def _object(self, kind: str, choices: list, usage: dict | None) -> dict:
+        body = {"id": self.cid, "object": kind, "created": int(time.time()), "model": self.service.model_name,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    async def respond(self, request: HttpRequest):
+        texts = {c.index: "" for c in self.choices}
+        async for choice, text in self.pieces(request):
+            texts[choice.index] += text
+        failed = next((c for c in self.choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            return JSONResponse(error_body(failed.error or "generation failed", None, "server_error"),
+                                status_code=500)
+        if any(c.finish_reason is None for c in self.choices):
+            return JSONResponse(error_body("client disconnected", None), status_code=499)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
+                    "logprobs": None, "finish_reason": c.finish_reason} for c in self.choices]
+        return JSONResponse(self._object("chat.completion", choices, self._usage()))
+
+    def _chunk(self, index: int, delta: dict, finish_reason: str | None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return _event(self._object("chat.completion.chunk", [choice], None))
+
+    async def sse(self, request: HttpRequest | None = None):
+        try:
+            for choice in self.choices:
+                yield self._chunk(choice.index, {"role": "assistant", "content": ""}, None)
+            async for choice, text in self.pieces(request):  # with request: disconnects noticed (K10)
+                if text:
+                    yield self._chunk(choice.index, {"content": text}, None)
+                if not choice.done:
+                    continue
+                if choice.finish_reason == "error":
+                    yield _event(error_body(choice.error or "generation failed", None, "server_error"))
+                else:
+                    yield self._chunk(choice.index, {}, choice.finish_reason)
+            if self.body.include_usage():
+                yield _event(self._object("chat.completion.chunk", [], self._usage()))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not self.done:
+                self._abort()
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def add_chat_route(app, service, chat_format) -> None:
+    """Register ``POST /v1/chat/completions`` on ``app``. service: the app's completions service (worker,
+    tokenizer, model name, max_context); chat_format: a ``dantinox.chat.ChatFormat`` or None (then every chat
+    request answers 400 naming the reason)."""
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: HttpRequest):
+        if not service.worker.alive:
+            service.metrics.rejected(reason="unavailable")
+            return JSONResponse(error_body("the engine is not running", None, "server_error"), status_code=503)
+        try:
+            prompt_ids, options = _prepare(service, chat_format, body)
+        except RequestError as err:
+            service.metrics.rejected(err)
+            return JSONResponse(error_body(str(err), err.field), status_code=400)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        rids = [f"{cid}-{i}" for i in range(body.n)]
+        events: asyncio.Queue = asyncio.Queue()
+        service.worker.submit(rids, prompt_ids, options, asyncio.get_running_loop(), events)
+        first = await _next_event(events, service.worker)
+        if first[0] == "dead":
+            service.metrics.rejected(reason="unavailable")
+            return JSONResponse(error_body(first[1], None, "server_error"), status_code=503)
+        if first[0] == "rejected":
+            return _rejection(first[1])
+        session = _ChatCompletion(service, cid, rids, len(prompt_ids), body, events, chat_format.stop_ids)
+        if body.stream:
+            return StreamingResponse(session.sse(request), media_type="text/event-stream")
+        return await session.respond(request)
+
+
+def _prepare(service, chat_format, body: ChatCompletionRequest) -> tuple[list[int], list[SamplingOptions]]:
+    """(prompt ids, one SamplingOptions per choice). Raises RequestError naming the field."""
+    if chat_format is None:
+        raise RequestError("model", f"model {service.model_name!r} has no chat template, so it cannot answer "
+                           "chat requests: use /v1/completions with a plain prompt")
+    body.check_supported()
+    if body.model is not None and body.model != service.model_name:
+        raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
+                           f"{service.model_name!r}")
+    try:
+        prompt_ids = chat_format.prompt_ids(body.messages, service.tokenizer)
+    except ChatTemplateError as err:
+        raise RequestError(err.field, str(err)) from None
+    field, limit = body.token_limit()
+    if limit is None:
+        limit = max(1, service.max_context - len(prompt_ids))
+    elif limit < 1:
+        raise RequestError(field, f"{field}={limit} is not allowed: an integer >= 1")
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
+    return prompt_ids, [SamplingOptions(max_new_tokens=limit, temperature=body.temperature, top_k=body.top_k,
+                                        top_p=body.top_p, seed=(seed + i) % 2**32,
+                                        stop_token_ids=tuple(chat_format.stop_ids)) for i in range(body.n)]

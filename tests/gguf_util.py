@@ -1,0 +1,104 @@
+"""A tiny Llama GGUF file written with the gguf package the way llama.cpp's converter writes one: HF-layout
+tensors, q/k rows permuted to llama.cpp's RoPE pair order, chosen quantization types, and the tokenizer as
+metadata (a byte-level BPE trained here, with the ChatML markers as control tokens)."""
+
+import json
+
+import gguf
+import numpy as np
+from gguf.quants import quantize
+
+from dantinox.train import train_tokenizer
+from chat_util import CHATML, MARKERS, TEXT
+
+DIM, HEADS, KV_HEADS, HEAD, FFN, BLOCKS = 64, 4, 2, 16, 96, 2
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: HF row (h, j, r) (j: which half of the head) goes to (h, r, j)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_tokenizer_meta():
+    """(tokens, merges, token types) of a BPE trained on TEXT plus the two ChatML markers (type 3)."""
+    hf = train_tokenizer(TEXT, "bpe", 260).hf
+    model = json.loads(hf.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])] + list(MARKERS)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, merges, [1] * (len(tokens) - len(MARKERS)) + [3] * len(MARKERS)
+
+
+def hf_tensors(vocab: int, seed: int = 0) -> dict:
+    """Random HF Llama tensors ([out, in] layout) for the tiny shape, float32."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (rng.standard_normal(shape) * 0.3).astype(np.float32)  # noqa: E731
+    out = {"model.embed_tokens.weight": w(vocab, DIM), "model.norm.weight": 1 + w(DIM),
+           "lm_head.weight": w(vocab, DIM)}
+    for i in range(BLOCKS):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": 1 + w(DIM), p + "post_attention_layernorm.weight": 1 + w(DIM),
+                    p + "self_attn.q_proj.weight": w(HEADS * HEAD, DIM),
+                    p + "self_attn.k_proj.weight": w(KV_HEADS * HEAD, DIM),
+                    p + "self_attn.v_proj.weight": w(KV_HEADS * HEAD, DIM),
+                    p + "self_attn.o_proj.weight": w(DIM, HEADS * HEAD),
+                    p + "mlp.gate_proj.weight": w(FFN, DIM), p + "mlp.up_proj.weight": w(FFN, DIM),
+                    p + "mlp.down_proj.weight": w(DIM, FFN)})
+    return out
+
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, i, rest = hf.split(".", 3)
+    return f"blk.{i}.{GGUF_NAMES[rest[: -len('.weight')]]}.weight"
+
+
+def write_tiny_gguf(path, qtype=gguf.GGMLQuantizationType.F32, arch: str = "llama", raw_override=None) -> dict:
+    """Write the tiny model to ``path``; matrices in ``qtype`` (norms stay F32). raw_override: (GGUF tensor
+    name, raw qtype) whose bytes are written as that type unchanged. Returns the HF tensors it started from."""
+    tokens, merges, types = tiny_tokenizer_meta()
+    tensors = hf_tensors(len(tokens))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(BLOCKS)
+    w.add_context_length(128)
+    w.add_embedding_length(DIM)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HEAD)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_eos_token_id(tokens.index(MARKERS[1]))
+    w.add_bos_token_id(tokens.index(MARKERS[0]))
+    w.add_chat_template(CHATML)
+    for name, array in tensors.items():
+        if name.endswith("q_proj.weight"):
+            array = llama_cpp_permute(array, HEADS)
+        elif name.endswith("k_proj.weight"):
+            array = llama_cpp_permute(array, KV_HEADS)
+        target = gguf_name(name)
+        if raw_override and raw_override[0] == target:
+            block, size = gguf.GGML_QUANT_SIZES[raw_override[1]]
+            w.add_tensor(target, np.zeros((array.shape[0], array.shape[1] // block * size), np.uint8),
+                         raw_dtype=raw_override[1])
+        elif array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(target, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(target, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tensors

@@ -1,0 +1,87 @@
+"""Chat: templates rendered as transformers does, Generator.chat stopping at any end-of-turn id, and
+`dantinox generate --chat` (with its errors: no template, unknown role, flags that exclude each other)."""
+
+import numpy as np
+import pytest
+
+import dantinox as dx
+from dantinox import cli
+from dantinox.chat_template import ChatTemplate, ChatTemplateError
+from dantinox.generator import Generator
+from chat_util import CHATML, save_tiny_chat_run
+
+QUESTION = [{"role": "system", "content": "Sei Virgilio."}, {"role": "user", "content": "Dove siamo?"}]
+
+
+def test_template_renders_like_transformers_environment():
+    t = ChatTemplate(CHATML)
+    assert t.render(QUESTION) == ("<|im_start|>system\nSei Virgilio.<|im_end|>\n<|im_start|>user\nDove siamo?"
+                                  "<|im_end|>\n<|im_start|>assistant\n")
+    assert t.render(QUESTION, add_generation_prompt=False).endswith("Dove siamo?<|im_end|>\n")
+    # trim_blocks / lstrip_blocks: a block tag's own line and indentation leave nothing behind
+    blocks = ChatTemplate("{% for m in messages %}\n  {% if loop.index > 1 %}{% break %}{% endif %}\n"
+                          "{{ m['content'] }}|{{ eos_token }}{% endfor %}", {"eos_token": "</s>"})
+    assert blocks.render(QUESTION) == "Sei Virgilio.|</s>"
+    assert ChatTemplate("{{ messages | tojson }}").render([{"role": "user", "content": "ché"}]) == \
+        '[{"role": "user", "content": "ché"}]'
+
+
+def test_template_errors_name_the_field():
+    t = ChatTemplate(CHATML)
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.role='wizard'"):
+        t.render([{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}])
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content=3"):
+        t.render([{"role": "user", "content": 3}])
+    with pytest.raises(ChatTemplateError, match="refused the conversation: boom"):
+        ChatTemplate("{{ raise_exception('boom') }}").render(QUESTION)
+    with pytest.raises(ChatTemplateError, match="does not parse"):
+        ChatTemplate("{% for %}")
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+    return save_tiny_chat_run(tmp_path_factory.mktemp("chat") / "tiny-chat")
+
+
+def test_generator_chat_stops_at_any_end_of_turn_id(tmp_path):
+    base = Generator(save_tiny_chat_run(tmp_path / "probe"), warmup=False)
+    ids = base.chat_format.prompt_ids(QUESTION, base.tokenizer)
+    free = np.asarray(dx.generate(base.model, ids, 20))  # no stop ids: the reference continuation
+    stop = int(free[5])  # a token the greedy continuation produces: make it end the turn
+    first = int(np.flatnonzero(free == stop)[0])
+    gen = Generator(save_tiny_chat_run(tmp_path / "stops", eos_ids=[stop, 0]), warmup=False)
+    assert set(gen.chat_format.stop_ids) == {stop, 0, gen.tokenizer.hf.token_to_id("<|im_end|>")}
+    answer = gen.chat(QUESTION, 20, temperature=0)
+    hits = [i for i, t in enumerate(free.tolist()) if t in gen.chat_format.stop_ids]
+    assert hits[0] <= first
+    assert answer == gen.tokenizer.decode(free[: hits[0]].tolist())
+    assert gen.chat("Dove siamo?", 20, system="Sei Virgilio.", temperature=0) == answer
+
+
+def test_generate_chat_cli(chat_run, capsys):
+    assert cli.main(["generate", "--run_dir", chat_run, "--chat", "Dove siamo?", "--system", "Sei Virgilio.",
+                     "--temperature", "0", "--max_new_tokens", "12"]) == 0
+    want = Generator(chat_run, warmup=False).chat(QUESTION, 12, temperature=0)
+    assert capsys.readouterr().out == want + "\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chat", ""], "--chat is empty"),
+    (["--chat", "ciao", "--prompt", "x"], "--prompt and --chat exclude each other"),
+    (["--prompt", "Nel", "--system", "x"], "--system needs --chat"),
+    (["--chat", "ciao", "--max_new_tokens", "0"], "--max_new_tokens 0"),
+    (["--chat", "ciao", "--stream"], "--stream is not supported with --chat"),
+])
+def test_generate_chat_cli_bad_flags(chat_run, capsys, argv, message):
+    assert cli.main(["generate", "--run_dir", chat_run, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_chat_without_template_exits_2(tmp_path, capsys):
+    run = save_tiny_chat_run(tmp_path / "plain", template=None)
+    assert cli.main(["generate", "--run_dir", run, "--chat", "ciao"]) == 2
+    err = capsys.readouterr().err
+    assert "has no chat template" in err and err.count("\n") == 1
+    with pytest.raises(ValueError, match="has no chat template"):
+        Generator(run, warmup=False).chat("ciao")
