@@ -2,13 +2,17 @@
 
   dantinox eval [--run_dir R] --slice NAME=FILE [--slice NAME=FILE ...] [--kv-dtype D] [--quantize Q]
                 [--baseline default] [--gate GATE.yaml] [--json OUT] [--prefix P] [--batch B] [--prompts N]
-                [--prompt-tokens T] [--continuation C]
+                [--prompt-tokens T] [--continuation C] [--mesh data=D,model=M]
+                [--coordinator HOST:PORT --num-processes N --process-id I]
 
 Walkthrough:
   1. Every flag and slice file is checked first (missing, not UTF-8, empty, a bad NAME=FILE, a gate file naming
-     an unknown slice or metric): one line on stderr, exit status 2.
+     an unknown slice or metric, a --mesh that does not parse or does not match the device count): one line on
+     stderr, exit status 2.
   2. The run is loaded twice: the baseline ("default": the run as saved, float32 weights and its own cache
-     dtype) and the candidate (the cache dtype of --kv-dtype, then the weights of --quantize).
+     dtype) and the candidate (the cache dtype of --kv-dtype, then the weights of --quantize). With --mesh both
+     are then sharded over the mesh (``dantinox.sharding.shard_model``, as generate and verify do; heads not
+     divisible by model: exit 2 naming --mesh) and every figure is measured on it (docs/multi-device.md).
   3. Each slice is tokenized with the run's tokenizer (characters outside a char vocabulary become <unk>) and
      measured by ``dantinox.quality.slice_quality``: teacher-forced nats per character through the cache,
      greedy agreement with the baseline, largest |logit difference|. A tqdm bar on stderr counts the batches.
@@ -26,7 +30,9 @@ import re
 import sys
 import tempfile
 
+from .distributed import add_distributed_arguments
 from .kv_dtype import parse_kv_dtype
+from .mesh import add_mesh_argument, mesh_from_flag, mesh_shape, naming_flag
 from .quality_gate import GATE_METRICS, check_gate, gate_passes, gate_value, load_gate
 from .weight_quant import add_quantize_argument, check_quantize, quantize_weights
 
@@ -50,6 +56,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=8, help="greedy prompts per slice")
     p.add_argument("--prompt-tokens", type=int, default=32, help="tokens per greedy prompt")
     p.add_argument("--continuation", type=int, default=32, help="greedy tokens compared per prompt")
+    add_mesh_argument(p)
+    add_distributed_arguments(p)
 
 
 def parse_slices(specs: list[str]) -> dict[str, str]:
@@ -172,7 +180,10 @@ def run_eval(args) -> int:
     from .generator import bundled_run_dir
     from .train.run_dir import load_run
 
+    from .sharding import shard_model
+
     check_eval_args(args)
+    mesh = mesh_from_flag(args.mesh)
     texts = parse_slices(args.slices)
     gate = load_gate(args.gate, list(texts)) if args.gate else {}
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
@@ -183,15 +194,19 @@ def run_eval(args) -> int:
         raise ValueError(f"--run_dir {run_dir} holds a paradigm={cfg.paradigm!r} model; eval measures "
                          "autoregressive models (teacher forcing through the causal cache)")
     candidate = candidate_model(load_run(run_dir)[0], args.kv_dtype, args.quantize)
+    with naming_flag(args.mesh):  # after --kv-dtype and --quantize, as generate and verify
+        shard_model(baseline, mesh)
+        shard_model(candidate, mesh)
     rows = measure(args, texts, baseline, candidate, tokenizer)
     print(f"{run_dir}: baseline {args.baseline} (weights float32, cache {cfg.cache_dtype}); candidate weights "
-          f"{args.quantize or 'float32'}, cache {candidate.cfg.cache_dtype}")
+          f"{args.quantize or 'float32'}, cache {candidate.cfg.cache_dtype}"
+          f"{'' if mesh is None else f'; on the mesh {args.mesh}'}")
     print(format_table(rows, gate))
     failures = check_gate(gate, rows)
     if args.json:
         write_json_atomic(args.json, dict(run_dir=run_dir, baseline=args.baseline, kv_dtype=candidate.cfg.cache_dtype,
-                                          quantize=args.quantize, slices=rows, gate=gate, failures=failures,
-                                          gate_metrics=list(GATE_METRICS)))
+                                          quantize=args.quantize, mesh=mesh_shape(mesh), slices=rows, gate=gate,
+                                          failures=failures, gate_metrics=list(GATE_METRICS)))
     for failure in failures:
         print(f"dantinox eval: gate failed: {failure}", file=sys.stderr)
     return 1 if failures else 0

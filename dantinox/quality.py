@@ -19,6 +19,10 @@ quantized cache or quantized weights):
   max_logit_diff  the largest |candidate logit - baseline logit| over every teacher-forced position and
                   vocabulary entry (float32 logits).
 
+A model whose parameters are on a mesh (``dantinox.sharding.shard_model``) is measured on that mesh: its
+teacher-forced calls run with the mesh in scope, so the cache is split as ``dantinox.sharding.cache_specs``
+says, and the greedy prompts run through ``generate_result``, which does the same.
+
 Shape letters: B windows per batch, S window length (max_context), P prefix, V vocabulary, N stream tokens.
 """
 
@@ -33,7 +37,9 @@ import numpy as np
 from flax import nnx
 
 from .cache import init_cache
+from .distributed import to_host
 from .generate import generate_result
+from .mesh import mesh_of, mesh_scope
 
 
 class SliceQuality(NamedTuple):
@@ -115,18 +121,26 @@ def _nll(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> float:
 
 def teacher_forced(baseline, candidate, ids: np.ndarray, prefix: int, batch: int,
                    tick: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
-    """(baseline summed NLL, candidate summed NLL, largest |logit diff|) over the stream ids [N] (nats)."""
+    """(baseline summed NLL, candidate summed NLL, largest |logit diff|) over the stream ids [N] (nats).
+    Each model runs on the mesh its parameters are on (``dantinox.mesh.mesh_of``), or on one device."""
     S = baseline.cfg.max_context
     split = [nnx.split(m) for m in (baseline, candidate)]
     nll = [0.0, 0.0]
     diff = 0.0
     for rows, mask in _batches(np.asarray(ids), S, batch):
-        outs = [np.asarray(teacher_forced_logits(g, p, jnp.asarray(rows), prefix)) for g, p in split]
+        outs = [_logits_on_mesh(g, p, rows, prefix) for g, p in split]
         for i, out in enumerate(outs):
             nll[i] += _nll(out, rows[:, 1:], mask)
         diff = max(diff, float(np.abs(outs[0] - outs[1]).max(-1)[mask].max(initial=0.0)))
         tick()
     return nll[0], nll[1], diff
+
+
+def _logits_on_mesh(graphdef, params, rows: np.ndarray, prefix: int) -> np.ndarray:
+    """:func:`teacher_forced_logits` with the parameters' mesh in scope (none: one device), gathered
+    to this host (``dantinox.distributed.to_host``: other processes' shards too)."""
+    with mesh_scope(mesh_of(params)):
+        return to_host(teacher_forced_logits(graphdef, params, jnp.asarray(rows), prefix))
 
 
 def greedy_agreement(baseline, candidate, ids: np.ndarray, prompts: int, prompt_tokens: int,

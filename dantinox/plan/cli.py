@@ -1,7 +1,8 @@
 """``dantinox plan``: the capacity plan, and its steps as subcommands.
 
   dantinox plan trace    --out T.jsonl --requests N --rate R [--arrivals poisson|gamma] [--rare-file F] [--seed S]
-  dantinox plan profile  [--run_dir R] [--kv-dtype D] [--quantize Q] --out profile.json
+  dantinox plan profile  [--run_dir R] [--kv-dtype D] [--quantize Q] [--mesh data=D,model=M] --out profile.json
+                         [--coordinator HOST:PORT --num-processes N --process-id I]
   dantinox plan simulate --trace T --config C.yaml [--profile P] [--slo ...] [--out M.json]
   dantinox plan replay   --trace T --config C.yaml [--profile P] [--out M.json]
   dantinox plan gate     --candidate plan.json --last-good plan.json
@@ -19,6 +20,8 @@ import json
 import os
 import sys
 
+from ..distributed import add_distributed_arguments
+from ..mesh import add_mesh_argument, mesh_from_flag, naming_flag
 from ..train.checkpoint import atomic_write_bytes
 
 
@@ -54,6 +57,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--quantize", default="none")
     pr.add_argument("--repeats", type=int, default=15, help="timed runs per call (median)")
     pr.add_argument("--out", required=True)
+    add_mesh_argument(pr)
+    add_distributed_arguments(pr)
     pr.set_defaults(func=run_profile_cmd)
     for name, func in (("simulate", run_simulate_cmd), ("replay", run_replay_cmd)):
         s = sub.add_parser(name, help=f"{name} a trace for one candidate configuration")
@@ -98,11 +103,13 @@ def run_trace_cmd(args) -> int:
     return 0
 
 
-def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=15) -> dict:
+def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=15, mesh=None, mesh_flag=None) -> dict:
     from .profile import take_profile
 
-    print(f"profiling kv_dtype={kv_dtype} quantize={quantize} ...", file=sys.stderr)
-    return take_profile(run_dir, model, cfg, kv_dtype, quantize, repeats)
+    print(f"profiling kv_dtype={kv_dtype} quantize={quantize}{f' mesh {mesh_flag}' if mesh else ''} ...",
+          file=sys.stderr)
+    with naming_flag(mesh_flag):
+        return take_profile(run_dir, model, cfg, kv_dtype, quantize, repeats, mesh)
 
 
 def run_profile_cmd(args) -> int:
@@ -110,8 +117,13 @@ def run_profile_cmd(args) -> int:
     from .inputs import load_model
     from .report import bottleneck_markdown
 
+    from ..sharding import check_model_fits
+
+    mesh = mesh_from_flag(args.mesh)   # docs/multi-device.md; the profile records its shape
     run_dir, model, cfg, _ = load_model(args.run_dir)
-    prof = _profile(run_dir, model, cfg, args.kv_dtype, args.quantize, args.repeats)
+    with naming_flag(args.mesh):       # heads or MLP width not dividing over model: before any timing
+        check_model_fits(cfg, mesh)
+    prof = _profile(run_dir, model, cfg, args.kv_dtype, args.quantize, args.repeats, mesh, args.mesh)
     _write(args.out, _json_bytes(prof))
     md = ["# Bottleneck report", ""] + bottleneck_markdown(prof["bottleneck"], prof["rates"])
     _write(os.path.splitext(args.out)[0] + "_bottleneck.md", ("\n".join(md) + "\n").encode())

@@ -10,6 +10,12 @@ read) and its FLOPs would take at those rates: the bottleneck report.
 profile.json records the model digest (sha256 of its weights file), its config, the dantinox version and
 the engine configuration; ``check_profile`` refuses a profile of another model or version, naming what
 differs. The machine is recorded but not checked: a profile from another machine may be used unchanged.
+
+A profile is per-machine data, and with ``mesh`` per mesh shape too: the engine is then the
+``ShardedPagedEngine`` over that mesh (parameters sharded after the variant's kv_dtype and quantize are
+applied), every call is timed with the mesh in scope, so the times include the collectives, and
+profile.json records ``"mesh": {"data": D, "model": M}`` and the device count under "machine". Like the
+machine, the mesh is recorded, not checked: a profile is only meaningful for the mesh it names.
 """
 
 from __future__ import annotations
@@ -223,19 +229,24 @@ def model_identity(run_dir: str, cfg) -> dict:
 
 
 def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: str = "none",
-                 repeats: int = 15) -> dict:
-    """Profile the model's engine at block size 16 (decode buckets up to 16 rows, chunks up to 64 tokens).
-    Returns the profile dict (JSON-ready): identity, machine, rates, points, cost model, bottleneck rows.
-    Raises ValueError for a kv_dtype / quantize this version cannot build."""
+                 repeats: int = 15, mesh=None) -> dict:
+    """Profile the model's engine at block size 16 (decode buckets up to 16 rows, chunks up to 64 tokens),
+    on ``mesh`` (a jax Mesh from ``dantinox.mesh.make_mesh``) when given, else on one device.
+    Returns the profile dict (JSON-ready): identity, machine, mesh, rates, points, cost model, bottleneck rows.
+    Raises ValueError for a kv_dtype / quantize this version cannot build, MeshError (a ValueError) when the
+    model does not divide over the mesh."""
+    from ..mesh import mesh_scope, mesh_shape
     from ..planner import kv_bytes_per_token, param_bytes
     from ..serving.engine import EngineConfig, PagedEngine
+    from ..serving.sharded_engine import ShardedPagedEngine
     from .variants import apply_variant
 
     model, cfg = apply_variant(model, cfg, kv_dtype, quantize)
-    engine = PagedEngine(model, EngineConfig(block_size=16, max_running=16, max_batched_tokens=64,
-                                             num_blocks=64, max_decode_steps=8))
-    points = time_engine(engine, repeats)
-    points["forward_overhead"], points["scale"] = calibrate_steps(engine, fit_cost_model(points, 16))
+    config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, num_blocks=64, max_decode_steps=8)
+    engine = PagedEngine(model, config) if mesh is None else ShardedPagedEngine(model, config, mesh)
+    with mesh_scope(mesh):  # the engine's own steps enter it too; the direct calls below need it
+        points = time_engine(engine, repeats)
+        points["forward_overhead"], points["scale"] = calibrate_steps(engine, fit_cost_model(points, 16))
     rates = machine_rates()
     weights = param_bytes(model)
     n_params = param_bytes(dataclasses.replace(cfg, cache_dtype="float32")) // 4   # float32 build: 4 B each
@@ -243,7 +254,9 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     return {"format": PROFILE_FORMAT, "identity": model_identity(run_dir, cfg), "kv_dtype": kv_dtype,
             "quantize": quantize, "block_size": 16,
             "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "device": str(jax.devices()[0].device_kind), "cpus": os.cpu_count()},
+                        "device": str(jax.devices()[0].device_kind), "cpus": os.cpu_count(),
+                        "devices": jax.device_count()},
+            "mesh": mesh_shape(mesh),
             "rates": rates, "points": points, "cost_model": fit_cost_model(points, 16).to_dict(),
             "bottleneck": bottleneck_rows(cfg, points, rates, weights, kv_bpt, 16, n_params)}
 
