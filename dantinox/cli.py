@@ -8,7 +8,7 @@
                     [--refresh block|prompt_once|step] [--kv-dtype int8] [--quantize bf16|int8]
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--kv-dtype int8]
                     [--quantize bf16|int8]
-  (generate, verify, train: [--mesh data=D,model=M] shards over D x M devices, and
+  (generate, verify, train, eval, plan profile: [--mesh data=D,model=M] shards over D x M devices, and
    [--coordinator HOST:PORT --num-processes N --process-id I] joins N processes into one mesh;
    docs/multi-device.md)
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
