@@ -42,3 +42,14 @@ def test_mesh_error_names_the_flag_once():
             mesh_from_flag("data=3,model=5")
     assert str(info.value).count("--mesh 'data=3,model=5'") == 1
     assert "15 devices" in str(info.value)
+
+
+def test_import_into_an_unwritable_place_names_out(tmp_path, capsys):
+    import os
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = str(blocker / "run")                       # its parent is a file: the directory cannot be made
+    source = os.path.join(os.path.dirname(__file__), "fixtures", "parity", "qwen2")
+    line = _one_error_line(capsys, ["import", source, "--out", out])
+    assert line.startswith(f"dantinox import: error: --out {out}: cannot create the run directory there")
+    assert os.listdir(tmp_path) == ["a-file"]                 # no temporary directory left behind
