@@ -39,7 +39,8 @@ from .sampling import make_sampling_params
 from .sharding import shard_model
 from .weight_quant import add_quantize_argument, check_quantize, quantize_weights
 
-USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError)
+USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+               PermissionError)
 DEFAULT_NEW_TOKENS = 200
 
 
@@ -330,11 +331,41 @@ def main(argv: list[str] | None = None) -> int:
         from .cli_flags import in_flags, option_names, subcommand_parser
 
         flags = option_names(subcommand_parser(parser, args.command) or parser)
-        print(f"dantinox {args.command}: error: {in_flags(str(err), flags)}", file=sys.stderr)
+        message = in_flags(_error_text(err, args, _all_option_names(subcommand_parser(parser, args.command))), flags)
+        print(f"dantinox {args.command}: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         _silence_stdout()
         return SIGPIPE_STATUS
+
+
+def _error_text(err: Exception, args: argparse.Namespace, flags: dict[str, str]) -> str:
+    """The message of a user error as one line: an OS error about a file (``[Errno 2] No such file ...``)
+    names the flag whose value is that file; a multi-line message (a YAML parser's) is joined into one."""
+    text = str(err)
+    filename = getattr(err, "filename", None)
+    if isinstance(err, OSError) and filename is not None and text.startswith("[Errno"):
+        flag = next((flags[dest] for dest, value in vars(args).items()
+                     if dest in flags and (value == filename or (isinstance(value, list) and filename in value))),
+                    None)
+        reason = err.strerror or type(err).__name__
+        text = f"{flag} {filename}: {reason}" if flag else f"{filename}: {reason}"
+    return " ".join(line.strip() for line in text.splitlines() if line.strip() not in ("", "^"))
+
+
+def _all_option_names(parser: argparse.ArgumentParser | None) -> dict[str, str]:
+    """{destination: option as typed} of ``parser`` and of its own subcommands (``plan gate --candidate``)."""
+    from .cli_flags import option_names
+
+    if parser is None:
+        return {}
+    out = {}
+    for action in parser._actions:  # argparse keeps no public list of a parser's subcommands
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out.update(_all_option_names(sub))
+    out.update(option_names(parser))
+    return out
 
 
 def _silence_stdout() -> None:

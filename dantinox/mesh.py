@@ -78,7 +78,7 @@ def mesh_from_flag(text: str | None, flag: str = "--mesh") -> Mesh | None:
     try:
         return make_mesh(**sizes)
     except MeshError as err:
-        raise MeshError(f"{flag} {text!r}: {err}") from None
+        raise _with_flag(err, flag, text) from None
 
 
 def mesh_shape(mesh: Mesh | None) -> dict[str, int]:
@@ -123,4 +123,11 @@ def naming_flag(text: str | None, flag: str = "--mesh"):
     try:
         yield
     except MeshError as err:
-        raise MeshError(f"{flag} {text!r}: {err}") from None
+        raise _with_flag(err, flag, text) from None
+
+
+def _with_flag(err: MeshError, flag: str, text: str | None) -> MeshError:
+    """``err`` with ``flag`` and its value in front, once (an error that already names them is kept as is)."""
+    prefix = f"{flag} {text!r}: "
+    message = str(err)
+    return MeshError(message if message.startswith(prefix) else prefix + message)

@@ -100,6 +100,8 @@ def test_chat_stops_at_end_of_turn_id(tmp_path):
     ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
     ({"messages": MESSAGES, "n": 0}, "n", "n=0"),
     ({"messages": MESSAGES, "model": "other"}, "model", "not served here"),
+    ({"messages": [{"role": "user", "content": "Dove siamo? " * 40}]}, "messages",  # over the context of 96
+     "after the chat template, the prompt has"),
 ])
 def test_chat_bad_requests_name_the_field(server, body, field, text):
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)

@@ -28,3 +28,19 @@ def test_profile_fits_measured_calls_and_records_identity(tmp_path):
     for r in prof["bottleneck"]:
         assert r["bound"] == ("memory" if r["memory_s"] >= r["compute_s"] else "compute")
         assert np.isclose(r["memory_s"], r["bytes"] / prof["rates"]["bandwidth_bytes_per_s"])
+
+
+def test_profile_from_before_a_config_field_existed_is_checked_against_its_default():
+    """A profile written before a ModelConfig field was added (no key in its config) matches a model with that
+    field at its default, and still refuses a model that sets it; a recorded value is compared as recorded."""
+    import pytest
+    from dantinox.plan.profile import PROFILE_FORMAT
+    cfg = tiny_config(vocab_size=40, max_context=64).to_dict()
+    identity = {"weights_sha256": "ab" * 32, "config": cfg, "dantinox_version": "x"}
+    old = {k: v for k, v in cfg.items() if k != "qkv_bias"}
+    profile = {"format": PROFILE_FORMAT, "identity": {**identity, "config": old}}
+    check_profile(profile, identity)                                  # qkv_bias absent = False: accepted
+    with pytest.raises(ValueError, match=r"qkv_bias=False, this model has qkv_bias=True"):
+        check_profile(profile, {**identity, "config": {**cfg, "qkv_bias": True}})
+    with pytest.raises(ValueError, match=r"the profile's model has dim="):
+        check_profile({**profile, "identity": {**identity, "config": {**old, "dim": cfg["dim"] * 2}}}, identity)

@@ -334,6 +334,8 @@ def test_strict_types_seed_range_unsupported_fields_and_bad_bodies(server):
         reply = httpx.post(url, json=body, timeout=30)
         assert reply.status_code == 422 and reply.json()["error"]["param"] == field, (body, reply.text)
         assert field in reply.json()["error"]["message"]
+    union = httpx.post(url, json=dict(prompt="x", stop=5), timeout=30).json()["error"]   # str | list[str]
+    assert union["param"] == "stop" and "valid string" in union["message"] and "valid list" in union["message"]
     for body, field in ((dict(prompt="x", seed=-1), "seed"), (dict(prompt="x", seed=2**32), "seed"),
                         (dict(prompt="x", best_of=2), "best_of"), (dict(prompt="x", suffix="!"), "suffix"),
                         (dict(prompt="x", model="gpt-4"), "model"), (dict(prompt="x", stop=[""]), "stop"),

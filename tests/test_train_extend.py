@@ -63,3 +63,24 @@ def test_cli_extension_and_its_errors_name_flags(data_file, tmp_path, capsys):
     assert cli.main(base + ["--steps", "6", "--lr", "5e-3"]) == 2
     err = capsys.readouterr().err
     assert "--lr 0.01" in err and "--no_resume" in err and "--out" in err and "resume=False" not in err
+
+
+def test_checkpoint_from_before_a_config_field_existed_resumes_at_its_default():
+    """A checkpoint whose recorded model_config lacks a field added since (e.g. qkv_bias) was made with that
+    field at its default: resuming with the default is allowed, with another value it is refused by name."""
+    import dataclasses
+
+    from dantinox.train.trainer import TrainConfig, _check_resumable
+    cfg = tiny_cfg()
+    opts = TrainConfig(steps=4, schedule_steps=4)
+    saved_opts = {name: getattr(opts, name) for name in
+                  ("tokenizer", "bpe_vocab_size", "batch_size", "seq_len", "lr", "min_lr", "warmup_steps",
+                   "weight_decay", "grad_clip", "seed", "val_fraction")}
+    saved_opts["steps"] = 4
+    old_cfg = {k: v for k, v in cfg.to_dict().items() if k != "qkv_bias"}
+    meta = {"model_config": old_cfg, "train_options": saved_opts, "data_sha256": "abc"}
+    _check_resumable(meta, cfg, opts, "abc", "ckpt")                        # qkv_bias absent = False
+    with pytest.raises(TrainError, match=r"ModelConfig.qkv_bias=False, not True"):
+        _check_resumable(meta, dataclasses.replace(cfg, qkv_bias=True), opts, "abc", "ckpt")
+    with pytest.raises(TrainError, match=r"ModelConfig.dim="):
+        _check_resumable({**meta, "model_config": {**old_cfg, "dim": cfg.dim * 2}}, cfg, opts, "abc", "ckpt")

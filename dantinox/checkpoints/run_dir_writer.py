@@ -61,7 +61,7 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
       max_context: static cache slots S; default the checkpoint's, at most hf_config.DEFAULT_MAX_CONTEXT.
       source: where the checkpoint came from (recorded in model_summary.json).
     Returns the ImportSpec (its cfg is the run's ModelConfig; context_note a line worth printing, or None).
-    Raises CheckpointError (one line): ``out`` exists, an unsupported config, a missing or misshapen tensor,
+    Raises CheckpointError (one line): ``out`` exists or cannot be created, an unsupported config, a missing or misshapen tensor,
     an unreadable tokenizer or one with more ids than vocab_size, eos ids outside the vocabulary.
     OSError from the disk (the temporary directory is removed either way).
     """
@@ -74,9 +74,13 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
     tokenizer = _tokenizer(tokenizer_json, spec.cfg.vocab_size)
     gen = _generation(generation, spec.cfg.vocab_size)
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.import-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+    except OSError as err:
+        raise CheckpointError(f"--out {out}: cannot create the run directory there "
+                              f"({err.strerror or type(err).__name__})") from None
     try:
         _write_files(tmp, spec, params, tokenizer, chat_template, gen, hf_config, source)
         os.rename(tmp, out)

@@ -274,7 +274,19 @@ def check_profile(profile: dict, identity: dict, where: str = "--profile") -> No
         raise ValueError(f"{where}: the profile was taken on model weights sha256 "
                          f"{str(theirs.get('weights_sha256'))[:12]}..., this model's are "
                          f"{identity['weights_sha256'][:12]}...: profile this model")
+    recorded = theirs.get("config", {})
     for key, value in identity["config"].items():
-        if key != "cache_dtype" and theirs.get("config", {}).get(key) != value:
-            raise ValueError(f"{where}: the profile's model has {key}={theirs.get('config', {}).get(key)!r}, "
+        theirs_value = recorded.get(key, _config_default(key))   # a field added since: its default
+        if key != "cache_dtype" and theirs_value != value:
+            raise ValueError(f"{where}: the profile's model has {key}={theirs_value!r}, "
                              f"this model has {key}={value!r}")
+
+
+def _config_default(key: str):
+    """The ModelConfig default of field `key` (None for an unknown field). A profile written before a config
+    field existed was taken on a model with that field at its default, which leaves the model unchanged."""
+    from ..config import ModelConfig
+    for field in dataclasses.fields(ModelConfig):
+        if field.name == key:
+            return None if field.default is dataclasses.MISSING else field.default
+    return None

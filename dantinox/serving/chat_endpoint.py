@@ -193,11 +193,19 @@ def add_chat_route(app, service, chat_format) -> None:
             service.metrics.rejected(reason="unavailable")
             return JSONResponse(error_body(first[1], None, "server_error"), status_code=503)
         if first[0] == "rejected":
-            return _rejection(first[1])
+            return _rejection(_as_messages_error(first[1]))
         session = _ChatCompletion(service, cid, rids, len(prompt_ids), body, events, chat_format.stop_ids)
         if body.stream:
             return StreamingResponse(session.sse(request), media_type="text/event-stream")
         return await session.respond(request)
+
+
+def _as_messages_error(err: Exception) -> Exception:
+    """An admission error on ``prompt`` (too many tokens) restated for the JSON field a chat client sent,
+    ``messages``; other errors unchanged."""
+    if isinstance(err, RequestError) and err.field == "prompt":
+        return RequestError("messages", f"messages: after the chat template, the {err}")
+    return err
 
 
 def _prepare(service, chat_format, body: ChatCompletionRequest) -> tuple[list[int], list[SamplingOptions]]:

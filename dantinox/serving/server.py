@@ -123,7 +123,10 @@ def _validation_error(exc: RequestValidationError) -> tuple[dict, str | None, in
         return (error_body(f"the request body is {what}: send a JSON object with at least 'prompt'", "body"),
                 "body", 400)
     field = str(loc[1]) if len(loc) > 1 else None  # the top-level field (later parts name union members)
-    return error_body(f"{field}: {first.get('msg')} (got {first.get('input')!r})", field), field, 422
+    # a union field (stop: a string or a list of strings) fails once per member: name every allowed form
+    msgs = [e.get("msg") for e in exc.errors() if len(tuple(e.get("loc", ()))) > 1 and str(e["loc"][1]) == field]
+    allowed = " or ".join(dict.fromkeys(m for m in msgs if m))
+    return error_body(f"{field}: {allowed} (got {first.get('input')!r})", field), field, 422
 
 
 class _Service:

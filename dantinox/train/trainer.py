@@ -429,10 +429,13 @@ CLI_RESUME_HINT = "; pass --no_resume to start over, or write to another --out d
 def _check_resumable(meta: dict, cfg: ModelConfig, opts: TrainConfig, sha: str, ckpt_dir: str) -> None:
     hint = RESUME_HINT
     saved_cfg = meta.get("model_config", {})
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
     for name, value in cfg.to_dict().items():
-        if saved_cfg.get(name) != value:
-            raise TrainError(f"checkpoint {ckpt_dir} was made with ModelConfig.{name}="
-                             f"{saved_cfg.get(name)!r}, not {value!r}{hint}")
+        saved = saved_cfg.get(name, defaults.get(name))   # a field added since the checkpoint: its default
+        if saved != value:
+            raise TrainError(f"checkpoint {ckpt_dir} was made with ModelConfig.{name}={saved!r}, not {value!r} "
+                             f"(the model shape comes from the preset or config file and any overrides: give "
+                             f"the ones the run was started with){hint}")
     saved_opts = meta.get("train_options", {})
     saved_opts = {**saved_opts, "schedule_steps": saved_opts.get("schedule_steps") or saved_opts.get("steps")}
     for name in TRAJECTORY_FIELDS:

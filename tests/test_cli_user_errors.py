@@ -1,0 +1,55 @@
+"""Bad input on the command line is one line naming the flag and the value, exit status 2, no traceback:
+files that do not exist or are directories, files that are not YAML, and flags named once."""
+
+import pytest
+
+from dantinox.cli import main
+from dantinox.mesh import MeshError, mesh_from_flag, naming_flag
+
+
+def _one_error_line(capsys, argv):
+    status = main(argv)
+    err = capsys.readouterr().err
+    assert status == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "[Errno" not in lines[0]
+    return lines[0]
+
+
+def test_missing_or_directory_file_names_its_flag(tmp_path, capsys):
+    missing = str(tmp_path / "missing.jsonl")
+    line = _one_error_line(capsys, ["plan", "--trace", missing, "--slo", "ttft_p99=500", "--device-memory", "1GB"])
+    assert line == f"dantinox plan: error: --trace {missing}: No such file or directory"
+    line = _one_error_line(capsys, ["plan", "--trace", str(tmp_path), "--slo", "ttft_p99=500",
+                                    "--device-memory", "1GB"])
+    assert line == f"dantinox plan: error: --trace {tmp_path}: Is a directory"
+    other = str(tmp_path / "other.json")
+    line = _one_error_line(capsys, ["plan", "gate", "--candidate", missing, "--last-good", other])
+    assert line == f"dantinox plan: error: --candidate {missing}: No such file or directory"
+
+
+def test_file_that_is_not_yaml_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("not: [yaml\n")
+    line = _one_error_line(capsys, ["budget", "--config", str(bad)])
+    assert f"--config file {bad} is not valid YAML" in line and "expected ',' or ']'" in line
+
+
+def test_mesh_error_names_the_flag_once():
+    with pytest.raises(MeshError) as info:
+        with naming_flag("data=3,model=5"):       # as the CLI calls it: the mesh, then the model on it
+            mesh_from_flag("data=3,model=5")
+    assert str(info.value).count("--mesh 'data=3,model=5'") == 1
+    assert "15 devices" in str(info.value)
+
+
+def test_import_into_an_unwritable_place_names_out(tmp_path, capsys):
+    import os
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = str(blocker / "run")                       # its parent is a file: the directory cannot be made
+    source = os.path.join(os.path.dirname(__file__), "fixtures", "parity", "qwen2")
+    line = _one_error_line(capsys, ["import", source, "--out", out])
+    assert line.startswith(f"dantinox import: error: --out {out}: cannot create the run directory there")
+    assert os.listdir(tmp_path) == ["a-file"]                 # no temporary directory left behind
