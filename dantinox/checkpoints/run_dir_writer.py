@@ -61,8 +61,8 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
       max_context: static cache slots S; default the checkpoint's, at most hf_config.DEFAULT_MAX_CONTEXT.
       source: where the checkpoint came from (recorded in model_summary.json).
     Returns the ImportSpec (its cfg is the run's ModelConfig; context_note a line worth printing, or None).
-    Raises CheckpointError (one line): ``out`` exists or cannot be created, an unsupported config, a missing or misshapen tensor,
-    an unreadable tokenizer or one with more ids than vocab_size, eos ids outside the vocabulary.
+    Raises CheckpointError (one line): ``out`` exists or cannot be created, an unsupported config, a missing or
+    misshapen tensor, an unreadable tokenizer or one with more ids than vocab_size, eos ids outside the vocabulary.
     OSError from the disk (the temporary directory is removed either way).
     """
     out = os.path.abspath(os.fspath(out))
