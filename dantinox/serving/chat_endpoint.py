@@ -18,12 +18,10 @@ with 400 naming the field unless they hold their no-op value. A model without a 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import secrets
 import time
-import uuid
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -32,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 from ..chat_template import ChatTemplateError
 from .protocol import MAX_CHOICES, MAX_STOP_STRINGS, error_body
 from .request import RequestError, SamplingOptions
-from .server import _Choice, _Completion, _next_event, _rejection
+from .server import _Choice, _Completion
 
 # fields this endpoint does not implement -> the values that change nothing
 UNSUPPORTED_CHAT_FIELDS = {"tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
@@ -184,16 +182,9 @@ def add_chat_route(app, service, chat_format) -> None:
         except RequestError as err:
             service.metrics.rejected(err)
             return JSONResponse(error_body(str(err), err.field), status_code=400)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        rids = [f"{cid}-{i}" for i in range(body.n)]
-        events: asyncio.Queue = asyncio.Queue()
-        service.worker.submit(rids, prompt_ids, options, asyncio.get_running_loop(), events)
-        first = await _next_event(events, service.worker)
-        if first[0] == "dead":
-            service.metrics.rejected(reason="unavailable")
-            return JSONResponse(error_body(first[1], None, "server_error"), status_code=503)
-        if first[0] == "rejected":
-            return _rejection(_as_messages_error(first[1]))
+        cid, rids, events, refused = await service.submit("chatcmpl", prompt_ids, options, _as_messages_error)
+        if refused is not None:
+            return refused
         session = _ChatCompletion(service, cid, rids, len(prompt_ids), body, events, chat_format.stop_ids)
         if body.stream:
             return StreamingResponse(session.sse(request), media_type="text/event-stream")

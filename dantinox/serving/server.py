@@ -151,20 +151,29 @@ class _Service:
         except RequestError as err:
             self.metrics.rejected(err)
             return JSONResponse(error_body(str(err), err.field), status_code=400)
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        rids = [f"{cid}-{i}" for i in range(body.n)]
+        cid, rids, events, refused = await self.submit("cmpl", prompt_ids, options)
+        if refused is not None:
+            return refused
+        session = _Completion(self, cid, rids, len(prompt_ids), body, events)
+        if body.stream:
+            return StreamingResponse(session.sse(request), media_type="text/event-stream")
+        return await session.respond(request)
+
+    async def submit(self, kind: str, prompt_ids: list[int], options: list, rejected=lambda err: err):
+        """Hand one request of len(options) choices to the worker and wait for its admission. Returns (id,
+        engine request ids, event queue, None) or, when the engine is dead or refuses the request, a 503 /
+        400 / 429 response in the last place (``rejected`` may reword the refusal; the worker counted it)."""
+        cid = f"{kind}-{uuid.uuid4().hex}"
+        rids = [f"{cid}-{i}" for i in range(len(options))]
         events: asyncio.Queue = asyncio.Queue()
         self.worker.submit(rids, prompt_ids, options, asyncio.get_running_loop(), events)
         first = await _next_event(events, self.worker)
         if first[0] == "dead":
             self.metrics.rejected(reason="unavailable")
-            return JSONResponse(error_body(first[1], None, "server_error"), status_code=503)
-        if first[0] == "rejected":  # the worker counted it
-            return _rejection(first[1])
-        session = _Completion(self, cid, rids, len(prompt_ids), body, events)
-        if body.stream:
-            return StreamingResponse(session.sse(request), media_type="text/event-stream")
-        return await session.respond(request)
+            return cid, rids, events, JSONResponse(error_body(first[1], None, "server_error"), status_code=503)
+        if first[0] == "rejected":
+            return cid, rids, events, _rejection(rejected(first[1]))
+        return cid, rids, events, None
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
