@@ -135,8 +135,8 @@ def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_i
     """
     model = nnx.merge(graphdef, params)
     cache = init_cache(model.cfg, ids.shape[0])
-    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0, logits_at=lengths - 1)
+    last = logits[:, 0]
     first = sample_next(last, jax.random.fold_in(key, 0), sampling)
     out = jnp.full((ids.shape[0], model.cfg.max_context), fill, jnp.int32).at[:, 0].set(first)
     return DecodeState(jnp.int32(1), first, lengths, is_eos(first, eos_id), out, cache)
@@ -424,8 +424,8 @@ def recompute_segment(graphdef, params, state: RecomputeState, lengths, stop_ste
         return (s.step < stop_step) & ~jnp.all(s.done) & (jnp.max(lengths) + s.step <= window)
 
     def body(s: RecomputeState):
-        logits, _, _ = model(s.seq[:, :window], use_cache=False)
-        last = jnp.take_along_axis(logits, (lengths + s.step - 1)[:, None, None], axis=1)[:, 0]
+        logits, _, _ = model(s.seq[:, :window], use_cache=False, logits_at=lengths + s.step - 1)
+        last = logits[:, 0]
         token = jnp.where(s.done, fill, sample_next(last, jax.random.fold_in(key, s.step), sampling))
         seq = s.seq.at[rows, lengths + s.step].set(token, mode="drop")
         out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))

@@ -63,7 +63,7 @@ class Transformer(nnx.Module):
             kernel_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
 
     def __call__(self, ids, use_cache: bool = False, kv_caches: KVCache | None = None, cache_index=0,
-                 key_start=None, attend_slots: int | None = None):
+                 key_start=None, attend_slots: int | None = None, logits_at=None):
         """Run the model on T new tokens per row.
 
         Args:
@@ -79,12 +79,16 @@ class Transformer(nnx.Module):
           attend_slots: optional static int L in [1, S]: attend over the first L cache slots only (plus the new
             tokens), which saves work when every row's cache_index <= L (the caller's promise; checked when
             cache_index is a host value). The compiled decode loop uses it (``dantinox.generate``).
+          logits_at: optional [B] int32 position in [0, T) per row: compute the output head at that position
+            only and return logits [B, 1, V] (generation needs only each row's last real position; a prefill
+            of a T-token bucket then skips T - 1 rows of the [E, V] head). None: logits at every position.
         Returns:
-          (logits [B, T, V] float32, updated kv_caches or None, aux dict (empty for this architecture)).
+          (logits [B, T, V] float32 ([B, 1, V] with logits_at), updated kv_caches or None, aux dict (empty for this architecture)).
         Raises:
           ValueError: ids not [B, T] integers, ids outside [0, V), cache missing or of the wrong shape.
           CapacityError: cache_index + T > max_context (checked whenever cache_index is a host value).
-          ValueError: attend_slots not an int in [1, max_context], or a host cache_index beyond it.
+          ValueError: attend_slots not an int in [1, max_context], or a host cache_index beyond it; logits_at not
+            [B] or (a host value) outside [0, T).
         """
         cfg = self.cfg
         ids = _check_ids(ids, cfg.vocab_size)
@@ -111,11 +115,25 @@ class Transformer(nnx.Module):
             new_caches.append(layer_cache)
         if use_cache and not _attends_itself(kv_caches):  # on a mesh: one cache layout (dantinox.sharding)
             new_caches = constrain_cache(new_caches, cfg)
+        if logits_at is not None:  # before the norm and head: they act per position
+            x = jnp.take_along_axis(x, _check_logits_at(logits_at, B, T)[:, None, None], axis=1)
         return self.logits(self.final_norm(x)), (tuple(new_caches) if use_cache else None), {}
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """Output projection. h: [B, T, E] -> logits [B, T, V] float32."""
-        out = self.embed.attend(h) if self.lm_head is None else self.lm_head(h)
+        """Output projection. h: [B, T, E] -> logits [B, T, V] float32.
+
+        A tied head contracts E with the table's last axis directly (dot_general on [V, E]); ``nnx.Embed.attend``
+        writes ``embedding.T``, which XLA CPU materialised as a [E, V] transpose + copy every decode step
+        (113 MB for SmolLM2's table in float32), about 25% slower for that product.
+        """
+        if self.lm_head is not None:
+            out = self.lm_head(h)
+        elif isinstance(self.embed, nnx.Embed):
+            dtype = self.embed.dtype or h.dtype
+            table = self.embed.embedding[...].astype(dtype)
+            out = jax.lax.dot_general(h.astype(dtype), table, (((h.ndim - 1,), (1,)), ((), ())))
+        else:  # e.g. dantinox.weight_quant.LowPrecisionEmbed, which contracts its own table
+            out = self.embed.attend(h)
         return out.astype(jnp.float32)
 
 
@@ -147,6 +165,17 @@ def _check_attend_slots(attend_slots, cache_index, max_context: int) -> int | No
         raise ValueError(f"cache_index {furthest} > attend_slots={attend_slots}: the call would skip cache slots "
                          f"its queries must see")
     return int(attend_slots)
+
+
+def _check_logits_at(logits_at, batch: int, length: int) -> jax.Array:
+    """logits_at as [B] int32; ValueError when its shape is not [B] or a host value lies outside [0, T)."""
+    if np.shape(logits_at) != (batch,):
+        raise ValueError(f"logits_at must be one position per row, shape ({batch},); got {np.shape(logits_at)}")
+    if not isinstance(logits_at, jax.core.Tracer):
+        host = np.asarray(logits_at)
+        if host.min() < 0 or host.max() >= length:
+            raise ValueError(f"logits_at holds positions {host.min()}..{host.max()}; allowed: [0, T={length})")
+    return jnp.asarray(logits_at, jnp.int32)
 
 
 def _check_ids(ids, vocab_size: int):

@@ -103,8 +103,9 @@ def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_ne
     """
     model = nnx.merge(graph.graphdef, params)
     views = paged_views(pool, block_table, num_new)
-    logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start)
-    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start,
+                             logits_at=jnp.maximum(num_new - 1, 0))
+    last = logits[:, 0]
     tokens = sample_rows(last, seeds, steps, sampling)
     B, k = tokens.shape[0], min(MAX_LOGPROBS, last.shape[-1])
     skipped = StepLogprobs(jnp.zeros(B, jnp.float32), jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k), jnp.float32))
