@@ -29,15 +29,15 @@ from dantinox.plan.replay import replay_realtime  # noqa: E402
 from dantinox.plan.simulate import simulate  # noqa: E402
 from dantinox.plan.trace import TraceSpec, default_classes, generate_trace, trace_text  # noqa: E402
 
-RARE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "slices-rare-latin-occitan.txt")
+# ../shared/data beside the repository, as the project lays it out
+RARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+                    "slices-rare-latin-occitan.txt")
 METRICS = (("p99 TTFT ms", lambda m: m["ttft"]["p99"] * 1e3), ("p50 TPOT ms", lambda m: m["tpot"]["p50"] * 1e3),
            ("output tok/s", lambda m: m["output_tokens_per_s"]))
 
 
 def make_trace(cfg, tok, rate, n, seed, directory):
-    rare = RARE if os.path.exists(RARE) else (
-        "/work/shared/data/slices-rare-latin-occitan.txt" if os.path.exists(
-            "/work/shared/data/slices-rare-latin-occitan.txt") else None)
+    rare = RARE if os.path.exists(RARE) else None
     recs = generate_trace(TraceSpec(requests=n, rate=rate, classes=default_classes(rare), seed=seed,
                                     max_context=cfg.max_context))
     path = os.path.join(directory, f"trace_{rate:.3f}.jsonl")
