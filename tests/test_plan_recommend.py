@@ -18,7 +18,9 @@ from dantinox.plan.trace import TraceSpec, default_classes, generate_trace, prom
 from dantinox.planner import param_bytes
 from dantinox.train.tokenizer import TextTokenizer
 
-RARE = "/work/shared/data/slices-rare-latin-occitan.txt"
+# ../shared/data beside the repository (CI lays it there); the test writes its own slice when it is absent
+RARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+                    "slices-rare-latin-occitan.txt")
 # costs of the bundled model's calls as profiled on the 2-core development host (seconds)
 COST = CostModel(forward=(1.4e-3, 4.5e-4, 1.9e-4), decode_call=6e-3, decode_iter=(8.6e-4, 1.8e-4, 1.4e-6))
 MiB = 2 ** 20

