@@ -83,7 +83,8 @@ class Transformer(nnx.Module):
             only and return logits [B, 1, V] (generation needs only each row's last real position; a prefill
             of a T-token bucket then skips T - 1 rows of the [E, V] head). None: logits at every position.
         Returns:
-          (logits [B, T, V] float32 ([B, 1, V] with logits_at), updated kv_caches or None, aux dict (empty for this architecture)).
+          (logits [B, T, V] float32 ([B, 1, V] with logits_at), updated kv_caches or None, aux dict (empty for
+          this architecture)).
         Raises:
           ValueError: ids not [B, T] integers, ids outside [0, V), cache missing or of the wrong shape.
           CapacityError: cache_index + T > max_context (checked whenever cache_index is a host value).

@@ -25,10 +25,10 @@ import time
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import StrictInt
 
 from ..chat_template import ChatTemplateError
-from .protocol import MAX_CHOICES, MAX_STOP_STRINGS, error_body
+from .protocol import MAX_CHOICES, MAX_STOP_STRINGS, SamplingRequest, error_body
 from .request import RequestError, SamplingOptions
 from .server import _Choice, _Completion
 
@@ -39,21 +39,9 @@ UNSUPPORTED_CHAT_FIELDS = {"tools": (None, []), "tool_choice": (None, "none"), "
                            "audio": (None,), "modalities": (None, ["text"])}
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: StrictStr | None = None
+class ChatCompletionRequest(SamplingRequest):
     messages: list
-    max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    temperature: StrictFloat | StrictInt = 1.0
-    top_p: StrictFloat | StrictInt = 1.0
-    top_k: StrictInt = 0
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    stream: StrictBool = False
-    stream_options: dict | None = None
-    n: StrictInt = 1
 
     def check_supported(self) -> None:
         """Raise RequestError naming the field for n, seed, stop or an unimplemented OpenAI field."""
@@ -70,13 +58,6 @@ class ChatCompletionRequest(BaseModel):
             raise RequestError("stop", f"stop={self.stop!r} is not allowed: stop strings must be non-empty")
         if len(stops) > MAX_STOP_STRINGS:
             raise RequestError("stop", f"{len(stops)} stop strings given; at most {MAX_STOP_STRINGS}")
-
-    def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return [s for s in stops if s]
-
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
 
     @property
     def logprobs(self):  # read by the shared per-choice pipeline; chat answers carry no logprobs
@@ -124,19 +105,10 @@ class _ChatCompletion(_Completion):
             body["usage"] = usage
         return body
 
-    async def respond(self, request: HttpRequest):
-        texts = {c.index: "" for c in self.choices}
-        async for choice, text in self.pieces(request):
-            texts[choice.index] += text
-        failed = next((c for c in self.choices if c.finish_reason == "error"), None)
-        if failed is not None:
-            return JSONResponse(error_body(failed.error or "generation failed", None, "server_error"),
-                                status_code=500)
-        if any(c.finish_reason is None for c in self.choices):
-            return JSONResponse(error_body("client disconnected", None), status_code=499)
+    def _final_body(self, texts: dict[int, str]) -> dict:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
                     "logprobs": None, "finish_reason": c.finish_reason} for c in self.choices]
-        return JSONResponse(self._object("chat.completion", choices, self._usage()))
+        return self._object("chat.completion", choices, self._usage())
 
     def _chunk(self, index: int, delta: dict, finish_reason: str | None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

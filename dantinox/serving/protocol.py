@@ -42,11 +42,14 @@ UNSUPPORTED_FIELDS = {"best_of": (None, 1), "suffix": (None,), "frequency_penalt
                       "presence_penalty": (None, 0), "logit_bias": (None, {})}
 
 
-class CompletionRequest(BaseModel):
+class SamplingRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share (OpenAI's names and defaults), with the stop
+    strings and the stream_options reading both use. Unknown fields are kept (``model_extra``) so each endpoint
+    can name the OpenAI fields it does not implement."""
+
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr | None = None
-    prompt: StrictStr | list[StrictInt] | list[StrictStr]
     max_tokens: StrictInt | None = None
     temperature: StrictFloat | StrictInt = 1.0
     top_p: StrictFloat | StrictInt = 1.0
@@ -56,6 +59,17 @@ class CompletionRequest(BaseModel):
     stream: StrictBool = False
     stream_options: dict | None = None
     n: StrictInt = 1
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
 
@@ -86,13 +100,6 @@ class CompletionRequest(BaseModel):
         if len(self.stop_strings()) > MAX_STOP_STRINGS:
             raise RequestError("stop", f"{len(self.stop_strings())} stop strings given; at most "
                                f"{MAX_STOP_STRINGS}")
-
-    def stop_strings(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return [s for s in stops if s]
-
-    def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
 
 
 class StopChecker:

@@ -340,8 +340,12 @@ class _Completion:
                                 status_code=500)
         if any(c.finish_reason is None for c in self.choices):  # the client went away; nobody reads this
             return JSONResponse(error_body("client disconnected", None), status_code=499)
+        return JSONResponse(self._final_body(texts))
+
+    def _final_body(self, texts: dict[int, str]) -> dict:
+        """The whole response once every choice has ended; texts: choice index -> its text."""
         choices = [c.body(texts[c.index], c.finish_reason, stream=False) for c in self.choices]
-        return JSONResponse(completion_body(self.cid, self.service.model_name, choices, self._usage()))
+        return completion_body(self.cid, self.service.model_name, choices, self._usage())
 
     async def sse(self, request: HttpRequest | None = None):
         name = self.service.model_name
