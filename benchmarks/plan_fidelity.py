@@ -9,7 +9,9 @@ output tokens/s keep up with the offered output tokens/s (>= 90 %) and p99 TTFT 
 are 0.25x, 0.8x and 1.5x that rate. Each load gets its own mixed trace (chat behind a shared prefix,
 documents, the rare Latin/Occitan slice when ../shared/data is present). Printed: p99 TTFT, p50 TPOT and
 output tokens/s, simulated against replayed, with the relative error. The target is within 10 % at light and
-near-capacity load. Run it on a quiet machine: on a shared host the replay absorbs other processes' time.
+near-capacity load. Each load is replayed --replays times (the simulation is compared with the median; the
+range shows the replay's own spread). Run it on a quiet machine: on a shared host the replay absorbs other
+processes' time.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import json
 import os
 import sys
 import tempfile
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -65,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--replays", type=int, default=3,
+                   help="replays per load; the simulation is compared with their median (the spread is printed)")
     p.add_argument("--reprofile", action="store_true",
                    help="profile again right before each load's replay (the host's speed drifts on a shared machine)")
     args = p.parse_args(argv)
@@ -89,16 +95,21 @@ def main(argv=None) -> int:
                 from dantinox.plan.profile import take_profile
                 cost = CostModel.from_dict(take_profile(run_dir, model, cfg)["cost_model"])
             sim = simulate(cfg, cand, cost, reqs, prompts)
-            real = replay_realtime(engine, reqs, prompts)
-            engine.allocator.pool.forget_all_hashes()   # every load starts with a cold prefix cache
+            reals = []
+            for _ in range(args.replays):
+                reals.append(replay_realtime(engine, reqs, prompts))
+                engine.allocator.pool.forget_all_hashes()   # every replay starts with a cold prefix cache
             rows.append({"load": label, "rate_rps": round(cap * factor, 3),
-                         **{name: (f(sim), f(real)) for name, f in METRICS},
-                         "preemptions": (sim["preemptions"], real["preemptions"])})
-    print(f"capacity (simulated): {cap:.2f} requests/s; {args.requests} requests per load")
-    print("| load | rate (req/s) | " + " | ".join(f"{n} sim / replay (err)" for n, _ in METRICS) + " |")
+                         **{name: (f(sim), float(np.median([f(r) for r in reals])), [f(r) for r in reals])
+                            for name, f in METRICS},
+                         "preemptions": (sim["preemptions"], [r["preemptions"] for r in reals])})
+    print(f"capacity (simulated): {cap:.2f} requests/s; {args.requests} requests per load; "
+          f"replay: median of {args.replays} [their range]")
+    print("| load | rate (req/s) | " + " | ".join(f"{n} sim / replay [range] (err)" for n, _ in METRICS) + " |")
     print("|---|---|" + "---|" * len(METRICS))
     for r in rows:
-        cells = [f"{r[n][0]:.1f} / {r[n][1]:.1f} ({(r[n][0] - r[n][1]) / r[n][1]:+.0%})" for n, _ in METRICS]
+        cells = [f"{r[n][0]:.1f} / {r[n][1]:.1f} [{min(r[n][2]):.1f}-{max(r[n][2]):.1f}] "
+                 f"({(r[n][0] - r[n][1]) / r[n][1]:+.0%})" for n, _ in METRICS]
         print(f"| {r['load']} | {r['rate_rps']} | " + " | ".join(cells) + " |")
     if args.out:
         with open(args.out, "w") as f:

@@ -5,7 +5,7 @@ import numpy as np
 
 from conftest import spiky_model, tiny_config
 from dantinox.plan.cost_model import CostModel
-from dantinox.plan.profile import FORWARD_SHAPES, check_profile, model_identity, take_profile
+from dantinox.plan.profile import WAKE_GAPS, check_profile, model_identity, take_profile
 from dantinox.train import save_run, train_tokenizer
 
 
@@ -17,12 +17,20 @@ def test_profile_fits_measured_calls_and_records_identity(tmp_path):
     prof = take_profile(str(tmp_path), model, cfg, repeats=2)
     check_profile(prof, model_identity(str(tmp_path), cfg))          # its own model: accepted
     cost = CostModel.from_dict(prof["cost_model"])
-    for B, T in FORWARD_SHAPES:                                       # measured shapes are used as measured
-        assert cost.forward_cost(B, T) == prof["points"]["forward"][f"{B},{T}"]
+    forward = prof["points"]["forward"]
+    assert {"1,1", "2,1", "4,1", "1,8", "4,64"} <= set(forward)     # every bucket the engine compiles
+    for key, seconds in forward.items():                              # measured shapes are used as measured
+        assert cost.forward_cost(*(int(v) for v in key.split(","))) == seconds
     a0, a1, a2 = cost.forward
     assert min(a0, a1, a2) >= 0 and cost.forward_cost(8, 32) == a0 + 8 * a1 + 256 * a2
+    for key, seconds in prof["points"]["decode"].items():            # per batch size, as measured
+        assert cost.decode_cost(*(int(v) for v in key.split(","))) == seconds
     assert cost.decode_cost(4, 64, 8) >= cost.decode_cost(4, 64, 1) > 0
-    assert cost.scale >= 1.0 and cost.forward_overhead >= 0.0 and cost.step == 0.0   # calibrated on real steps
+    assert cost.decode_cost(3, 64, 8) > 0                             # an unmeasured batch: the fitted form
+    # calibrated on real steps, per step kind; the wake-up cost is measured at every listed idle time
+    assert cost.scale > 0 and cost.decode_scale > 0 and min(cost.forward_overhead, cost.decode_overhead) >= 0
+    assert cost.step == 0.0 and [g for g, _, _ in cost.wake] == list(WAKE_GAPS) and cost.cold_window > 0
+    assert all(e >= 0 and f >= 0 for _, e, f in cost.wake)
     kinds = {r["call"] for r in prof["bottleneck"]}
     assert kinds == {"prefill", "decode (one step)", "decode (multi-step)"}
     for r in prof["bottleneck"]:

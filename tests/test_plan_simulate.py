@@ -81,3 +81,35 @@ def test_prefix_affinity_raises_prefix_cache_hits():
         cand = Candidate(block_size=4, max_running=4, max_batched_tokens=16, replicas=2, routing=routing)
         hits[routing] = simulate(cfg, cand, cost, reqs, prompts)["prefix_cache_hits"]
     assert hits["prefix_affinity"] > hits["round_robin"]
+
+
+def test_a_step_after_idle_pays_the_measured_wake_up_and_the_steps_just_after_it_run_slower():
+    """wake = (idle seconds, extra seconds of the first step, slower fraction within cold_window): a request
+    reaching an idle replica pays them; one arriving while it is busy pays nothing."""
+    cfg = tiny_config(max_context=48)
+    cost = CostModel(forward=(0.01, 0.0, 0.0), wake=((0.05, 0.004, 0.5),), cold_window=0.015)
+    cand = Candidate(block_size=4, max_running=4, max_batched_tokens=16, max_decode_steps=1)
+    reqs = [TraceRequest(index=0, arrival=1.0, max_tokens=4, prompt_tokens=8),
+            TraceRequest(index=1, arrival=1.025, max_tokens=1, prompt_tokens=8)]
+    prompts = [prompt_token_ids(q, None, cfg.vocab_size) for q in reqs]
+    first, second = simulate(cfg, cand, cost, reqs, prompts)["records"]
+    alone = simulate(cfg, cand, cost, reqs[:1], prompts[:1])["records"][0]
+    # idle since the start: 4 ms more and 1.5x its 10 ms call; then 10 ms steps (the window has passed)
+    np.testing.assert_allclose(alone.token_times, [1.019, 1.029, 1.039, 1.049])
+    # the second request joins the busy replica's step at 1.029 (a decode call and a prefill call: 20 ms), no
+    # wake-up and no slow-down
+    np.testing.assert_allclose(first.token_times, [1.019, 1.029, 1.049, 1.059])
+    np.testing.assert_allclose(second.token_times, [1.049])
+    assert cost.wake_cost(0.025) == 0.002 and cost.cold_fraction(1.0) == 0.5        # linear, then flat
+
+
+def test_decode_cost_interpolates_the_measured_points_of_a_batch_size():
+    """Measured (B, S, n) points are used per batch size, linear in n then in S; other batch sizes use the
+    fitted form."""
+    points = {"2,64,4": 4.0, "2,64,8": 6.0, "2,256,4": 8.0, "2,256,8": 12.0}
+    cost = CostModel(decode_call=1.0, decode_iter=(0.5, 0.1, 0.0), decode_points=points)
+    assert cost.decode_cost(2, 64, 8) == 6.0 and cost.decode_cost(2, 256, 4) == 8.0
+    assert cost.decode_cost(2, 64, 6) == 5.0                        # halfway in n
+    assert cost.decode_cost(2, 160, 6) == (5.0 + 10.0) / 2          # and halfway in S
+    assert cost.decode_cost(4, 64, 8) == 1.0 + 8 * (0.5 + 0.4)      # not measured: c0 + n (d0 + d1 B)
+    assert CostModel.from_dict(cost.to_dict()) == cost

@@ -1,27 +1,38 @@
 """The cost model the simulator advances its clock by: seconds per compiled call of the serving engine.
 
-Fitted by ``dantinox.plan.profile`` from timed calls (least squares, coefficients clipped at 0), kept in
-profile.json with the measured points. Letters: B batch rows of a call, T chunk tokens, S attended tokens
-(block-table width M x block size P).
+Fitted by ``dantinox.plan.profile`` from timed calls, kept in profile.json with the measured points. Letters:
+B batch rows of a call, T chunk tokens, S attended tokens (block-table width M x block size P), n iterations
+of a multi-step decode call.
 
-  forward_step(B, T)          a0 + a1 B + a2 B T                     (a measured (B, T) point is used as is)
-  decode_steps(B, S, n)       c0 + n (d0 + d1 B + d2 B S)             one multi-step call of n iterations
-  swap out / swap in          seconds per preempted (read) / resumed (written) request
-  copy_blocks                 seconds per copy-on-write call
-  step                        seconds every step costs besides its calls (0 from a profile)
-  forward_overhead, scale     a step of forward_step calls costs step + forward_overhead + scale x (its calls'
-                              costs), fitted on a real burst through the engine (host work, dispatch and
-                              fetch that isolated timings miss); a multi-step decode step costs step + its call
+  forward_step(B, T)       the measured (B, T) point; else a0 + a1 B + a2 B T (least squares, clipped at 0)
+  decode_steps(B, S, n)    for a measured batch B: linear in n between the two measured n, then linear in S
+                           between the measured S (both measured per B: one row runs a matrix-vector kernel,
+                           two or more a matrix-matrix one, so cost is not linear in B); else
+                           c0 + n (d0 + d1 B + d2 B S)
+  swap out / swap in       seconds per preempted (read) / resumed (written) request
+  copy_blocks              seconds per copy-on-write call
+  step                     seconds every step costs besides its calls (0 from a profile)
+  calibration              a real step of forward_step calls costs forward_overhead + scale x (its calls' cost);
+                           a multi-step decode step costs decode_overhead + decode_scale x (its call's cost).
+                           Fitted on real steps of the engine (host work per step, dispatch and fetch, calls
+                           running slower among other calls than alone), see profile.calibrate_steps
+  wake                     ((idle seconds g, extra seconds, slower fraction), ...): after the engine sat idle
+                           for g seconds, its first step costs wake_cost(g) more, and the steps that start
+                           within cold_window seconds of that wake-up cost (1 + cold_fraction(g)) times more
+                           (a CPU's caches, clock and the runtime's worker threads go cold while idle, and warm
+                           up over a few steps; measured by profile.measure_wake), linear between the points
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per call (see the module docstring). ``points``: measured forward_step seconds by "B,T"."""
+    """Seconds per call (see the module docstring). ``points``: measured forward_step seconds by "B,T";
+    ``decode_points``: measured decode_steps seconds by "B,S,n"."""
 
     forward: tuple = (0.0, 0.0, 0.0)
     decode_call: float = 0.0
@@ -32,7 +43,15 @@ class CostModel:
     step: float = 0.0
     forward_overhead: float = 0.0
     scale: float = 1.0
+    decode_overhead: float = 0.0
+    decode_scale: float = 1.0
+    wake: tuple = ()
+    cold_window: float = 0.0
     points: dict = field(default_factory=dict)
+    decode_points: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_grid", _decode_grid(self.decode_points))   # not a field: not serialized
 
     def forward_cost(self, B: int, T: int) -> float:
         """Seconds of one forward_step call of B rows x T tokens."""
@@ -44,13 +63,37 @@ class CostModel:
 
     def decode_cost(self, B: int, S: int, n: int) -> float:
         """Seconds of one decode_steps call: B rows, S attended slots (M x P), n iterations."""
+        measured = self._grid.get(B)
+        if measured is not None:
+            return max(_interpolate(measured, S, n), 0.0)
         d0, d1, d2 = self.decode_iter
         return self.decode_call + n * (d0 + d1 * B + d2 * B * S)
+
+    def wake_cost(self, idle: float) -> float:
+        """Extra seconds of the first step after ``idle`` seconds without work (0 when never measured)."""
+        return self._after_idle(idle, 1)
+
+    def cold_fraction(self, idle: float) -> float:
+        """How much slower (a fraction) the steps within cold_window of a wake-up after ``idle`` seconds run."""
+        return self._after_idle(idle, 2)
+
+    def _after_idle(self, idle: float, column: int) -> float:
+        """Column of ``wake`` at ``idle``: linear from (0, 0) through the points, the last value beyond."""
+        if not self.wake or idle <= 0:
+            return 0.0
+        gaps = [0.0] + [p[0] for p in self.wake]
+        values = [0.0] + [p[column] for p in self.wake]
+        k = bisect.bisect_right(gaps, idle)
+        if k >= len(gaps):
+            return values[-1]
+        g0, g1, v0, v1 = gaps[k - 1], gaps[k], values[k - 1], values[k]
+        return v0 + (v1 - v0) * (idle - g0) / (g1 - g0)
 
     def to_dict(self) -> dict:
         """Every field (JSON-ready; tuples as lists)."""
         d = asdict(self)
         d["forward"], d["decode_iter"] = list(self.forward), list(self.decode_iter)
+        d["wake"] = [list(p) for p in self.wake]
         return d
 
     @classmethod
@@ -61,9 +104,39 @@ class CostModel:
                        decode_iter=tuple(float(x) for x in d["decode_iter"]), swap_out=float(d["swap_out"]),
                        swap_in=float(d["swap_in"]), copy=float(d["copy"]), step=float(d["step"]),
                        forward_overhead=float(d.get("forward_overhead", 0.0)), scale=float(d.get("scale", 1.0)),
-                       points={str(k): float(v) for k, v in d.get("points", {}).items()})
+                       decode_overhead=float(d.get("decode_overhead", 0.0)),
+                       decode_scale=float(d.get("decode_scale", 1.0)),
+                       wake=tuple(tuple(float(v) for v in p) for p in d.get("wake", ())),
+                       cold_window=float(d.get("cold_window", 0.0)),
+                       points={str(k): float(v) for k, v in d.get("points", {}).items()},
+                       decode_points={str(k): float(v) for k, v in d.get("decode_points", {}).items()})
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"cost model: field {err} is missing or not a number") from None
+
+
+def _decode_grid(points: dict) -> dict:
+    """{B: {S: {n: seconds}}} from "B,S,n" keys."""
+    grid: dict = {}
+    for key, seconds in points.items():
+        B, S, n = (int(v) for v in key.split(","))
+        grid.setdefault(B, {}).setdefault(S, {})[n] = seconds
+    return grid
+
+
+def _line(xs: list, ys: list, x: float) -> float:
+    """Linear interpolation (extrapolation beyond the ends) through the points (xs ascending)."""
+    if len(xs) == 1:
+        return ys[0]
+    k = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _interpolate(by_s: dict, S: int, n: int) -> float:
+    """decode_steps seconds at (S, n) from one batch size's measured {S: {n: seconds}}: linear in n, then in S."""
+    s_values = sorted(by_s)
+    at_s = [_line(sorted(by_s[s]), [by_s[s][k] for k in sorted(by_s[s])], n) for s in s_values]
+    return _line(s_values, at_s, S)
 
 
 def constant(seconds: float) -> CostModel:

@@ -1,11 +1,17 @@
 """Profile: time the serving engine's compiled calls on this machine and fit the simulator's CostModel.
 
-Prefill and decode are measured apart: forward_step at a few (B, T) shapes (decode rows T = 1, prefill chunks
-T > 1), decode_steps at a few (B, M) shapes with 1 and n iterations (so the call overhead and the per-step cost
-separate), block reads and writes (swap) and copy-on-write copies. Each shape is compiled once, then timed as
-the median of a few runs. The machine's memory bandwidth (a streaming jitted add) and matmul rate (a jitted
-float32 matmul) are measured briefly, and every timed call is set against the time its bytes (weights + KV
-read) and its FLOPs would take at those rates: the bottleneck report.
+Prefill and decode are measured apart: forward_step at every (B, T) bucket the profiled engine compiles
+(decode rows T = 1, prefill chunks T > 1), decode_steps at every batch bucket over the narrowest and the
+widest block table with n / 2 and n iterations, block reads and writes (swap) and copy-on-write copies. Each
+shape is compiled once, then timed as the median of a few runs. Two measurements then tie the isolated calls
+to real serving: ``calibrate_steps`` runs a burst of requests through the real engine and fits, per step
+kind, the host time and slowdown the isolated calls miss; ``measure_wake`` measures how much more the first
+steps after an idle period cost, the first one and the few after it (on a CPU the caches, clock and worker
+threads go cold while the engine waits for requests, which made light-load latency about 30 % slower than
+the isolated calls said). The machine's
+memory bandwidth (a streaming jitted add) and matmul rate (a jitted float32 matmul) are measured briefly,
+and every timed call is set against the time its bytes (weights + KV read) and its FLOPs would take at those
+rates: the bottleneck report.
 
 profile.json records the model digest (sha256 of its weights file), its config, the dantinox version and
 the engine configuration; ``check_profile`` refuses a profile of another model or version, naming what
@@ -33,9 +39,8 @@ import numpy as np
 from .. import __version__
 from .cost_model import CostModel
 
-FORWARD_SHAPES = ((1, 1), (4, 1), (16, 1), (1, 16), (1, 64), (4, 64))
-DECODE_SHAPES = ((1, 4), (16, 4), (16, 16))   # (B, M) at block size 16: 64 and 256 attended slots
-PROFILE_FORMAT = 1
+PROFILE_FORMAT = 2
+WAKE_GAPS = (0.005, 0.02, 0.05, 0.15)   # idle seconds before a step, for measure_wake
 
 
 def weights_digest(run_dir: str) -> str:
@@ -84,37 +89,69 @@ def _fit(rows: list, ys: list) -> tuple:
     return tuple(float(max(c, 0.0)) for c in coef)
 
 
+def _distinct_table(B: int, M: int, num_blocks: int) -> np.ndarray:
+    """[B, M] int32 block tables giving each row its own blocks (wrapping around the pool), so a timed call
+    gathers from as many distinct blocks as a real one (one block for every row would stay in the CPU cache)."""
+    return (np.arange(B * M, dtype=np.int32).reshape(B, M) % num_blocks).astype(np.int32)
+
+
 def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int) -> float:
-    """Seconds of one decode_steps call of B rows over M table entries running n iterations (writes dropped)."""
+    """Seconds of one decode_steps call of B rows over M table entries of distinct blocks running n
+    iterations from the middle of the table, its result fetched to the host as the engine does. It writes
+    into the pool: profile an engine that holds no request."""
+    return _median_seconds(_decode_call(engine, B, M, n, max_steps), repeats)
+
+
+def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
+    """A function running the decode_steps call that _time_decode times."""
     from ..sampling import SamplingParams
     from ..serving.runner import decode_steps
 
     z = np.zeros(B, np.int32)
-    table = np.full((B, M), engine.allocator.num_blocks, np.int32)   # every write dropped
+    start = np.full(B, M * engine.allocator.block_size // 2, np.int32)
+    table = _distinct_table(B, M, engine.allocator.num_blocks)
     sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
 
     def call():
-        out, engine.pool = decode_steps(engine.graph, engine.params, engine.pool, z, z, np.full(B, n, np.int32),
+        out, engine.pool = decode_steps(engine.graph, engine.params, engine.pool, z, start, np.full(B, n, np.int32),
                                         table, np.zeros(B, np.uint32), z, sampling, max_steps=max_steps)
-        return out
-    return _median_seconds(call, repeats)
+        return jax.device_get(out)
+    return call
 
 
 def _time_forward(engine, B: int, T: int, repeats: int) -> float:
-    return _median_seconds(lambda: engine._call_forward([], B, T)[0], repeats)
+    """Seconds of one forward_step of B rows x T new tokens over distinct blocks (as _time_decode)."""
+    from ..sampling import SamplingParams
+    from ..serving.runner import forward_step
+
+    z = np.zeros(B, np.int32)
+    ids, num_new = np.zeros((B, T), np.int32), np.full(B, T, np.int32)
+    table = _distinct_table(B, engine.table_width, engine.allocator.num_blocks)
+    sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
+
+    def call():
+        out, _, engine.pool = forward_step(engine.graph, engine.params, engine.pool, ids, z, num_new, table,
+                                           np.zeros(B, np.uint32), z, sampling, np.bool_(False))
+        return np.asarray(out)
+    return _median_seconds(call, repeats)
 
 
 def time_engine(engine, repeats: int = 15, max_steps: int = 8) -> dict:
-    """Time ``engine``'s compiled calls (nothing is written to its pool). Returns the measured points:
-    {"forward": {"B,T": s}, "decode": {"B,M,n": s}, "swap_out": s, "swap_in": s, "copy": s}."""
+    """Time ``engine``'s compiled calls (nothing is written to its pool): forward_step at every bucket it
+    compiles (decode rows B x 1 and prefill chunks B x T), decode_steps at every decode batch bucket over the
+    narrowest and the widest block table with max_steps / 2 and max_steps iterations, block reads and writes
+    (swap) and a copy. Returns {"forward": {"B,T": s}, "decode": {"B,S,n": s}, "swap_out": s, "swap_in": s,
+    "copy": s} (S = table width x block size: attended slots)."""
     points = {"forward": {}, "decode": {}}
-    for B, T in FORWARD_SHAPES:
-        if T <= engine.chunk_buckets[-1]:
-            points["forward"][f"{B},{T}"] = _time_forward(engine, B, T, repeats)
-    for B, M in DECODE_SHAPES:
-        M = min(M, engine.table_width)
-        for n in (max_steps // 2, max_steps):  # not n = 1: a lone iteration carries the loop's start-up
-            points["decode"][f"{B},{M},{n}"] = _time_decode(engine, B, M, n, max_steps, repeats)
+    shapes = [(B, 1) for B in engine.decode_buckets]
+    shapes += [(B, T) for B in engine.prefill_buckets for T in engine.chunk_buckets]
+    for B, T in shapes:
+        points["forward"][f"{B},{T}"] = _time_forward(engine, B, T, repeats)
+    P = engine.allocator.block_size
+    for B in engine.decode_buckets:
+        for M in sorted({engine.table_buckets[0], engine.table_buckets[-1]}):
+            for n in (max_steps // 2, max_steps):  # not n = 1: a lone iteration carries the loop's start-up
+                points["decode"][f"{B},{M * P},{n}"] = _time_decode(engine, B, M, n, max_steps, repeats)
     blocks = list(range(min(4, engine.allocator.num_blocks)))
     points["swap_out"] = _median_seconds(lambda: engine._read_host(blocks)[0][0], repeats)
     data = engine._read_host(blocks)
@@ -123,8 +160,9 @@ def time_engine(engine, repeats: int = 15, max_steps: int = 8) -> dict:
     return points
 
 
-def fit_cost_model(points: dict, block_size: int) -> CostModel:
-    """Least-squares CostModel from ``time_engine``'s points (see cost_model for the forms)."""
+def fit_cost_model(points: dict) -> CostModel:
+    """The CostModel of ``time_engine``'s points (see cost_model for the forms), with the calibration
+    ("calibration": calibrate_steps' dict) and wake points ("wake") when the points carry them."""
     fwd = points["forward"]
     shapes = [tuple(int(v) for v in k.split(",")) for k in fwd]
     forward = _fit([[1, B, B * T] for B, T in shapes], list(fwd.values()))
@@ -132,64 +170,132 @@ def fit_cost_model(points: dict, block_size: int) -> CostModel:
     n_hi = max(n for _, _, n in dec)
     n_lo = min(n for _, _, n in dec)
     rows, ys, overheads = [], [], []
-    for (B, M, n), s in dec.items():
+    for (B, S, n), s in dec.items():
         if n == n_hi:
-            per_iter = max((s - dec[(B, M, n_lo)]) / (n_hi - n_lo), 0.0)
-            rows.append([1, B, B * M * block_size])
+            per_iter = max((s - dec[(B, S, n_lo)]) / (n_hi - n_lo), 0.0)
+            rows.append([1, B, B * S])
             ys.append(per_iter)
             overheads.append(max(s - n_hi * per_iter, 0.0))
+    calibration = points.get("calibration", {})
     return CostModel(forward=forward, decode_call=float(np.median(overheads)), decode_iter=_fit(rows, ys),
                      swap_out=points["swap_out"], swap_in=points["swap_in"], copy=points["copy"],
-                     forward_overhead=points.get("forward_overhead", 0.0), scale=points.get("scale", 1.0),
-                     points=dict(fwd))
+                     **{k: float(v) for k, v in calibration.items() if k in _CALIBRATED},
+                     wake=tuple(tuple(p) for p in points.get("wake", ())),
+                     cold_window=float(points.get("cold_window", 0.0)),
+                     points=dict(fwd), decode_points=dict(points["decode"]))
 
 
-def _burst(tag: str, vocab: int, requests: int = 8, prompt: int = 40, new: int = 20) -> list:
-    """[(request id, prompt ids, options)]: the calibration burst (distinct prompts per tag, no prefix hits)."""
+_CALIBRATED = ("forward_overhead", "scale", "decode_overhead", "decode_scale")
+
+
+def _burst(tag: str, vocab: int, max_context: int, requests: int = 24) -> list:
+    """[(request id, prompt ids, options)]: a calibration workload of distinct prompts (no prefix hits) of 8 to
+    about max_context / 4 tokens, asking 4 to about max_context / 8 new tokens; calibrate_steps adds one every
+    ``ARRIVAL_STEPS`` engine steps, so prefill chunks, mixed steps and multi-step decode calls over a range of
+    batch sizes all occur."""
     from ..serving.request import SamplingOptions
 
-    return [(f"{tag}{i}", [(97 * i + 13 * j + len(tag)) % (vocab - 1) + 1 for j in range(prompt)],
-             SamplingOptions(new)) for i in range(requests)]
+    prompt_span, new_span = max(max_context // 4 - 8, 1), max(max_context // 8 - 4, 1)
+    out = []
+    for i in range(requests):
+        prompt, new = 8 + (37 * i) % prompt_span, 4 + (23 * i) % new_span
+        ids = [(97 * i + 13 * j + len(tag)) % (vocab - 1) + 1 for j in range(prompt)]
+        out.append((f"{tag}{i}", ids, SamplingOptions(new)))
+    return out
 
 
-def calibrate_steps(engine, cost: CostModel) -> tuple[float, float]:
-    """(forward_overhead seconds h, scale s) so that a real engine step of forward_step calls (prefill, or decode mixed
-    with prefill) costs h + s x (its calls' fitted cost); multi-step decode steps are left as timed.
+ARRIVAL_STEPS = 2   # engine steps between two arrivals of the calibration workload
 
-    A burst of 8 requests (40 prompt + 20 output tokens) runs through the real engine twice (the first pass
-    compiles what it needs); each step of the second pass is timed, the simulator replays the same steps with
-    ``cost`` (same scheduler code), and h, s are the least-squares fit (s >= 1, h >= 0). They cover what timing
-    calls in isolation misses: host work per step (inputs, dispatch, fetch, bookkeeping), and calls running
-    slower among other calls than alone."""
-    from .simulate import SimReplica
 
-    for tag in ("warm", "timed"):
-        for rid, ids, opts in _burst(tag, engine.vocab_size):
+def step_cost(cost: CostModel, calls: list) -> float:
+    """Seconds the cost model gives the device calls of one engine step (``PagedEngine.step_calls``)."""
+    seconds = 0.0
+    for call in calls:
+        if call[0] == "forward":
+            seconds += cost.forward_cost(call[1], call[2])
+        elif call[0] == "decode":
+            seconds += cost.decode_cost(call[1], call[2], call[3])
+        else:
+            seconds += {"swap_out": cost.swap_out, "swap_in": cost.swap_in, "copy": cost.copy}[call[0]]
+    return seconds
+
+
+def calibrate_steps(engine, cost: CostModel) -> dict:
+    """{"forward_overhead": h, "scale": s, "decode_overhead": h', "decode_scale": s'}: a real engine step of
+    forward_step calls costs h + s x (its calls' modelled cost), a multi-step decode step h' + s' x (its call's).
+
+    The workload of ``_burst`` runs through the real engine three times, a request added every ARRIVAL_STEPS
+    steps and the engine never idle: once to warm up, then twice with every step timed together with the calls
+    it made (``engine.step_calls``); h, s are fitted per kind (see _fit_overhead). They cover what timing calls
+    in isolation misses: host work per step (scheduling, inputs, dispatch, fetch, bookkeeping per token), and
+    calls running slower among other calls than alone."""
+    _run_workload(engine, "warm", cost)
+    steps = _run_workload(engine, "timed", cost) + _run_workload(engine, "again", cost)
+    out = {}
+    for kind, (h_key, s_key) in (("forward", ("forward_overhead", "scale")),
+                                 ("decode", ("decode_overhead", "decode_scale"))):
+        out[h_key], out[s_key] = _fit_overhead([(p, w) for k, p, w in steps if k == kind])
+    return out
+
+
+def _run_workload(engine, tag: str, cost: CostModel) -> list:
+    """Run the calibration workload (tagged request ids) through ``engine``. Returns [(kind, modelled seconds
+    of the step's calls, wall seconds)] per step."""
+    pending, steps, count = _burst(tag, engine.vocab_size, engine.max_context), [], 0
+    while pending or engine.has_unfinished():
+        if pending and count % ARRIVAL_STEPS == 0:
+            rid, ids, opts = pending.pop(0)
             engine.add_request(ids, opts, request_id=rid)
-        walls = []
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            engine.step()
-            walls.append(time.perf_counter() - t0)
-    rep = SimReplica(engine.cfg, engine.config, cost)
-    for rid, ids, opts in _burst("timed", engine.vocab_size):
-        rep.add(rid, ids, opts, 0.0)
-    predicted, keep = [], []
-    while rep.scheduler.waiting or rep.scheduler.running:
-        predicted.append(rep.step()[0])
-        keep.append(not rep.last_multi_step)
-    n = min(len(walls), len(predicted))
-    use = np.asarray(keep[:n])
-    walls, predicted = np.asarray(walls[:n])[use], np.asarray(predicted[:n])[use]
-    n = len(walls)
-    if n < 2:
+        count += 1
+        t0 = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t0
+        if engine.step_calls:
+            kind = "decode" if any(c[0] == "decode" for c in engine.step_calls) else "forward"
+            steps.append((kind, step_cost(cost, engine.step_calls), wall))
+    return steps
+
+
+def _fit_overhead(pairs: list) -> tuple[float, float]:
+    """(h, s) of wall = h + s x predicted over [(predicted, wall)], least squares on the relative error (so
+    small steps count as much as large ones) with h >= 0 and s > 0."""
+    if len(pairs) < 2:
         return 0.0, 1.0
-    h, s = np.linalg.lstsq(np.stack([np.ones(n), predicted], 1), walls, rcond=None)[0]
-    if s < 1.0:      # calls no slower than alone: all of the difference is per-step host time
-        s, h = 1.0, max(float(np.mean(walls - predicted)), 0.0)
-    elif h < 0:      # no fixed part: a pure factor
-        s, h = max(float(walls.sum() / max(predicted.sum(), 1e-12)), 1.0), 0.0
+    predicted, walls = (np.asarray(v, float) for v in zip(*pairs))
+    w = 1.0 / np.maximum(walls, 1e-9)
+    h, s = np.linalg.lstsq(np.stack([w, predicted * w], 1), walls * w, rcond=None)[0]
+    if h < 0 or s <= 0:   # no fixed part: a pure factor
+        return 0.0, float(np.median(walls / np.maximum(predicted, 1e-12)))
     return float(h), float(s)
+
+
+def measure_wake(engine, gaps: tuple = WAKE_GAPS, repeats: int = 5, warming_calls: int = 8) -> tuple:
+    """(points [(idle seconds, extra seconds, slower fraction)], cold_window seconds): what an idle period
+    costs the steps after it.
+
+    The call is a one-row multi-step decode over the narrowest table (the steps that follow a request's
+    prefill at light load). For each gap: sleep, then time ``warming_calls`` calls back to back; the extra is
+    the first call's time minus the call's time without idle, the slower fraction the mean excess of the next
+    ones relative to it (medians over ``repeats``). cold_window is the time those calls take without idle."""
+    n = engine.config.max_decode_steps
+    call = _decode_call(engine, 1, engine.table_buckets[0], n, n)
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
+    for _ in range(5):
+        timed()
+    busy = float(np.median([timed() for _ in range(4 * repeats)]))
+    points = []
+    for gap in gaps:
+        runs = []
+        for _ in range(repeats):
+            time.sleep(gap)
+            runs.append([timed() for _ in range(warming_calls)])
+        median = np.median(np.asarray(runs), axis=0)
+        points.append((gap, max(float(median[0]) - busy, 0.0), max(float(median[1:].mean()) / busy - 1.0, 0.0)))
+    return points, warming_calls * busy
 
 
 def bottleneck_rows(cfg, points: dict, rates: dict, weights_bytes: int, kv_bytes_per_token: int,
@@ -205,10 +311,10 @@ def bottleneck_rows(cfg, points: dict, rates: dict, weights_bytes: int, kv_bytes
         rows.append(_row("prefill" if T > 1 else "decode (one step)", key, s, B, T, cfg.max_context, n_params,
                          weights_bytes, kv_bytes_per_token, L * H * D, rates))
     for key, s in points["decode"].items():
-        B, M, n = (int(v) for v in key.split(","))
+        B, S, n = (int(v) for v in key.split(","))
         if n != max(int(k.split(",")[2]) for k in points["decode"]):
             continue
-        rows.append(_row("decode (multi-step)", key, s / n, B, 1, M * block_size, n_params, weights_bytes,
+        rows.append(_row("decode (multi-step)", key, s / n, B, 1, S, n_params, weights_bytes,
                          kv_bytes_per_token, L * H * D, rates))
     return rows
 
@@ -242,11 +348,12 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     from .variants import apply_variant
 
     model, cfg = apply_variant(model, cfg, kv_dtype, quantize)
-    config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, num_blocks=64, max_decode_steps=8)
+    config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, max_decode_steps=8)  # a full pool
     engine = PagedEngine(model, config) if mesh is None else ShardedPagedEngine(model, config, mesh)
     with mesh_scope(mesh):  # the engine's own steps enter it too; the direct calls below need it
         points = time_engine(engine, repeats)
-        points["forward_overhead"], points["scale"] = calibrate_steps(engine, fit_cost_model(points, 16))
+        points["wake"], points["cold_window"] = measure_wake(engine)
+        points["calibration"] = calibrate_steps(engine, fit_cost_model(points))
     rates = machine_rates()
     weights = param_bytes(model)
     n_params = param_bytes(dataclasses.replace(cfg, cache_dtype="float32")) // 4   # float32 build: 4 B each
@@ -257,7 +364,7 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
                         "device": str(jax.devices()[0].device_kind), "cpus": os.cpu_count(),
                         "devices": jax.device_count()},
             "mesh": mesh_shape(mesh),
-            "rates": rates, "points": points, "cost_model": fit_cost_model(points, 16).to_dict(),
+            "rates": rates, "points": points, "cost_model": fit_cost_model(points).to_dict(),
             "bottleneck": bottleneck_rows(cfg, points, rates, weights, kv_bpt, 16, n_params)}
 
 

@@ -40,8 +40,9 @@ class RealReplica(ReplicaView):
         self.engine.add_request(ids, options, request_id=rid)
         return self.engine.requests[rid]
 
-    def step(self) -> tuple[float, list]:
-        """One engine.step(): (its cost: step_seconds or the wall time, [(request id, tokens generated)])."""
+    def step(self, idle: float = 0.0, warming: float = 0.0) -> tuple[float, list]:
+        """One engine.step(): (its cost: step_seconds or the wall time, [(request id, tokens generated)]).
+        idle, warming: what the simulator's cost model reads (the real engine pays for them itself; ignored)."""
         t0 = time.perf_counter()
         outputs = self.engine.step()
         seconds = time.perf_counter() - t0

@@ -30,7 +30,12 @@ from .router import Router
 
 
 class ReplicaView:
-    """What routers and the event loop read from a replica holding ``scheduler`` and ``allocator``."""
+    """What routers and the event loop read from a replica holding ``scheduler`` and ``allocator``.
+    idle_since: when the replica last ran out of work (None while busy; -inf before its first step);
+    woke: (when its current busy period began, seconds idle before it)."""
+
+    idle_since: float | None = -math.inf
+    woke: tuple = (-math.inf, 0.0)
 
     def outstanding_tokens(self) -> int:
         """Prompt tokens still to compute + output tokens still to generate, queued, running or routed."""
@@ -80,26 +85,31 @@ class SimReplica(ReplicaView):
         self.requests.append(req)
         return req
 
-    def step(self) -> tuple[float, list]:
-        """One engine step: (seconds it costs, [(request id, tokens generated)])."""
+    def step(self, idle: float = 0.0, warming: float = 0.0) -> tuple[float, list]:
+        """One engine step: (seconds it costs, [(request id, tokens generated)]). idle: seconds without work
+        just before it (0 inside a busy period); warming: seconds idle before the current busy period when
+        that began less than the cost model's cold_window ago, else 0."""
         sched = self.scheduler.schedule()
         self.queue_samples.append(len(self.scheduler.waiting))
         self.peak_blocks = max(self.peak_blocks, self.allocator.num_used)
         c = self.cost
         seconds = c.swap_out * len(sched.swap_out) + c.swap_in * len(sched.swap_in)
+        wake, slower = c.wake_cost(idle), 1.0 + c.cold_fraction(warming)
         seconds += c.copy * math.ceil(len(sched.copies) / self.scheduler.policy.max_running)
         counts, copies = plan_decode_steps(sched.chunks, self.allocator, self.config.max_decode_steps,
                                            bool(self.scheduler.waiting))
         seconds += c.copy * math.ceil(len(copies) / self.scheduler.policy.max_running)
         self.last_multi_step = bool(counts)
-        if counts:  # a multi-step decode call: timed as the engine makes it, no calibration applies
+        if counts:  # a multi-step decode call
             for _, part_counts, B, M in decode_step_calls(sched.chunks, counts, self.buckets, self.allocator):
                 seconds += c.decode_cost(B, M * self.allocator.block_size, max(part_counts))
-            return c.step + seconds, self._advance_all(sched.chunks, counts)
+            seconds = c.decode_overhead + c.decode_scale * seconds
+            return c.step + wake + slower * seconds, self._advance_all(sched.chunks, counts)
         counts = [1] * len(sched.chunks)
         for _, B, T in forward_calls(sched.chunks, self.buckets):
             seconds += c.forward_cost(B, T)
-        return c.step + c.forward_overhead + c.scale * seconds, self._advance_all(sched.chunks, counts)
+        seconds = c.forward_overhead + c.scale * seconds
+        return c.step + wake + slower * seconds, self._advance_all(sched.chunks, counts)
 
     def _advance_all(self, chunks: list, counts: list) -> list:
         emitted = []
@@ -164,7 +174,8 @@ def run_trace(replicas: list, router: Router, requests: list, prompts: list, slo
 
 
 def _start_step(rep, now: float, records: dict) -> float | None:
-    """Take the replica's routed requests and run one step at ``now``; returns when it ends (None: idle)."""
+    """Take the replica's routed requests and run one step at ``now``; returns when it ends (None: idle).
+    A replica that ran out of work records when (``idle_since``); its next step is told how long it waited."""
     for rid, ids, opts, arrival in rep.inbox:
         try:
             rep.add(rid, ids, opts, arrival)
@@ -172,8 +183,14 @@ def _start_step(rep, now: float, records: dict) -> float | None:
             records[rid].rejected = f"{type(err).__name__}: {err}"
     rep.inbox.clear()
     if not (rep.scheduler.waiting or rep.scheduler.running):
+        if rep.idle_since is None:
+            rep.idle_since = now
         return None
-    seconds, emitted = rep.step()
+    idle = now - rep.idle_since if rep.idle_since is not None else 0.0
+    if rep.idle_since is not None:
+        rep.woke, rep.idle_since = (now, idle), None
+    window = getattr(getattr(rep, "cost", None), "cold_window", 0.0)
+    seconds, emitted = rep.step(idle=idle, warming=rep.woke[1] if now - rep.woke[0] < window else 0.0)
     end = now + seconds
     for rid, n in emitted:
         records[rid].token_times.extend([end] * n)

@@ -148,6 +148,9 @@ class PagedEngine(Engine):
         self._ids = itertools.count()
         if not isinstance(config.max_decode_steps, int) or not 1 <= config.max_decode_steps <= 64:
             raise ValueError(f"max_decode_steps={config.max_decode_steps!r} is not allowed: an integer in [1, 64]")
+        # The device work of the last step, for the capacity planner's calibration: ("forward", B, T),
+        # ("decode", B, S attended slots, n iterations), ("swap_out",), ("swap_in",), ("copy",) per call.
+        self.step_calls: list[tuple] = []
         self.counters = dict(steps=0, forward_calls=0, multi_step_calls=0, computed_tokens=0, generated_tokens=0,
                              finished=0, aborted=0, errors=0)
 
@@ -169,6 +172,7 @@ class PagedEngine(Engine):
         return rid
 
     def step(self) -> list[RequestOutput]:
+        self.step_calls = []
         sched = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         try:
@@ -226,9 +230,11 @@ class PagedEngine(Engine):
     def _move_blocks(self, sched: Schedule) -> None:
         for req, blocks in sched.swap_out:
             req.swap_data = self._read_host(blocks)
+            self.step_calls.append(("swap_out",))
         for req, blocks in sched.swap_in:
             self._write_host(blocks, req.swap_data)
             req.swap_data = None
+            self.step_calls.append(("swap_in",))
         self._copy_blocks(sched.copies)
 
     def _copy_blocks(self, pairs: list) -> None:
@@ -236,6 +242,7 @@ class PagedEngine(Engine):
         C = self.policy.max_running
         for i in range(0, len(pairs), C):
             self.pool = copy_blocks(self.pool, *self._pad_copies(pairs[i:i + C]))
+            self.step_calls.append(("copy",))
 
     def _pad_copies(self, pairs: list) -> tuple[np.ndarray, np.ndarray]:
         C = self.policy.max_running
@@ -322,6 +329,7 @@ class PagedEngine(Engine):
                                       steps, sampling, max_steps=self.config.max_decode_steps)
         self.counters["forward_calls"] += bool(part)
         self.counters["multi_step_calls"] += bool(part)
+        self.step_calls.append(("decode", B, M * self.allocator.block_size, int(num_steps.max())))
         return jax.device_get(out)
 
     def _row_inputs(self, part: list[Chunk], B: int, M: int) -> tuple:
@@ -353,6 +361,7 @@ class PagedEngine(Engine):
         out, logprobs, self.pool = forward_step(self.graph, self.params, self.pool, ids, start, num_new, table,
                                                 seeds, steps, sampling, with_logprobs)
         self.counters["forward_calls"] += bool(part)
+        self.step_calls.append(("forward", B, T))
         return out, (logprobs if with_logprobs else None)  # nobody asked: three transfers of zeros skipped
 
     def _advance(self, chunk: Chunk, token: int, logprobs: TokenLogprobs | None = None) -> list[RequestOutput]:
