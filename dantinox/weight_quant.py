@@ -74,9 +74,11 @@ def _dot_last(x: jax.Array, kernel: jax.Array, contract_kernel_axis: int) -> jax
     A bf16 or int8 kernel is converted to float32 (exactly) right before the dot; x stays float32. XLA CPU
     emits the convert as a small loop fusion feeding the dot: a kernel-sized float32 temporary that lives only
     within the step, while the weights read from memory are 2 or 1 bytes each. Not done, and why:
-      - a bf16 x bf16 -> f32 dot (YNNPACK on XLA CPU): its results depend on the number of rows, so the cached
-        and uncached logits of the bundled model differed by up to 4e-2 (``dantinox verify --quantize bf16``
-        failed); float32 operands keep them within 1e-5;
+      - a bf16 x bf16 -> f32 dot (YNNPACK on XLA CPU): the activations must then be rounded to bf16, and the
+        one-row decode step and the whole-sequence forward round a few of them to neighbouring bf16 values
+        (their float32 values differ in the last bits), so the cached and uncached logits of the bundled model
+        differed by up to 4e-2 (``dantinox verify --quantize bf16`` failed); float32 operands keep them within
+        1e-5 (docs/quantization.md);
       - converting int8 to bf16: XLA's s8 -> bf16 convert loop was 7x slower on a 2-core AVX-512 host.
     """
     dims = (((x.ndim - 1,), (contract_kernel_axis,)), ((), ()))
