@@ -43,6 +43,10 @@ The alternative, a reference that recomputes each layer's rows itself, would dup
 it is meant to check. The hooks record their counts on the layer object while the reference is traced; the
 jitted reference returns them (``audit``).
 
+Scope: rows computed in float32 (compute_dtype="float32"; the weights may be bfloat16 or int8, they are
+read back to float32). With compute_dtype="bfloat16" the two runs' rows differ by bfloat16 rounding, and
+``dantinox.verify`` compares with the plain uncached forward instead.
+
 Shape letters as in ``dantinox.attention``; W is a row's width (D, C or R).
 """
 

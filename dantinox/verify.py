@@ -11,6 +11,8 @@ rows are computed by another matmul shape than the cached run's, so an element o
 round to the neighbouring int8 step; the reference adopts exactly those flips (and last-bit scale
 differences) from the cached run's final cache and counts them, and any other disagreement with the stored
 rows is a cache fault that fails the check (``dantinox.int8_reference``, ``VerifyReport.rounding_flips``).
+That rule is a float32 one: with compute_dtype="bfloat16" the two runs' rows differ by bfloat16 rounding, far
+beyond any boundary, so the reference is the plain uncached forward and the logits alone decide.
 The report then also carries ``float_distance``, the largest |logit difference| between the int8 cached run
 and a float32 cached run of the same parameters fed the same tokens (what int8 costs, not an exactness figure).
 """
@@ -37,9 +39,9 @@ class VerifyReport(NamedTuple):
     """positions: [T] absolute positions compared; max_diff: [T] max |cached - uncached| over V per position;
     tokens: the generated ids; tolerance; passed: max_diff <= tolerance everywhere and, for an int8 cache, no
     cache fault; float_distance: for an int8 cache, max |int8 cached - float32 cached| logits over every
-    position (None for float caches); rounding_flips: for an int8 cache, the RoundingAudit of what the
-    reference adopted from the cache (rounding-boundary flips) and the faults it refused (None for float
-    caches)."""
+    position (None for float caches); rounding_flips: for an int8 cache computed in float32, the RoundingAudit
+    of what the reference adopted from the cache (rounding-boundary flips) and the faults it refused (None for
+    float caches and compute_dtype="bfloat16")."""
 
     positions: np.ndarray
     max_diff: np.ndarray
@@ -103,15 +105,16 @@ def verify_cache(model, prompt_ids, new_tokens: int = 64, tolerance: float = 1e-
         cached, tokens, cache = _cached_run(graphdef, params, cfg, ids[0, :n], new_tokens, mesh=mesh)
         full = jnp.asarray(np.concatenate([ids[0, :n], tokens[:-1]]).astype(np.int32)[None])
         distance = flips = None
-        if cfg.cache_dtype == "int8":
+        if cfg.cache_dtype == "int8" and cfg.compute_dtype == "float32":
             reference, counts = _int8_reference(graphdef, params, full, cache)
             flips = RoundingAudit(*(int(c) for c in np.asarray(counts)))
+        else:
+            reference = _reference(graphdef, params, full)
+        if cfg.cache_dtype == "int8":
             float_graph, float_params = nnx.split(with_kv_dtype(model, "float32"))
             as_float, _, _ = _cached_run(float_graph, float_params, cfg.replace(cache_dtype="float32"),
                                          ids[0, :n], new_tokens, forced=tokens, mesh=mesh)
             distance = float(np.abs(cached - as_float).max())
-        else:
-            reference = _reference(graphdef, params, full)
         diff = np.abs(cached - np.asarray(reference[0])).max(axis=-1)
     passed = bool(diff.max() <= tolerance) and (flips is None or flips.faults == 0)
     return VerifyReport(np.arange(len(diff)), diff, tokens, tolerance, passed, distance, flips)

@@ -214,3 +214,12 @@ def test_a_corrupted_int8_code_or_scale_in_the_cached_run_fails_verify(kind, how
     assert report.rounding_flips.faults >= 1 and report.max_diff.max() > EQ, report.rounding_flips
     monkeypatch.setattr(verify, "_step", step)
     assert dx.verify_cache(model, _prompt(0), new_tokens=12, tolerance=EQ).passed
+
+
+def test_with_bfloat16_compute_verify_compares_int8_logits_with_the_plain_uncached_forward():
+    """The adoption rule is a float32 one: with compute_dtype="bfloat16" the rows of the two runs differ by
+    bfloat16 rounding, so no audit is made and the logits alone decide (as for the float32 cache)."""
+    cfg = tiny_config(attention="gqa", kv_heads=2, compute_dtype="bfloat16", cache_dtype="int8", max_context=64)
+    report = dx.verify_cache(spiky_model(cfg), _prompt(0), new_tokens=40, tolerance=1e-2)
+    assert report.rounding_flips is None and report.float_distance is not None
+    assert report.passed and 1e-4 < report.max_diff.max() <= 1e-2
