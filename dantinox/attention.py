@@ -37,7 +37,7 @@ from flax import nnx
 
 from .cache import LayerKV, write_layer, write_rows
 from .config import ModelConfig
-from .kv_quant import roundtrip
+from .kv_quant import roundtrip_for
 from .layers import RMSNorm, apply_rope
 
 NEG_INF = -1e30
@@ -93,7 +93,8 @@ class Attention(nnx.Module):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
         stored = None
         if cfg.cache_dtype == "int8":  # quantize once: attend over the read-back values, store the int8 rows
-            (k, (k_q, k_s)), (v, (v_q, v_s)) = roundtrip(k), roundtrip(v)
+            (k, (k_q, k_s)), (v, (v_q, v_s)) = (roundtrip_for(layer_cache, k, "k"),
+                                                 roundtrip_for(layer_cache, v, "v"))
             stored = (k_q, v_q, k_s, v_s)
         if hasattr(layer_cache, "attend_and_write"):  # another cache layout, e.g. dantinox.serving.paged_cache
             extra = {} if stored is None else {"stored": stored}

@@ -216,9 +216,12 @@ def cmd_verify(args) -> int:
     if report.float_distance is not None:
         print(f"distance to the float32 cache: max |int8 cached - float32 cached| logits = "
               f"{report.float_distance:.3e} (same tokens; what int8 costs, not an exactness check)")
+    if report.rounding_flips is not None:
+        print(report.rounding_flips.describe())
     verdict = "PASS" if report.passed else "FAIL"
+    faults = f", {report.rounding_flips.faults:,} int8 cache faults" if report.rounding_flips else ""
     print(f"{verdict}: largest difference {report.max_diff.max():.3e} (tolerance {args.tolerance:.1e}) "
-          f"over {len(report.positions)} positions")
+          f"over {len(report.positions)} positions{faults}")
     return 0 if report.passed else 1
 
 

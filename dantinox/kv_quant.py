@@ -57,3 +57,12 @@ def roundtrip(x: jax.Array, dtype=None) -> tuple[jax.Array, tuple[jax.Array, jax
     one see bit-identical keys and values."""
     q, scale = quantize_rows(x)
     return dequantize_rows(q, scale, dtype or x.dtype), (q, scale)
+
+
+def roundtrip_for(layer_cache, x: jax.Array, field: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """``roundtrip(x)`` for the new rows of one cache field ("k", "v", or for MLA "c_kv", "k_rope"), unless
+    the layer cache brings its own ``roundtrip_int8(x, field)`` with the same result layout: verify's int8
+    reference does, to adopt the cached run's rounding-boundary flips (``dantinox.int8_reference``). Every
+    other cache (None for use_cache=False, the static and paged caches) gets the plain ``roundtrip``."""
+    hook = getattr(layer_cache, "roundtrip_int8", None)
+    return roundtrip(x) if hook is None else hook(x, field)

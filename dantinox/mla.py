@@ -45,7 +45,7 @@ from flax import nnx
 from .attention import NEG_INF, attend, new_token_mask, old_slot_mask, old_slots
 from .cache import LayerKV, write_rows
 from .config import ModelConfig
-from .kv_quant import dequantize_rows, roundtrip
+from .kv_quant import dequantize_rows, roundtrip_for
 from .layers import RMSNorm, apply_rope
 
 
@@ -132,7 +132,8 @@ class MLAttention(nnx.Module):
         kr_new = apply_rope(kr_new[:, :, None, :], *rope)[:, :, 0, :]            # [B, T, R]
         stored = (c_new, kr_new)
         if cfg.cache_dtype == "int8":  # quantize once: attend over the read-back values, store the int8 rows
-            (c_new, (c_q, c_s)), (kr_new, (r_q, r_s)) = roundtrip(c_new), roundtrip(kr_new)
+            (c_new, (c_q, c_s)), (kr_new, (r_q, r_s)) = (roundtrip_for(layer_cache, c_new, "c_kv"),
+                                                         roundtrip_for(layer_cache, kr_new, "k_rope"))
             stored = (c_q, r_q, c_s, r_s)
         attention = self._path(T)
         if hasattr(layer_cache, "attend_and_write_latent"):  # the paged pool (dantinox.serving.paged_cache)

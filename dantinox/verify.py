@@ -6,9 +6,15 @@ tokens and compares the logits position by position: the prompt positions from p
 against the reference at the same position. Shape letters: T tokens, V vocabulary.
 
 With cache_dtype="int8" the reference is the uncached forward that round-trips every key/value row through
-int8 the same way (``dantinox.kv_quant``), so like is compared with like and the tolerance stays tight; the
-report then also carries ``float_distance``, the largest |logit difference| between the int8 cached run and a
-float32 cached run of the same parameters fed the same tokens (what int8 costs, not an exactness figure).
+int8 the same way (``dantinox.kv_quant``), so like is compared with like and the tolerance stays tight. Its
+rows are computed by another matmul shape than the cached run's, so an element on a rounding boundary can
+round to the neighbouring int8 step; the reference adopts exactly those flips (and last-bit scale
+differences) from the cached run's final cache and counts them, and any other disagreement with the stored
+rows is a cache fault that fails the check (``dantinox.int8_reference``, ``VerifyReport.rounding_flips``).
+That rule is a float32 one: with compute_dtype="bfloat16" the two runs' rows differ by bfloat16 rounding, far
+beyond any boundary, so the reference is the plain uncached forward and the logits alone decide.
+The report then also carries ``float_distance``, the largest |logit difference| between the int8 cached run
+and a float32 cached run of the same parameters fed the same tokens (what int8 costs, not an exactness figure).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from flax import nnx
 
 from .cache import init_cache
 from .generate import check_request, prepare_prompts
+from .int8_reference import RoundingAudit, adopting_layers, audit
 from .mesh import mesh_of, mesh_scope
 from .sharding import shard_cache
 from .kv_dtype import with_kv_dtype
@@ -30,8 +37,11 @@ from .kv_dtype import with_kv_dtype
 
 class VerifyReport(NamedTuple):
     """positions: [T] absolute positions compared; max_diff: [T] max |cached - uncached| over V per position;
-    tokens: the generated ids; tolerance; passed; float_distance: for an int8 cache, max |int8 cached -
-    float32 cached| logits over every position (None for float caches)."""
+    tokens: the generated ids; tolerance; passed: max_diff <= tolerance everywhere and, for an int8 cache, no
+    cache fault; float_distance: for an int8 cache, max |int8 cached - float32 cached| logits over every
+    position (None for float caches); rounding_flips: for an int8 cache computed in float32, the RoundingAudit
+    of what the reference adopted from the cache (rounding-boundary flips) and the faults it refused (None for
+    float caches and compute_dtype="bfloat16")."""
 
     positions: np.ndarray
     max_diff: np.ndarray
@@ -39,6 +49,7 @@ class VerifyReport(NamedTuple):
     tolerance: float
     passed: bool
     float_distance: float | None = None
+    rounding_flips: RoundingAudit | None = None
 
     def ranges(self, width: int = 16) -> list[tuple[int, int, float]]:
         """(first position, last position, largest difference) for consecutive ranges of ``width`` positions."""
@@ -63,6 +74,16 @@ def _reference(graphdef, params, ids):
     return model(ids, use_cache=False)[0]
 
 
+@partial(jax.jit, static_argnames=("graphdef",))
+def _int8_reference(graphdef, params, ids, cache):
+    """The uncached forward over ids [1, T] adopting the rounding-boundary flips of ``cache`` (the cached run's
+    final int8 cache; ``dantinox.int8_reference``). Returns (logits [1, T, V] float32, counts [5] int32)."""
+    model = nnx.merge(graphdef, params)
+    layers = adopting_layers(cache, ids.shape[1])
+    logits = model(ids, use_cache=True, kv_caches=layers, cache_index=0)[0]
+    return logits, audit(layers)
+
+
 def verify_cache(model, prompt_ids, new_tokens: int = 64, tolerance: float = 1e-4) -> VerifyReport:
     """Compare cached and uncached logits for one prompt and ``new_tokens`` greedy decode steps.
 
@@ -81,24 +102,29 @@ def verify_cache(model, prompt_ids, new_tokens: int = 64, tolerance: float = 1e-
     graphdef, params = nnx.split(model)
     mesh = mesh_of(params)  # a model sharded with dantinox.sharding.shard_model is checked on its mesh
     with mesh_scope(mesh):
-        cached, tokens = _cached_run(graphdef, params, cfg, ids[0, :n], new_tokens, mesh=mesh)
-        full = np.concatenate([ids[0, :n], tokens[:-1]]).astype(np.int32)[None]
-        reference = np.asarray(_reference(graphdef, params, jnp.asarray(full))[0])
-        diff = np.abs(cached - reference).max(axis=-1)
-        distance = None
+        cached, tokens, cache = _cached_run(graphdef, params, cfg, ids[0, :n], new_tokens, mesh=mesh)
+        full = jnp.asarray(np.concatenate([ids[0, :n], tokens[:-1]]).astype(np.int32)[None])
+        distance = flips = None
+        if cfg.cache_dtype == "int8" and cfg.compute_dtype == "float32":
+            reference, counts = _int8_reference(graphdef, params, full, cache)
+            flips = RoundingAudit(*(int(c) for c in np.asarray(counts)))
+        else:
+            reference = _reference(graphdef, params, full)
         if cfg.cache_dtype == "int8":
             float_graph, float_params = nnx.split(with_kv_dtype(model, "float32"))
-            as_float, _ = _cached_run(float_graph, float_params, cfg.replace(cache_dtype="float32"), ids[0, :n],
-                                      new_tokens, forced=tokens, mesh=mesh)
+            as_float, _, _ = _cached_run(float_graph, float_params, cfg.replace(cache_dtype="float32"),
+                                         ids[0, :n], new_tokens, forced=tokens, mesh=mesh)
             distance = float(np.abs(cached - as_float).max())
-    return VerifyReport(np.arange(len(diff)), diff, tokens, tolerance, bool(diff.max() <= tolerance), distance)
+        diff = np.abs(cached - np.asarray(reference[0])).max(axis=-1)
+    passed = bool(diff.max() <= tolerance) and (flips is None or flips.faults == 0)
+    return VerifyReport(np.arange(len(diff)), diff, tokens, tolerance, passed, distance, flips)
 
 
 def _cached_run(graphdef, params, cfg, prompt: np.ndarray, new_tokens: int, forced: list | None = None,
                 mesh=None):
     """Prefill ``prompt`` ([T] ids) and decode new_tokens - 1 steps through a static cache (sharded over
     ``mesh`` when given), one call each, feeding the greedy pick (or ``forced[i]`` at step i). Returns
-    (logits [T + new_tokens - 1, V] float32, the greedy picks after each call)."""
+    (logits [T + new_tokens - 1, V] float32, the greedy picks after each call, the final cache)."""
     n = len(prompt)
     cache = shard_cache(init_cache(cfg, 1), cfg, mesh)
     logits, cache = _step(graphdef, params, jnp.asarray(prompt[None], jnp.int32), cache, jnp.int32(0))
@@ -109,4 +135,4 @@ def _cached_run(graphdef, params, cfg, prompt: np.ndarray, new_tokens: int, forc
         logits, cache = _step(graphdef, params, jnp.asarray([[feed]], jnp.int32), cache, jnp.int32(n + step))
         cached.append(np.asarray(logits[0]))
         tokens.append(int(np.argmax(cached[-1][-1])))
-    return np.concatenate(cached, axis=0), tokens
+    return np.concatenate(cached, axis=0), tokens, cache

@@ -69,7 +69,7 @@ def test_gate_fails_per_tensor_scale_and_passes_per_token_scale(monkeypatch):
     jax.clear_caches()
     good = gate_results(baseline, candidate)
     assert check_gate(GATE, good) == [], good
-    monkeypatch.setattr("dantinox.attention.roundtrip", per_tensor_roundtrip)
+    monkeypatch.setattr("dantinox.kv_quant.roundtrip", per_tensor_roundtrip)  # via roundtrip_for
     jax.clear_caches()  # retrace with the faulty quantizer
     bad = gate_results(baseline, candidate)
     jax.clear_caches()
