@@ -52,3 +52,22 @@ def test_profile_from_before_a_config_field_existed_is_checked_against_its_defau
         check_profile(profile, {**identity, "config": {**cfg, "qkv_bias": True}})
     with pytest.raises(ValueError, match=r"the profile's model has dim="):
         check_profile({**profile, "identity": {**identity, "config": {**old, "dim": cfg["dim"] * 2}}}, identity)
+
+
+def test_plan_profiles_itself_on_the_mesh_given_and_records_it(tmp_path):
+    """``dantinox plan --mesh data=1,model=1`` (no --profile) takes its profile on that mesh; plan.json says
+    which mesh its costs were measured on."""
+    import json
+
+    from dantinox import cli
+    tok = train_tokenizer("abcdefghij klmnop\n" * 4, "char")
+    cfg = tiny_config(vocab_size=tok.vocab_size, max_context=64)
+    save_run(tmp_path / "run", spiky_model(cfg), cfg, tok)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"arrival": {0.01 * i}, "prompt_tokens": 8, "max_tokens": 4}}\n' for i in range(4)))
+    candidates = tmp_path / "c.yaml"
+    candidates.write_text("- {name: baseline}\n")
+    assert cli.main(["plan", "--run_dir", str(tmp_path / "run"), "--trace", str(trace), "--mesh", "data=1,model=1",
+                     "--candidates", str(candidates), "--out", str(tmp_path / "plan")]) == 0
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["mesh"] == {"data": 1, "model": 1}

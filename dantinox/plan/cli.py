@@ -39,6 +39,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="append", default=None,
                    help="profile.json, one per model variant (repeatable; default: profile the float model now)")
     p.add_argument("--out", default="plan", help="output directory")
+    add_mesh_argument(p)   # the mesh of the profile taken when no --profile is given
     p.set_defaults(func=run_plan)
     sub = p.add_subparsers(dest="plan_command")
     t = sub.add_parser("trace", help="generate a mixed trace")
@@ -145,7 +146,13 @@ def _costs(args, run_dir, model, cfg) -> tuple[dict, dict]:
         check_profile(prof, model_identity(run_dir, cfg), f"--profile {path}")
         profiles.append(prof)
     if not profiles:
-        profiles = [_profile(run_dir, model, cfg)]
+        from ..sharding import check_model_fits
+
+        flag = getattr(args, "mesh", None)
+        mesh = mesh_from_flag(flag)
+        with naming_flag(flag):
+            check_model_fits(cfg, mesh)
+        profiles = [_profile(run_dir, model, cfg, mesh=mesh, mesh_flag=flag)]
     costs = {}
     for prof in profiles:
         try:

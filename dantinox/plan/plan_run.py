@@ -59,7 +59,7 @@ def build_plan(args) -> tuple[dict, dict, str]:
     result = make_plan(inp, candidates)
     ttfts = {r["candidate"]["name"]: r.pop("ttfts") for r in result["candidates"]}
     plan = dict(result, identity=model_identity(run_dir, cfg), bottleneck=prof.get("bottleneck", []),
-                rates=prof.get("rates", {}),
+                rates=prof.get("rates", {}), mesh=prof.get("mesh"),
                 gates=[dict(g.to_dict(), variant=list(v)) for v, g in gates.items()],
                 inputs={"trace": os.path.basename(args.trace), "trace_sha256": file_sha256(args.trace),
                         "trace_requests": len(requests), "slo": slo, "device_bytes": device,
