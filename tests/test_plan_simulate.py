@@ -113,3 +113,19 @@ def test_decode_cost_interpolates_the_measured_points_of_a_batch_size():
     assert cost.decode_cost(2, 160, 6) == (5.0 + 10.0) / 2          # and halfway in S
     assert cost.decode_cost(4, 64, 8) == 1.0 + 8 * (0.5 + 0.4)      # not measured: c0 + n (d0 + d1 B)
     assert CostModel.from_dict(cost.to_dict()) == cost
+
+
+def test_a_short_decode_call_never_costs_zero_and_a_bad_cost_field_is_named():
+    """Below the smallest measured iteration count the cost runs from the line's intercept (clipped at 0) to
+    the measured point, so n = 1 costs more than 0 even when the line through n = 4 and 8 crosses 0; a field
+    of the wrong type is refused naming the field."""
+    import pytest
+    cost = CostModel(decode_points={"4,64,4": 1.0, "4,64,8": 3.0})      # the line crosses 0 at n = 2
+    assert 0 < cost.decode_cost(4, 64, 1) < cost.decode_cost(4, 64, 4) == 1.0
+    assert cost.decode_cost(4, 64, 1) == 0.25                           # from (0, 0) to (4, 1.0)
+    good = cost.to_dict()
+    for field, bad in (("decode_points", "garbage"), ("cold_window", "x"), ("forward", "abc"), ("wake", [[1, "a"]])):
+        with pytest.raises(ValueError, match=f"field '{field}'"):
+            CostModel.from_dict(dict(good, **{field: bad}))
+    with pytest.raises(ValueError, match="field 'copy' is missing"):
+        CostModel.from_dict({k: v for k, v in good.items() if k != "copy"})

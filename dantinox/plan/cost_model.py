@@ -65,7 +65,7 @@ class CostModel:
         """Seconds of one decode_steps call: B rows, S attended slots (M x P), n iterations."""
         measured = self._grid.get(B)
         if measured is not None:
-            return max(_interpolate(measured, S, n), 0.0)
+            return _interpolate(measured, S, n)
         d0, d1, d2 = self.decode_iter
         return self.decode_call + n * (d0 + d1 * B + d2 * B * S)
 
@@ -98,20 +98,53 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        """Raises ValueError naming a missing or non-numeric field."""
-        try:
-            return cls(forward=tuple(float(x) for x in d["forward"]), decode_call=float(d["decode_call"]),
-                       decode_iter=tuple(float(x) for x in d["decode_iter"]), swap_out=float(d["swap_out"]),
-                       swap_in=float(d["swap_in"]), copy=float(d["copy"]), step=float(d["step"]),
-                       forward_overhead=float(d.get("forward_overhead", 0.0)), scale=float(d.get("scale", 1.0)),
-                       decode_overhead=float(d.get("decode_overhead", 0.0)),
-                       decode_scale=float(d.get("decode_scale", 1.0)),
-                       wake=tuple(tuple(float(v) for v in p) for p in d.get("wake", ())),
-                       cold_window=float(d.get("cold_window", 0.0)),
-                       points={str(k): float(v) for k, v in d.get("points", {}).items()},
-                       decode_points={str(k): float(v) for k, v in d.get("decode_points", {}).items()})
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"cost model: field {err} is missing or not a number") from None
+        """Raises ValueError naming the first field that is missing (a required one) or not of its type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"cost model: {type(d).__name__} is not allowed: a mapping of its fields")
+        required = ("forward", "decode_call", "decode_iter", "swap_out", "swap_in", "copy", "step")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"cost model: field {missing[0]!r} is missing")
+        kwargs = {}
+        for name, kind in _FIELD_KINDS.items():
+            if name in d:
+                kwargs[name] = _parse_field(name, kind, d[name])
+        return cls(**kwargs)
+
+
+_FIELD_KINDS = {"forward": "triple", "decode_call": "number", "decode_iter": "triple", "swap_out": "number",
+                "swap_in": "number", "copy": "number", "step": "number", "forward_overhead": "number",
+                "scale": "number", "decode_overhead": "number", "decode_scale": "number", "wake": "points",
+                "cold_window": "number", "points": "seconds", "decode_points": "seconds"}
+
+
+def _number(x) -> float:
+    """float(x) for an int or float (TypeError for a string, a bool or anything else)."""
+    if isinstance(x, (bool, str)) or not isinstance(x, (int, float)):
+        raise TypeError
+    return float(x)
+
+
+def _parse_field(name: str, kind: str, value):
+    """One cost-model field as its dataclass type; ValueError naming the field and what is allowed."""
+    allowed = {"number": "a number", "triple": "a list of 3 numbers", "points": "a list of lists of numbers",
+               "seconds": "a mapping of shape keys to seconds"}[kind]
+    try:
+        if kind == "number":
+            return _number(value)
+        if kind == "seconds":
+            if not isinstance(value, dict):
+                raise TypeError
+            return {str(k): _number(v) for k, v in value.items()}
+        if not isinstance(value, (list, tuple)):
+            raise TypeError
+        if kind == "triple":
+            if len(value) != 3:
+                raise TypeError
+            return tuple(_number(x) for x in value)
+        return tuple(tuple(_number(v) for v in p) for p in value)
+    except TypeError:
+        raise ValueError(f"cost model: field {name!r} = {str(value)[:40]!r} is not allowed: {allowed}") from None
 
 
 def _decode_grid(points: dict) -> dict:
@@ -132,11 +165,28 @@ def _line(xs: list, ys: list, x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _in_n(by_n: dict, n: int) -> float:
+    """Seconds of n iterations from {n: seconds}: linear through the measured n; below the smallest one,
+    linear from (0, the line's intercept clipped at 0) to that point, so a short call never costs <= 0."""
+    ns = sorted(by_n)
+    if n >= ns[0]:
+        return _line(ns, [by_n[k] for k in ns], n)
+    low = by_n[ns[0]]
+    intercept = max(_line(ns, [by_n[k] for k in ns], 0), 0.0) if len(ns) > 1 else 0.0
+    intercept = min(intercept, low)
+    return intercept + (low - intercept) * n / ns[0]
+
+
 def _interpolate(by_s: dict, S: int, n: int) -> float:
-    """decode_steps seconds at (S, n) from one batch size's measured {S: {n: seconds}}: linear in n, then in S."""
+    """decode_steps seconds at (S, n) from one batch size's measured {S: {n: seconds}}: in n (_in_n), then
+    linear in S (beyond the measured S: the nearer end's slope, the result at least the nearest point's
+    seconds scaled by S)."""
     s_values = sorted(by_s)
-    at_s = [_line(sorted(by_s[s]), [by_s[s][k] for k in sorted(by_s[s])], n) for s in s_values]
-    return _line(s_values, at_s, S)
+    at_s = [_in_n(by_s[s], n) for s in s_values]
+    value = _line(s_values, at_s, S)
+    if S < s_values[0] and value <= 0:
+        value = at_s[0] * S / s_values[0]
+    return value
 
 
 def constant(seconds: float) -> CostModel:

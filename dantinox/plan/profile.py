@@ -393,7 +393,8 @@ def check_profile(profile: dict, identity: dict, where: str = "--profile") -> No
     """Raise ValueError naming the first difference between the profile's identity and the model's: another
     format, dantinox version, weights digest or config field."""
     if profile.get("format") != PROFILE_FORMAT:
-        raise ValueError(f"{where}: profile format {profile.get('format')!r} is not allowed: {PROFILE_FORMAT}")
+        raise ValueError(f"{where}: profile format {profile.get('format')!r} is not allowed: this dantinox reads "
+                         f"format {PROFILE_FORMAT}; take the profile again (dantinox plan profile)")
     theirs = profile.get("identity", {})
     if theirs.get("dantinox_version") != identity["dantinox_version"]:
         raise ValueError(f"{where}: the profile was taken with dantinox {theirs.get('dantinox_version')}, this is "
