@@ -1,10 +1,19 @@
 """Shared fixtures: tiny configs from ../shared/cases/ACCEPTANCE.md (vocab 128, dim 64, 2 layers, 8 heads x 8,
 max_context 32) and an independent reference forward."""
 
-import numpy as np
-import pytest
+import os
 
-import dantinox as dx
+# The test suite compiles fresh: JAX's persistent compilation cache (~/.cache/jax_xla/dantinox) is off here. On
+# 2026-12-01 two full runs died with a segmentation fault inside JAX's cache read / write
+# (jax/_src/compilation_cache.py) after a day of runs had filled it with 10,045 entries; each test file passed
+# alone. Set DANTINOX_XLA_CACHE to a directory to use a cache anyway.
+os.environ.setdefault("DANTINOX_XLA_CACHE", "off")
+
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import dantinox as dx  # noqa: E402
 
 
 def tiny_config(**overrides) -> dx.ModelConfig:
