@@ -3,17 +3,34 @@ max_context 32) and an independent reference forward."""
 
 import os
 
-# The test suite compiles fresh: JAX's persistent compilation cache (~/.cache/jax_xla/dantinox) is off here. On
-# 2026-12-01 two full runs died with a segmentation fault inside JAX's cache read / write
-# (jax/_src/compilation_cache.py) after a day of runs had filled it with 10,045 entries; each test file passed
-# alone. Set DANTINOX_XLA_CACHE to a directory to use a cache anyway.
+# The test suite compiles fresh: JAX's persistent compilation cache (~/.cache/jax_xla/dantinox) is off here, so a
+# run does not depend on what earlier runs left on the machine. Set DANTINOX_XLA_CACHE to a directory to use one.
 os.environ.setdefault("DANTINOX_XLA_CACHE", "off")
 
 
+import gc  # noqa: E402
+
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import dantinox as dx  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_executables():
+    """Drop every compiled executable when a test module ends.
+
+    Each executable XLA's CPU backend loads holds about 3 memory mappings of its own. The whole suite compiles
+    thousands of them in one process; kept alive, they pass Linux's default limit of 65,530 mappings per process
+    (vm.max_map_count) and the next compilation dies with a segmentation fault inside XLA (seen on 2026-12-01:
+    two CI runs died that way near the end, in compile and in the persistent cache's read; every file passed
+    alone). Clearing JAX's caches after each module keeps the count near what one module needs.
+    """
+    yield
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
 
 
 def tiny_config(**overrides) -> dx.ModelConfig:
