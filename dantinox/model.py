@@ -71,7 +71,9 @@ class Transformer(nnx.Module):
           use_cache: attend over and write into ``kv_caches``; False runs the plain causal forward.
           kv_caches: from ``init_cache(cfg, B)``: per layer LayerKV(k, v) of [B, K, S, D] (MLA: LatentKV(c_kv
             [B, S, C], k_rope [B, S, R]); cache_dtype="int8": QuantLayerKV / QuantLatentKV, the int8 rows plus
-            float32 scales [..., S, 1]). Required when use_cache is True (it is never allocated lazily).
+            float32 scales [..., S, 1]). Required when use_cache is True (it is never allocated lazily). A cache
+            cut to its first S' <= max_context slots (``generate.cache_window``) is accepted; the call must
+            then stay below slot S'.
           cache_index: int or [B] int32: slot of each row's first new token. The Python int 0 marks a fresh
             prefill (the old cache is not read).
           key_start: optional [B] int32: number of left-padding slots per row; those slots are never
@@ -99,7 +101,7 @@ class Transformer(nnx.Module):
         if use_cache:
             if not _attends_itself(kv_caches):
                 _check_cache(kv_caches, cfg, B)
-                check_cache_capacity(cache_index, T, cfg.max_context)
+                check_cache_capacity(cache_index, T, kv_caches[0][0].shape[-2])
         elif T > cfg.max_context:
             raise ValueError(f"ids has T={T} tokens, more than max_context={cfg.max_context}")
         index = jnp.broadcast_to(jnp.asarray(cache_index if use_cache else 0, jnp.int32), (B,))
@@ -202,6 +204,9 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
         raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has num_blocks={cfg.num_blocks}")
     want = cache_field_shapes(cfg, batch)
     got = tuple(tuple(a.shape) for a in kv_caches[0])
+    window = got[0][-2] if got and len(got[0]) >= 2 else None   # a cache may be cut to its first slots
+    if window is not None and 1 <= window <= cfg.max_context:
+        want = tuple(w[:-2] + (window,) + w[-1:] for w in want)
     if got != want:
         layout = "c_kv [B, S, C], k_rope [B, S, R]" if cfg.attention == "mla" else "k, v [B, K, S, D]"
         if cfg.cache_dtype == "int8":

@@ -123,15 +123,22 @@ def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int) -
     return _median_seconds(_decode_call(engine, B, M, n, max_steps), repeats)
 
 
+def _greedy(B: int):
+    """Greedy sampling parameters for B rows (temperature 0, no top-k, top-p 1)."""
+    from ..sampling import SamplingParams
+
+    z = np.zeros(B, np.int32)
+    return SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
+
+
 def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
     """A function running the decode_steps call that _time_decode times."""
-    from ..sampling import SamplingParams
     from ..serving.runner import decode_steps
 
     z = np.zeros(B, np.int32)
     start = np.full(B, M * engine.allocator.block_size // 2, np.int32)
     table = _distinct_table(B, M, engine.allocator.num_blocks)
-    sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
+    sampling = _greedy(B)
 
     def call():
         out, engine.pool = decode_steps(engine.graph, engine.params, engine.pool, z, start, np.full(B, n, np.int32),
@@ -142,13 +149,12 @@ def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
 
 def _time_forward(engine, B: int, T: int, repeats: int) -> float:
     """Seconds of one forward_step of B rows x T new tokens over distinct blocks (as _time_decode)."""
-    from ..sampling import SamplingParams
     from ..serving.runner import forward_step
 
     z = np.zeros(B, np.int32)
     ids, num_new = np.zeros((B, T), np.int32), np.full(B, T, np.int32)
     table = _distinct_table(B, engine.table_width, engine.allocator.num_blocks)
-    sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
+    sampling = _greedy(B)
 
     def call():
         out, _, engine.pool = forward_step(engine.graph, engine.params, engine.pool, ids, z, num_new, table,
@@ -320,7 +326,7 @@ def measure_wake(engine, gaps: tuple = WAKE_GAPS, repeats: int = 5, warming_call
 
 
 def bottleneck_rows(cfg, points: dict, rates: dict, weights_bytes: int, kv_bytes_per_token: int,
-                    block_size: int, n_params: int | None = None) -> list[dict]:
+                    n_params: int | None = None) -> list[dict]:
     """Per measured call: seconds measured, seconds at the bandwidth for its bytes (weights once + the KV
     slots it attends), seconds at the matmul rate for its FLOPs (2 x params x tokens + 4 x L x H x D x tokens
     x attended slots), the bound (the larger of the two) and the fraction of that bound reached."""
@@ -386,7 +392,7 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
                         "devices": jax.device_count()},
             "mesh": mesh_shape(mesh),
             "rates": rates, "points": points, "cost_model": fit_cost_model(points).to_dict(),
-            "bottleneck": bottleneck_rows(cfg, points, rates, weights, kv_bpt, 16, n_params)}
+            "bottleneck": bottleneck_rows(cfg, points, rates, weights, kv_bpt, n_params)}
 
 
 def check_profile(profile: dict, identity: dict, where: str = "--profile") -> None:

@@ -75,7 +75,6 @@ class SimReplica(ReplicaView):
         self.finished_order: list = []
         self.peak_blocks = 0
         self.queue_samples: list = []
-        self.last_multi_step = False      # whether the last step was one multi-step decode call
 
     def add(self, rid: str, ids: list, options: SamplingOptions, arrival: float) -> Request:
         """Queue a request (as PagedEngine.add_request). Raises RequestError / QueueFullError."""
@@ -99,7 +98,6 @@ class SimReplica(ReplicaView):
         counts, copies = plan_decode_steps(sched.chunks, self.allocator, self.config.max_decode_steps,
                                            bool(self.scheduler.waiting))
         seconds += c.copy * math.ceil(len(copies) / self.scheduler.policy.max_running)
-        self.last_multi_step = bool(counts)
         if counts:  # a multi-step decode call
             for _, part_counts, B, M in decode_step_calls(sched.chunks, counts, self.buckets, self.allocator):
                 seconds += c.decode_cost(B, M * self.allocator.block_size, max(part_counts))
