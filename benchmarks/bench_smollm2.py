@@ -14,12 +14,13 @@ Per (engine, dtype, B): prefill_ms = time of a 1-new-token generation; decode to
 (t(N new tokens) - t(1 new token)), N = --new-tokens (default 256); greedy, EOS ignored; medians over rounds.
 transformers runs in the cache modes of --hf-modes (default dynamic; "dynamic,static" measures both and reports
 the faster: its best cache mode; static + torch.compile is left out: its compile takes minutes on this 2-core
-host), with OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads collapse on a shared host). peak_mib: the worker's
-peak resident memory (ru_maxrss), loading included. dantinox's cache holds BENCH_CONTEXT = 512 slots (the
-imported run's max_context is 8192). dtype "bfloat16": bfloat16 weights in both (dantinox's ``--quantize bf16``:
-each kernel widened to float32 inside its dot, float32 activations and cache; transformers casts the model,
-activations included); "int8": dantinox's int8 weights (per output channel) and int8 KV cache, against
-transformers in float32 (it has no int8 path on the CPU here).
+host), with OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads collapse on a shared host); llama.cpp with the
+policy the caller set (its threads wait at a barrier after every operation, where passive waiting costs 4x).
+peak_mib: the worker's peak resident memory (ru_maxrss), loading included. dantinox's cache holds BENCH_CONTEXT =
+512 slots (the imported run's max_context is 8192). dtype "bfloat16": bfloat16 weights in both (dantinox's
+``--quantize bf16``: each kernel widened to float32 inside its dot, float32 activations and cache; transformers
+casts the model, activations included); "int8": dantinox's int8 weights (per output channel) and int8 KV cache,
+against transformers in float32 (it has no int8 path on the CPU here).
 Threads: 2 for torch and llama.cpp, XLA's default here.
 Prints one table and the ratios dantinox / transformers.
 """
@@ -145,6 +146,7 @@ def llama_worker(gguf: str, dtype: str):
     return measure, None
 
 
+INT8_PEER = "float32, int8 phase"   # transformers float32, measured beside dantinox int8
 WORKERS = {"dantinox": ours_worker, "transformers": hf_worker, "llama.cpp": llama_worker}
 
 
@@ -165,10 +167,11 @@ def serve_worker(kind: str, source: str, dtype: str) -> None:
 class Worker:
     """A worker process speaking one JSON line per command."""
 
-    def __init__(self, python: str, kind: str, source: str, dtype: str):
-        self.kind, self.dtype = kind, dtype
+    def __init__(self, python: str, kind: str, source: str, dtype: str, env: dict | None = None,
+                 label: str | None = None):
+        self.kind, self.dtype, self.label = kind, dtype, label or dtype   # label: the table's weights column
         self.proc = subprocess.Popen([python, os.path.abspath(__file__), "--worker", kind, source, dtype],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.peak = float("nan")
         self._read()
@@ -211,8 +214,8 @@ def run_phase(workers: list, ids: list, batches: list, rounds: int) -> dict:
             for w in order:
                 reply = w.ask(op="measure", ids=ids, B=B)
                 if reply["result"] is not None:
-                    results.setdefault((w.kind, w.dtype, B), []).append(reply["result"])
-                    print(f"  round {r + 1} {w.kind:12s} {w.dtype:8s} B={B}: "
+                    results.setdefault((w.kind, w.label, B), []).append(reply["result"])
+                    print(f"  round {r + 1} {w.kind:12s} {w.label:8s} B={B}: "
                           f"{reply['result']['decode_tok_s']:.1f} tok/s, prefill {reply['result']['prefill_ms']:.0f} ms"
                           + (f" ({reply['result']['mode']} cache)" if "mode" in reply["result"] else ""),
                           file=sys.stderr, flush=True)
@@ -239,7 +242,9 @@ def main() -> None:
     gguf = args.gguf or default_gguf()
     os.environ["BENCH_HF_MODES"] = args.hf_modes
     os.environ["BENCH_NEW_TOKENS"] = str(args.new_tokens)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch's OpenMP threads must not spin on a shared host
+    # torch's OpenMP threads must not spin on a shared host; llama.cpp keeps the policy it was given (its threads
+    # meet at a barrier after every operation: PASSIVE made it 4x slower on this host, 19.5 against 80 tokens/s)
+    torch_env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     global NEW_TOKENS
     NEW_TOKENS = args.new_tokens
     rows, peaks = {}, {}
@@ -247,13 +252,15 @@ def main() -> None:
     llama = not args.no_llama and has_llama(llama_python)
     for i, dtype in enumerate(args.dtypes):
         workers = [Worker(sys.executable, "dantinox", args.run_dir, dtype),
-                   Worker(args.ref_python, "transformers", gguf, "float32" if dtype == "int8" else dtype)]
+                   # the int8 rows are compared with transformers float32 measured in the same phase
+                   Worker(args.ref_python, "transformers", gguf, "float32" if dtype == "int8" else dtype, torch_env,
+                          label=INT8_PEER if dtype == "int8" else None)]
         if llama and i == 0:
             workers.append(Worker(llama_python, "llama.cpp", gguf, "Q4_1"))
         ids = workers[0].ask(op="encode", text=TEXT)["ids"][:PROMPT_TOKENS]
         rows.update(run_phase(workers, ids, args.batch, args.rounds))
         for w in workers:
-            peaks[(w.kind, w.dtype)] = w.peak
+            peaks[(w.kind, w.label)] = w.peak
             w.close()
     print_table(rows, peaks, args)
 
@@ -267,10 +274,8 @@ def print_table(rows: dict, peaks: dict, args) -> None:
         tok = statistics.median(r["decode_tok_s"] for r in results)
         pre = statistics.median(r["prefill_ms"] for r in results)
         ours = rows.get(("dantinox", dtype if dtype != "Q4_1" else "float32", B))
-        if kind == "transformers" and dtype == "float32" and ("dantinox", "int8", B) in rows:
-            int8 = statistics.median(r["decode_tok_s"] for r in rows[("dantinox", "int8", B)])
-            print(f"| (dantinox int8 / transformers float32, same sitting) | | {B} | | | | "
-                  f"{int8 / statistics.median(r['decode_tok_s'] for r in results):.2f}x |")
+        if kind == "transformers" and dtype == INT8_PEER:
+            ours = rows.get(("dantinox", "int8", B))
         ratio = "" if kind == "dantinox" or ours is None else \
             f"{statistics.median(r['decode_tok_s'] for r in ours) / tok:.2f}x"
         mode = f" ({results[-1]['mode']} cache)" if "mode" in results[-1] else ""
