@@ -196,6 +196,8 @@ def cmd_verify(args) -> int:
         raise ValueError(f"--new_tokens {args.new_tokens} is not allowed: an integer >= 1")
     if not args.tolerance >= 0:
         raise ValueError(f"--tolerance {args.tolerance} is not allowed: a number >= 0")
+    if not args.relative_tolerance >= 0:
+        raise ValueError(f"--relative_tolerance {args.relative_tolerance} is not allowed: a number >= 0")
     if args.range < 1:
         raise ValueError(f"--range {args.range} is not allowed: an integer >= 1 (positions per printed range)")
     prompt = tokenizer.encode(args.prompt, unknown="replace")
@@ -206,7 +208,7 @@ def cmd_verify(args) -> int:
                             f"and max_context={cfg.max_context} leaves room for at most "
                             f"{cfg.max_context - len(prompt)} (omit --new_tokens to fill the context)")
     new_tokens = args.new_tokens or cfg.max_context - len(prompt)
-    report = verify_cache(model, prompt, new_tokens, args.tolerance)
+    report = verify_cache(model, prompt, new_tokens, args.tolerance, args.relative_tolerance)
     print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype} "
           f"weights={args.quantize or 'float32'}; "
           f"prompt {len(prompt)} tokens, {new_tokens} greedy tokens decoded")
@@ -220,7 +222,10 @@ def cmd_verify(args) -> int:
         print(report.rounding_flips.describe())
     verdict = "PASS" if report.passed else "FAIL"
     faults = f", {report.rounding_flips.faults:,} int8 cache faults" if report.rounding_flips else ""
-    print(f"{verdict}: largest difference {report.max_diff.max():.3e} (tolerance {args.tolerance:.1e}) "
+    worst = int(np.argmax(report.max_diff / np.maximum(report.tolerance, 1e-30)))
+    print(f"{verdict}: largest difference {report.max_diff.max():.3e}; tightest position {worst}: "
+          f"{report.max_diff[worst]:.3e} against {report.tolerance[worst]:.1e} allowed (--tolerance "
+          f"{args.tolerance:.1e}, or --relative_tolerance {args.relative_tolerance:.0e} x its largest |logit|) "
           f"over {len(report.positions)} positions{faults}")
     return 0 if report.passed else 1
 
@@ -254,7 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--run_dir", default=None)
     ver.add_argument("--prompt", default="Nel mezzo del cammin di nostra vita")
     ver.add_argument("--new_tokens", type=int, default=None, help="default: fill the context")
-    ver.add_argument("--tolerance", type=float, default=1e-4)
+    ver.add_argument("--tolerance", type=float, default=1e-4, help="absolute |cached - uncached| allowed")
+    ver.add_argument("--relative_tolerance", type=float, default=1e-5,
+                     help="or this times the position's largest |logit|, where larger (float32 rounding grows "
+                          "with the values)")
     ver.add_argument("--range", type=int, default=32, help="positions per printed range")
     add_mesh_argument(ver)
     add_distributed_arguments(ver)

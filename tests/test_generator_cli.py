@@ -1,13 +1,15 @@
 """Generator, streaming, cache verification and the CLI on a tiny run directory written by save_run."""
 
 import jax
+import numpy as np
 import pytest
 
 from dantinox import cli
 from dantinox.generator import Generator
+from dantinox.model import build_model
 from dantinox.train import save_run, train_tokenizer
 from dantinox.verify import verify_cache
-from conftest import spiky_model, tiny_config
+from conftest import reference_logits, spiky_model, tiny_config
 
 TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, ché la diritta via era smarrita.\n" * 3
 
@@ -139,3 +141,18 @@ def test_budget_uses_the_run_cache_dtype(run_dir, capsys):
     assert "float32" in out and "bfloat16" not in out
     assert cli.main(["budget", "--run_dir", run_dir, "--context", "64", "--dtype", "fp8"]) == 2
     assert "--dtype 'fp8'" in capsys.readouterr().err
+
+
+def test_verify_allows_the_larger_of_the_absolute_and_the_relative_tolerance_per_position():
+    """The allowed difference at each position is max(tolerance, relative x the largest |logit| there), the
+    logits taken from an independent numpy forward of the same tokens."""
+    model = build_model(tiny_config(), seed=0)
+    prompt = [5, 17, 3, 99]
+    report = verify_cache(model, prompt, new_tokens=6, tolerance=1e-4, relative_tolerance=0.5)
+    ids = np.asarray([prompt + [int(t) for t in report.tokens[:-1]]])
+    largest = np.abs(reference_logits(model, ids)[0]).max(-1)
+    assert len(report.tolerance) == ids.shape[1]
+    np.testing.assert_allclose(report.tolerance, np.maximum(1e-4, 0.5 * largest), rtol=1e-4)
+    assert report.passed
+    strict = verify_cache(model, prompt, new_tokens=6, tolerance=0.0, relative_tolerance=0.0)
+    assert (strict.tolerance == 0).all() and strict.passed == bool((strict.max_diff == 0).all())
