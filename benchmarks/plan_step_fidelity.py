@@ -38,10 +38,9 @@ IDLE = 1e-3   # seconds without a step that count as an idle period
 
 def modelled(cost: CostModel, calls: list, idle: float, warming: float) -> tuple[str, float]:
     """(step kind, seconds the simulator charges for a real step's calls)."""
-    kind = "decode" if any(c[0] == "decode" for c in calls) else "forward"
-    h, s = (cost.decode_overhead, cost.decode_scale) if kind == "decode" else (cost.forward_overhead, cost.scale)
-    seconds = (1 + cost.cold_fraction(warming)) * (h + s * step_cost(cost, calls))
-    return kind, cost.step + cost.wake_cost(idle) + seconds
+    multi_step = any(c[0] == "decode" for c in calls)
+    return ("decode" if multi_step else "forward"), cost.step_seconds(multi_step, step_cost(cost, calls), idle,
+                                                                      warming)
 
 
 def replay_steps(engine, cost: CostModel, requests: list, prompts: list) -> list:

@@ -69,6 +69,14 @@ class CostModel:
         d0, d1, d2 = self.decode_iter
         return self.decode_call + n * (d0 + d1 * B + d2 * B * S)
 
+    def step_seconds(self, multi_step: bool, calls: float, idle: float = 0.0, warming: float = 0.0) -> float:
+        """Seconds of one engine step whose device calls cost ``calls`` seconds (their profiled sum, swaps and
+        copies included): the fixed step cost, the wake-up after ``idle`` seconds, and the calibrated h + s x
+        calls of its kind (multi_step: a multi-step decode call, else forward_step calls), slower by the cold
+        fraction while ``warming`` (seconds idle before the current busy period, 0 outside cold_window)."""
+        h, s = (self.decode_overhead, self.decode_scale) if multi_step else (self.forward_overhead, self.scale)
+        return self.step + self.wake_cost(idle) + (1.0 + self.cold_fraction(warming)) * (h + s * calls)
+
     def wake_cost(self, idle: float) -> float:
         """Extra seconds of the first step after ``idle`` seconds without work (0 when never measured)."""
         return self._after_idle(idle, 1)

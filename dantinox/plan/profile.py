@@ -123,22 +123,15 @@ def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int) -
     return _median_seconds(_decode_call(engine, B, M, n, max_steps), repeats)
 
 
-def _greedy(B: int):
-    """Greedy sampling parameters for B rows (temperature 0, no top-k, top-p 1)."""
-    from ..sampling import SamplingParams
-
-    z = np.zeros(B, np.int32)
-    return SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
-
-
 def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
     """A function running the decode_steps call that _time_decode times."""
+    from ..sampling import make_sampling_params
     from ..serving.runner import decode_steps
 
     z = np.zeros(B, np.int32)
     start = np.full(B, M * engine.allocator.block_size // 2, np.int32)
     table = _distinct_table(B, M, engine.allocator.num_blocks)
-    sampling = _greedy(B)
+    sampling = make_sampling_params(B)   # greedy
 
     def call():
         out, engine.pool = decode_steps(engine.graph, engine.params, engine.pool, z, start, np.full(B, n, np.int32),
@@ -149,12 +142,13 @@ def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
 
 def _time_forward(engine, B: int, T: int, repeats: int) -> float:
     """Seconds of one forward_step of B rows x T new tokens over distinct blocks (as _time_decode)."""
+    from ..sampling import make_sampling_params
     from ..serving.runner import forward_step
 
     z = np.zeros(B, np.int32)
     ids, num_new = np.zeros((B, T), np.int32), np.full(B, T, np.int32)
     table = _distinct_table(B, engine.table_width, engine.allocator.num_blocks)
-    sampling = _greedy(B)
+    sampling = make_sampling_params(B)   # greedy
 
     def call():
         out, _, engine.pool = forward_step(engine.graph, engine.params, engine.pool, ids, z, num_new, table,

@@ -93,7 +93,6 @@ class SimReplica(ReplicaView):
         self.peak_blocks = max(self.peak_blocks, self.allocator.num_used)
         c = self.cost
         seconds = c.swap_out * len(sched.swap_out) + c.swap_in * len(sched.swap_in)
-        wake, slower = c.wake_cost(idle), 1.0 + c.cold_fraction(warming)
         seconds += c.copy * math.ceil(len(sched.copies) / self.scheduler.policy.max_running)
         counts, copies = plan_decode_steps(sched.chunks, self.allocator, self.config.max_decode_steps,
                                            bool(self.scheduler.waiting))
@@ -101,13 +100,11 @@ class SimReplica(ReplicaView):
         if counts:  # a multi-step decode call
             for _, part_counts, B, M in decode_step_calls(sched.chunks, counts, self.buckets, self.allocator):
                 seconds += c.decode_cost(B, M * self.allocator.block_size, max(part_counts))
-            seconds = c.decode_overhead + c.decode_scale * seconds
-            return c.step + wake + slower * seconds, self._advance_all(sched.chunks, counts)
+            return c.step_seconds(True, seconds, idle, warming), self._advance_all(sched.chunks, counts)
         counts = [1] * len(sched.chunks)
         for _, B, T in forward_calls(sched.chunks, self.buckets):
             seconds += c.forward_cost(B, T)
-        seconds = c.forward_overhead + c.scale * seconds
-        return c.step + wake + slower * seconds, self._advance_all(sched.chunks, counts)
+        return c.step_seconds(False, seconds, idle, warming), self._advance_all(sched.chunks, counts)
 
     def _advance_all(self, chunks: list, counts: list) -> list:
         emitted = []
