@@ -13,10 +13,10 @@ Figures (medians over --repeats runs, all in this process):
 
 Run:  python benchmarks/bench_decode.py [--attention mha gqa mqa mla mla-naive] [--batch 1 8] [--repeats 3] [--ratios]
       python benchmarks/bench_decode.py --windows-ab [--attention ...]   decode with the attention windows of
-      dantinox.generate.decode_windows (128, 256, 384, 512) against one window of 512, alternating in one
+      dantinox.generation.decode.decode_windows (128, 256, 384, 512) against one window of 512, alternating in one
       process (how the per-kind default was chosen)
       python benchmarks/bench_decode.py --quantize fp32 bf16 int8 [--batch 1 8 32]   decode tokens/s with float32,
-      bf16 and int8 weights (dantinox.weight_quant), runs alternating in one process; ratios against fp32
+      bf16 and int8 weights (dantinox.quant.weights), runs alternating in one process; ratios against fp32
       python benchmarks/bench_decode.py --kv-dtype float32 bfloat16 int8 [--batch 1 8 32]   the KV cache
       dtypes A/B: the same parameters with each cache dtype, runs alternating in one process; decode tok/s,
       the ratio to the first dtype, KV bytes per sequence (max_context slots, int8 scales included) and the
@@ -36,14 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import dantinox as dx
-from dantinox.cache import cache_nbytes
+from dantinox.model.cache import cache_nbytes
 
 PROMPT, NEW = 64, 256
 VARIANTS = {
     "mha": dict(attention="mha", kv_heads=None),
     "gqa": dict(attention="gqa", kv_heads=2),
     "mqa": dict(attention="mqa", kv_heads=None),
-    # MLA with the latent sizes ../shared/peers measures (kv and q latent 128, rope 16); see dantinox.mla
+    # MLA with the latent sizes ../shared/peers measures (kv and q latent 128, rope 16); see dantinox.model.mla
     "mla": dict(attention="mla", kv_heads=None, kv_latent_dim=128, rope_head_dim=16, q_latent_dim=128),
     "mla-naive": dict(attention="mla", kv_heads=None, kv_latent_dim=128, rope_head_dim=16, q_latent_dim=128,
                       mla_absorb=False),
@@ -98,7 +98,7 @@ def measure(variant: str, batches: list[int], repeats: int, ratios: bool, kv_dty
 def windows_ab(variant: str, batches: list[int], repeats: int) -> list[str]:
     """Decode tokens/s with windows (128, 256, 384, 512) and with one window (512), runs alternating; the
     greedy tokens must agree. Returns table rows."""
-    gen = sys.modules["dantinox.generate"]
+    gen = sys.modules["dantinox.generation.decode"]
     model = dx.build_model(reference_config(variant), seed=0)
     graphdef, params = gen.split_model(model)
     rng = np.random.default_rng(0)
@@ -129,16 +129,16 @@ def windows_ab(variant: str, batches: list[int], repeats: int) -> list[str]:
 
 
 def quantize_ab(variant: str, batches: list[int], repeats: int, settings: list[str]) -> list[str]:
-    """Decode-only tokens/s for each weight setting (dantinox.weight_quant), runs alternating in one process.
+    """Decode-only tokens/s for each weight setting (dantinox.quant.weights), runs alternating in one process.
 
     Each round prefills every setting's batch, then times one compiled decode of NEW - 1 steps per setting
     (wall and process CPU seconds; the host is shared, so CPU time drifts less). Returns table rows: median
     tokens/s, the median over rounds of the per-round ratio against the first setting (wall, then CPU), and
     the ratio of the fastest runs (best of ``repeats``, the least disturbed by other processes).
     """
-    from dantinox.weight_quant import quantize_weights
+    from dantinox.quant.weights import quantize_weights
 
-    gen = sys.modules["dantinox.generate"]
+    gen = sys.modules["dantinox.generation.decode"]
     cfg = reference_config(variant)
     models = {q: quantize_weights(dx.build_model(cfg, seed=0), None if q == "fp32" else q) for q in settings}
     splits = {q: gen.split_model(m) for q, m in models.items()}

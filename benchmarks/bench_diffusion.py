@@ -31,12 +31,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dantinox.diffusion import diffusion_generate_result  # noqa: E402
-from dantinox.generate import bucket_length  # noqa: E402
-from dantinox.generator import bundled_run_dir  # noqa: E402
-from dantinox.model import Transformer  # noqa: E402
+from dantinox.generation.diffusion import diffusion_generate_result  # noqa: E402
+from dantinox.generation.prompts import bucket_length  # noqa: E402
+from dantinox.model.transformer import Transformer  # noqa: E402
+from dantinox.runs.bundled import bundled_run_dir  # noqa: E402
+from dantinox.runs.run_dir import load_run  # noqa: E402
 from dantinox.train.data import read_text, split_text  # noqa: E402
-from dantinox.train.run_dir import load_run  # noqa: E402
 
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "divina_commedia.txt")
 

@@ -55,9 +55,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import dantinox as dx  # noqa: E402
-from dantinox.generate import decode, prefill  # noqa: E402
-from dantinox.mesh import make_mesh, mesh_scope  # noqa: E402
-from dantinox.sampling import make_sampling_params  # noqa: E402
+from dantinox.generation.decode import decode, prefill  # noqa: E402
+from dantinox.generation.sampling import make_sampling_params  # noqa: E402
+from dantinox.parallel.mesh import make_mesh, mesh_scope  # noqa: E402
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 PROMPT = 16

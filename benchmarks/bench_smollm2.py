@@ -67,10 +67,9 @@ def ours_worker(run_dir: str, dtype: str):
     from flax import nnx
 
     import dantinox as dx
-    from dantinox.model import Transformer
-    from dantinox.train.run_dir import load_run
-
-    from dantinox.weight_quant import quantize_weights
+    from dantinox.model.transformer import Transformer
+    from dantinox.quant.weights import quantize_weights
+    from dantinox.runs.run_dir import load_run
 
     model, cfg, tokenizer, _ = load_run(run_dir)
     want = cfg.replace(cache_dtype="int8" if dtype == "int8" else "float32", max_context=BENCH_CONTEXT)

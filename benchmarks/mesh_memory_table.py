@@ -1,4 +1,4 @@
-"""Print the per-device memory table of docs/multi-device.md (pure arithmetic: dantinox.device_memory).
+"""Print the per-device memory table of docs/multi-device.md (pure arithmetic: dantinox.budget.per_device).
 
     python benchmarks/mesh_memory_table.py [--device-memory 16GiB] [--devices 1 2 4 8]
 
@@ -17,9 +17,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dantinox as dx  # noqa: E402
-from dantinox.budget_cli import parse_memory_size  # noqa: E402
-from dantinox.device_memory import mesh_shapes_for, plan_mesh  # noqa: E402
-from dantinox.mesh import MeshError  # noqa: E402
+from dantinox.budget.memory import parse_memory_size  # noqa: E402
+from dantinox.budget.per_device import mesh_shapes_for, plan_mesh  # noqa: E402
+from dantinox.parallel.mesh import MeshError  # noqa: E402
 
 SHAPES = {
     "reference (GQA 8/2 heads, S=512)": dx.ModelConfig.from_preset("reference"),

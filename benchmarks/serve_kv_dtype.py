@@ -25,10 +25,11 @@ import platform
 import statistics
 import time
 
-import dantinox as dx
-from dantinox.budget_cli import parse_memory_size
-from dantinox.serving import EngineConfig, PagedEngine, SamplingOptions
 from serve_common import mixed_trace, pct, small_model
+
+import dantinox as dx
+from dantinox.budget.memory import parse_memory_size
+from dantinox.serving import EngineConfig, PagedEngine, SamplingOptions
 
 DTYPES = ("float32", "int8")
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import time
 
+from serve_common import add_trace_arguments, mixed_trace, pct, small_model
 
 import dantinox as dx
-from dantinox.generate import bucket_length
+from dantinox.generation.prompts import bucket_length
 from dantinox.serving import EngineConfig, PagedEngine, SamplingOptions
-from serve_common import add_trace_arguments, mixed_trace, pct, small_model
 
 
 def run_continuous(model, trace, config: EngineConfig) -> dict:

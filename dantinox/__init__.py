@@ -1,25 +1,49 @@
 """dantinox: fast, memory-honest text generation with small decoder-only transformers, built around the KV cache."""
 
-from . import _xla_setup  # noqa: F401  (XLA flags and the persistent compilation cache, before jax is used)
-from .cache import (CapacityError, KVCache, LayerKV, QuantLayerKV, bytes_per_token_per_layer, cache_nbytes,
-                    init_cache)
-from .compile_count import CompileCounter, compile_totals
+from . import xla as _xla_setup  # noqa: F401  (XLA flags and the persistent compilation cache, before jax is used)
+from ._version import __version__  # noqa: F401  (dantinox.__version__)
+from .budget.memory import (
+                          CapacityPlan,
+                          MemorySplit,
+                          kv_bytes_per_token,
+                          kv_cache_bytes,
+                          max_batch_size,
+                          memory_split,
+                          param_bytes,
+                          plan_capacity,
+)
 from .config import PRESETS, ConfigError, ModelConfig
-from .diffusion import DiffusionResult, DualCache, diffusion_generate, diffusion_generate_result, init_dual_cache
-from .generate import GenerationResult, generate, generate_result, stream_tokens
-from .generator import Generator, bundled_run_dir
-from .kv_dtype import KVDtypeError, parse_kv_dtype, with_kv_dtype
-from .mesh import MeshError, make_mesh
-from .mla import LatentKV, MLAttention, QuantLatentKV
-from .model import Transformer, build_model
-from .planner import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, max_batch_size,
-                      memory_split, param_bytes, plan_capacity)
-from .sampling import SamplingParams, make_sampling_params, sample_next
-from .sharding import shard_cache, shard_model
-from .verify import VerifyReport, verify_cache
-from .weight_quant import quantize_weights
-
-__version__ = "0.1.0"
+from .generation.decode import GenerationResult, generate_result, stream_tokens
+from .generation.diffusion import (
+                          DiffusionResult,
+                          DualCache,
+                          diffusion_generate,
+                          diffusion_generate_result,
+                          init_dual_cache,
+)
+from .generation.generator import Generator
+from .generation.paradigm import generate
+from .generation.sampling import SamplingParams, make_sampling_params, sample_next
+from .model.cache import (
+                          CapacityError,
+                          KVCache,
+                          LatentKV,
+                          LayerKV,
+                          QuantLatentKV,
+                          QuantLayerKV,
+                          bytes_per_token_per_layer,
+                          cache_nbytes,
+                          init_cache,
+)
+from .model.mla import MLAttention
+from .model.transformer import Transformer, build_model
+from .parallel.mesh import MeshError, make_mesh
+from .parallel.sharding import shard_cache, shard_model
+from .quality.verify import VerifyReport, verify_cache
+from .quant.kv_dtype import KVDtypeError, parse_kv_dtype, with_kv_dtype
+from .quant.weights import quantize_weights
+from .runs.bundled import bundled_run_dir
+from .xla import CompileCounter, compile_totals
 
 __all__ = [
     "PRESETS", "CapacityError", "CapacityPlan", "CompileCounter", "ConfigError", "DiffusionResult", "DualCache",

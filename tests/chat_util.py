@@ -4,12 +4,12 @@ as special tokens, and a small ChatML template in tokenizer_config.json (as an i
 import json
 import os
 
-from tokenizers import AddedToken
-
-from dantinox.train import save_run, train_tokenizer
-from dantinox.train.tokenizer import TextTokenizer
 from conftest import tiny_config
 from serving_util import lively_model
+from tokenizers import AddedToken
+
+from dantinox.runs.run_dir import save_run
+from dantinox.runs.tokenizer import TextTokenizer, train_tokenizer
 
 TEXT = ("Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, ché la diritta via era "
         "smarrita.\n") * 3

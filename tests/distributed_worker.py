@@ -8,7 +8,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dantinox as dx  # noqa: E402
-from dantinox.distributed import initialize  # noqa: E402
+from dantinox.parallel.distributed import initialize  # noqa: E402
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
 TRAIN = dict(steps=3, batch_size=4, seq_len=16, eval_every=1, eval_batches=1, checkpoint_every=0, lr=3e-3,

@@ -6,10 +6,10 @@ import json
 
 import gguf
 import numpy as np
+from chat_util import CHATML, MARKERS, TEXT
 from gguf.quants import quantize
 
-from dantinox.train import train_tokenizer
-from chat_util import CHATML, MARKERS, TEXT
+from dantinox.runs.tokenizer import train_tokenizer
 
 DIM, HEADS, KV_HEADS, HEAD, FFN, BLOCKS = 64, 4, 2, 16, 96, 2
 

@@ -5,10 +5,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import spiky_mla, spiky_model
 from flax import nnx
 
 import dantinox as dx
-from conftest import spiky_mla, spiky_model
 from dantinox.serving.engine import EngineConfig, PagedEngine
 from dantinox.serving.paged_cache import paged_views
 from dantinox.serving.request import SamplingOptions

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import KV_DTYPES, reference_logits, spiky_model, tiny_config
 
 import dantinox as dx
-from conftest import KV_DTYPES, reference_logits, spiky_model, tiny_config
 
 EQ = 1e-5
 

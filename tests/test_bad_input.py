@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from conftest import tiny_config
 
 import dantinox as dx
-from conftest import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_sliding_window_masks_old_positions():
 def test_one_field_switches_the_attention_kind(tmp_path):
     """Changing `attention` alone resets the old kind's kv_heads / MLA sizes, in the constructor, presets,
     replace, YAML configs and --set overrides; MLA still needs its latent sizes (named in the error)."""
-    from dantinox.train.trainer import resolve_cli_config as resolve_config
+    from dantinox.cli.train import resolve_cli_config as resolve_config
 
     assert [dx.ModelConfig(attention=a).kv_heads for a in ("mha", "gqa", "mqa")] == [8, 2, 1]
     gqa = dx.ModelConfig.from_preset("reference")

@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from dantinox import cli
-from dantinox.generator import Generator, bundled_run_dir
-from dantinox.verify import verify_cache
+from dantinox.cli import main as cli
+from dantinox.generation.generator import Generator
+from dantinox.quality.verify import verify_cache
+from dantinox.runs.bundled import bundled_run_dir
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from dantinox import cli
-from dantinox.bundled_runs import bundled_names, bundled_run_dir, describe_bundled, resolve_run_dir
-from dantinox.train import RunDirError, load_run
+from dantinox.cli import main as cli
+from dantinox.runs.bundled import bundled_names, bundled_run_dir, describe_bundled, resolve_run_dir
+from dantinox.runs.run_dir import RunDirError, load_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,9 +4,9 @@ batch 1 and a ragged batch of 3 prompts; both match an independent numpy referen
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import KV_DTYPES, reference_logits, spiky_model, tiny_config
 
 import dantinox as dx
-from conftest import KV_DTYPES, reference_logits, spiky_model, tiny_config
 
 ATTENTION = [dict(attention="mha", kv_heads=None), dict(attention="gqa", kv_heads=2),
              dict(attention="mqa", kv_heads=None)]

@@ -3,12 +3,12 @@
 
 import numpy as np
 import pytest
+from chat_util import CHATML, save_tiny_chat_run
 
 import dantinox as dx
-from dantinox import cli
-from dantinox.chat_template import ChatTemplate, ChatTemplateError
-from dantinox.generator import Generator
-from chat_util import CHATML, save_tiny_chat_run
+from dantinox.cli import main as cli
+from dantinox.generation.generator import Generator
+from dantinox.runs.chat_template import ChatTemplate, ChatTemplateError
 
 QUESTION = [{"role": "system", "content": "Sei Virgilio."}, {"role": "user", "content": "Dove siamo?"}]
 

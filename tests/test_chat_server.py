@@ -5,15 +5,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
-
-import dantinox as dx
-from dantinox.chat import load_chat_format
-from dantinox.generator import Generator
-from dantinox.serving.engine import EngineConfig, PagedEngine
-from dantinox.serving.server import ServerThread, create_app
-from dantinox.train import load_run
 from chat_util import save_tiny_chat_run
 from serving_util import SMALL_BUCKETS
+
+import dantinox as dx
+from dantinox.generation.generator import Generator
+from dantinox.runs.chat import load_chat_format
+from dantinox.runs.run_dir import load_run
+from dantinox.serving.engine import EngineConfig, PagedEngine
+from dantinox.serving.server import ServerThread, create_app
 
 MESSAGES = [{"role": "system", "content": "Sei Virgilio."}, {"role": "user", "content": "Dove siamo?"}]
 

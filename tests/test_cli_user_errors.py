@@ -3,8 +3,8 @@ files that do not exist or are directories, files that are not YAML, and flags n
 
 import pytest
 
-from dantinox.cli import main
-from dantinox.mesh import MeshError, mesh_from_flag, naming_flag
+from dantinox.cli.main import main
+from dantinox.parallel.mesh import MeshError, mesh_from_flag, naming_flag
 
 
 def _one_error_line(capsys, argv):

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 from flax import nnx
 
 import dantinox as dx
-from conftest import tiny_config
 
 
 def test_compile_count_across_prompts_sampling_and_lengths():
@@ -37,7 +37,7 @@ def test_compile_count_across_prompts_sampling_and_lengths():
 
 def decode_hlo(cfg: dx.ModelConfig, batch: int) -> str:
     """Optimised HLO text of the compiled decode loop."""
-    gen = sys.modules["dantinox.generate"]
+    gen = sys.modules["dantinox.generation.decode"]
     model = dx.build_model(cfg)
     graphdef, params = nnx.split(model)
     state = gen.DecodeState(jnp.int32(1), jnp.zeros((batch,), jnp.int32), jnp.full((batch,), 3, jnp.int32),
@@ -81,7 +81,7 @@ def test_copy_counter_sees_copies_when_the_xla_flag_is_off():
 def test_no_latent_cache_copies_in_the_windowed_mla_decode_loop(batch):
     cfg = dx.ModelConfig.from_preset("reference", attention="mla", kv_heads=None, num_blocks=2, max_context=384,
                                      kv_latent_dim=32, rope_head_dim=16)
-    assert sys.modules["dantinox.generate"].decode_windows(cfg, batch) == (128, 256, 384)
+    assert sys.modules["dantinox.generation.decode"].decode_windows(cfg, batch) == (128, 256, 384)
     hlo = decode_hlo(cfg, batch)
     shapes = (f"[{batch},{cfg.max_context},{cfg.kv_latent_dim}]", f"[{batch},{cfg.max_context},{cfg.rope_head_dim}]")
     assert sum(1 for line in hlo.splitlines() if " copy(" in line and any(s in line for s in shapes)) == 0
@@ -103,7 +103,7 @@ def test_int8_decode_loop_holds_int8_rows_and_scales_and_copies_nothing_cache_si
     rows or scales anywhere. (Each step reads its window back inside attention.)"""
     batch = 4
     cfg = dx.ModelConfig.from_preset("reference", num_blocks=2, max_context=384, cache_dtype="int8", **attn)
-    assert sys.modules["dantinox.generate"].decode_windows(cfg, batch) == (128, 256, 384)
+    assert sys.modules["dantinox.generation.decode"].decode_windows(cfg, batch) == (128, 256, 384)
     hlo = decode_hlo(cfg, batch)
     layer = dx.init_cache(cfg, batch)[0]
     carries = [line.split(" while(")[0] for line in hlo.splitlines()

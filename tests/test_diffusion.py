@@ -4,12 +4,17 @@ accounting, bad inputs, the training objective. A random tiny model with an unti
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 from flax import nnx
 
 import dantinox as dx
-from dantinox.diffusion import (dual_cache_bytes, diffusion_generate, diffusion_generate_result, init_dual_cache,
-                                prompt_slots)
-from conftest import tiny_config
+from dantinox.generation.diffusion import (
+    diffusion_generate,
+    diffusion_generate_result,
+    dual_cache_bytes,
+    init_dual_cache,
+    prompt_slots,
+)
 
 PROMPTS = [[5, 17, 42, 99, 3, 64], [88, 1, 23, 77, 51, 9]]  # K07: two different 6-token prompts
 K07 = dict(gen_len=16, block_size=8, steps_per_block=8)     # one token unmasked per step
@@ -160,7 +165,7 @@ def test_masked_diffusion_objective_masks_at_rate_t():
 
 
 def test_budget_prints_the_dual_cache_table(capsys):
-    from dantinox.cli import main
+    from dantinox.cli.main import main
 
     assert main(["budget", "--preset", "dante-diffusion", "--context", "256", "--gen-len", "100"]) == 0
     out = capsys.readouterr().out
@@ -168,7 +173,8 @@ def test_budget_prints_the_dual_cache_table(capsys):
 
 
 def test_diffusion_training_appends_the_mask_token(tmp_path):
-    from dantinox.train import load_run, train
+    from dantinox.runs.run_dir import load_run
+    from dantinox.train import train
 
     text = tmp_path / "text.txt"
     text.write_text("Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura. " * 20, encoding="utf-8")
@@ -183,8 +189,8 @@ def test_diffusion_training_appends_the_mask_token(tmp_path):
 def test_bundled_diffusion_model_generates_with_and_without_cache(capsys):
     import os
 
-    from dantinox.cli import main
-    from dantinox.generator import bundled_run_dir
+    from dantinox.cli.main import main
+    from dantinox.runs.bundled import bundled_run_dir
 
     run_dir = bundled_run_dir("dante-diffusion")
     if not os.path.isdir(run_dir):
@@ -254,8 +260,8 @@ def test_shifted_objective_scores_token_i_at_position_i_minus_1():
 def test_diffusion_cli_flags_are_checked_before_printing(flags, message, capsys):
     import os
 
-    from dantinox.cli import main
-    from dantinox.generator import bundled_run_dir
+    from dantinox.cli.main import main
+    from dantinox.runs.bundled import bundled_run_dir
 
     run_dir = bundled_run_dir("dante-diffusion")
     if not os.path.isdir(run_dir):
@@ -268,8 +274,8 @@ def test_diffusion_cli_flags_are_checked_before_printing(flags, message, capsys)
 def test_diffusion_cli_uses_max_new_tokens_as_gen_len(capsys):
     import os
 
-    from dantinox.cli import main
-    from dantinox.generator import bundled_run_dir
+    from dantinox.cli.main import main
+    from dantinox.runs.bundled import bundled_run_dir
 
     run_dir = bundled_run_dir("dante-diffusion")
     if not os.path.isdir(run_dir):

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from distributed_worker import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,6 +62,6 @@ def test_unreachable_coordinator_is_one_line_exit_2():
 
 
 def test_incomplete_process_flags():
-    from dantinox.cli import main
+    from dantinox.cli.main import main
 
     assert main(["generate", "--prompt", "Nel", "--num-processes", "2"]) == 2

@@ -5,14 +5,14 @@ that were given."""
 import re
 
 import pytest
-
-from dantinox import cli
-from dantinox.cli_flags import in_flags, option_names, subcommand_parser
-from dantinox.generator import bundled_run_dir
-from dantinox.serving.request import RequestError
-from dantinox.serving.server import _Service
-from dantinox.train import train_tokenizer
 from test_generator_cli import make_run
+
+from dantinox.cli import main as cli
+from dantinox.cli.flags import in_flags, option_names, subcommand_parser
+from dantinox.runs.bundled import bundled_run_dir
+from dantinox.runs.tokenizer import train_tokenizer
+from dantinox.serving.completions import _Service
+from dantinox.serving.request import RequestError
 
 TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura.\n" * 3
 

@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dantinox import ModelConfig, build_model, bundled_run_dir, cli
-from dantinox.quality import slice_quality, windows
-from dantinox.train.run_dir import save_run
-from dantinox.train.tokenizer import train_tokenizer
-from dantinox.weight_quant import quantize_weights
+from dantinox import ModelConfig, build_model, bundled_run_dir
+from dantinox.cli import main as cli
+from dantinox.quality.slices import slice_quality, windows
+from dantinox.quant.weights import quantize_weights
+from dantinox.runs.run_dir import save_run
+from dantinox.runs.tokenizer import train_tokenizer
 
 TEXT = ("tanto gentile e tanto onesta pare\nla donna mia quand'ella altrui saluta,\n"
         "ch'ogne lingua deven tremando muta,\ne li occhi no l'ardiscon di guardare.\n")

@@ -3,13 +3,14 @@
 import jax
 import numpy as np
 import pytest
-
-from dantinox import cli
-from dantinox.generator import Generator
-from dantinox.model import build_model
-from dantinox.train import save_run, train_tokenizer
-from dantinox.verify import verify_cache
 from conftest import reference_logits, spiky_model, tiny_config
+
+from dantinox.cli import main as cli
+from dantinox.generation.generator import Generator
+from dantinox.model.transformer import build_model
+from dantinox.quality.verify import verify_cache
+from dantinox.runs.run_dir import save_run
+from dantinox.runs.tokenizer import train_tokenizer
 
 TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, ché la diritta via era smarrita.\n" * 3
 
@@ -66,7 +67,7 @@ def test_verify_passes_and_detects_a_broken_cache(monkeypatch):
     model = spiky_model(tiny_config(attention="gqa", kv_heads=4))
     report = verify_cache(model, [3, 1, 4, 1, 5], 20)
     assert report.passed and report.max_diff.max() <= 1e-4 and len(report.positions) == 5 + 19
-    import dantinox.attention as attention
+    import dantinox.model.attention as attention
 
     real_write = attention.write_layer
     monkeypatch.setattr(attention, "write_layer", lambda layer, k, v, i: real_write(layer, k * 0.5, v, i))
@@ -103,7 +104,7 @@ def test_non_finite_weights_are_a_corrupted_run(tmp_path):
 
     import safetensors.numpy
 
-    from dantinox.train import RunDirError, load_run
+    from dantinox.runs.run_dir import RunDirError, load_run
 
     run = make_run(tmp_path / "nan")
     path = os.path.join(run, "model.safetensors")

@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 
-from dantinox.generator import prompt_buckets
 from test_generator_cli import make_run
+
+from dantinox.generation.generator import prompt_buckets
 
 CHILD = r"""
 import json, sys
 from dantinox import CompileCounter
-from dantinox.generator import Generator
+from dantinox.generation.generator import Generator
 gen = Generator(sys.argv[1])
 S = gen.cfg.max_context
 counts = []
@@ -40,7 +41,7 @@ def test_generator_warmup_covers_prefill_buckets_and_the_decode_loop(tmp_path):
 
 
 def test_prompt_buckets_cover_every_prompt_length():
-    from dantinox.generate import bucket_length
+    from dantinox.generation.prompts import bucket_length
 
     for S in (16, 17, 64, 100, 256):
         buckets = prompt_buckets(S)

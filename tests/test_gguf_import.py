@@ -9,16 +9,16 @@ import os
 import gguf
 import numpy as np
 import pytest
+from chat_util import TEXT, chat_tokenizer
 from gguf.quants import dequantize, quantize
+from gguf_util import write_tiny_gguf
 
 import dantinox as dx
-from dantinox import cli
 from dantinox.checkpoints import write_run_dir
 from dantinox.checkpoints.gguf_source import read_gguf
-from dantinox.generator import Generator
-from dantinox.train.tokenizer import TextTokenizer
-from chat_util import TEXT, chat_tokenizer
-from gguf_util import write_tiny_gguf
+from dantinox.cli import main as cli
+from dantinox.generation.generator import Generator
+from dantinox.runs.tokenizer import TextTokenizer
 
 Q = gguf.GGMLQuantizationType
 

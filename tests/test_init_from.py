@@ -9,13 +9,14 @@ import argparse
 import numpy as np
 import pytest
 import safetensors.numpy
+from conftest import tiny_config
 
 import dantinox as dx
+from dantinox.cli.train import add_train_arguments, run_train_from_args
+from dantinox.runs.run_dir import load_run, param_arrays, save_run
+from dantinox.runs.tokenizer import train_tokenizer, with_mask_token
 from dantinox.train.init_from import InitFromError, adapt_arrays, init_from_run
-from dantinox.train.run_dir import load_run, param_arrays, save_run
-from dantinox.train.tokenizer import train_tokenizer, with_mask_token
-from dantinox.train.trainer import TrainError, add_train_arguments, run_train_from_args, train
-from conftest import tiny_config
+from dantinox.train.trainer import TrainError, train
 
 TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura. " * 20
 

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import spiky_mla, spiky_model, tiny_config
 from flax import nnx
 
 import dantinox as dx
-from conftest import spiky_mla, spiky_model, tiny_config
-from dantinox import verify
-from dantinox.int8_reference import ROW_ULPS, RoundingAudit, adopt_cached_rounding
-from dantinox.kv_quant import dequantize_rows, quantize_rows
+from dantinox.quality import verify
+from dantinox.quality.int8_reference import ROW_ULPS, RoundingAudit, adopt_cached_rounding
+from dantinox.quant.kv_rows import dequantize_rows, quantize_rows
 
 EQ = 1e-5
 STEP_ALLOWANCE = ROW_ULPS * float(np.finfo(np.float32).eps) * 127    # grid steps, about 9.7e-4

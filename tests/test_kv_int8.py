@@ -9,11 +9,11 @@ cache dtype); MLA in tests/test_mla.py; the paged pool in tests/test_kv_int8_pag
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import qdq_rows, spiky_mla, spiky_model, tiny_config
 
 import dantinox as dx
-from conftest import qdq_rows, spiky_mla, spiky_model, tiny_config
-from dantinox.kv_quant import dequantize_rows, quantize_rows, roundtrip
-from dantinox.mla import QuantLatentKV
+from dantinox.model.cache import QuantLatentKV
+from dantinox.quant.kv_rows import dequantize_rows, quantize_rows, roundtrip
 
 EQ = 1e-5
 KINDS = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
@@ -157,7 +157,7 @@ def test_a_float_cache_passed_to_an_int8_model_is_rejected_by_shape():
 
 
 def test_budget_dtype_int8_prints_int8_bytes_that_match_the_allocation(capsys):
-    from dantinox import cli
+    from dantinox.cli import main as cli
 
     assert cli.main(["budget", "--preset", "tiny", "--dtype", "int8", "--context", "32", "--measure"]) == 0
     out = capsys.readouterr().out

@@ -7,17 +7,17 @@ flag."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import dantinox as dx
-from dantinox import cli
-from dantinox.serving.paged_cache import (PagedQuantKV, PagedQuantLatentKV, block_bytes, init_pool,
-                                          pool_nbytes)
-from dantinox.serving.runner import copy_blocks, read_blocks, write_blocks
-from dantinox.serving.serve_cli import build_engine, kv_summary
-from dantinox.train import save_run, train_tokenizer
 from conftest import spiky_mla, spiky_model, tiny_config
 from serving_util import chunked_paged_run, drain, greedy, lively_model, make_engine, solo, static_logits
 from test_serving_engine import check_resumed_requests_reprefilled, run_k08_schedule
+
+import dantinox as dx
+from dantinox.cli import main as cli
+from dantinox.cli.serve import build_engine, kv_summary
+from dantinox.runs.run_dir import save_run
+from dantinox.runs.tokenizer import train_tokenizer
+from dantinox.serving.paged_cache import PagedQuantKV, PagedQuantLatentKV, block_bytes, init_pool, pool_nbytes
+from dantinox.serving.runner import copy_blocks, read_blocks, write_blocks
 
 P, M = 4, 8  # block size; block-table entries (max_context 32 / P)
 KINDS = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
@@ -200,7 +200,7 @@ def test_verify_cli_with_kv_dtype_int8_passes_and_prints_the_distance_to_the_flo
 
 
 def test_generate_with_kv_dtype_int8_uses_an_int8_cache_with_the_run_parameters(float_run, capsys):
-    from dantinox.generator import Generator
+    from dantinox.generation.generator import Generator
 
     gen = Generator(float_run, warmup=False, kv_dtype="int8")
     plain = Generator(float_run, warmup=False)

@@ -3,9 +3,9 @@ and the tied head's direct contraction against the numpy reference forward."""
 
 import numpy as np
 import pytest
+from conftest import reference_logits, spiky_model, tiny_config
 
 import dantinox as dx
-from conftest import reference_logits, spiky_model, tiny_config
 
 
 @pytest.mark.parametrize("use_cache", [False, True])

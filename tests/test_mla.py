@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import KV_DTYPES, qdq_rows, spiky_mla
 from flax import nnx
 
 import dantinox as dx
-from dantinox.mla import LatentKV
-from conftest import KV_DTYPES, qdq_rows, spiky_mla
+from dantinox.model.cache import LatentKV
 
 EQ = 1e-5
 PATHS = {"absorbed": True, "naive": False}
@@ -312,7 +312,7 @@ def test_K03_mla_heads_read_their_own_up_projection_of_the_latent(batch, kv_dtyp
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Through jit with donation and lax.while_loop, and through dantinox.generate
+# Through jit with donation and lax.while_loop, and through dantinox.generation.decode
 
 
 def test_latent_cache_in_a_compiled_while_loop_with_donation_and_no_cache_copies():
@@ -385,7 +385,7 @@ def test_attend_slots_gives_the_same_logits_and_rejects_bad_values(attention):
 
 
 def test_windowed_mla_decode_equals_one_window_and_the_uncached_path_across_window_edges():
-    gen = __import__("sys").modules["dantinox.generate"]
+    gen = __import__("sys").modules["dantinox.generation.decode"]
     model = spiky_mla(mla_config(max_context=300))
     assert gen.decode_windows(model.cfg, 1) == (128, 256, 300)
     gqa = model.cfg.replace(attention="gqa")          # 8 query heads on 2 KV heads

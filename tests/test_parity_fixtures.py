@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from dantinox import generate_result, verify_cache
-from dantinox.cli import main
-from dantinox.train.run_dir import load_run
+from dantinox.cli.main import main
+from dantinox.runs.run_dir import load_run
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
 NAMES = sorted(n for n in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, n, "reference.json")))

@@ -2,11 +2,12 @@
 measured on."""
 
 import numpy as np
-
 from conftest import spiky_model, tiny_config
+
 from dantinox.plan.cost_model import CostModel
 from dantinox.plan.profile import WAKE_GAPS, check_profile, model_identity, take_profile
-from dantinox.train import save_run, train_tokenizer
+from dantinox.runs.run_dir import save_run
+from dantinox.runs.tokenizer import train_tokenizer
 
 
 def test_profile_fits_measured_calls_and_records_identity(tmp_path):
@@ -42,6 +43,7 @@ def test_profile_from_before_a_config_field_existed_is_checked_against_its_defau
     """A profile written before a ModelConfig field was added (no key in its config) matches a model with that
     field at its default, and still refuses a model that sets it; a recorded value is compared as recorded."""
     import pytest
+
     from dantinox.plan.profile import PROFILE_FORMAT
     cfg = tiny_config(vocab_size=40, max_context=64).to_dict()
     identity = {"weights_sha256": "ab" * 32, "config": cfg, "dantinox_version": "x"}
@@ -59,7 +61,7 @@ def test_plan_profiles_itself_on_the_mesh_given_and_records_it(tmp_path):
     which mesh its costs were measured on."""
     import json
 
-    from dantinox import cli
+    from dantinox.cli import main as cli
     tok = train_tokenizer("abcdefghij klmnop\n" * 4, "char")
     cfg = tiny_config(vocab_size=tok.vocab_size, max_context=64)
     save_run(tmp_path / "run", spiky_model(cfg), cfg, tok)

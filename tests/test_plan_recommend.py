@@ -7,16 +7,16 @@ import os
 import numpy as np
 import pytest
 
-from dantinox import cli
+from dantinox.budget.memory import param_bytes
+from dantinox.cli import main as cli
 from dantinox.config import ModelConfig
-from dantinox.generator import bundled_run_dir
 from dantinox.plan.candidate import Candidate, default_candidates
 from dantinox.plan.cost_model import CostModel
 from dantinox.plan.quality_gate import GateResult
 from dantinox.plan.recommend import PlanInputs, make_plan
 from dantinox.plan.trace import TraceSpec, default_classes, generate_trace, prompt_token_ids, read_trace, trace_text
-from dantinox.planner import param_bytes
-from dantinox.train.tokenizer import TextTokenizer
+from dantinox.runs.bundled import bundled_run_dir
+from dantinox.runs.tokenizer import TextTokenizer
 
 # ../shared/data beside the repository (CI lays it there); the test writes its own slice when it is absent
 RARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
@@ -126,7 +126,7 @@ def test_no_candidate_passes_recommends_last_good(bundled, mixed_trace):
 
 def _fake_profile(path, run_dir, **identity_changes):
     from dantinox.plan.profile import PROFILE_FORMAT, model_identity
-    from dantinox.train.run_dir import load_run
+    from dantinox.runs.run_dir import load_run
 
     _, cfg, _, _ = load_run(run_dir)
     ident = dict(model_identity(run_dir, cfg), **identity_changes)

@@ -4,9 +4,9 @@ import argparse
 
 import pytest
 
+from dantinox.cli.serve import add_serve_arguments, apply_config_file
 from dantinox.plan.candidate import Candidate
 from dantinox.plan.report import serve_config
-from dantinox.serving.serve_cli import add_serve_arguments, apply_config_file
 
 
 def _args(*argv):

@@ -3,8 +3,9 @@ finishes the same requests in the same order as the real engine; it is determini
 affinity raises prefix-cache hits."""
 
 import numpy as np
-
 from conftest import tiny_config
+from serving_util import SMALL_BUCKETS, lively_model
+
 from dantinox.plan.candidate import Candidate
 from dantinox.plan.cost_model import CostModel, constant
 from dantinox.plan.replay import RealReplica
@@ -12,7 +13,6 @@ from dantinox.plan.router import Router
 from dantinox.plan.simulate import SimReplica, run_trace, simulate
 from dantinox.plan.trace import TraceRequest, prompt_token_ids
 from dantinox.serving.engine import EngineConfig
-from serving_util import SMALL_BUCKETS, lively_model
 
 
 def _trace(n=9, seed=0):

@@ -7,7 +7,6 @@ import math
 import jax
 import numpy as np
 import pytest
-
 from flax import nnx
 
 import dantinox as dx

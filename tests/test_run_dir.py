@@ -9,8 +9,8 @@ import pytest
 import safetensors.numpy
 
 from dantinox import ModelConfig, build_model
-from dantinox.train.run_dir import RunDirError, load_run, save_run
-from dantinox.train.tokenizer import train_tokenizer
+from dantinox.runs.run_dir import RunDirError, load_run, save_run
+from dantinox.runs.tokenizer import train_tokenizer
 
 TEXT = "tanto gentile e tanto onesta pare\nla donna mia quand'ella altrui saluta.\n"
 

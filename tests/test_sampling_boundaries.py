@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dantinox.diffusion import _commit, _Settings
-from dantinox.sampling import GREEDY_TEMPERATURE, make_sampling_params, sample_next
+from dantinox.generation.diffusion import _commit, _Settings
+from dantinox.generation.sampling import GREEDY_TEMPERATURE, make_sampling_params, sample_next
 from dantinox.serving.runner import sample_rows
 
 DRAWS = 4000
@@ -53,7 +53,7 @@ def test_k09_top_p_exact_boundary(probs, top_p, nucleus):
 
 def test_k09_every_sampler_uses_the_fixed_filter():
     """The generate loop samples with the same function (no second copy of the filter to drift)."""
-    assert importlib.import_module("dantinox.generate").sample_next is sample_next
+    assert importlib.import_module("dantinox.generation.decode").sample_next is sample_next
     assert importlib.import_module("dantinox.serving.runner").sample_next is sample_next
 
 

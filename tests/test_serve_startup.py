@@ -8,10 +8,10 @@ import sys
 import time
 
 import pytest
-
-from dantinox import cli
-from dantinox.serving import serve_cli
 from test_generator_cli import make_run
+
+from dantinox.cli import main as cli
+from dantinox.cli import serve as serve_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

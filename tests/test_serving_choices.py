@@ -9,15 +9,15 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from flax import nnx
-
-import dantinox as dx
-from dantinox.serving.request import QueueFullError, SamplingOptions
-from dantinox.serving.worker import EngineWorker
-from dantinox.train import load_run
 from conftest import tiny_config
+from flax import nnx
 from serving_util import drain, lively_mla_model, lively_model, make_engine, solo
 from test_serving_server import save_tiny_bpe_run, start_server
+
+import dantinox as dx
+from dantinox.runs.run_dir import load_run
+from dantinox.serving.request import QueueFullError, SamplingOptions
+from dantinox.serving.worker import EngineWorker
 
 TOL = 1e-4
 

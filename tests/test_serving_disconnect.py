@@ -12,12 +12,12 @@ import time
 
 import httpx
 import pytest
-
 from conftest import tiny_config
+from serving_util import SMALL_BUCKETS, lively_model
+
+from dantinox.runs.tokenizer import train_tokenizer
 from dantinox.serving.engine import EngineConfig, PagedEngine
 from dantinox.serving.server import ServerThread, create_app
-from dantinox.train import train_tokenizer
-from serving_util import SMALL_BUCKETS, lively_model
 
 TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura.\n" * 3
 MAX_TOKENS = 400

@@ -3,12 +3,12 @@ prefix caching with copy-on-write, admission bounds, abort."""
 
 import numpy as np
 import pytest
+from conftest import tiny_config
+from serving_util import drain, greedy, lively_model, make_engine, solo
 
 import dantinox as dx
 import dantinox.serving.engine as engine_module
 from dantinox.serving.request import QueueFullError, RequestError, SamplingOptions
-from conftest import tiny_config
-from serving_util import drain, greedy, lively_model, make_engine, solo
 
 CFG = tiny_config(attention="gqa", kv_heads=2, max_context=64)
 

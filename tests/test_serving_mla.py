@@ -6,16 +6,25 @@ sized from a byte budget with the planner's bytes-per-token figure (the `dantino
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
+from serving_util import (
+    chunked_paged_run,
+    drain,
+    greedy,
+    lively_mla_model,
+    lively_model,
+    make_engine,
+    solo,
+    static_logits,
+)
+from test_serving_engine import check_resumed_requests_reprefilled
 
 import dantinox as dx
-from dantinox import cli
+from dantinox.cli import main as cli
+from dantinox.cli.serve import build_engine, kv_summary
+from dantinox.runs.run_dir import save_run
+from dantinox.runs.tokenizer import train_tokenizer
 from dantinox.serving.paged_cache import PagedLatentKV, block_bytes, init_pool, pool_nbytes
-from dantinox.serving.serve_cli import build_engine, kv_summary
-from dantinox.train import save_run, train_tokenizer
-from conftest import tiny_config
-from serving_util import (chunked_paged_run, drain, greedy, lively_mla_model, lively_model, make_engine,
-                          solo, static_logits)
-from test_serving_engine import check_resumed_requests_reprefilled
 
 P = 4  # block size
 M = 8  # block-table entries (max_context 32 / P)

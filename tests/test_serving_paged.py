@@ -4,12 +4,12 @@ prefill and decode, with MHA, GQA and MQA; padding positions never reach the poo
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import spiky_model, tiny_config
 from flax import nnx
+from serving_util import chunked_paged_run, paged_logits, static_logits
 
 import dantinox as dx
 from dantinox.serving.paged_cache import block_bytes, init_pool, num_blocks_for_memory, pool_nbytes
-from conftest import spiky_model, tiny_config
-from serving_util import chunked_paged_run, paged_logits, static_logits
 
 P = 4  # block size
 M = 8  # block-table entries (max_context 32 / P)

@@ -10,15 +10,16 @@ import httpx
 import numpy as np
 import openai
 import pytest
-
-import dantinox as dx
-from dantinox import cli
-from dantinox.serving.engine import EngineConfig, PagedEngine
-from dantinox.serving.serve_cli import build_engine, kv_summary, parse_bytes
-from dantinox.serving.server import ServerThread, create_app
-from dantinox.train import load_run, save_run, train_tokenizer
 from conftest import tiny_config
 from serving_util import SMALL_BUCKETS, lively_model
+
+import dantinox as dx
+from dantinox.cli import main as cli
+from dantinox.cli.serve import build_engine, kv_summary, parse_bytes
+from dantinox.runs.run_dir import load_run, save_run
+from dantinox.runs.tokenizer import train_tokenizer
+from dantinox.serving.engine import EngineConfig, PagedEngine
+from dantinox.serving.server import ServerThread, create_app
 
 TEXT = ("Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, ché la diritta via era "
         "smarrita.\n") * 3
@@ -320,7 +321,7 @@ def test_serve_flags_are_checked_before_loading(flags, match, tmp_path, capsys):
 
 
 def test_serve_accepts_ordinary_hosts():
-    from dantinox.serving.serve_cli import check_serve_args
+    from dantinox.cli.serve import check_serve_args
     for host in ("127.0.0.1", "0.0.0.0", "::1", "localhost", "my-host.example.org"):
         check_serve_args(cli.build_parser().parse_args(["serve", "--host", host]))
 

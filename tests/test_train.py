@@ -15,12 +15,12 @@ import pytest
 import safetensors.numpy
 
 from dantinox import ConfigError, ModelConfig
+from dantinox.cli.train import add_train_arguments, parse_overrides, resolve_cli_config, run_train_from_args
+from dantinox.runs.run_dir import load_run, read_summary
+from dantinox.runs.tokenizer import train_tokenizer
 from dantinox.train import checkpoint as ckpt
 from dantinox.train.data import DataError, TokenData, read_text, sample_batch, split_text, val_batches
-from dantinox.train.run_dir import load_run, read_summary
-from dantinox.train.tokenizer import train_tokenizer
-from dantinox.train.trainer import (TrainError, add_train_arguments, parse_overrides, resolve_cli_config,
-                                    run_train_from_args, train)
+from dantinox.train.trainer import TrainError, train
 
 TEXT = "la vita nuova, la vita vera. " * 40
 RUN = dict(batch_size=4, seq_len=16, eval_every=3, eval_batches=2, lr=1e-2, min_lr=1e-3, warmup_steps=1,

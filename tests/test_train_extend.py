@@ -7,11 +7,11 @@ import csv
 import numpy as np
 import pytest
 import safetensors.numpy
-
-from dantinox import cli
-from dantinox.train.run_dir import read_summary
-from dantinox.train.trainer import TrainError, train
 from test_train import RUN, TEXT, tiny_cfg
+
+from dantinox.cli import main as cli
+from dantinox.runs.run_dir import read_summary
+from dantinox.train.trainer import TrainError, train
 
 
 @pytest.fixture

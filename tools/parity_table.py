@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dantinox import generate_result, verify_cache
-from dantinox.cli import main as cli_main
-from dantinox.train.run_dir import load_run
+from dantinox.cli.main import main as cli_main
+from dantinox.runs.run_dir import load_run
 
 
 def imported(fixtures: str, name: str, out: str, dtype: str):

@@ -1,6 +1,6 @@
 """``write_run_dir``: an imported checkpoint becomes an ordinary dantinox run directory, atomically.
 
-The directory holds what ``dantinox.train.run_dir.load_run`` reads (so generate, verify, eval, budget, serve,
+The directory holds what ``dantinox.runs.run_dir.load_run`` reads (so generate, verify, eval, budget, serve,
 plan and ``dx.Generator`` work unchanged) plus three files of imported models:
 
   config.json             ModelConfig.to_dict()
@@ -29,8 +29,11 @@ from typing import Any, Mapping
 import numpy as np
 import safetensors.numpy
 
-from ..cache import bytes_per_token_per_layer
-from ..train.tokenizer import TextTokenizer
+from .._version import __version__
+from ..model.cache import bytes_per_token_per_layer
+from ..model.transformer import Transformer
+from ..runs.files import atomic_write_bytes, atomic_write_json
+from ..runs.tokenizer import TextTokenizer
 from .errors import CheckpointError
 from .hf_config import ImportSpec, import_spec
 from .hf_weights import convert_weights
@@ -112,8 +115,6 @@ def _check_against_model(params: Mapping[str, np.ndarray], spec: ImportSpec) -> 
     """Every parameter of the model built from spec.cfg is present with its shape, and nothing else."""
     from flax import nnx
 
-    from ..model import Transformer
-
     abstract = nnx.eval_shape(lambda: Transformer(spec.cfg, rngs=nnx.Rngs(0)))
     want = {".".join(str(p) for p in path): tuple(v.get_value().shape)
             for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
@@ -158,9 +159,6 @@ def _generation(generation: Mapping[str, Any] | None, vocab_size: int) -> dict:
 
 def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, chat_template: str | None,
                  gen: dict, hf_config: Mapping[str, Any], source: str) -> None:
-    from .. import __version__
-    from ..train.checkpoint import atomic_write_bytes, atomic_write_json
-
     cfg = spec.cfg
     atomic_write_json(os.path.join(tmp, "config.json"), cfg.to_dict())
     atomic_write_bytes(os.path.join(tmp, "model.safetensors"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..serving.engine import EngineConfig
+
 ROUTING = ("round_robin", "least_tokens", "prefix_affinity")
 _INTS = ("block_size", "max_running", "max_batched_tokens", "max_decode_steps", "replicas")
 
@@ -50,8 +52,6 @@ class Candidate:
 
     def engine_config(self, num_blocks: int | None = None):
         """The EngineConfig of one replica (pool of num_blocks blocks, or the engine's default sizing)."""
-        from ..serving.engine import EngineConfig
-
         return EngineConfig(block_size=self.block_size, num_blocks=num_blocks, max_running=self.max_running,
                             max_batched_tokens=self.max_batched_tokens, max_decode_steps=self.max_decode_steps,
                             preemption=self.preemption, enable_prefix_caching=self.prefix_caching)

@@ -10,7 +10,11 @@ import hashlib
 import json
 import math
 
-from .trace import prompt_token_ids, read_trace
+from ..budget.memory import parse_memory_size
+from ..runs.bundled import bundled_run_dir
+from ..runs.run_dir import load_run
+from .candidate import Candidate
+from .trace import TraceError, prompt_token_ids, read_trace
 
 SLO_KEYS = ("ttft_p99", "tpot_p99")
 
@@ -43,8 +47,6 @@ def positive_number(flag: str, value) -> float:
 
 def parse_memory(flag: str, text: str) -> int:
     """'80GB', '512MiB', '1000' -> bytes, via the budget command's parser; ValueError naming ``flag``."""
-    from ..budget_cli import parse_memory_size
-
     try:
         return parse_memory_size(text)
     except ValueError as err:
@@ -58,9 +60,6 @@ def file_sha256(path: str) -> str:
 
 def load_model(run_dir: str | None):
     """(run_dir, model, cfg, tokenizer) of a run directory or the bundled model. Raises RunDirError."""
-    from ..generator import bundled_run_dir
-    from ..train.run_dir import load_run
-
     run_dir = run_dir or bundled_run_dir()
     model, cfg, tokenizer, _ = load_run(run_dir)
     return run_dir, model, cfg, tokenizer
@@ -69,8 +68,6 @@ def load_model(run_dir: str | None):
 def load_trace(path: str, cfg, tokenizer) -> tuple[list, list]:
     """(requests, prompt ids) of a trace for the model; TraceError naming file and line for a bad request,
     including a text prompt that, encoded, no longer fits the context."""
-    from .trace import TraceError
-
     requests = read_trace(path, cfg.max_context)
     prompts = []
     for q in requests:
@@ -100,8 +97,6 @@ def load_json(flag: str, path: str) -> dict:
 def load_candidates(path: str) -> list:
     """Candidates from a YAML file: a list of mappings (Candidate fields), or {"candidates": [...]}."""
     import yaml
-
-    from .candidate import Candidate
 
     with open(path, encoding="utf-8") as f:
         try:

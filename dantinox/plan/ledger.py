@@ -1,6 +1,6 @@
 """The memory ledger of a candidate on one device: weights + KV pool + reserve against device memory.
 
-Reuses dantinox.planner: ``memory_split`` for the reserve (ceil(reserve_fraction x device bytes)) and
+Reuses dantinox.budget.memory: ``memory_split`` for the reserve (ceil(reserve_fraction x device bytes)) and
 ``kv_bytes_per_token`` for the pool (N blocks x P tokens x bytes per token, N = max_running x ceil(max_context
 / P), the engine's default pool). Weights are counted by ``param_bytes(cfg, quantize)`` where the planner
 knows quantized weights, else estimated from the float32 bytes (variants.quantized_weight_bytes). A KV dtype
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..budget.memory import kv_bytes_per_token, memory_split
 from .variants import quantized_weight_bytes
 
 
@@ -43,8 +44,6 @@ class Ledger:
 
 def kv_bytes_per_token_for(cfg, kv_dtype: str) -> tuple[int, bool]:
     """(bytes one token takes in the cache across layers, estimated?)."""
-    from ..planner import kv_bytes_per_token
-
     try:
         return kv_bytes_per_token(cfg, kv_dtype), False
     except Exception:  # noqa: BLE001 - a dtype this version's planner does not know
@@ -58,8 +57,6 @@ def kv_bytes_per_token_for(cfg, kv_dtype: str) -> tuple[int, bool]:
 def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,
                   reserve_fraction: float = 0.1) -> Ledger:
     """The candidate's ledger per replica. Raises ValueError for a bad device size or dtype."""
-    from ..planner import memory_split
-
     weights, w_estimated = quantized_weight_bytes(cfg, weights_f32_bytes, candidate.quantize)
     try:
         reserve = memory_split(cfg, device_bytes, weights, reserve_fraction).reserve_bytes

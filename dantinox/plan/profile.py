@@ -36,8 +36,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
+from ..budget.memory import kv_bytes_per_token, param_bytes
+from ..config import ModelConfig
+from ..generation.sampling import make_sampling_params
+from ..parallel.mesh import mesh_scope, mesh_shape
+from ..serving.engine import EngineConfig, PagedEngine
+from ..serving.request import SamplingOptions
+from ..serving.runner import decode_steps, forward_step
+from ..serving.sharded_engine import ShardedPagedEngine
 from .cost_model import CostModel
+from .variants import apply_variant
 
 PROFILE_FORMAT = 2
 WAKE_GAPS = (0.005, 0.02, 0.05, 0.15)   # idle seconds before a step, for measure_wake
@@ -125,9 +134,6 @@ def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int) -
 
 def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
     """A function running the decode_steps call that _time_decode times."""
-    from ..sampling import make_sampling_params
-    from ..serving.runner import decode_steps
-
     z = np.zeros(B, np.int32)
     start = np.full(B, M * engine.allocator.block_size // 2, np.int32)
     table = _distinct_table(B, M, engine.allocator.num_blocks)
@@ -142,9 +148,6 @@ def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
 
 def _time_forward(engine, B: int, T: int, repeats: int) -> float:
     """Seconds of one forward_step of B rows x T new tokens over distinct blocks (as _time_decode)."""
-    from ..sampling import make_sampling_params
-    from ..serving.runner import forward_step
-
     z = np.zeros(B, np.int32)
     ids, num_new = np.zeros((B, T), np.int32), np.full(B, T, np.int32)
     table = _distinct_table(B, engine.table_width, engine.allocator.num_blocks)
@@ -214,8 +217,6 @@ def _burst(tag: str, vocab: int, max_context: int, requests: int = 24) -> list:
     about max_context / 4 tokens, asking 4 to about max_context / 8 new tokens; calibrate_steps adds one every
     ``ARRIVAL_STEPS`` engine steps, so prefill chunks, mixed steps and multi-step decode calls over a range of
     batch sizes all occur."""
-    from ..serving.request import SamplingOptions
-
     prompt_span, new_span = max(max_context // 4 - 8, 1), max(max_context // 8 - 4, 1)
     out = []
     for i in range(requests):
@@ -358,16 +359,10 @@ def model_identity(run_dir: str, cfg) -> dict:
 def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: str = "none",
                  repeats: int = 15, mesh=None) -> dict:
     """Profile the model's engine at block size 16 (decode buckets up to 16 rows, chunks up to 64 tokens),
-    on ``mesh`` (a jax Mesh from ``dantinox.mesh.make_mesh``) when given, else on one device.
+    on ``mesh`` (a jax Mesh from ``dantinox.parallel.mesh.make_mesh``) when given, else on one device.
     Returns the profile dict (JSON-ready): identity, machine, mesh, rates, points, cost model, bottleneck rows.
     Raises ValueError for a kv_dtype / quantize this version cannot build, MeshError (a ValueError) when the
     model does not divide over the mesh."""
-    from ..mesh import mesh_scope, mesh_shape
-    from ..planner import kv_bytes_per_token, param_bytes
-    from ..serving.engine import EngineConfig, PagedEngine
-    from ..serving.sharded_engine import ShardedPagedEngine
-    from .variants import apply_variant
-
     model, cfg = apply_variant(model, cfg, kv_dtype, quantize)
     config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, max_decode_steps=8)  # a full pool
     engine = PagedEngine(model, config) if mesh is None else ShardedPagedEngine(model, config, mesh)
@@ -414,7 +409,6 @@ def check_profile(profile: dict, identity: dict, where: str = "--profile") -> No
 def _config_default(key: str):
     """The ModelConfig default of field `key` (None for an unknown field). A profile written before a config
     field existed was taken on a model with that field at its default, which leaves the model unchanged."""
-    from ..config import ModelConfig
     for field in dataclasses.fields(ModelConfig):
         if field.name == key:
             return None if field.default is dataclasses.MISSING else field.default

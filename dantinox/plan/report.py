@@ -14,7 +14,8 @@ import io
 import json
 import os
 
-from ..train.checkpoint import atomic_write_bytes
+from ..runs.files import atomic_write_bytes
+from .candidate import Candidate
 
 PLOTS = ("ttft_cdf.png", "rate_sweep.png", "memory_ledger.png")
 
@@ -26,8 +27,6 @@ def plan_json_bytes(plan: dict) -> bytes:
 
 def serve_config(candidate: dict, run_dir: str | None) -> str:
     """The YAML that ``dantinox serve --config`` reads for one replica of ``candidate``."""
-    from .candidate import Candidate
-
     flags = Candidate.from_dict(candidate).serve_flags()
     if run_dir:
         flags["run_dir"] = run_dir

@@ -1,6 +1,6 @@
 """OpenAI ``POST /v1/chat/completions`` for a model with a chat template.
 
-The conversation (``messages``) is rendered with the model's template (``dantinox.chat``), encoded, and run
+The conversation (``messages``) is rendered with the model's template (``dantinox.runs.chat``), encoded, and run
 through the same worker, engine and per-choice text pipeline as ``/v1/completions`` (``dantinox.serving.
 server``): stop strings, n choices with seeds seed + i, streaming, client disconnects. What differs:
   - each choice stops at the model's end-of-turn ids (the engine's ``stop_token_ids``); that token is counted
@@ -27,10 +27,10 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import StrictInt
 
-from ..chat_template import ChatTemplateError
+from ..runs.chat_template import ChatTemplateError
+from .completions import _Choice, _Completion
 from .protocol import MAX_CHOICES, MAX_STOP_STRINGS, SamplingRequest, error_body
 from .request import RequestError, SamplingOptions
-from .server import _Choice, _Completion
 
 # fields this endpoint does not implement -> the values that change nothing
 UNSUPPORTED_CHAT_FIELDS = {"tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
@@ -141,7 +141,7 @@ def _event(body: dict) -> str:
 
 def add_chat_route(app, service, chat_format) -> None:
     """Register ``POST /v1/chat/completions`` on ``app``. service: the app's completions service (worker,
-    tokenizer, model name, max_context); chat_format: a ``dantinox.chat.ChatFormat`` or None (then every chat
+    tokenizer, model name, max_context); chat_format: a ``dantinox.runs.chat.ChatFormat`` or None (then every chat
     request answers 400 naming the reason)."""
 
     @app.post("/v1/chat/completions")

@@ -1,29 +1,29 @@
 """The paged KV cache on the device: one pool of fixed-size blocks per layer, read through block tables.
 
-Letters (besides the legend in ``dantinox.attention``): N blocks in the pool, P tokens per block (block size),
+Letters (besides the legend in ``dantinox.model.attention``): N blocks in the pool, P tokens per block (block size),
 M block-table entries per sequence (M = ceil(max_context / P)).
 
 Layout per layer, the static cache's layout with the slot axis cut into blocks, in cfg.cache_dtype:
   MHA / GQA / MQA   ``PagedLayerKV(k, v)``, each [N, P, K, D];
   MLA               ``PagedLatentKV(c_kv, k_rope)``: the latent [N, P, C] and the shared RoPE key [N, P, R]
-                    (what ``dantinox.mla.LatentKV`` holds per slot; never per-head keys and values).
+                    (what ``dantinox.model.cache.LatentKV`` holds per slot; never per-head keys and values).
   int8 (cache_dtype="int8") ``PagedQuantKV(k, v, k_scale, v_scale)``: int8 [N, P, K, D] plus float32 scales
                     [N, P, K, 1]; ``PagedQuantLatentKV(c_kv, k_rope, c_scale, r_scale)``: int8 [N, P, C],
                     [N, P, R] plus scales [N, P, 1] each. The scales live in blocks of their own arrays,
                     indexed by the same block ids, so every block operation (copy-on-write, swap out/in,
                     prefix sharing) that moves or shares a block moves or shares its scales with it.
 Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
-The pool is sized from a memory budget with ``dantinox.cache.bytes_per_token_per_layer``, the figure the
+The pool is sized from a memory budget with ``dantinox.model.cache.bytes_per_token_per_layer``, the figure the
 planner sums (2 K D or C + R elements per token and layer), so N x P x L x bytes_per_token_per_layer equals
 the bytes allocated (``pool_nbytes``).
 
 How the model reads it. Each attention kind accepts a layer cache object with its own hook (see
-``dantinox.attention.Attention`` and ``dantinox.mla.MLAttention``); per call a view carries the layer's
+``dantinox.model.attention.Attention`` and ``dantinox.model.mla.MLAttention``); per call a view carries the layer's
 pool, the batch's block tables [B, M] and the number of valid new tokens per row [B]:
   ``PagedView.attend_and_write(q, k, v, cache_index, key_start, window)`` (MHA / GQA / MQA)
   1. gathers each row's blocks into a contiguous [B, K, M*P, D] view (slots past the row's length are
      masked by ``attend``, exactly as the static cache masks its unused slots),
-  2. runs the same softmax attention as the static cache (``dantinox.attention.attend``): old slots
+  2. runs the same softmax attention as the static cache (``dantinox.model.attention.attend``): old slots
      s < cache_index[b] together with the T new keys, causal among the new ones,
   3. scatters the new keys and values into the pool at (block, offset), dropping the padding positions
      j >= num_new[b] (rows of a bucketed batch are right-padded; unused rows have num_new = 0).
@@ -41,10 +41,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..attention import attend
-from ..cache import LayerKV, QuantLayerKV, bytes_per_token_per_layer, zero_arrays
 from ..config import ModelConfig
-from ..mla import LatentKV, QuantLatentKV
+from ..model.attention import attend
+from ..model.cache import LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, bytes_per_token_per_layer, zero_arrays
 
 
 class PagedLayerKV(NamedTuple):
@@ -208,7 +207,7 @@ class PagedView(NamedTuple):
     num_new: jax.Array
 
     def attend_and_write(self, q, k, v, cache_index, key_start, window, stored=None):
-        """Attention hook called by ``dantinox.attention.Attention``.
+        """Attention hook called by ``dantinox.model.attention.Attention``.
 
         q: [B, K, G, T, D] (scaled); k, v: [B, K, T, D]; cache_index: [B] int32 tokens already cached per
         row; key_start must be None (no left padding in a paged batch); stored: what to write, one array per
@@ -239,7 +238,7 @@ class PagedLatentView(NamedTuple):
     num_new: jax.Array
 
     def attend_and_write_latent(self, attend_over, stored, cache_index, key_start):
-        """Attention hook called by ``dantinox.mla.MLAttention``.
+        """Attention hook called by ``dantinox.model.mla.MLAttention``.
 
         attend_over: the layer's attention as a function of the old cache, LatentKV (or QuantLatentKV) ->
         o [B, T, H, D] float32 (it masks slots s >= cache_index[b] itself); stored: the new rows, one array

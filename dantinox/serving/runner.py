@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..sampling import GREEDY_TEMPERATURE, SamplingParams, sample_next
-from ..sharding import constrain_pool
+from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, sample_next
+from ..parallel.sharding import constrain_pool
 from .paged_cache import PagedPool, paged_views
 from .request import MAX_LOGPROBS
 
@@ -52,7 +52,7 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, sampling:
     """One token per row with each row's own PRNG stream. logits: [B, V] float32; seeds: [B] uint32;
     steps: [B] int32 (tokens the row has generated so far). Returns [B] int32.
 
-    Row b draws with ``fold_in(key(seeds[b]), steps[b])``: the key ``dantinox.generate`` uses for a batch-1
+    Row b draws with ``fold_in(key(seeds[b]), steps[b])``: the key ``dantinox.generation.decode`` uses for a batch-1
     request with that seed, so a sampled request gets the same tokens here as alone. All-greedy batches
     skip the draw.
     """

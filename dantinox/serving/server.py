@@ -27,43 +27,33 @@ GET /health, GET /metrics (Prometheus text format).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import math
-import secrets
 import threading
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 import uvicorn
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..train.tokenizer import StreamDecoder, UnknownCharactersError
+from .chat_endpoint import add_chat_route
+from .completions import _Service
 from .engine import Engine
 from .metrics import ServerMetrics
-from .protocol import (CompletionRequest, LogprobsLog, StopChecker, choice_body, completion_body, error_body,
-                       usage_body)
-from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
+from .protocol import CompletionRequest, error_body
 from .worker import EngineWorker
 
 log = logging.getLogger("dantinox.serving")
-
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions, cut to what is left of the context
-POLL_S = 0.5  # how often a waiting handler checks the worker's health
-DISCONNECT_POLL_S = 0.1  # how often the watcher asks whether the client is still connected (K10)
-_GONE = ("gone",)  # the event the watcher puts on a request's queue when its client disconnected
 
 
 def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
     engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
-    model's ``dantinox.chat.ChatFormat`` (None: /v1/chat/completions answers 400, the model has no template).
+    model's ``dantinox.runs.chat.ChatFormat`` (None: /v1/chat/completions answers 400, the model has no template).
     """
     metrics = ServerMetrics()
     worker = EngineWorker(engine, metrics)
@@ -87,8 +77,6 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest):
         return await service.complete(body, request)
-
-    from .chat_endpoint import add_chat_route
 
     add_chat_route(app, service, chat_format)
 
@@ -127,249 +115,6 @@ def _validation_error(exc: RequestValidationError) -> tuple[dict, str | None, in
     msgs = [e.get("msg") for e in exc.errors() if len(tuple(e.get("loc", ()))) > 1 and str(e["loc"][1]) == field]
     allowed = " or ".join(dict.fromkeys(m for m in msgs if m))
     return error_body(f"{field}: {allowed} (got {first.get('input')!r})", field), field, 422
-
-
-class _Service:
-    """The completions endpoint's logic (one instance per app)."""
-
-    def __init__(self, worker: EngineWorker, tokenizer, model_name: str, max_context: int, metrics):
-        self.worker, self.tokenizer, self.metrics = worker, tokenizer, metrics
-        self.model_name, self.max_context = model_name, max_context
-
-    async def complete(self, body: CompletionRequest, request: HttpRequest):
-        if not self.worker.alive:
-            self.metrics.rejected(reason="unavailable")
-            return JSONResponse(error_body("the engine is not running", None, "server_error"),
-                                status_code=503)
-        try:
-            body.check_supported()
-            if body.model is not None and body.model != self.model_name:
-                raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
-                                   f"{self.model_name!r}")
-            prompt_ids = self._encode(body.prompt)
-            options = self._options(body, len(prompt_ids))
-        except RequestError as err:
-            self.metrics.rejected(err)
-            return JSONResponse(error_body(str(err), err.field), status_code=400)
-        cid, rids, events, refused = await self.submit("cmpl", prompt_ids, options)
-        if refused is not None:
-            return refused
-        session = _Completion(self, cid, rids, len(prompt_ids), body, events)
-        if body.stream:
-            return StreamingResponse(session.sse(request), media_type="text/event-stream")
-        return await session.respond(request)
-
-    async def submit(self, kind: str, prompt_ids: list[int], options: list, rejected=lambda err: err):
-        """Hand one request of len(options) choices to the worker and wait for its admission. Returns (id,
-        engine request ids, event queue, None) or, when the engine is dead or refuses the request, a 503 /
-        400 / 429 response in the last place (``rejected`` may reword the refusal; the worker counted it)."""
-        cid = f"{kind}-{uuid.uuid4().hex}"
-        rids = [f"{cid}-{i}" for i in range(len(options))]
-        events: asyncio.Queue = asyncio.Queue()
-        self.worker.submit(rids, prompt_ids, options, asyncio.get_running_loop(), events)
-        first = await _next_event(events, self.worker)
-        if first[0] == "dead":
-            self.metrics.rejected(reason="unavailable")
-            return cid, rids, events, JSONResponse(error_body(first[1], None, "server_error"), status_code=503)
-        if first[0] == "rejected":
-            return cid, rids, events, _rejection(rejected(first[1]))
-        return cid, rids, events, None
-
-    def _encode(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt", "prompt is empty: give at least one character")
-            try:
-                return self.tokenizer.encode(prompt, unknown="error")
-            except UnknownCharactersError as err:  # no Python or CLI remedy: say what the client can do
-                raise RequestError("prompt", f"prompt: {err.detail} This server does not replace them: remove "
-                                   "them from 'prompt', or send 'prompt' as a list of token ids.") from err
-            except ValueError as err:
-                raise RequestError("prompt", f"prompt: {err}") from err
-        return list(prompt)
-
-    def _options(self, body: CompletionRequest, prompt_tokens: int) -> list[SamplingOptions]:
-        """One SamplingOptions per choice; choice i draws with seed (seed + i) mod 2**32."""
-        seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
-        default = max(1, min(DEFAULT_MAX_TOKENS, self.max_context - prompt_tokens))
-        max_tokens = default if body.max_tokens is None else body.max_tokens
-        return [SamplingOptions(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                top_p=body.top_p, seed=(seed + i) % 2**32, logprobs=body.logprobs)
-                for i in range(body.n)]
-
-
-def _rejection(err: Exception) -> JSONResponse:
-    if isinstance(err, QueueFullError):
-        return JSONResponse(error_body(str(err), None, "rate_limit_error", "queue_full"), status_code=429,
-                            headers={"Retry-After": str(max(1, math.ceil(err.retry_after)))})
-    return JSONResponse(error_body(str(err), getattr(err, "field", None)), status_code=400)
-
-
-async def _next_event(events: asyncio.Queue, worker: EngineWorker):
-    """The next reply on ``events``; ("dead", message) if the worker died; None if the client went away."""
-    while True:
-        try:
-            event = await asyncio.wait_for(events.get(), POLL_S)
-        except asyncio.TimeoutError:
-            if not worker.alive:
-                return ("dead", f"engine stopped: {worker.error}")
-            continue
-        return None if event == _GONE else event
-
-
-async def _watch_disconnect(request: HttpRequest, events: asyncio.Queue) -> None:
-    """Put _GONE on ``events`` once the client has disconnected; polls every DISCONNECT_POLL_S seconds, so a
-    disconnect is noticed within that time whether or not tokens are flowing (K10). Cancelled when the
-    response is complete."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    events.put_nowait(_GONE)
-
-
-class _Choice:
-    """One choice of a completion (one engine request): its tokens -> text pieces, stop strings, logprobs."""
-
-    def __init__(self, index: int, rid: str, tokenizer, stops: list[str], logprobs: int | None):
-        self.index, self.rid = index, rid
-        self.decoder = StreamDecoder(tokenizer)
-        self.stops = StopChecker(stops)
-        self.logprobs = None if logprobs is None else LogprobsLog(tokenizer.decode)
-        self.decoded = 0  # characters the decoder has produced: the text_offset of the next token
-        self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.done = False  # the engine request is over (finished, or aborted by us)
-
-    def push(self, out: RequestOutput) -> str:
-        """Consume one engine output; returns the text now safe to emit. Sets done and finish_reason when the
-        choice ends (engine finished, or a stop string: the caller then aborts the engine request)."""
-        self.completion_tokens += len(out.new_token_ids)
-        piece = ""
-        for i, token in enumerate(out.new_token_ids):
-            if self.logprobs is not None and out.logprobs:
-                self.logprobs.add(out.logprobs[i], self.decoded)
-            text = self.decoder.push(token)
-            self.decoded += len(text)
-            piece += text
-        if out.finished:
-            piece += self.decoder.flush()
-        text, stopped = self.stops.push(piece)
-        if stopped or out.finished:
-            self.finish_reason = "stop" if stopped else out.finish_reason
-            self.error = None if stopped else out.error
-            text += "" if stopped else self.stops.flush()
-            self.done = True
-        return text
-
-    def fail(self, message: str) -> None:
-        self.finish_reason, self.error, self.done = "error", message, True
-
-    def body(self, text: str, finish_reason: str | None, stream: bool) -> dict:
-        """This choice's entry of a response (all logprobs) or of a streamed chunk (those not yet sent)."""
-        logprobs = None if self.logprobs is None else (self.logprobs.take() if stream else self.logprobs.body())
-        return choice_body(self.index, text, finish_reason, logprobs)
-
-
-class _Completion:
-    """One accepted request of n choices: engine outputs -> text pieces -> a JSON body or server-sent events."""
-
-    def __init__(self, service: _Service, cid: str, rids: list[str], prompt_tokens: int, body: CompletionRequest,
-                 events: asyncio.Queue):
-        self.service, self.cid, self.body, self.events = service, cid, body, events
-        self.prompt_tokens = prompt_tokens
-        self.choices = [_Choice(i, rid, service.tokenizer, body.stop_strings(), body.logprobs)
-                        for i, rid in enumerate(rids)]
-        self.by_rid = {c.rid: c for c in self.choices}
-
-    @property
-    def done(self) -> bool:
-        return all(c.done for c in self.choices)
-
-    async def pieces(self, request: HttpRequest | None = None):
-        """Yield (choice, text) as text arrives, and (choice, "") once when a choice ends, until every choice
-        has ended (or the client went away: then every unfinished choice is aborted and nothing more comes).
-        With ``request``, a watcher task notices a disconnect while tokens flow (K10)."""
-        watcher = None if request is None else asyncio.create_task(_watch_disconnect(request, self.events))
-        try:
-            async for item in self._pieces():
-                yield item
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-
-    async def _pieces(self):
-        while not self.done:
-            event = await _next_event(self.events, self.service.worker)
-            if event is None:  # the client disconnected
-                self._abort()
-                return
-            if event[0] == "dead":
-                for choice in self.choices:
-                    if not choice.done:
-                        choice.fail(event[1])
-                        yield choice, ""
-                return
-            out: RequestOutput = event[1]
-            choice = self.by_rid.get(out.request_id)
-            if choice is None or choice.done:  # e.g. the final "abort" output after a stop string
-                continue
-            text = choice.push(out)
-            if choice.done and not out.finished:  # a stop string: finished by "stop" in the metrics
-                self.service.worker.abort(choice.rid, reason="stop")
-            if text or choice.done:
-                yield choice, text
-
-    def _abort(self) -> None:
-        for choice in self.choices:
-            if not choice.done:
-                choice.done = True
-                self.service.worker.abort(choice.rid)
-
-    def _usage(self) -> dict:
-        return usage_body(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
-
-    async def respond(self, request: HttpRequest):
-        texts = {c.index: "" for c in self.choices}
-        async for choice, text in self.pieces(request):
-            texts[choice.index] += text
-        failed = next((c for c in self.choices if c.finish_reason == "error"), None)
-        if failed is not None:
-            return JSONResponse(error_body(failed.error or "generation failed", None, "server_error"),
-                                status_code=500)
-        if any(c.finish_reason is None for c in self.choices):  # the client went away; nobody reads this
-            return JSONResponse(error_body("client disconnected", None), status_code=499)
-        return JSONResponse(self._final_body(texts))
-
-    def _final_body(self, texts: dict[int, str]) -> dict:
-        """The whole response once every choice has ended; texts: choice index -> its text."""
-        choices = [c.body(texts[c.index], c.finish_reason, stream=False) for c in self.choices]
-        return completion_body(self.cid, self.service.model_name, choices, self._usage())
-
-    async def sse(self, request: HttpRequest | None = None):
-        name = self.service.model_name
-        try:
-            async for choice, text in self.pieces(request):
-                if text:
-                    yield _event(completion_body(self.cid, name, [choice.body(text, None, True)], None))
-                if not choice.done:
-                    continue
-                if choice.finish_reason == "error":
-                    yield _event(error_body(choice.error or "generation failed", None, "server_error"))
-                else:
-                    yield _event(completion_body(self.cid, name, [choice.body("", choice.finish_reason, True)],
-                                                 None))
-            if self.body.include_usage():
-                yield _event(completion_body(self.cid, name, [], self._usage()))
-            yield "data: [DONE]\n\n"
-        finally:
-            if not self.done:  # the client disconnected mid-stream (the generator was cancelled or closed)
-                self._abort()
-
-
-def _event(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 class ServerThread:

@@ -2,12 +2,12 @@
 
 ``ShardedPagedEngine`` is the ``PagedEngine`` with three differences, nothing else (the scheduler, the
 allocator and the compiled calls are the same):
-  1. the model's parameters are sharded over the mesh (``dantinox.sharding``: heads and MLP width over model);
+  1. the model's parameters are sharded over the mesh (``dantinox.parallel.sharding``: heads and MLP width over model);
   2. the pool [N, P, K, D] per layer is split over KV heads on ``model`` where K divides by its size, and
      replicated otherwise (MQA, model > K, and MLA's latent pool [N, P, C]); it is never split over
      blocks, since any row may read any block. With ``kv_memory_bytes`` the budget is per device, so the pool
      holds kv_split times the blocks one device would (``blocks_per_device`` says how much each holds);
-  3. every step runs with the mesh in scope (``dantinox.mesh.mesh_scope``), and the pool keeps its layout
+  3. every step runs with the mesh in scope (``dantinox.parallel.mesh.mesh_scope``), and the pool keeps its layout
      from call to call (checked by the tests: same tokens as one device, no recompilation).
 The ``data`` axis replicates the pool and batches; serving gains nothing from it (use model).
 """
@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ..device_memory import kv_split
-from ..mesh import mesh_scope, mesh_shape
-from ..sharding import shard_model
+from ..budget.per_device import kv_split
+from ..parallel.mesh import mesh_scope, mesh_shape
+from ..parallel.sharding import shard_model
 from .engine import EngineConfig, PagedEngine
 from .paged_cache import block_bytes, init_pool
 

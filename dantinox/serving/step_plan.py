@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .allocator import BlockAllocator
+from .paged_cache import num_blocks_for_memory
 from .request import Request
 from .scheduler import ContextPolicy
+
 
 def powers_of_two(first: int, last: int) -> tuple:
     """(first, 2 first, 4 first, ..., last): bucket sizes, the last one clipped to ``last``."""
@@ -69,7 +71,6 @@ def pool_blocks(cfg, config) -> int:
     if config.num_blocks is not None:
         return config.num_blocks
     if config.kv_memory_bytes is not None:
-        from .paged_cache import num_blocks_for_memory
         return num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size)
     return config.max_running * -(-cfg.max_context // config.block_size)
 

@@ -5,17 +5,17 @@
     model, cfg, tokenizer, summary = load_run("runs/r1")
 """
 
-from .checkpoint import CheckpointError, atomic_write_bytes, load_checkpoint, save_checkpoint
+from ..runs.files import atomic_write_bytes
+from ..runs.run_dir import RunDirError, load_run, read_summary, save_run
+from ..runs.tokenizer import StreamDecoder, TextTokenizer, train_tokenizer
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .data import DataError, TokenData, read_text, sample_batch, split_text, val_batches
 from .init_from import InitFromError, init_from_run
-from .run_dir import RunDirError, load_run, read_summary, save_run
-from .tokenizer import StreamDecoder, TextTokenizer, train_tokenizer
-from .trainer import (TrainConfig, TrainError, add_train_arguments, resolve_cli_config, run_train_from_args,
-                      train)
+from .trainer import TrainConfig, TrainError, train
 
 __all__ = [
     "CheckpointError", "DataError", "InitFromError", "RunDirError", "StreamDecoder", "TextTokenizer",
-    "TokenData", "TrainConfig", "TrainError", "add_train_arguments", "atomic_write_bytes", "init_from_run",
-    "load_checkpoint", "load_run", "read_summary", "read_text", "resolve_cli_config", "run_train_from_args",
-    "sample_batch", "save_checkpoint", "save_run", "split_text", "train", "train_tokenizer", "val_batches",
+    "TokenData", "TrainConfig", "TrainError", "atomic_write_bytes", "init_from_run", "load_checkpoint",
+    "load_run", "read_summary", "read_text", "sample_batch", "save_checkpoint", "save_run", "split_text",
+    "train", "train_tokenizer", "val_batches",
 ]

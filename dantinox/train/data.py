@@ -15,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .tokenizer import TextTokenizer
+from ..runs.tokenizer import TextTokenizer
 
 
 class DataError(ValueError):

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .run_dir import load_run, param_arrays
-from .tokenizer import TextTokenizer
+from ..runs.run_dir import load_run, param_arrays
+from ..runs.tokenizer import TextTokenizer
 
 VOCAB_AXES = {"embed.embedding": 0, "lm_head.kernel": 1}  # parameter -> its vocabulary axis
 

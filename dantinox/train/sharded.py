@@ -1,6 +1,6 @@
 """Training on a (data, model) mesh: data parallelism, tensor parallelism and FSDP, all by sharding.
 
-How a step runs on the mesh (``dantinox.mesh``, ``dantinox.sharding``):
+How a step runs on the mesh (``dantinox.parallel.mesh``, ``dantinox.parallel.sharding``):
   1. The parameters are placed with the same layout as for generation (heads and MLP width over ``model``);
      with ``fsdp`` the ``embed`` dimension of every matrix is split over ``data`` too. The AdamW moments are
      made by ``optax`` with ``zeros_like`` of the parameters, so they take the same layout: with fsdp each
@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ..mesh import MeshError, ambient_mesh_shape, mesh_shape
-from ..sharding import param_spec
+from ..parallel.mesh import MeshError, ambient_mesh_shape, mesh_shape
+from ..parallel.sharding import param_spec
 
 
 def _names(path) -> tuple:
@@ -41,7 +42,7 @@ def _names(path) -> tuple:
 
 def state_spec(path, shape, sizes: dict[str, int], fsdp: bool) -> P:
     """PartitionSpec of a parameter or optimizer-state leaf from its path: the parameter rules
-    (``dantinox.sharding.param_spec``) match the path's tail, so AdamW's mu and nu follow their parameter;
+    (``dantinox.parallel.sharding.param_spec``) match the path's tail, so AdamW's mu and nu follow their parameter;
     scalars (the step count) are replicated."""
     return param_spec(_names(path), tuple(shape), sizes, fsdp) if len(shape) else P()
 

@@ -5,8 +5,10 @@ import json
 
 import pytest
 
-from dantinox import ModelConfig, build_model, cli
-from dantinox.train import save_run, train_tokenizer
+from dantinox import ModelConfig, build_model
+from dantinox.cli import main as cli
+from dantinox.runs.run_dir import save_run
+from dantinox.runs.tokenizer import train_tokenizer
 
 TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, che la diritta via era smarrita.\n"
 

@@ -1,17 +1,18 @@
 """Generation on (data, model) meshes of 8 CPU devices equals the single-device result (issue 13)."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from functools import partial
 
 import dantinox as dx
-from dantinox.generate import decode, prefill
-from dantinox.mesh import MeshError, make_mesh, mesh_scope, parse_mesh
-from dantinox.sampling import make_sampling_params
-from dantinox.sharding import cache_specs, param_spec
+from dantinox.generation.decode import decode, prefill
+from dantinox.generation.sampling import make_sampling_params
+from dantinox.parallel.mesh import MeshError, make_mesh, mesh_scope, parse_mesh
+from dantinox.parallel.sharding import cache_specs, param_spec
 
 MESHES = [(1, 8), (2, 4), (8, 1)]
 KINDS = {  # 8 query heads so that model=8 divides them; kv_heads 8 / 4 / 1
@@ -150,7 +151,7 @@ def test_vocab_not_dividing_stays_replicated():
 
 
 def test_cli_generate_and_verify_on_a_mesh(capsys):
-    from dantinox.cli import main
+    from dantinox.cli.main import main
 
     args = ["generate", "--prompt", "Nel mezzo", "--max_new_tokens", "12", "--temperature", "0"]
     assert main(args) == 0

@@ -1,17 +1,16 @@
-"""Per-device memory figures (dantinox.device_memory) equal the bytes the arrays put on each device."""
+"""Per-device memory figures (dantinox.budget.per_device) equal the bytes the arrays put on each device."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import dantinox as dx
-from dantinox.device_memory import kv_bytes_per_sequence_per_device, plan_mesh, weights_bytes_per_device
-from dantinox.generate import prefill
-from dantinox.mesh import make_mesh, mesh_scope
-from dantinox.sampling import make_sampling_params
-
-import jax.numpy as jnp
-import numpy as np
+from dantinox.budget.per_device import kv_bytes_per_sequence_per_device, plan_mesh, weights_bytes_per_device
+from dantinox.generation.decode import prefill
+from dantinox.generation.sampling import make_sampling_params
+from dantinox.parallel.mesh import make_mesh, mesh_scope
 
 KINDS = {"mha": dict(attention="mha"), "gqa": dict(attention="gqa", kv_heads=4), "mqa": dict(attention="mqa"),
          "mla": dict(attention="mla", kv_latent_dim=16, rope_head_dim=8)}

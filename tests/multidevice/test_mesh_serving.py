@@ -2,12 +2,12 @@
 
 import jax
 import pytest
+from serving_util import SMALL_BUCKETS, drain, greedy, lively_mla_model, lively_model, make_engine
 
 import dantinox as dx
-from dantinox.mesh import make_mesh
+from dantinox.parallel.mesh import make_mesh
 from dantinox.serving.engine import EngineConfig
 from dantinox.serving.sharded_engine import ShardedPagedEngine
-from serving_util import SMALL_BUCKETS, drain, greedy, lively_mla_model, lively_model, make_engine
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17], [20], [30, 31, 32]]
 SETTINGS = dict(block_size=4, max_running=4, max_batched_tokens=16, decode_buckets=(1, 4), **SMALL_BUCKETS)
@@ -54,7 +54,7 @@ def test_kv_memory_is_per_device():
 def test_serve_cli_builds_a_sharded_engine_and_rejects_bad_meshes():
     import argparse
 
-    from dantinox.serving.serve_cli import add_serve_arguments, build_engine, check_serve_args
+    from dantinox.cli.serve import add_serve_arguments, build_engine, check_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dantinox as dx
-from dantinox.mesh import MeshError
+from dantinox.parallel.mesh import MeshError
 from dantinox.train.trainer import train
 
 TEXT = ("nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura "
@@ -67,8 +67,9 @@ def test_bad_training_mesh(corpus, tmp_path):
 
 
 def test_fsdp_shards_parameters_and_adam_moments(corpus, tmp_path):
-    from dantinox.train.trainer import TrainConfig, _start_session
     import jax
+
+    from dantinox.train.trainer import TrainConfig, _start_session
 
     opts = TrainConfig(**OPTS, mesh="data=2,model=4", fsdp=True).resolved(cfg())
     s = _start_session(cfg(), corpus, str(tmp_path), opts, lambda _: None)

@@ -1,0 +1,347 @@
+"""``dantinox budget``: KV cache bytes per sequence and the largest batch, per attention kind and context.
+
+    dantinox budget --preset reference --device-memory 40GB --context 512 1024 4096 --dtype bf16 [--measure]
+
+The model shape comes from --preset, --config (a YAML or JSON file of ModelConfig fields, optionally under a
+``model:`` key) or --run_dir (its config.json). Tables are printed for the MHA, GQA, MQA and MLA variants of
+that shape (same width, heads and layers; the given config's own kind is marked with *):
+
+1. KV cache MiB per sequence at each context length (``dantinox.budget.memory.kv_cache_bytes``);
+2. the largest batch that fits in --device-memory beside the float32 weights (counted from the parameter
+   tree, built abstractly) and a --reserve-fraction of headroom (``dantinox.budget.memory.max_batch_size``).
+
+With --measure every variant's cache is allocated with ``init_cache`` (batch 1, max_context = the context
+length, in --dtype) and the bytes actually allocated are printed next to the formula: the arrays' own nbytes
+and the change in device memory (``memory_stats()["bytes_in_use"]`` where the backend reports it, the total
+of ``jax.live_arrays()`` otherwise, as on CPU). Exit status 1 if any array size disagrees with the formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import jax
+import yaml
+
+from ..budget.memory import kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes, parse_memory_size
+from ..budget.per_device import plan_mesh
+from ..config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
+from ..model.cache import cache_nbytes, init_cache
+from ..parallel.mesh import MeshError, parse_mesh
+
+MIB = 2 ** 20
+
+
+def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``budget`` options to ``parser`` (a subcommand parser)."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a named model shape")
+    source.add_argument("--config", help="YAML or JSON file of ModelConfig fields (or under a 'model:' key)")
+    source.add_argument("--run_dir", help="a run directory (reads its config.json)")
+    parser.add_argument("--device-memory", dest="device_memory", default="40GB", metavar="SIZE",
+                        help="device memory, e.g. 40GB, 40GiB, 512MiB, 2e9 (default 40GB)")
+    parser.add_argument("--context", type=int, nargs="+", default=None,
+                        help="context lengths in tokens (default: max_context / 4, max_context / 2 and "
+                             "max_context of the model; longer ones are marked ^: the model cannot run them)")
+    parser.add_argument("--dtype", default=None,
+                        help="cache dtype: fp32, bf16 or int8 (int8 with one float32 scale per token and KV "
+                             "head; default: the model's cache_dtype)")
+    parser.add_argument("--reserve-fraction", dest="reserve_fraction", type=float, default=0.1,
+                        help="device memory kept free for activations and workspaces (default 0.1)")
+    parser.add_argument("--kv-heads", dest="kv_heads", type=int, default=None,
+                        help="KV heads of the GQA row (default: the config's, else n_heads / 4)")
+    parser.add_argument("--kv-latent-dim", dest="kv_latent_dim", type=int, default=None,
+                        help="d_c of the MLA row (default: the config's, else 4 * head_size)")
+    parser.add_argument("--rope-head-dim", dest="rope_head_dim", type=int, default=None,
+                        help="d_rope of the MLA row; 0 = no RoPE key (default: the config's, else "
+                             "head_size / 2)")
+    parser.add_argument("--gen-len", dest="gen_len", type=int, default=None,
+                        help="masked diffusion: tokens generated per context; prints the DualCache table "
+                             "(default for paradigm=diffusion models: context / 2)")
+    parser.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                        help="also print memory per device and the largest batch on a D x M device mesh "
+                             "(docs/multi-device.md)")
+    parser.add_argument("--measure", action="store_true",
+                        help="allocate each cache with init_cache; print measured bytes next to the formula")
+
+
+def run_budget(args: argparse.Namespace) -> int:
+    """Print the tables; returns 0, or 1 when --measure finds a measured size that differs from the formula.
+
+    Every value is checked and every table built before anything is printed, so bad input gives one line
+    and exit status 2 (from the CLI) with no partial table. Raises ValueError / ConfigError /
+    FileNotFoundError for bad input (the CLI prints them as one line).
+    """
+    mesh_sizes = mesh_sizes_from_flag(args.mesh)  # checked before anything is printed
+    cfg = load_config(args)
+    dtype, device_bytes, contexts = check_budget_args(args, cfg)
+    shape = cfg.replace(paradigm="ar", mask_token_id=None, shifted_prediction=False)  # KV sizes: paradigm-free
+    rows = attention_variants(shape, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
+    heads = [f"{c} tok" + ("^" if c > cfg.max_context else "") for c in contexts]
+    per_seq = [[label, str(kv_bytes_per_token(v, dtype))] + [_mib(kv_cache_bytes(v, 1, c, dtype))
+                                                             for c in contexts] for label, v in rows]
+    batch = [_batch_row(label, v, device_bytes, contexts, args.reserve_fraction, dtype) for label, v in rows]
+    wants_diffusion = cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None)
+    diffusion = diffusion_rows(cfg, contexts, dtype, args.gen_len) if wants_diffusion and dtype != "int8" else None
+    print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
+          f"vocab {cfg.vocab_size}; cache dtype {dtype}")
+    print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes); int8 "
+          "adds a 4-byte scale per token and KV head (MLA: 2 per token)\n")
+    if any(c > cfg.max_context for c in contexts):
+        print(f"^ longer than the model's max_context={cfg.max_context}: the model cannot run it; the figures "
+              "are for the same shape with a longer context\n")
+    print_table(["attention", "bytes/token"] + heads, per_seq, title="KV cache per sequence (MiB)")
+    notes = [f"{row[0].lstrip(' *')} {note}" for row, note in batch if note is not None]
+    print_table(["attention", "weights MiB"] + heads, [row for row, _ in batch],
+                title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
+                      f"{args.reserve_fraction:.0%}, float32 weights", notes=notes)
+    if dtype == "int8":
+        print_dtype_table(rows)
+    if mesh_sizes is not None:
+        print_mesh_budget(rows, mesh_sizes, device_bytes, contexts, args.reserve_fraction, dtype, print_table)
+    if wants_diffusion and dtype == "int8":
+        print("Masked diffusion: no DualCache table for --dtype int8 (the DualCache has no int8 form)\n")
+    if diffusion is not None:
+        print_table(["context", "prompt", "gen_len", "DualCache", "AR cache", "ratio"], diffusion,
+                    title="Masked diffusion: DualCache (prefix + suffix KV) vs AR cache per sequence (MiB)")
+    return measure(rows, contexts, dtype) if args.measure else 0
+
+
+def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, int, list[int]]:
+    """(cache dtype, device bytes, context lengths) from the flags; ValueError naming the flag as typed for
+    any value that is not allowed (checked before anything is printed)."""
+    try:
+        dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype, CACHE_DTYPES)
+    except ValueError:
+        raise ValueError(f"--dtype {args.dtype!r} is not allowed: bf16, bfloat16, fp32, float32 or int8") from None
+    try:
+        device_bytes = parse_memory_size(args.device_memory)
+    except ValueError as err:
+        raise ValueError(f"--device-memory {args.device_memory!r}: {err}") from None
+    if not 0 <= args.reserve_fraction < 1:
+        raise ValueError(f"--reserve-fraction {args.reserve_fraction} is not allowed: a number in [0, 1) "
+                         "(the share of device memory kept free)")
+    for flag, value, low in (("--kv-heads", args.kv_heads, 1), ("--kv-latent-dim", args.kv_latent_dim, 1),
+                             ("--rope-head-dim", args.rope_head_dim, 0), ("--gen-len", args.gen_len, 1)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} {value} is not allowed: an integer >= {low}")
+    if args.kv_heads is not None and cfg.n_heads % args.kv_heads:
+        raise ValueError(f"--kv-heads {args.kv_heads} is not allowed: it must divide n_heads={cfg.n_heads}")
+    contexts = [int(c) for c in args.context] if args.context else default_contexts(cfg.max_context)
+    for c in contexts:
+        if c <= 0:
+            raise ValueError(f"--context {c} is not allowed: context lengths are positive integers")
+    return dtype, device_bytes, contexts
+
+
+def print_dtype_table(rows: list[tuple[str, ModelConfig]]) -> None:
+    """KV bytes per token (all layers) of each attention variant in every cache dtype, with int8 / float32
+    (printed for --dtype int8)."""
+    names = ["float32", "bfloat16", "int8"]
+    table = []
+    for label, v in rows:
+        sizes = [kv_bytes_per_token(v, d) for d in names]
+        table.append([label] + [str(n) for n in sizes] + [f"{sizes[-1] / sizes[0]:.3f}"])
+    print_table(["attention"] + names + ["int8/float32"], table,
+                title="KV bytes per token by cache dtype (int8 includes its float32 scales)")
+
+
+def diffusion_rows(cfg: ModelConfig, contexts: list[int], dtype: str, gen_len: int | None) -> list[list[str]]:
+    """Rows of the DualCache table: peak bytes (dantinox.budget.memory.diffusion_cache_bytes) next to the AR cache,
+    one row per context: prompt = context - gen_len tokens (gen_len default context // 2).
+    Raises ValueError naming --gen-len when it does not leave a prompt of at least one token."""
+    from ..budget.memory import diffusion_cache_bytes
+
+    rows = []
+    for c in contexts:
+        g = gen_len if gen_len is not None else c // 2
+        if not 0 < g < c:
+            raise ValueError(f"--gen-len {g} is not allowed for --context {c}: between 1 and {c - 1}")
+        shape = cfg.replace(max_context=max(c, cfg.max_context), cache_dtype=dtype)
+        r = diffusion_cache_bytes(shape, c - g, g)
+        rows.append([str(c), str(c - g), str(g), _mib(r["dual_cache"]), _mib(r["ar_same_length"]),
+                     f"{r['ratio_same_length']:.3f}"])
+    return rows
+
+
+def default_contexts(max_context: int) -> list[int]:
+    """max_context / 4, max_context / 2 and max_context (distinct, >= 1): lengths the model can run."""
+    return sorted({max(1, max_context // 4), max(1, max_context // 2), max_context})
+
+
+def load_config(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig named by --preset, --config or --run_dir; ValueError when none is given."""
+    if getattr(args, "config", None):
+        return ModelConfig.from_dict(_model_fields(_read_mapping(args.config), args.config))
+    if getattr(args, "run_dir", None):
+        from ..runs.bundled import resolve_run_dir
+
+        path = os.path.join(resolve_run_dir(args.run_dir), "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--run_dir {args.run_dir}: no config.json there")
+        return ModelConfig.from_dict(_model_fields(_read_mapping(path), path))
+    if getattr(args, "preset", None):
+        return ModelConfig.from_preset(args.preset)
+    raise ValueError("no model shape given: pass one of --preset NAME (e.g. --preset reference), "
+                     "--config FILE or --run_dir DIR")
+
+
+def _read_mapping(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    is_json = path.endswith(".json")
+    try:
+        data = json.loads(text) if is_json else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as err:
+        raise ValueError(f"config file {path} is not valid {'JSON' if is_json else 'YAML'}: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of ModelConfig fields")
+    return data
+
+
+def _model_fields(data: dict, path: str) -> dict:
+    model = data.get("model", data)
+    if not isinstance(model, dict):
+        raise ValueError(f"config file {path}: 'model' must be a mapping of ModelConfig fields")
+    return model
+
+
+def attention_variants(cfg: ModelConfig, kv_heads: int | None = None, kv_latent_dim: int | None = None,
+                       rope_head_dim: int | None = None) -> list[tuple[str, ModelConfig]]:
+    """(label, config) for the MHA, GQA, MQA and MLA variants of cfg's shape; cfg's own kind is starred.
+
+    GQA uses kv_heads, else cfg.kv_heads for a GQA config, else n_heads / 4 (or the largest divisor of n_heads
+    between 1 and n_heads; no GQA row if there is none). MLA uses kv_latent_dim / rope_head_dim, else cfg's,
+    else 4 * head_size and head_size / 2 (DeepSeek-V2's ratios); its query latent is cfg's.
+    """
+    H = cfg.n_heads
+    plain = dict(kv_latent_dim=None, rope_head_dim=None, q_latent_dim=None)
+    out = [("mha", cfg.replace(attention="mha", kv_heads=None, **plain), f"H_kv={H}")]
+    gqa = kv_heads or (cfg.kv_heads if cfg.attention == "gqa" else None) or _default_gqa_heads(H)
+    if gqa is not None:
+        out.append(("gqa", cfg.replace(attention="gqa", kv_heads=gqa, **plain), f"H_kv={gqa}"))
+    out.append(("mqa", cfg.replace(attention="mqa", kv_heads=None, **plain), "H_kv=1"))
+    mla = cfg.attention == "mla"
+    latent = kv_latent_dim or (cfg.kv_latent_dim if mla else 4 * cfg.head_size)
+    rope = rope_head_dim if rope_head_dim is not None else (cfg.rope_head_dim if mla else None)
+    mla_cfg = cfg.replace(attention="mla", kv_heads=None, kv_latent_dim=latent, rope_head_dim=rope,
+                          q_latent_dim=cfg.q_latent_dim if mla else None)
+    out.append(("mla", mla_cfg, f"d_c={mla_cfg.kv_latent_dim}, d_rope={mla_cfg.rope_head_dim}"))
+    return [(f"{'*' if kind == cfg.attention else ' '}{kind} ({detail})", v) for kind, v, detail in out]
+
+
+def _default_gqa_heads(n_heads: int) -> int | None:
+    if n_heads % 4 == 0 and n_heads // 4 > 1:
+        return n_heads // 4
+    divisors = [d for d in range(2, n_heads) if n_heads % d == 0]
+    return divisors[-1] if divisors else None
+
+
+def _batch_row(label: str, cfg: ModelConfig, device_bytes: int, contexts: list[int], reserve: float,
+               dtype: str) -> tuple[list[str], str | None]:
+    """(the row's cells, None), or (cells with "-" per context, the reason) when the weights do not fit."""
+    weights = param_bytes(cfg)
+    try:
+        budget = memory_split(cfg, device_bytes, weights, reserve).kv_budget_bytes
+    except ValueError:
+        kept = math.ceil(device_bytes * reserve)
+        return [label, _mib(weights)] + ["-" for _ in contexts], (
+            f"does not fit in {device_bytes} B: weights {weights} B + reserve {kept} B ({reserve:.0%}) = "
+            f"{weights + kept} B, {weights + kept - device_bytes} B more than the device has")
+    return [label, _mib(weights)] + [str(budget // kv_cache_bytes(cfg, 1, c, dtype)) for c in contexts], None
+
+
+def measure(rows: list[tuple[str, ModelConfig]], contexts: list[int], dtype: str) -> int:
+    """Allocate each cache (batch 1) and compare its bytes with the formula; 1 if any differ, else 0.
+
+    A device allocator may round allocations up; such a difference between the arrays' nbytes and the change
+    in device memory is printed next to the row but is not a mismatch of the formula.
+    """
+    device = jax.devices()[0]
+    stats = device.memory_stats()
+    source = "memory_stats bytes_in_use" if stats else "jax.live_arrays() total"
+    table, mismatches = [], 0
+    for label, cfg in rows:
+        for ctx in contexts:
+            sized = cfg.replace(max_context=ctx, cache_dtype=dtype)
+            before = _device_bytes_in_use(device)
+            cache = jax.block_until_ready(init_cache(sized, 1))
+            allocated = _device_bytes_in_use(device) - before
+            formula, nbytes = kv_cache_bytes(cfg, 1, ctx, dtype), cache_nbytes(cache)
+            del cache
+            mismatches += formula != nbytes
+            status = ("MISMATCH" if formula != nbytes else "ok" if allocated == nbytes
+                      else f"ok (device {allocated - nbytes:+d} B)")
+            table.append([label, str(ctx), str(formula), str(nbytes), str(allocated), status])
+    print_table(["attention", "context", "formula B", "nbytes B", "allocated B", ""], table,
+                title=f"Measured on {device.platform}:{device.id} (allocated = change in {source})")
+    if stats:
+        keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+        print("memory_stats: " + ", ".join(f"{k}={stats[k]}" for k in keys if k in stats))
+    else:
+        print(f"memory_stats: None on {device.platform}; live arrays now hold "
+              f"{sum(a.nbytes for a in jax.live_arrays())} B")
+    return 1 if mismatches else 0
+
+
+def _device_bytes_in_use(device) -> int:
+    stats = device.memory_stats()
+    if stats and "bytes_in_use" in stats:
+        return int(stats["bytes_in_use"])
+    return int(sum(a.nbytes for a in jax.live_arrays()))
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.4g}"
+
+
+def print_table(header: list[str], rows: list[list[str]], title: str, notes: list[str] = ()) -> None:
+    """Print a titled, aligned table (first column left, others right), then each note on its own line."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    print(title)
+    for n, row in enumerate([header] + rows):
+        print("  " + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+    for note in notes:
+        print(f"  {note}")
+    print()
+
+
+def mesh_sizes_from_flag(text: str | None) -> dict[str, int] | None:
+    """{"data": D, "model": M} from ``--mesh`` (no devices needed: budget plans for any mesh), or None."""
+    return None if text is None else parse_mesh(text, "--mesh")
+
+
+def mesh_rows(rows: list[tuple[str, ModelConfig]], sizes: dict[str, int], device_bytes: int,
+              contexts: list[int], reserve: float, dtype: str) -> list[list[str]]:
+    """Table rows: attention, weights MiB/device, reserve MiB, then per context 'KV MiB/seq -> max batch',
+    then the cache layout."""
+    table = []
+    for label, cfg in rows:
+        try:
+            plans = [plan_mesh(cfg, sizes, device_bytes, c, reserve, dtype) for c in contexts]
+        except MeshError as err:
+            table.append([label, "-", "-"] + ["-" for _ in contexts] + [f"cannot shard: {err}"])
+            continue
+        first = plans[0]
+        cells = [f"{p.kv_bytes_per_sequence / MIB:.4g} -> {p.max_batch}" for p in plans]
+        table.append([label, f"{first.weights_bytes / MIB:.4g}", f"{first.reserve_bytes / MIB:.4g}"] + cells
+                     + [first.cache_layout])
+    return table
+
+
+def print_mesh_budget(rows, sizes: dict[str, int], device_bytes: int, contexts: list[int], reserve: float,
+                      dtype: str, print_table) -> None:
+    """Print the per-device table for mesh ``sizes`` (see the module docstring)."""
+    heads = [f"{c} tok: KV MiB/seq -> batch" for c in contexts]
+    print_table(["attention", "weights MiB/dev", "reserve MiB"] + heads + ["cache layout"],
+                mesh_rows(rows, sizes, device_bytes, contexts, reserve, dtype),
+                title=f"Per device on mesh data={sizes['data']},model={sizes['model']} "
+                      f"({sizes['data'] * sizes['model']} devices of {device_bytes} B each; batch = whole mesh)")

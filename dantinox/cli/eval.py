@@ -1,0 +1,211 @@
+"""``dantinox eval``: quality per text slice of a quantized variant against the float baseline, with gates.
+
+  dantinox eval [--run_dir R] --slice NAME=FILE [--slice NAME=FILE ...] [--kv-dtype D] [--quantize Q]
+                [--baseline default] [--gate GATE.yaml] [--json OUT] [--prefix P] [--batch B] [--prompts N]
+                [--prompt-tokens T] [--continuation C] [--mesh data=D,model=M]
+                [--coordinator HOST:PORT --num-processes N --process-id I]
+
+Walkthrough:
+  1. Every flag and slice file is checked first (missing, not UTF-8, empty, a bad NAME=FILE, a gate file naming
+     an unknown slice or metric, a --mesh that does not parse or does not match the device count): one line on
+     stderr, exit status 2.
+  2. The run is loaded twice: the baseline ("default": the run as saved, float32 weights and its own cache
+     dtype) and the candidate (the cache dtype of --kv-dtype, then the weights of --quantize). With --mesh both
+     are then sharded over the mesh (``dantinox.parallel.sharding.shard_model``, as generate and verify do; heads not
+     divisible by model: exit 2 naming --mesh) and every figure is measured on it (docs/multi-device.md).
+  3. Each slice is tokenized with the run's tokenizer (characters outside a char vocabulary become <unk>) and
+     measured by ``dantinox.quality.slices.slice_quality``: teacher-forced nats per character through the cache,
+     greedy agreement with the baseline, largest |logit difference|. A tqdm bar on stderr counts the batches.
+  4. One table (slice x metric: baseline, candidate, change, gate) goes to stdout; --json writes the figures
+     (temp file, then rename); with --gate, every failing slice.metric is named on stderr and the exit status
+     is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+
+from ..parallel.mesh import mesh_from_flag, mesh_shape, naming_flag
+from ..quality.gate import GATE_METRICS, check_gate, gate_passes, gate_value, load_gate
+from ..quant.kv_dtype import parse_kv_dtype
+from ..quant.weights import check_quantize, quantize_weights
+from .flags import add_distributed_arguments, add_mesh_argument, add_quantize_argument
+
+SLICE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+BASELINES = ("default",)
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``dantinox eval``."""
+    p.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
+    p.add_argument("--slice", action="append", default=[], metavar="NAME=FILE", dest="slices",
+                   help="a text slice to measure (repeat the flag for several)")
+    p.add_argument("--kv-dtype", default=None, help="cache dtype of the candidate (default: the run's own)")
+    add_quantize_argument(p)
+    p.add_argument("--baseline", default="default", help="what the candidate is compared with: default (the run "
+                   "as saved: float32 weights, its own cache dtype)")
+    p.add_argument("--gate", default=None, metavar="GATE.yaml", help="thresholds per slice and metric")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
+    p.add_argument("--prefix", type=int, default=64, help="tokens prefilled per window before feeding one by one")
+    p.add_argument("--batch", type=int, default=8, help="windows per device call")
+    p.add_argument("--prompts", type=int, default=8, help="greedy prompts per slice")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="tokens per greedy prompt")
+    p.add_argument("--continuation", type=int, default=32, help="greedy tokens compared per prompt")
+    add_mesh_argument(p)
+    add_distributed_arguments(p)
+
+
+def parse_slices(specs: list[str]) -> dict[str, str]:
+    """{name: text} from NAME=FILE specs. Raises ValueError (one line, naming --slice and the spec)."""
+    if not specs:
+        raise ValueError("--slice is required: give at least one NAME=FILE")
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not SLICE_NAME.match(name) or not path:
+            raise ValueError(f"--slice {spec!r} is not allowed: NAME=FILE with NAME of letters, digits, '_', '.', "
+                             "'-'")
+        if name in out:
+            raise ValueError(f"--slice {spec!r}: the name {name!r} is given twice")
+        out[name] = read_slice(name, path)
+    return out
+
+
+def read_slice(name: str, path: str) -> str:
+    """The text of a slice file. Raises ValueError: missing, unreadable, not UTF-8, empty or blank."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as err:
+        raise ValueError(f"--slice {name}={path}: cannot read the file ({err.strerror or err})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--slice {name}={path}: not UTF-8 text (byte {err.start})") from None
+    if not text.strip():
+        raise ValueError(f"--slice {name}={path}: the file is empty")
+    return text
+
+
+def check_eval_args(args) -> None:
+    """Raise ValueError naming the flag for a bad number, quantize, kv dtype or baseline."""
+    for flag in ("prefix", "batch", "prompts", "prompt_tokens", "continuation"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not allowed: an integer >= 1")
+    check_quantize(args.quantize, "--quantize")
+    if args.kv_dtype is not None:
+        parse_kv_dtype(args.kv_dtype)
+    if args.baseline not in BASELINES:
+        raise ValueError(f"--baseline {args.baseline} is not allowed: one of {', '.join(BASELINES)}")
+
+
+def candidate_model(model, kv_dtype: str | None, quantize: str | None):
+    """``model`` with the cache dtype ``kv_dtype`` (the same parameters; ``dantinox.quant.kv_dtype.with_kv_dtype``)
+    and the weights of ``quantize``. Raises KVDtypeError / ValueError naming --kv-dtype or --quantize."""
+    from ..quant.kv_dtype import with_kv_dtype
+
+    return quantize_weights(with_kv_dtype(model, kv_dtype), quantize)
+
+
+def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict[str, dict]:
+    """Figures per slice (the JSON rows), with a tqdm bar on stderr."""
+    from tqdm import tqdm
+
+    from ..quality.slices import batch_count, slice_quality
+
+    S = baseline.cfg.max_context
+    streams = {}
+    for name, text in texts.items():
+        ids = tokenizer.encode(text, unknown="replace")
+        if len(ids) < args.prefix + 2:
+            raise ValueError(f"--slice {name}: {len(ids)} tokens, shorter than --prefix {args.prefix} + 2")
+        streams[name] = ids
+    total = sum(batch_count(len(ids), S, args.batch) + 1 for ids in streams.values())
+    rows = {}
+    with tqdm(total=total, desc="dantinox eval", unit="batch", file=sys.stderr, leave=False) as bar:
+        for name, ids in streams.items():
+            bar.set_postfix_str(name)
+            chars = len(texts[name]) - len(tokenizer.decode(ids[:1]))
+            q = slice_quality(baseline, candidate, ids, chars, prefix=args.prefix, batch=args.batch,
+                              prompts=args.prompts, prompt_tokens=args.prompt_tokens,
+                              continuation=args.continuation, tick=lambda: bar.update(1))
+            bar.update(1)
+            base, cand = q.loss
+            rows[name] = dict(tokens=q.tokens, chars=q.chars, loss_baseline=base, loss_candidate=cand,
+                              loss_change_pct=100.0 * (cand - base) / base, agreement=q.agreement,
+                              max_logit_diff=q.max_logit_diff)
+    return rows
+
+
+def format_table(rows: dict[str, dict], gate: dict) -> str:
+    """The slice x metric table (baseline, candidate, change, gate) as text."""
+    lines = [f"{'slice':<18} {'metric':<22} {'baseline':>10} {'candidate':>10} {'change':>10}  gate"]
+    for name, r in rows.items():
+        figures = [("loss (nats/char)", "loss_change_pct", f"{r['loss_baseline']:.4f}",
+                    f"{r['loss_candidate']:.4f}", f"{r['loss_change_pct']:+.3f} %"),
+                   ("greedy agreement", "agreement_min", "1.000", f"{r['agreement']:.3f}",
+                    f"{r['agreement'] - 1:+.3f}"),
+                   ("max |logit diff|", "max_logit_diff", "0", f"{r['max_logit_diff']:.3g}",
+                    f"{r['max_logit_diff']:+.3g}")]
+        for label, metric, base, cand, change in figures:
+            verdict = ""
+            if metric in gate.get(name, {}):
+                threshold = gate[name][metric]
+                ok = gate_passes(metric, gate_value(metric, r), threshold)
+                verdict = f"{'>=' if metric == 'agreement_min' else '<='} {threshold:g} {'PASS' if ok else 'FAIL'}"
+            lines.append(f"{name:<18} {label:<22} {base:>10} {cand:>10} {change:>10}  {verdict}")
+    return "\n".join(lines)
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Write ``payload`` as JSON to a temp file beside ``path``, then rename it over ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".eval-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def run_eval(args) -> int:
+    """The eval command: 0 when every gate passes (or no gate), 1 when one fails; ValueError for bad input."""
+    from ..parallel.sharding import shard_model
+    from ..runs.bundled import bundled_run_dir
+    from ..runs.run_dir import load_run
+
+    check_eval_args(args)
+    mesh = mesh_from_flag(args.mesh)
+    texts = parse_slices(args.slices)
+    gate = load_gate(args.gate, list(texts)) if args.gate else {}
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json}: its folder does not exist")
+    run_dir = args.run_dir or bundled_run_dir()
+    baseline, cfg, tokenizer, _ = load_run(run_dir)
+    if cfg.paradigm != "ar":
+        raise ValueError(f"--run_dir {run_dir} holds a paradigm={cfg.paradigm!r} model; eval measures "
+                         "autoregressive models (teacher forcing through the causal cache)")
+    candidate = candidate_model(load_run(run_dir)[0], args.kv_dtype, args.quantize)
+    with naming_flag(args.mesh):  # after --kv-dtype and --quantize, as generate and verify
+        shard_model(baseline, mesh)
+        shard_model(candidate, mesh)
+    rows = measure(args, texts, baseline, candidate, tokenizer)
+    print(f"{run_dir}: baseline {args.baseline} (weights float32, cache {cfg.cache_dtype}); candidate weights "
+          f"{args.quantize or 'float32'}, cache {candidate.cfg.cache_dtype}"
+          f"{'' if mesh is None else f'; on the mesh {args.mesh}'}")
+    print(format_table(rows, gate))
+    failures = check_gate(gate, rows)
+    if args.json:
+        write_json_atomic(args.json, dict(run_dir=run_dir, baseline=args.baseline, kv_dtype=candidate.cfg.cache_dtype,
+                                          quantize=args.quantize, mesh=mesh_shape(mesh), slices=rows, gate=gate,
+                                          failures=failures, gate_metrics=list(GATE_METRICS)))
+    for failure in failures:
+        print(f"dantinox eval: gate failed: {failure}", file=sys.stderr)
+    return 1 if failures else 0

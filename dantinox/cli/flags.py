@@ -1,0 +1,90 @@
+"""Library errors spelled in the caller's language: ``name=value`` in a message becomes ``--flag value``.
+
+The library raises ValueError naming its Python arguments (``max_new_tokens=1000 is not allowed: ...``), which
+is right for a Python caller. A command-line user typed flags, so ``dantinox.cli.main.main`` passes every error
+message of a subcommand through ``in_flags`` with that subcommand's parser: each ``name=`` whose name is the
+destination of one of its options (and not part of a longer name or a dotted ``ModelConfig.name``) is
+rewritten to the option as typed, e.g. ``--max_new_tokens 1000`` or ``--reserve-fraction 1.5``. The HTTP
+server does the same job by naming the JSON field in every 400 (``dantinox.serving.request.RequestError``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from ..parallel.distributed import DEFAULT_TIMEOUT_S, initialize
+
+
+def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """{destination: the option as typed} for the options of ``parser`` that take a value,
+    e.g. {"max_new_tokens": "--max_new_tokens", "reserve_fraction": "--reserve-fraction"}."""
+    out = {}
+    for action in parser._actions:  # argparse keeps no public list of a parser's options
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        if longs and action.nargs != 0:
+            out[action.dest] = longs[0]
+    return out
+
+
+def in_flags(message: str, flags: dict[str, str]) -> str:
+    """``message`` with each ``name=value`` for a name in ``flags`` rewritten as ``--flag value`` (a quoted
+    value without spaces loses its quotes: ``unknown='replace'`` -> ``--unknown replace``), and a message
+    that begins with such a name (``prompt is empty``) beginning with the flag instead."""
+    if not flags:
+        return message
+    names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
+    pattern = re.compile(rf"(?<![\w.\-])({names})=('[^'\s]*'|\"[^\"\s]*\"|)")
+
+    def rewrite(match: re.Match) -> str:
+        value = match.group(2)
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        return f"{flags[match.group(1)]} {value}" if value else f"{flags[match.group(1)]} "
+
+    message = pattern.sub(rewrite, message)
+    first = message.split(" ", 1)[0]
+    return flags[first] + message[len(first):] if first in flags else message
+
+
+def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser | None:
+    """The parser of subcommand ``command`` of ``parser`` (None if there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command)
+    return None
+
+
+def add_quantize_argument(parser) -> None:
+    """Add ``--quantize`` to an argparse parser (checked by check_quantize, so a bad value exits 2 with one
+    line naming the flag)."""
+    parser.add_argument("--quantize", default=None, metavar="bf16|int8",
+                        help="low-precision weights: bf16, or int8 per output channel (default float32)")
+
+
+def add_mesh_argument(parser) -> None:
+    """Add ``--mesh data=D,model=M`` to an argparse parser (read it with :func:`mesh_from_flag`)."""
+    parser.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                        help="run on a D x M device mesh: batch over data, heads and MLP width over model "
+                             "(D * M = the device count; docs/multi-device.md)")
+
+
+def add_distributed_arguments(parser) -> None:
+    """--coordinator HOST:PORT --num-processes N --process-id I --coordinator-timeout S."""
+    g = parser.add_argument_group("several processes (docs/multi-device.md)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="address of process 0")
+    g.add_argument("--num-processes", dest="num_processes", type=int, default=None)
+    g.add_argument("--process-id", dest="process_id", type=int, default=None)
+    g.add_argument("--coordinator-timeout", dest="coordinator_timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds to wait for the coordinator (default 60)")
+
+
+def initialize_from_args(args) -> bool:
+    """:func:`initialize` from parsed :func:`add_distributed_arguments` flags (absent flags: no group)."""
+    return initialize(getattr(args, "coordinator", None), getattr(args, "num_processes", None),
+                      getattr(args, "process_id", None), getattr(args, "coordinator_timeout", DEFAULT_TIMEOUT_S))
+
+
+def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", default=None, help="KV cache dtype: float32, bfloat16 or int8 (symmetric absmax "
+                   "per token and head, float32 scales; default: the run's cache_dtype)")

@@ -1,0 +1,119 @@
+"""One ``dantinox plan`` run: read and check the inputs, profile or load the profile, evaluate the quality
+gates, sweep the candidates and assemble the plan dict (what plan.json holds).
+
+The plan records what it was measured on (model weights sha256, config, dantinox version), the inputs
+(trace sha256 and path, profile sha256 and path when one was given, SLOs, device memory, price), the machine
+rates and bottleneck rows of the profile, the gates, every candidate and the recommendation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..parallel.mesh import mesh_from_flag, naming_flag
+from ..plan.candidate import default_candidates
+from ..plan.inputs import (
+    file_sha256,
+    load_candidates,
+    load_json,
+    load_model,
+    load_trace,
+    parse_memory,
+    parse_slo,
+    positive_number,
+)
+from ..plan.ledger import memory_ledger
+from ..plan.quality_gate import gate_variants, run_eval_gate
+from ..plan.recommend import PlanInputs, make_plan
+
+
+def check_weights_fit(cfg, candidates, weights_bytes: int, device_bytes: int) -> None:
+    """ValueError naming --device-memory when no candidate's weights plus reserve fit the device."""
+    ledgers = [memory_ledger(cfg, c, weights_bytes, device_bytes) for c in candidates]
+    if all(g.weights + g.reserve > device_bytes for g in ledgers):
+        least = min(g.weights + g.reserve for g in ledgers)
+        raise ValueError(f"--device-memory={device_bytes} B is too small: the smallest weights plus reserve need "
+                         f"{least} B")
+
+
+def _baseline(text: str):
+    """(baseline name, last-good plan or None) from --baseline NAME or --baseline plan.json."""
+    if text.endswith(".json") or os.path.isfile(text):
+        plan = load_json("--baseline", text)
+        if "recommendation" not in plan:
+            raise ValueError(f"--baseline {text}: not a plan.json (no recommendation)")
+        return plan["recommendation"]["name"], plan
+    return text, None
+
+
+def build_plan(args) -> tuple[dict, dict, str]:
+    """(plan dict, {candidate: sorted TTFTs}, run_dir) for the parsed ``dantinox plan`` arguments."""
+    from ..budget.memory import param_bytes
+    from ..plan.profile import model_identity
+
+    slo = parse_slo(args.slo)
+    price = positive_number("--price-per-hour", args.price_per_hour)
+    device = parse_memory("--device-memory", args.device_memory)
+    candidates = load_candidates(args.candidates) if args.candidates else default_candidates()
+    baseline, last_good = _baseline(args.baseline)
+    run_dir, model, cfg, tok = load_model(args.run_dir)
+    weights = param_bytes(model)
+    check_weights_fit(cfg, candidates, weights, device)
+    requests, prompts = load_trace(args.trace, cfg, tok)
+    costs, prof = _costs(args, run_dir, model, cfg)
+    gates = gate_variants([(c.kv_dtype, c.quantize) for c in candidates],
+                          lambda kv, q: run_eval_gate(args.run_dir, args.gate, args.slice, kv, q))
+    inp = PlanInputs(cfg, requests, prompts, costs, slo, device, price, weights, gates, baseline, last_good)
+    result = make_plan(inp, candidates)
+    ttfts = {r["candidate"]["name"]: r.pop("ttfts") for r in result["candidates"]}
+    plan = dict(result, identity=model_identity(run_dir, cfg), bottleneck=prof.get("bottleneck", []),
+                rates=prof.get("rates", {}), mesh=prof.get("mesh"),
+                gates=[dict(g.to_dict(), variant=list(v)) for v, g in gates.items()],
+                inputs={"trace": os.path.basename(args.trace), "trace_sha256": file_sha256(args.trace),
+                        "trace_requests": len(requests), "slo": slo, "device_bytes": device,
+                        "price_per_hour": price, "baseline": baseline,
+                        "profile_sha256": [file_sha256(p) for p in args.profile or []]})
+    return plan, ttfts, run_dir
+
+
+def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=15, mesh=None, mesh_flag=None) -> dict:
+    from ..plan.profile import take_profile
+
+    print(f"profiling kv_dtype={kv_dtype} quantize={quantize}{f' mesh {mesh_flag}' if mesh else ''} ...",
+          file=sys.stderr)
+    with naming_flag(mesh_flag):
+        return take_profile(run_dir, model, cfg, kv_dtype, quantize, repeats, mesh)
+
+
+def _costs(args, run_dir, model, cfg) -> tuple[dict, dict]:
+    """({(kv, quantize): CostModel}, the first profile) from --profile (one path or several, each checked
+    against the model) or from a fresh profile of the float model."""
+    from ..plan.cost_model import CostModel
+    from ..plan.inputs import load_json
+    from ..plan.profile import check_profile, model_identity
+
+    paths = [args.profile] if isinstance(args.profile, str) else (args.profile or [])
+    profiles = []
+    for path in paths:
+        prof = load_json("--profile", path)
+        check_profile(prof, model_identity(run_dir, cfg), f"--profile {path}")
+        profiles.append(prof)
+    if not profiles:
+        from ..parallel.sharding import check_model_fits
+
+        flag = getattr(args, "mesh", None)
+        mesh = mesh_from_flag(flag)
+        with naming_flag(flag):
+            check_model_fits(cfg, mesh)
+        profiles = [_profile(run_dir, model, cfg, mesh=mesh, mesh_flag=flag)]
+    costs = {}
+    for prof in profiles:
+        try:
+            costs[(prof.get("kv_dtype", "float32"), prof.get("quantize", "none"))] = CostModel.from_dict(
+                prof["cost_model"])
+        except (KeyError, ValueError) as err:
+            raise ValueError(f"--profile: {err}") from None
+    if ("float32", "none") not in costs:
+        raise ValueError("--profile: one profile must be of the float model (--kv-dtype float32 --quantize none)")
+    return costs, profiles[0]

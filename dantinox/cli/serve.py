@@ -1,0 +1,230 @@
+"""``dantinox serve``: load a run directory, size the paged KV pool from a memory budget, serve over HTTP.
+
+  dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--kv-dtype int8]
+                 [--policy swap|recompute]
+                 [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
+                 [--no-prefix-caching] [--no-warmup] [--config serve.yaml]
+
+Without --kv-memory the pool holds max-running sequences of max_context tokens. At start the server logs
+"KV cache: N blocks = T tokens, max concurrency C at L tokens per request" (L = max_context). --kv-dtype
+(float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same --kv-memory holds
+about 3.5x the blocks in int8 as in float32 (scales included; dantinox.quant.kv_rows).
+FastAPI and uvicorn are imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import logging
+import os
+import re
+import socket
+
+from ..parallel.mesh import mesh_from_flag, naming_flag, parse_mesh
+from ..quant.weights import check_quantize, quantize_weights
+from .flags import add_mesh_argument, add_quantize_argument
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+# flag -> (attribute, smallest allowed value); checked before the model loads or warms up
+_INT_FLAGS = (("--block-size", "block_size", 1), ("--max-running", "max_running", 1),
+              ("--max-queued", "max_queued", 1), ("--max-batched-tokens", "max_batched_tokens", 1),
+              ("--max-decode-steps", "max_decode_steps", 1))
+
+
+def parse_bytes(text: str) -> int:
+    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (the budget command's parser).
+    Raises ValueError naming --kv-memory and the value."""
+    from ..budget.memory import parse_memory_size
+
+    try:
+        return parse_memory_size(text)
+    except ValueError as err:
+        raise ValueError(f"--kv-memory={text!r} is not allowed: {err}") from None
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 2GB or 512MiB (per device with --mesh)")
+    add_mesh_argument(p)
+    p.add_argument("--kv-dtype", default=None,
+                   help="KV cache dtype: float32, bfloat16 or int8 (default: the run's cache_dtype)")
+    p.add_argument("--policy", choices=("recompute", "swap"), default="recompute",
+                   help="what a preempted sequence does with its KV blocks (default recompute)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-running", type=int, default=16, help="sequences decoding at once")
+    p.add_argument("--max-queued", type=int, default=256, help="waiting requests before answering 429")
+    p.add_argument("--max-batched-tokens", type=int, default=64, help="prefill tokens per engine step")
+    p.add_argument("--max-decode-steps", type=int, default=8,
+                   help="decode steps per compiled call when a step only decodes (1 = one token per call)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
+    p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: run dir name)")
+    p.add_argument("--config", default=None, help="YAML/JSON file of serve flags (e.g. a plan's serve.yaml); "
+                   "flags given on the command line win")
+    add_quantize_argument(p)
+
+
+def kv_summary(engine) -> str:
+    """The start-up line: blocks, tokens, and how many max_context requests fit at once."""
+    alloc, L = engine.allocator, engine.max_context
+    tokens = alloc.num_blocks * alloc.block_size
+    concurrency = alloc.num_blocks // alloc.blocks_for(L)
+    mib = engine.stats()["kv_cache_bytes"] / 2**20
+    line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
+            f"tokens per request ({mib:.2f} MiB, block size {alloc.block_size}, {engine.cfg.cache_dtype})")
+    if concurrency == 0:
+        line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
+                 f"longer requests will be rejected: raise --kv-memory")
+    return line
+
+
+def apply_config_file(args: argparse.Namespace) -> None:
+    """Fill ``args`` from ``args.config`` (a YAML or JSON mapping of flag names, dashes or underscores) where
+    the command line left a flag at its default. Raises ValueError naming the file and an unknown key, a
+    value of the wrong type, or a file that is not a mapping; FileNotFoundError for a missing file."""
+    import yaml
+
+    if not getattr(args, "config", None):
+        return
+    with open(args.config, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)  # JSON is YAML
+        except yaml.YAMLError as err:
+            raise ValueError(f"--config {args.config}: not valid YAML or JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {args.config}: a mapping of serve flags is required")
+    defaults = argparse.ArgumentParser()
+    add_serve_arguments(defaults)
+    default = vars(defaults.parse_args([]))
+    for key, value in data.items():
+        attr = str(key).replace("-", "_")
+        if attr not in default or attr == "config":
+            raise ValueError(f"--config {args.config}: unknown key {key!r}; allowed: "
+                             f"{', '.join(sorted(k for k in default if k != 'config'))}")
+        expected = type(default[attr]) if default[attr] is not None else str
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            kind = {int: "an integer", bool: "true or false", str: "a string"}.get(expected, expected.__name__)
+            raise ValueError(f"--config {args.config}: {key}={value!r} is not allowed: {kind}")
+        if getattr(args, attr) == default[attr]:
+            setattr(args, attr, value)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag for a bad number, port or host (before any loading or warm-up)."""
+    for flag, attr, low in _INT_FLAGS:
+        value = getattr(args, attr)
+        if value < low:
+            raise ValueError(f"{flag} {value} is not allowed: an integer >= {low}")
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} is not allowed: an integer in 1..65535")
+    host = args.host
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        if not _HOSTNAME.match(host):
+            raise ValueError(f"--host {host!r} is not allowed: an IP address (e.g. 127.0.0.1, 0.0.0.0, ::1) "
+                             "or a host name") from None
+    if args.kv_memory is not None:
+        parse_bytes(args.kv_memory)
+    if getattr(args, "mesh", None) is not None:
+        parse_mesh(args.mesh)
+    check_quantize(getattr(args, "quantize", None), "--quantize")
+    if getattr(args, "kv_dtype", None) is not None:
+        from ..quant.kv_dtype import parse_kv_dtype
+        parse_kv_dtype(args.kv_dtype)
+
+
+def build_engine(args: argparse.Namespace):
+    """(engine, tokenizer, model name) from the parsed arguments. Raises RunDirError / ValueError."""
+    from ..quant.kv_dtype import with_kv_dtype
+    from ..runs.bundled import resolve_run_dir
+    from ..runs.run_dir import load_run
+    from ..serving.engine import EngineConfig, PagedEngine
+
+    check_serve_args(args)
+    run_dir = resolve_run_dir(args.run_dir)
+    model, cfg, tokenizer, _ = load_run(run_dir)
+    model = with_kv_dtype(model, getattr(args, "kv_dtype", None))
+    quantize_weights(model, getattr(args, "quantize", None))
+    config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
+                          max_queued=args.max_queued, max_batched_tokens=args.max_batched_tokens,
+                          preemption=args.policy, max_decode_steps=args.max_decode_steps,
+                          kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
+                          enable_prefix_caching=not args.no_prefix_caching)
+    name = args.model_name or os.path.basename(os.path.normpath(run_dir))
+    if getattr(args, "mesh", None) is not None:  # docs/multi-device.md
+        from ..serving.sharded_engine import ShardedPagedEngine
+
+        with naming_flag(args.mesh):
+            return ShardedPagedEngine(model, config, mesh_from_flag(args.mesh)), tokenizer, name
+    return PagedEngine(model, config), tokenizer, name
+
+
+def bind_address(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), for uvicorn to listen on; checked before the model loads, so a
+    port in use is reported in a second, not after loading and warm-up. Raises ValueError naming --port
+    (address in use, permission denied) or --host (cannot be resolved or assigned)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise ValueError(f"--host {host!r} cannot be resolved: {err.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port} is in use on {host}: stop the other server or choose another "
+                             "--port") from None
+        if err.errno == errno.EACCES:
+            raise ValueError(f"--port {port} needs privileges on {host}: choose a port above 1023") from None
+        raise ValueError(f"--host {host} --port {port} cannot be bound: {err.strerror}") from None
+    return sock
+
+
+def configure_logging() -> None:
+    """INFO lines from dantinox and uvicorn only; other libraries (JAX's backend probing, which logs an INFO
+    line about a missing TPU library on every start) only from WARNING up."""
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("dantinox").setLevel(logging.INFO)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Entry point of ``dantinox serve``; blocks until the server stops (Ctrl-C)."""
+    apply_config_file(args)
+    check_serve_args(args)  # before uvicorn and the model are imported / loaded
+    sock = bind_address(args.host, args.port)
+    import uvicorn
+
+    from ..runs.bundled import resolve_run_dir
+    from ..runs.chat import load_chat_format
+    from ..serving.server import create_app
+
+    configure_logging()
+    log = logging.getLogger("dantinox.serving")
+    engine, tokenizer, name = build_engine(args)
+    chat_format = load_chat_format(resolve_run_dir(args.run_dir), tokenizer)
+    log.info(kv_summary(engine))
+    if hasattr(engine, "blocks_per_device"):
+        per = engine.blocks_per_device()
+        log.info("mesh %s: %d devices, each holds all %d blocks with %s KV heads: %.2f MiB of KV per device",
+                 args.mesh, per["devices"], per["blocks"], per["heads_per_device"] or "the whole latent (no)",
+                 per["bytes_per_device"] / 2**20)
+    log.info("chat: %s", "POST /v1/chat/completions (stops at token ids %s)" % (chat_format.stop_ids,)
+             if chat_format else "no chat template: /v1/chat/completions answers 400")
+    if not args.no_warmup:
+        counted = engine.warmup()
+        log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,
+                 counted.cache_hits, counted.seconds)
+    config = uvicorn.Config(create_app(engine, tokenizer, name, chat_format), host=args.host, port=args.port,
+                            log_level="info")
+    log.info("listening on http://%s:%d (Ctrl-C to stop)", args.host, args.port)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

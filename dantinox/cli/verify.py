@@ -1,0 +1,68 @@
+"""TODO docstring."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..model.cache import CapacityError
+from ..parallel.mesh import mesh_from_flag, naming_flag
+from ..parallel.sharding import shard_model
+from ..quant.kv_dtype import parse_kv_dtype, with_kv_dtype
+from ..quant.weights import check_quantize, quantize_weights
+
+
+def cmd_verify(args) -> int:
+    """Print the largest cached-vs-uncached difference per position range; 1 if above tolerance."""
+    from ..quality.verify import verify_cache
+    from ..runs.bundled import resolve_run_dir
+    from ..runs.run_dir import load_run
+
+    run_dir = resolve_run_dir(args.run_dir)
+    mesh = mesh_from_flag(args.mesh)
+    if args.kv_dtype is not None:
+        parse_kv_dtype(args.kv_dtype)
+    check_quantize(args.quantize, "--quantize")
+    model, cfg, tokenizer, _ = load_run(run_dir)
+    model = with_kv_dtype(model, args.kv_dtype)
+    quantize_weights(model, args.quantize)
+    cfg = model.cfg
+    with naming_flag(args.mesh):
+        shard_model(model, mesh)
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give at least one character")
+    if args.new_tokens is not None and args.new_tokens < 1:
+        raise ValueError(f"--new_tokens {args.new_tokens} is not allowed: an integer >= 1")
+    if not args.tolerance >= 0:
+        raise ValueError(f"--tolerance {args.tolerance} is not allowed: a number >= 0")
+    if not args.relative_tolerance >= 0:
+        raise ValueError(f"--relative_tolerance {args.relative_tolerance} is not allowed: a number >= 0")
+    if args.range < 1:
+        raise ValueError(f"--range {args.range} is not allowed: an integer >= 1 (positions per printed range)")
+    prompt = tokenizer.encode(args.prompt, unknown="replace")
+    if len(prompt) >= cfg.max_context:
+        raise CapacityError(f"--prompt has {len(prompt)} tokens; max_context={cfg.max_context} leaves no room")
+    if args.new_tokens is not None and len(prompt) + args.new_tokens > cfg.max_context:
+        raise CapacityError(f"--new_tokens {args.new_tokens} is not allowed: the prompt has {len(prompt)} tokens "
+                            f"and max_context={cfg.max_context} leaves room for at most "
+                            f"{cfg.max_context - len(prompt)} (omit --new_tokens to fill the context)")
+    new_tokens = args.new_tokens or cfg.max_context - len(prompt)
+    report = verify_cache(model, prompt, new_tokens, args.tolerance, args.relative_tolerance)
+    print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype} "
+          f"weights={args.quantize or 'float32'}; "
+          f"prompt {len(prompt)} tokens, {new_tokens} greedy tokens decoded")
+    print(f"{'positions':>12}  max |cached - uncached|")
+    for first, last, diff in report.ranges(args.range):
+        print(f"{first:>5}-{last:<6}  {diff:.3e}")
+    if report.float_distance is not None:
+        print(f"distance to the float32 cache: max |int8 cached - float32 cached| logits = "
+              f"{report.float_distance:.3e} (same tokens; what int8 costs, not an exactness check)")
+    if report.rounding_flips is not None:
+        print(report.rounding_flips.describe())
+    verdict = "PASS" if report.passed else "FAIL"
+    faults = f", {report.rounding_flips.faults:,} int8 cache faults" if report.rounding_flips else ""
+    worst = int(np.argmax(report.max_diff / np.maximum(report.tolerance, 1e-30)))
+    print(f"{verdict}: largest difference {report.max_diff.max():.3e}; tightest position {worst}: "
+          f"{report.max_diff[worst]:.3e} against {report.tolerance[worst]:.1e} allowed (--tolerance "
+          f"{args.tolerance:.1e}, or --relative_tolerance {args.relative_tolerance:.0e} x its largest |logit|) "
+          f"over {len(report.positions)} positions{faults}")
+    return 0 if report.passed else 1

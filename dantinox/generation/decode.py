@@ -1,0 +1,324 @@
+"""Autoregressive generation through the static KV cache: prefill, a compiled decode loop, streaming.
+
+Design:
+  1. Prompts of different lengths are right-padded to a length bucket (a power of two >= 16, at most
+     max_context), so prefill compiles once per (batch size, bucket). Each row keeps its own length, which is
+     its first free cache slot; the padding written past it is never attended to and is overwritten by decode.
+  2. ``prefill`` runs the model over the padded prompts at cache_index 0 and samples the first new token from
+     each row's last real position.
+  3. ``decode`` is one ``jax.jit`` holding a ``lax.while_loop`` per attention window (128, 256, ... slots
+     for MLA, and for GQA / MQA batches; one window of S otherwise; see ``decode_windows``):
+     it feeds each row's last token at that row's own slot, samples the next, attends over the first L
+     slots of the cache while every row fits in them, and stops when every row has met EOS or the step
+     bound is reached. The step bound, sampling settings, seed and EOS id are traced values, so changing
+     them compiles nothing new; the decode loop compiles once per (batch size, model shape, dtype). The
+     loop state (with the cache) is donated, so XLA updates it in place.
+  4. Streaming calls the same compiled ``decode`` with a step bound a chunk further each time, pulling only the
+     new tokens to the host between chunks.
+  5. ``use_cache=False`` recomputes the whole sequence with the plain causal forward for every new token,
+     over a window bucket that covers the current length (one compile per bucket used). It samples with the
+     same per-step keys, so greedy output equals the cached path's.
+Capacity: every row needs prompt_length + max_new_tokens <= max_context; this is checked before anything runs
+(JAX would otherwise clamp an out-of-range cache write onto the last slot silently).
+Shape letters: B batch, T prompt bucket, S max_context, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import Iterator, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..model.cache import KVCache, init_cache
+from ..parallel.distributed import to_host
+from ..parallel.mesh import mesh_of, mesh_scope
+from ..parallel.sharding import shard_model
+from .prompts import bucket_length, check_request, eos_array, is_eos, prepare_prompts
+from .sampling import SamplingParams, make_sampling_params, sample_next
+
+
+class DecodeState(NamedTuple):
+    """Loop state of the compiled decode loop (a pytree carried by ``lax.while_loop``)."""
+
+    step: jax.Array    # [] int32: tokens generated so far; out[:, :step] is filled
+    token: jax.Array   # [B] int32: last generated token, not yet written to the cache
+    index: jax.Array   # [B] int32: cache slot where `token` will be written
+    done: jax.Array    # [B] bool: the row has produced its EOS
+    out: jax.Array     # [B, S] int32: generated tokens; `fill` after a row's EOS
+    cache: KVCache     # per layer cache pytree, see dantinox.model.cache
+
+
+class GenerationResult(NamedTuple):
+    """tokens: [B, N] int32 new tokens (after a row's EOS: eos_id); lengths: [B] tokens generated per row,
+    EOS included; finish_reasons: "stop" (EOS) or "length" per row."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: list
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_id, fill):
+    """Allocate the whole static cache, fill it with the right-padded prompts and sample each row's first token.
+
+    ids: [B, T] int32; lengths: [B] int32 real prompt lengths; key: PRNG key; eos_id: [] or [E] int32 stop
+    ids (-1 = none; see ``is_eos``); fill: [] int32. The cache (``init_cache(cfg, B)``, [B, K, S, D] per
+    layer) is allocated inside this compiled call, which saves one host dispatch per layer. Returns the
+    initial DecodeState (step 1).
+    """
+    model = nnx.merge(graphdef, params)
+    cache = init_cache(model.cfg, ids.shape[0])
+    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0, logits_at=lengths - 1)
+    last = logits[:, 0]
+    first = sample_next(last, jax.random.fold_in(key, 0), sampling)
+    out = jnp.full((ids.shape[0], model.cfg.max_context), fill, jnp.int32).at[:, 0].set(first)
+    return DecodeState(jnp.int32(1), first, lengths, is_eos(first, eos_id), out, cache)
+
+
+_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def split_model(model):
+    """``nnx.split(model)``, cached per model: (graphdef, state).
+
+    nnx.split walks the module graph (about 10 ms for the reference model, more than a whole decode step);
+    the cached split is reused while every parameter still holds the same array, which a check over the
+    model's variables (tens of microseconds) confirms; after any update (training, loading) it is redone.
+    """
+    entry = _SPLITS.get(model)
+    if entry is not None and all(var.get_value() is value for var, value in entry[2]):
+        return entry[0], entry[1]
+    graphdef, state = nnx.split(model)
+    variables = [(node, node.get_value()) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Variable)]
+    _SPLITS[model] = (graphdef, state, variables)
+    return graphdef, state
+
+
+WINDOW_STEP = 128
+
+
+def decode_windows(cfg, batch_size: int) -> tuple[int, ...]:
+    """Attention windows (tokens) of the decode loop for a ModelConfig and batch size B.
+
+    Windowed: multiples of 128 up to 512, then doubling, ending at max_context, e.g. (128, 256, 384, 512) for
+    S = 512 (and (S,) for S <= 128). Each window's loop attends over the first L slots only, skipping the
+    empty tail of the cache; ``decode`` cuts the window's slots out once when it begins. The rule, measured
+    with that one-cut-per-window loop (2026-12-01, 2-core AVX-512 Xeon, alternating runs in one process,
+    256 new tokens after a 64-token prompt on the reference shape, 128 on SmolLM2-135M; ms per step, one
+    window of S against these):
+      B >= 2, every attention kind: MHA 17.3 -> 12.1 and GQA kv_heads=2 10.7 -> 7.6 at B=8 (reference
+        shape); SmolLM2 (9 query heads on 3 KV heads, 30 blocks) 79.6 -> 67.3 at B=8;
+      attention="mla", any B: +12 % decode tokens/s at B=1, +26 % at B=8 (measured with per-step cuts);
+      B = 1 otherwise: one window (S,). Windows gained little there (MHA 2.58 -> 2.37, GQA 2.21 -> 2.14,
+        SmolLM2 28.2 -> 26.8) and each window is one more loop body to compile (MHA B=1: 2.1 s -> 6.9 s).
+    Figures: ``benchmarks/bench_decode.py --windows-ab`` (reference shape).
+    """
+    S = cfg.max_context
+    if cfg.attention != "mla" and batch_size < 2:
+        return (S,)
+    windows, width = [], WINDOW_STEP
+    while width < S:
+        windows.append(width)
+        width = width + WINDOW_STEP if width < 4 * WINDOW_STEP else 2 * width
+    return (*windows, S)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "windows"), donate_argnames=("state",))
+def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: SamplingParams, eos_id, fill,
+           windows: tuple[int, ...] | None = None):
+    """Run decode steps until ``state.step == stop_step`` or every row is done; one compiled program.
+
+    stop_step, eos_id, fill: [] int32 (traced). windows: static attention windows (default
+    ``decode_windows(cfg, B)``; ValueError unless increasing and ending at max_context): the program is one
+    ``lax.while_loop`` per window L, in increasing order, each running while every row's next slot is < L
+    (<= S for the last) over a cache of the first L slots only, so early steps do not read the empty tail of
+    the cache (../shared/PERFORMANCE.md, item 3). The window's slots are cut out of the full cache once when
+    the window begins and written back once when it ends (every row's written slots are below L while it
+    runs), not every step: per-step cuts were copies of every layer's keys and values, about 17 % of a step
+    of SmolLM2 at B = 8, which decoded at 76.7 ms per step with them and 63.6 ms without (one process).
+    Returns the advanced DecodeState (the input is donated).
+    """
+    model = nnx.merge(graphdef, params)
+    windows = windows or decode_windows(model.cfg, state.token.shape[0])
+    S = model.cfg.max_context
+    if list(windows) != sorted(set(windows)) or windows[-1] != S:
+        raise ValueError(f"windows={windows!r} is not allowed: increasing slot counts ending at max_context={S}")
+
+    def step(s: DecodeState):
+        logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index)
+        token = sample_next(logits[:, 0], jax.random.fold_in(key, s.step), sampling)
+        token = jnp.where(s.done, fill, token)
+        out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))
+        return DecodeState(s.step + 1, token, s.index + 1, s.done | is_eos(token, eos_id), out, cache)
+
+    full = state.cache
+    for width in windows:
+        def cond(s: DecodeState, width=width):
+            below = jnp.max(s.index) <= S if width == S else jnp.max(s.index) < width
+            return (s.step < stop_step) & ~jnp.all(s.done) & below
+
+        state = jax.lax.while_loop(cond, step, state._replace(cache=cache_window(full, width)))
+        full = state.cache if width == S else put_window(full, state.cache)
+    return state._replace(cache=full)
+
+
+def cache_window(cache, width: int):
+    """The first ``width`` slots of every layer's cache arrays (a copy; the S axis is -2 in every layout:
+    [B, K, S, D], [B, S, C], [B, S, R] and the int8 scales [..., S, 1]). The cache itself when width covers it."""
+    if width >= cache[0][0].shape[-2]:
+        return cache
+    return tuple(type(layer)(*(a[..., :width, :] for a in layer)) for layer in cache)
+
+
+def put_window(cache, window):
+    """``cache`` with its first slots replaced by ``window`` (as cut by cache_window)."""
+    return tuple(type(layer)(*(a.at[..., :w.shape[-2], :].set(w) for a, w in zip(layer, part)))
+                 for layer, part in zip(cache, window))
+
+
+class _Request(NamedTuple):
+    ids: np.ndarray
+    lengths: np.ndarray
+    single: bool
+    sampling: SamplingParams
+    key: jax.Array
+    eos_id: jax.Array
+    fill: jax.Array
+    max_new_tokens: int
+
+
+def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id) -> _Request:
+    cfg = model.cfg
+    if cfg.paradigm != "ar":
+        raise ValueError(f"this function decodes autoregressive models; the model has paradigm={cfg.paradigm!r}"
+                         ": use dantinox.generation.decode or dantinox.generation.diffusion.diffusion_generate")
+    ids, lengths, single = prepare_prompts(prompt_ids, cfg.vocab_size, cfg.max_context)
+    check_request(lengths, max_new_tokens, cfg.max_context)
+    sampling = make_sampling_params(len(ids), temperature, top_k, top_p, cfg.vocab_size)
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed!r} is not allowed: an integer in [0, 2**32)")
+    eos = eos_array(eos_id, cfg.vocab_size)
+    return _Request(ids, lengths, single, sampling, jax.random.key(np.uint32(seed)), jnp.asarray(eos),
+                    jnp.int32(max(int(eos[0]), 0)), int(max_new_tokens))
+
+
+def _finish(out: np.ndarray, req: _Request) -> GenerationResult:
+    tokens = np.asarray(out)[:, : req.max_new_tokens]
+    eos = [int(e) for e in np.asarray(req.eos_id) if e >= 0]
+    lengths, reasons = [], []
+    for row in tokens:
+        hits = np.flatnonzero(np.isin(row, eos))
+        lengths.append(int(hits[0]) + 1 if len(hits) else len(row))
+        reasons.append("stop" if len(hits) else "length")
+    return GenerationResult(tokens, np.array(lengths, np.int32), reasons)
+
+
+def generate_result(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True,
+                    temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
+                    mesh=None) -> GenerationResult:
+    """Like :func:`generate` but always batched ([B, N] tokens) and with per-row lengths and finish reasons."""
+    place_on_mesh(model, mesh)
+    return _run(_prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id), model,
+                use_cache)
+
+
+def place_on_mesh(model, mesh) -> None:
+    """Shard ``model``'s parameters over ``mesh`` (dantinox.parallel.sharding.shard_model) unless None or already there.
+    Raises dantinox.parallel.mesh.MeshError when the model does not divide over the mesh."""
+    if mesh is not None and mesh_of(split_model(model)[1]) != mesh:
+        shard_model(model, mesh)
+
+
+def _run(req: _Request, model, use_cache: bool) -> GenerationResult:
+    graphdef, params = split_model(model)
+    with mesh_scope(mesh_of(params)):  # parameters on a mesh: run there (dantinox.parallel.mesh)
+        return _run_split(req, graphdef, params, model.cfg.max_context, use_cache)
+
+
+def _run_split(req: _Request, graphdef, params, max_context: int, use_cache: bool) -> GenerationResult:
+    if not use_cache:
+        return _finish(_recompute_all(graphdef, params, req, max_context), req)
+    state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+    if req.max_new_tokens > 1:  # prefill already sampled the first token
+        state = decode(graphdef, params, state, jnp.int32(req.max_new_tokens), req.key, req.sampling,
+                       req.eos_id, req.fill)
+    return _finish(to_host(state.out), req)  # gathers across processes (dantinox.parallel.distributed)
+
+
+def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: int = 8, temperature=0.0,
+                  top_k=0, top_p=1.0, seed: int = 0, eos_id=None, mesh=None) -> Iterator[np.ndarray]:
+    """Yield new tokens as they are produced, chunk_size decode steps at a time: arrays [B, n] int32
+    (n <= chunk_size; the first chunk holds the prefill token too). Rows past their EOS yield eos_id.
+    Same arguments, errors and tokens as :func:`generate` with use_cache=True."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
+    req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
+    place_on_mesh(model, mesh)
+    graphdef, params = split_model(model)
+    on = mesh_of(params)
+    with mesh_scope(on):
+        state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+    sent = 0
+    while True:
+        stop = min(sent + chunk_size, req.max_new_tokens)
+        with mesh_scope(on):
+            state = decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id,
+                           req.fill)
+        step, done = int(state.step), bool(np.all(np.asarray(state.done)))
+        if step > sent:
+            yield np.asarray(state.out)[:, sent:step]
+            sent = step
+        if done or step >= req.max_new_tokens:
+            return
+
+
+class RecomputeState(NamedTuple):
+    """Loop state of the no-cache path."""
+
+    step: jax.Array   # [] int32
+    seq: jax.Array    # [B, S] int32: prompt + generated tokens so far
+    done: jax.Array   # [B] bool
+    out: jax.Array    # [B, S] int32
+
+
+@partial(jax.jit, static_argnames=("graphdef", "window"))
+def recompute_segment(graphdef, params, state: RecomputeState, lengths, stop_step, key, sampling, eos_id, fill,
+                      window: int):
+    """No-cache decoding while every row fits in the first ``window`` positions: each step runs the full causal
+    forward over seq[:, :window] and samples at each row's last position. Returns the advanced state."""
+    model = nnx.merge(graphdef, params)
+    rows = jnp.arange(state.seq.shape[0])
+
+    def cond(s: RecomputeState):
+        return (s.step < stop_step) & ~jnp.all(s.done) & (jnp.max(lengths) + s.step <= window)
+
+    def body(s: RecomputeState):
+        logits, _, _ = model(s.seq[:, :window], use_cache=False, logits_at=lengths + s.step - 1)
+        last = logits[:, 0]
+        token = jnp.where(s.done, fill, sample_next(last, jax.random.fold_in(key, s.step), sampling))
+        seq = s.seq.at[rows, lengths + s.step].set(token, mode="drop")
+        out = jax.lax.dynamic_update_slice(s.out, token[:, None], (0, s.step))
+        return RecomputeState(s.step + 1, seq, s.done | is_eos(token, eos_id), out)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _recompute_all(graphdef, params, req: _Request, max_context: int) -> np.ndarray:
+    B = len(req.ids)
+    seq = np.zeros((B, max_context), np.int32)
+    seq[:, : req.ids.shape[1]] = req.ids
+    state = RecomputeState(jnp.int32(0), jnp.asarray(seq), jnp.zeros((B,), bool),
+                           jnp.full((B, max_context), req.fill, jnp.int32))
+    window = bucket_length(int(req.lengths.max()), max_context)
+    while True:
+        state = recompute_segment(graphdef, params, state, req.lengths, jnp.int32(req.max_new_tokens),
+                                  req.key, req.sampling, req.eos_id, req.fill, window=window)
+        if int(state.step) >= req.max_new_tokens or bool(np.all(np.asarray(state.done))):
+            return jax.device_get(state.out)
+        window = bucket_length(window + 1, max_context)
+

@@ -1,0 +1,190 @@
+"""Generator: text in, text out, from a run directory (or the bundled Divina Commedia model).
+
+    gen = Generator("runs/my_run")          # loads config, weights and tokenizer; one warm-up generation
+    gen.generate("Nel mezzo del cammin", max_new_tokens=200)
+    gen.chat([{"role": "user", "content": "What is the capital of France?"}])   # models with a chat template
+    for piece in gen.stream("Nel mezzo", max_new_tokens=200):
+        print(piece, end="", flush=True)
+
+Prompts are encoded with the run's tokenizer; characters outside a char vocabulary raise ValueError by default
+(``unknown="replace"`` maps them to ``<unk>`` instead). Streaming decodes with an incremental detokenizer, so
+a piece never ends inside a multi-byte character.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+import numpy as np
+
+from ..parallel.sharding import shard_model
+from ..quant.kv_dtype import with_kv_dtype
+from ..quant.weights import check_quantize, quantize_weights
+from ..runs.bundled import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # noqa: F401 (re-exported)
+from ..runs.chat import load_chat_format, require_chat_format
+from ..runs.chat_template import ChatTemplateError
+from ..runs.run_dir import load_run
+from ..runs.tokenizer import StreamDecoder
+from ..xla import CompileCounter
+from .decode import generate_result, stream_tokens
+from .paradigm import generate
+from .prompts import bucket_length
+
+BUNDLED_RUN = DEFAULT_BUNDLED
+
+
+def prompt_buckets(max_context: int) -> list[int]:
+    """The prompt lengths (tokens) prefill compiles for: one per bucket of ``bucket_length``, each the
+    longest prompt of its bucket that leaves room for one new token (e.g. 16, 32, 64, 127 for S = 128)."""
+    buckets, n = [], 1
+    while n < max_context:
+        bucket = bucket_length(n, max_context)
+        buckets.append(min(bucket, max_context - 1))
+        n = bucket + 1
+    return buckets
+
+
+def warm_up(model, prompt_lengths: list[int] | None = None) -> None:
+    """Compile prefill and the decode loop (batch 1) of an AR model by running them on token 0: one 1-token
+    generation per prompt bucket (prefill only) and one 2-token generation (it enters the decode loop, which
+    a 1-token generation never does). prompt_lengths: the prompt lengths (tokens) to prepare for; None =
+    every bucket up to max_context. The step bound, seed and sampling settings are traced, so later calls
+    with any of them compile nothing."""
+    S = model.cfg.max_context
+    lengths = prompt_buckets(S) if prompt_lengths is None else sorted(
+        {min(bucket_length(n, S), S - 1) for n in prompt_lengths})
+    for length in lengths:
+        generate_result(model, [0] * length, 1)
+    generate_result(model, [0], 2, temperature=1.0)
+
+
+class Generator:
+    """A loaded model with its tokenizer, ready to generate text.
+
+    Args:
+      run_dir: a run directory from ``dantinox train``, or the name of a bundled model ("dante",
+        "dante-diffusion"; see ``dantinox.runs.bundled``); None loads the bundled "dante" model.
+      warmup: compile at load time what a single-prompt ``generate`` or ``stream`` runs, so no such call
+        compiles anything afterwards, whatever its prompt length and max_new_tokens up to max_context:
+        prefill for every prompt bucket (16, 32, ... max_context tokens) and the decode loop, at batch 1
+        (see ``warm_up``). A batch of several prompts compiles its batch size on first use. Autoregressive
+        models only (diffusion compiles per (bucket, gen_len, block_size)).
+      mesh: a ``dantinox.make_mesh`` mesh to shard the parameters over (every generation then runs on it;
+        docs/multi-device.md); None: one device.
+      kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
+      quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
+        ``dantinox.quant.weights``.
+    Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter),
+      chat_format (``dantinox.runs.chat.ChatFormat``, or None when the run has no chat template).
+    Raises: RunDirError for a missing or inconsistent run directory; MeshError when n_heads or mlp_hidden
+    does not divide by the mesh's model axis; KVDtypeError for a kv_dtype outside the allowed set or one the
+    model cannot hold (int8 for a diffusion model); ValueError for another quantize value.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, mesh=None,
+                 kv_dtype: str | None = None, quantize: str | None = None):
+        start = time.perf_counter()
+        check_quantize(quantize)
+        self.run_dir = resolve_run_dir(run_dir)
+        self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
+        self.model = with_kv_dtype(self.model, kv_dtype, "kv_dtype")
+        self.cfg = self.model.cfg
+        self.quantize = quantize
+        quantize_weights(self.model, quantize)
+        shard_model(self.model, mesh)
+        self.chat_format = load_chat_format(self.run_dir, self.tokenizer)
+        self.warmup = CompileCounter()
+        if warmup:
+            self.warm_up()
+        self.load_seconds = time.perf_counter() - start
+
+    def warm_up(self, prompt_lengths: list[int] | None = None) -> CompileCounter:
+        """Compile what generate / stream will run (see :func:`warm_up`; prompt_lengths None = every prompt
+        bucket). Returns and keeps (``self.warmup``) the CompileCounter. Nothing to do for a diffusion
+        model (it compiles per (bucket, gen_len, block_size))."""
+        if self.cfg.paradigm == "ar":
+            with self.warmup:
+                warm_up(self.model, prompt_lengths)
+        return self.warmup
+
+    def encode(self, text: str, unknown: str = "error") -> list[int]:
+        """Token ids of a prompt. Raises ValueError for an empty prompt or unknown characters (see module doc)."""
+        if not isinstance(text, str) or text == "":
+            raise ValueError("prompt is empty: give at least one character")
+        return self.tokenizer.encode(text, unknown=unknown)
+
+    def generate(self, text: str | list[str], max_new_tokens: int = 200, *, use_cache: bool = True,
+                 temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 unknown: str = "error", **diffusion_options) -> str | list[str]:
+        """Continue ``text`` (or each text of a list, batched) by up to max_new_tokens tokens; returns the new
+        text only. Sampling arguments as in :func:`dantinox.generation.decode` (temperature 0 = greedy); a diffusion
+        model generates exactly max_new_tokens (gen_len) tokens and takes diffusion_options (block_size,
+        steps_per_block, threshold, refresh; see dantinox.generation.diffusion.diffusion_generate).
+        Raises ValueError / CapacityError as :func:`dantinox.generation.decode` and :meth:`encode`."""
+        if not isinstance(text, (str, list, tuple)) or (not isinstance(text, str) and not text):
+            raise ValueError(f"text={text!r} is not allowed: a non-empty string or a non-empty list of strings")
+        texts = [text] if isinstance(text, str) else list(text)
+        ids = [self.encode(t, unknown) for t in texts]
+        if self.cfg.paradigm == "diffusion" or diffusion_options:
+            tokens = generate(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
+                              top_k=top_k, top_p=top_p, seed=seed, **diffusion_options)
+            out = [self.tokenizer.decode(row.tolist()) for row in tokens]
+            return out[0] if isinstance(text, str) else out
+        result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, seed=seed)
+        out = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(result.tokens, result.lengths)]
+        return out[0] if isinstance(text, str) else out
+
+    def stream(self, text: str, max_new_tokens: int = 200, *, temperature: float = 0.8, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, chunk_size: int = 8, unknown: str = "error") -> Iterator[str]:
+        """Yield the new text piece by piece as it is generated (chunk_size decode steps per device call).
+        Pieces never split a character; their concatenation equals :meth:`generate`'s text for the same seed.
+        Autoregressive models only (raises ValueError for a diffusion model)."""
+        if self.cfg.paradigm != "ar":
+            raise ValueError("streaming needs an autoregressive model; this one has paradigm="
+                             f"{self.cfg.paradigm!r}: use generate()")
+        decoder = StreamDecoder(self.tokenizer)
+        chunks = stream_tokens(self.model, self.encode(text, unknown), max_new_tokens, chunk_size=chunk_size,
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        for chunk in chunks:
+            piece = "".join(decoder.push(int(t)) for t in np.asarray(chunk)[0])
+            if piece:
+                yield piece
+        tail = decoder.flush()
+        if tail:
+            yield tail
+
+    def chat(self, messages, max_new_tokens: int = 256, *, system: str | None = None, temperature: float = 0.8,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
+        """The assistant's answer to a conversation, rendered with the model's chat template.
+
+        messages: a list of {"role": "system" | "user" | "assistant" | "tool", "content": str}, or one string
+          (a single user message). system: an optional system message put first.
+        Generation stops at any of the model's end-of-turn ids (``chat_format.stop_ids``) or after
+        max_new_tokens (cut to what is left of max_context); the answer excludes the stop token.
+        Raises NoChatTemplateError (the run has no template), ChatTemplateError naming ``messages[i].role`` /
+        ``.content``, ValueError / CapacityError as :meth:`generate`.
+        """
+        chat = require_chat_format(self.chat_format, self.run_dir)
+        ids = chat.prompt_ids(chat_messages(messages, system), self.tokenizer)
+        if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
+            max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
+        result = generate_result(self.model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, eos_id=list(chat.stop_ids) or None)
+        row, n = result.tokens[0], int(result.lengths[0])
+        if result.finish_reasons[0] == "stop":
+            n -= 1  # drop the end-of-turn token
+        return self.tokenizer.decode(row[:n].tolist())
+
+
+def chat_messages(messages, system: str | None = None) -> list:
+    """``messages`` as a list (one string becomes one user message), with ``system`` first when given."""
+    if isinstance(messages, str):
+        listed = [{"role": "user", "content": messages}]
+    elif isinstance(messages, (list, tuple)):
+        listed = list(messages)
+    else:
+        raise ChatTemplateError(f"messages={messages!r} is not allowed: a string or a list of messages")
+    return ([{"role": "system", "content": system}] if system is not None else []) + listed

@@ -1,0 +1,203 @@
+"""Causal self-attention over a static KV cache: MHA, GQA and MQA in one implementation.
+
+Shape legend (used throughout the package; no letter is reused):
+  B batch            T new tokens in this call      S cache slots (max_context)
+  H query heads      K KV heads                      G = H // K query heads per KV head
+  D head size        E model width (dim)             V vocabulary
+  C MLA latent width (kv_latent_dim)   R MLA RoPE width (rope_head_dim)   Q MLA query latent (q_latent_dim)
+
+Multi-head latent attention (attention="mla") lives in ``dantinox.model.mla`` and shares the masks below.
+
+Grouped heads: query head h uses KV head h // G (contiguous groups), so q is reshaped from
+[B, T, H, D] to [B, K, G, T, D]. MHA is K = H, MQA is K = 1 (Ainslie et al. 2023, "GQA", section 2).
+
+Cached calls attend over the *old* cache (slots written before this call) plus the T new keys and values,
+then write the new keys and values into the cache. Attending before writing lets XLA update the cache
+buffers in place inside the compiled decode loop instead of copying them every step
+(../shared/PERFORMANCE.md, item 1).
+
+int8 cache (cfg.cache_dtype="int8"). The new keys and values are quantized once (``dantinox.quant.kv_rows``,
+one scale per token and KV head); the new tokens attend over their read-back values and the int8 rows and
+scales are what gets stored, and old slots are read back (dequantized) inside ``attend``. So a cached call
+and the uncached forward (which round-trips its keys and values the same way) see identical keys and values.
+
+Masks. For row b with ``cache_index[b] = c`` and ``key_start[b] = p`` (left-padding slots, default 0),
+the query in new position i sits in slot c + i and may see
+  - cache slot s when p <= s < c (and c + i - s < window when a sliding window is set);
+  - new position j when j <= i and c + j >= p (and i - j < window).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..config import ModelConfig
+from ..quant.kv_rows import roundtrip_for
+from .cache import LayerKV, write_layer, write_rows
+from .layers import RMSNorm, apply_rope
+
+NEG_INF = -1e30
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with K <= H KV heads (MHA / GQA / MQA) and rotary positions.
+
+    Projections: one fused [E, (H + 2K) D] matmul for q, k, v (columns: the H query heads, then the K key
+    heads, then the K value heads, each head's D contiguous; with cfg.qkv_bias a bias of (H + 2K) D, as Qwen2);
+    an [H D, E] output matmul without bias. With cfg.qk_norm each query and key head is RMS-normalised over D
+    before RoPE (one [D] weight for all query heads, one for all key heads; Qwen3). Query head h reads KV head
+    h // G, the grouping of transformers' ``repeat_kv``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.normal(stddev=0.02)
+        qkv_width = (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_size
+        self.qkv = nnx.Linear(cfg.dim, qkv_width, use_bias=cfg.qkv_bias, dtype=cfg.jnp_compute_dtype,
+                              param_dtype=jnp.float32, kernel_init=init, rngs=rngs)
+        self.q_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.out = nnx.Linear(cfg.n_heads * cfg.head_size, cfg.dim, use_bias=False,
+                              dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
+                              kernel_init=nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_blocks)),
+                              rngs=rngs)
+
+    def __call__(self, x, rope, layer_cache: LayerKV | None, cache_index, key_start, read_slots: int | None):
+        """x: [B, T, E]; rope: (cos, sin) each [B, T, D/2]; layer_cache: LayerKV of [B, K, S, D] or None;
+        cache_index: [B] int32 slot of the first new token; key_start: [B] int32 or None;
+        read_slots: old cache slots to attend over: None all S, 0 none (prefill at slot 0), L the first L
+        (the caller guarantees cache_index <= L for every row; see ``old_slots``).
+        A layer cache with an ``attend_and_write(q, k, v, cache_index, key_start, window) -> (y, new cache)``
+        method (the paged cache's PagedView) does its own attention and write; q, k, v are passed as
+        [B, K, G, T, D] (scaled) and [B, K, T, D]; with cache_dtype="int8" also ``stored=(k_q, v_q, k_scale,
+        v_scale)``, the int8 rows [B, K, T, D] and float32 scales [B, K, T, 1] to write (k, v are then the
+        read-back values).
+
+        Returns (y [B, T, E], the updated layer cache (LayerKV, QuantLayerKV for cache_dtype="int8", or the
+        hook's view) or None).
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, K, D = cfg.n_heads, cfg.kv_heads, cfg.head_size
+        q, k, v = jnp.split(self.qkv(x), [H * D, (H + K) * D], axis=-1)
+        q, k = q.reshape(B, T, H, D), k.reshape(B, T, K, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        v = v.reshape(B, T, K, D)
+        q = (q * cfg.softmax_scale).reshape(B, T, K, H // K, D).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,D]
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
+        stored = None
+        if cfg.cache_dtype == "int8":  # quantize once: attend over the read-back values, store the int8 rows
+            (k, (k_q, k_s)), (v, (v_q, v_s)) = (roundtrip_for(layer_cache, k, "k"),
+                                                 roundtrip_for(layer_cache, v, "v"))
+            stored = (k_q, v_q, k_s, v_s)
+        if hasattr(layer_cache, "attend_and_write"):  # another cache layout, e.g. dantinox.serving.paged_cache
+            extra = {} if stored is None else {"stored": stored}
+            y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window,
+                                                        **extra)
+        else:
+            y = attend(q, k, v, old_slots(layer_cache, read_slots), cache_index, key_start, cfg.sliding_window,
+                       causal=cfg.paradigm != "diffusion")
+            new_cache = None if layer_cache is None else (
+                write_layer(layer_cache, k, v, cache_index) if stored is None
+                else write_rows(layer_cache, stored, cache_index))
+        y = y.transpose(0, 3, 1, 2, 4).reshape(B, T, H * D).astype(x.dtype)
+        return self.out(y), new_cache
+
+
+def old_slots(layer_cache, read_slots: int | None):
+    """The part of a static layer cache a call attends over: None when ``layer_cache`` is None or read_slots
+    is 0, the whole cache when read_slots is None, else the first read_slots slots of every array (a static
+    slice along S: [B, K, L, D] for LayerKV, [B, L, C] and [B, L, R] for LatentKV)."""
+    if layer_cache is None or read_slots == 0:
+        return None
+    if read_slots is None or read_slots >= layer_cache[0].shape[-2]:
+        return layer_cache
+    return type(layer_cache)(*(a[..., :read_slots, :] for a in layer_cache))
+
+
+def new_token_mask(T: int, cache_index, key_start, window: int | None, causal: bool = True) -> jax.Array:
+    """May new query i see new key j? [1 or B, T, T] bool (causal, sliding window, left padding).
+
+    cache_index: [B] int32; key_start: [B] int32 or None. causal=False (paradigm="diffusion") lets every
+    query see every new key (bidirectional) except left padding.
+    """
+    i = jnp.arange(T)[:, None]
+    j = jnp.arange(T)[None, :]
+    mask = (j <= i)[None] if causal else jnp.ones((1, T, T), bool)      # [1, T, T]
+    if window is not None:
+        mask = mask & ((i - j) < window)[None]
+    if key_start is not None:
+        mask = mask & ((cache_index[:, None, None] + j[None]) >= key_start[:, None, None])
+    return mask
+
+
+def old_slot_mask(S: int, T: int, cache_index, key_start, window: int | None) -> jax.Array:
+    """May new query i see cache slot s (written by an earlier call)? [B, 1 or T, S] bool.
+
+    cache_index: [B] int32; key_start: [B] int32 or None.
+    """
+    s = jnp.arange(S)[None, None, :]                                   # [1, 1, S]
+    mask = s < cache_index[:, None, None]                              # [B, 1, S]
+    if key_start is not None:
+        mask = mask & (s >= key_start[:, None, None])
+    if window is not None:
+        query_slot = cache_index[:, None, None] + jnp.arange(T)[None, :, None]   # [B, T, 1]
+        mask = mask & ((query_slot - s) < window)
+    return mask
+
+
+def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None, causal: bool = True):
+    """Softmax attention of q over [old cache slots ; new keys], computed jointly in float32.
+
+    q: [B, K, G, T, D] (already scaled by 1/sqrt(D)); k, v: [B, K, T, D]; old: LayerKV [B, K, S, D], an int8
+    QuantLayerKV (read back here, in q's dtype) or None; cache_index: [B] int32; key_start: [B] int32 or None;
+    causal: see new_token_mask. Returns [B, K, G, T, D] float32.
+    """
+    T = q.shape[3]
+    if hasattr(old, "dequantized"):
+        old = old.dequantized(q.dtype)
+    f32 = jnp.float32
+    new_scores = grouped_scores(q, k)
+    new_mask = new_token_mask(T, cache_index, key_start, window, causal)
+    new_scores = jnp.where(new_mask[:, None, None], new_scores, NEG_INF)
+    if old is None:
+        probs = jax.nn.softmax(new_scores, axis=-1)
+        return grouped_values(probs, v.astype(f32))
+    S = old.k.shape[2]
+    old_mask = old_slot_mask(S, T, cache_index, key_start, window)
+    old_scores = grouped_scores(q, old.k.astype(q.dtype))
+    old_scores = jnp.where(old_mask[:, None, None], old_scores, NEG_INF)
+    probs = jax.nn.softmax(jnp.concatenate([old_scores, new_scores], axis=-1), axis=-1)
+    old_probs, new_probs = probs[..., :S], probs[..., S:]
+    y = grouped_values(old_probs.astype(q.dtype), old.v.astype(q.dtype))
+    return y + grouped_values(new_probs, v.astype(f32))
+
+
+def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    """q . k for every query head of a group. q: [B, K, G, T, D]; k: [B, K, S, D] -> [B, K, G, T, S] float32.
+
+    Written as one batched matmul over (B K) with the group's G*T queries as rows: on the CPU this is
+    1.3-1.5x faster than the equivalent 5-D einsum, which makes XLA transpose the cached keys every step.
+    """
+    B, K, G, T, D = q.shape
+    S = k.shape[2]
+    dims = (((2,), (2,)), ((0,), (0,)))
+    out = jax.lax.dot_general(q.reshape(B * K, G * T, D), k.reshape(B * K, S, D), dims,
+                              preferred_element_type=jnp.float32)
+    return out.reshape(B, K, G, T, S)
+
+
+def grouped_values(probs: jax.Array, v: jax.Array) -> jax.Array:
+    """Probability-weighted values. probs: [B, K, G, T, S]; v: [B, K, S, D] -> [B, K, G, T, D] float32."""
+    B, K, G, T, S = probs.shape
+    D = v.shape[-1]
+    dims = (((2,), (1,)), ((0,), (0,)))
+    out = jax.lax.dot_general(probs.reshape(B * K, G * T, S), v.reshape(B * K, S, D), dims,
+                              preferred_element_type=jnp.float32)
+    return out.reshape(B, K, G, T, D)

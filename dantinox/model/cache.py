@@ -1,0 +1,198 @@
+"""The static KV cache: a pytree allocated up front, passed into the model and returned updated.
+
+Layout per layer: k and v of shape [B, K, S, D] (batch, KV heads, max_context slots, head size), in
+``cfg.cache_dtype``; for attention="mla" a ``dantinox.model.cache.LatentKV`` of c_kv [B, S, C] and k_rope [B, S, R]
+instead (the latent and the shared RoPE key, never per-head keys and values). With cache_dtype="int8" the
+layers are ``QuantLayerKV`` (int8 k, v plus float32 scales [B, K, S, 1]) and ``dantinox.model.cache.QuantLatentKV``
+(int8 c_kv, k_rope plus scales [B, S, 1]); see ``dantinox.quant.kv_rows``. The cache holds no write index
+of its own: the caller passes ``cache_index`` (a scalar or one slot per row, [B] int32) so rows of different
+lengths share a batch.
+
+Writes go through :func:`write_layer`, which uses ``lax.dynamic_update_slice``. That primitive clamps an
+out-of-range start index silently (a write at slot S would overwrite slot S-1), so every public entry point
+checks ``cache_index + T <= S`` before it writes; see ``check_cache_capacity``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import CACHE_DTYPES, ModelConfig, canonical_dtype
+from ..quant.kv_rows import SCALE_BYTES, SCALE_DTYPE, dequantize_rows
+
+
+class CapacityError(ValueError):
+    """A write would go past the last cache slot (max_context)."""
+
+
+class LayerKV(NamedTuple):
+    """One layer's cache. k, v: [B, K, S, D]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class QuantLayerKV(NamedTuple):
+    """One layer's int8 cache. k, v: [B, K, S, D] int8; k_scale, v_scale: [B, K, S, 1] float32 (one scale per
+    token and KV head; ``dantinox.quant.kv_rows``)."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+
+    def dequantized(self, dtype) -> LayerKV:
+        """The float keys and values the int8 rows stand for: LayerKV of [B, K, S, D] in ``dtype``."""
+        return LayerKV(dequantize_rows(self.k, self.k_scale, dtype), dequantize_rows(self.v, self.v_scale, dtype))
+
+
+KVCache = tuple  # tuple[LayerKV, ...] (or tuple[LatentKV, ...] for MLA), one entry per decoder block
+
+
+def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int:
+    """Bytes one token occupies in one layer's cache, as each attention kind stores it.
+
+    MHA / GQA / MQA: 2 * K * D * bytes_per_element (keys and values).
+    MLA: (C + R) * bytes_per_element (the latent c_kv and the shared RoPE key).
+    int8 adds one float32 scale per row: 2 * K * (D + 4) bytes, or for MLA C + R + 2 * 4 (one scale for the
+    latent and one for the RoPE key, kept even when R = 0 so every field has its scale).
+    dtype: cache dtype name (default cfg.cache_dtype). Raises ConfigError for an unknown dtype name.
+    """
+    name = canonical_dtype("cache_dtype", dtype or cfg.cache_dtype, CACHE_DTYPES)
+    itemsize = np.dtype(CACHE_DTYPES[name]).itemsize
+    scale = SCALE_BYTES if name == "int8" else 0
+    if cfg.attention == "mla":
+        return (cfg.kv_latent_dim + cfg.rope_head_dim) * itemsize + 2 * scale
+    return 2 * cfg.kv_heads * (cfg.head_size * itemsize + scale)
+
+
+def layer_cache_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's two cache arrays: (k, v) [B, K, S, D] each, or for MLA (c_kv [B, S, C], k_rope
+    [B, S, R])."""
+    B, S = int(batch_size), cfg.max_context
+    if cfg.attention == "mla":
+        return (B, S, cfg.kv_latent_dim), (B, S, cfg.rope_head_dim)
+    shape = (B, cfg.kv_heads, S, cfg.head_size)
+    return shape, shape
+
+
+def cache_field_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of every array of one layer's cache, in field order: ``layer_cache_shapes`` and, for
+    cache_dtype="int8", one scale shape per row shape with the last axis 1 ([B, K, S, 1] or [B, S, 1])."""
+    shapes = layer_cache_shapes(cfg, batch_size)
+    if cfg.cache_dtype != "int8":
+        return shapes
+    return shapes + tuple(tuple(s[:-1]) + (1,) for s in shapes)
+
+
+def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
+    """Allocate the whole cache up front, zeros in cfg.cache_dtype, one entry per layer:
+    LayerKV(k, v) of [B, K, S, D] each, or for attention="mla" LatentKV(c_kv [B, S, C], k_rope [B, S, R]);
+    for cache_dtype="int8" QuantLayerKV / QuantLatentKV, the same int8 arrays plus float32 zero scales of the
+    same shape with a last axis of 1.
+
+    Raises ValueError if batch_size is not a positive integer.
+    """
+    if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size!r} is not allowed: a positive integer")
+    int8 = cfg.cache_dtype == "int8"
+    if cfg.attention == "mla":
+        layer_type = QuantLatentKV if int8 else LatentKV
+    else:
+        layer_type = QuantLayerKV if int8 else LayerKV
+    shapes = layer_cache_shapes(cfg, batch_size)
+    return tuple(layer_type(*zero_arrays(shapes, cfg.jnp_cache_dtype, int8)) for _ in range(cfg.num_blocks))
+
+
+def zero_arrays(shapes, dtype, int8: bool) -> list:
+    """Zeros of each shape in ``dtype``; with int8 also one float32 zero scale array per shape, the shape's
+    last axis set to 1 (rows first, then their scales, the field order of the Quant* layer types)."""
+    arrays = [jnp.zeros(shape, dtype) for shape in shapes]
+    if int8:
+        arrays += [jnp.zeros(tuple(shape[:-1]) + (1,), SCALE_DTYPE) for shape in shapes]
+    return arrays
+
+
+def cache_nbytes(cache: KVCache) -> int:
+    """Total bytes of every array in the cache (read from the arrays themselves)."""
+    return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(cache)))
+
+
+def check_cache_capacity(cache_index, new_tokens: int, max_context: int) -> None:
+    """Raise CapacityError if a concrete cache_index + new_tokens exceeds max_context.
+
+    cache_index: int or [B] integers (host values; traced values are not checked here, so compiled loops
+    must bound their indices themselves).
+    """
+    if isinstance(cache_index, jax.core.Tracer):
+        return
+    idx = np.asarray(cache_index)
+    if idx.size == 0:
+        return
+    if int(idx.min()) < 0:
+        raise CapacityError(f"cache_index={idx.tolist()} is negative; allowed: 0 <= cache_index")
+    end = int(idx.max()) + int(new_tokens)
+    if end > max_context:
+        raise CapacityError(
+            f"cache_index {int(idx.max())} + {new_tokens} new tokens = {end} exceeds max_context="
+            f"{max_context}; the last slot is {max_context - 1}")
+
+
+def write_layer(layer: LayerKV, k_new: jax.Array, v_new: jax.Array, cache_index: jax.Array) -> LayerKV:
+    """Write T new keys and values at slots cache_index .. cache_index+T-1.
+
+    k_new, v_new: [B, K, T, D]; cache_index: scalar or [B] int32. Returns the updated LayerKV.
+    """
+    k_new = k_new.astype(layer.k.dtype)
+    v_new = v_new.astype(layer.v.dtype)
+    if jnp.ndim(cache_index) == 0:
+        start = (0, 0, cache_index, 0)
+        return LayerKV(jax.lax.dynamic_update_slice(layer.k, k_new, start),
+                       jax.lax.dynamic_update_slice(layer.v, v_new, start))
+    row_write = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, (0, i, 0)))
+    return LayerKV(row_write(layer.k, k_new, cache_index), row_write(layer.v, v_new, cache_index))
+
+
+def write_rows(layer: tuple, new: tuple, cache_index: jax.Array) -> tuple:
+    """Write T new rows into every array of a layer cache along its slot axis (the second to last).
+
+    layer: a layer cache NamedTuple (e.g. QuantLayerKV [B, K, S, D] / [B, K, S, 1], QuantLatentKV
+    [B, S, C] / [B, S, 1]); new: one array per field, the same shapes with T in place of S;
+    cache_index: scalar or [B] int32. Returns the layer of the same type with the rows written.
+    """
+    def one(cache, rows):
+        rows = rows.astype(cache.dtype)
+        if jnp.ndim(cache_index) == 0:
+            start = (0,) * (cache.ndim - 2) + (cache_index, 0)
+            return jax.lax.dynamic_update_slice(cache, rows, start)
+        row_start = lambda i: (0,) * (cache.ndim - 3) + (i, 0)  # noqa: E731
+        return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, row_start(i)))(cache, rows,
+                                                                                           cache_index)
+
+    return type(layer)(*(one(c, r) for c, r in zip(layer, new)))
+
+
+class LatentKV(NamedTuple):
+    """One MLA layer's cache. c_kv: [B, S, C] normalised latents; k_rope: [B, S, R] rotated shared keys."""
+
+    c_kv: jax.Array
+    k_rope: jax.Array
+
+
+class QuantLatentKV(NamedTuple):
+    """One MLA layer's int8 cache. c_kv: [B, S, C] int8; k_rope: [B, S, R] int8; c_scale, r_scale: [B, S, 1]
+    float32 (one scale per token for the latent and one for the RoPE key; ``dantinox.quant.kv_rows``)."""
+
+    c_kv: jax.Array
+    k_rope: jax.Array
+    c_scale: jax.Array
+    r_scale: jax.Array
+
+    def dequantized(self, dtype) -> LatentKV:
+        """The float latents the int8 rows stand for: LatentKV(c_kv [B, S, C], k_rope [B, S, R]) in dtype."""
+        return LatentKV(dequantize_rows(self.c_kv, self.c_scale, dtype),
+                        dequantize_rows(self.k_rope, self.r_scale, dtype))

@@ -1,0 +1,215 @@
+"""Transformer: token ids (+ an optional static KV cache) -> logits (+ the updated cache).
+
+The call follows the seeds' contract::
+
+    logits, kv_caches, aux = model(ids, use_cache=True, kv_caches=cache, cache_index=i)
+
+``cache_index`` is a scalar or one slot per row ([B] int32) so prompts of different lengths share a batch.
+``use_cache=False`` runs the plain causal forward over ``ids`` and returns ``kv_caches=None``.
+With ``cfg.paradigm == "diffusion"`` attention is bidirectional (no causal mask; left padding still masked);
+``dantinox.generation.diffusion`` passes its DualCache as per-layer objects with an ``attend_and_write`` method.
+Shape letters: see ``dantinox.model.layers``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..config import ModelConfig
+from ..parallel.sharding import constrain_cache, shard_model
+from .attention import Attention
+from .cache import KVCache, cache_field_shapes, check_cache_capacity
+from .layers import RMSNorm, SwiGLU, rope_angles
+from .mla import MLAttention
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).
+
+    The attention is MLAttention for cfg.attention == "mla", Attention (MHA / GQA / MQA) otherwise.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = MLAttention(cfg, rngs=rngs) if cfg.attention == "mla" else Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden, cfg.jnp_compute_dtype, rngs=rngs)
+
+    def __call__(self, x, rope, layer_cache, cache_index, key_start, read_slots):
+        """x: [B, T, E] -> ([B, T, E], updated layer cache or None). read_slots: see Attention."""
+        h, layer_cache = self.attn(self.attn_norm(x), rope, layer_cache, cache_index, key_start, read_slots)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), layer_cache
+
+
+class Transformer(nnx.Module):
+    """Decoder-only transformer with RoPE, RMSNorm, SwiGLU and (optionally) tied embeddings.
+
+    Build with ``Transformer(cfg, rngs=nnx.Rngs(seed))`` or ``dantinox.build_model(cfg, seed)``.
+    Parameters are float32; matmuls run in cfg.compute_dtype; logits are float32.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
+                               embedding_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_blocks)])
+        self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
+            cfg.dim, cfg.vocab_size, use_bias=False, dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
+            kernel_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
+
+    def __call__(self, ids, use_cache: bool = False, kv_caches: KVCache | None = None, cache_index=0,
+                 key_start=None, attend_slots: int | None = None, logits_at=None):
+        """Run the model on T new tokens per row.
+
+        Args:
+          ids: [B, T] integer token ids in [0, V).
+          use_cache: attend over and write into ``kv_caches``; False runs the plain causal forward.
+          kv_caches: from ``init_cache(cfg, B)``: per layer LayerKV(k, v) of [B, K, S, D] (MLA: LatentKV(c_kv
+            [B, S, C], k_rope [B, S, R]); cache_dtype="int8": QuantLayerKV / QuantLatentKV, the int8 rows plus
+            float32 scales [..., S, 1]). Required when use_cache is True (it is never allocated lazily). A cache
+            cut to its first S' <= max_context slots (``generate.cache_window``) is accepted; the call must
+            then stay below slot S'.
+          cache_index: int or [B] int32: slot of each row's first new token. The Python int 0 marks a fresh
+            prefill (the old cache is not read).
+          key_start: optional [B] int32: number of left-padding slots per row; those slots are never
+            attended to and row b's first real token gets RoPE position 0.
+          attend_slots: optional static int L in [1, S]: attend over the first L cache slots only (plus the new
+            tokens), which saves work when every row's cache_index <= L (the caller's promise; checked when
+            cache_index is a host value). The compiled decode loop uses it (``dantinox.generation.decode``).
+          logits_at: optional [B] int32 position in [0, T) per row: compute the output head at that position
+            only and return logits [B, 1, V] (generation needs only each row's last real position; a prefill
+            of a T-token bucket then skips T - 1 rows of the [E, V] head). None: logits at every position.
+        Returns:
+          (logits [B, T, V] float32 ([B, 1, V] with logits_at), updated kv_caches or None, aux dict (empty for
+          this architecture)).
+        Raises:
+          ValueError: ids not [B, T] integers, ids outside [0, V), cache missing or of the wrong shape.
+          CapacityError: cache_index + T > max_context (checked whenever cache_index is a host value).
+          ValueError: attend_slots not an int in [1, max_context], or a host cache_index beyond it; logits_at not
+            [B] or (a host value) outside [0, T).
+        """
+        cfg = self.cfg
+        ids = _check_ids(ids, cfg.vocab_size)
+        B, T = ids.shape
+        fresh = isinstance(cache_index, int) and cache_index == 0 and key_start is None
+        attend_slots = _check_attend_slots(attend_slots, cache_index, cfg.max_context)
+        if use_cache:
+            if not _attends_itself(kv_caches):
+                _check_cache(kv_caches, cfg, B)
+                check_cache_capacity(cache_index, T, kv_caches[0][0].shape[-2])
+        elif T > cfg.max_context:
+            raise ValueError(f"ids has T={T} tokens, more than max_context={cfg.max_context}")
+        index = jnp.broadcast_to(jnp.asarray(cache_index if use_cache else 0, jnp.int32), (B,))
+        positions = index[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        if key_start is not None:
+            key_start = jnp.asarray(key_start, jnp.int32)
+            positions = jnp.maximum(positions - key_start[:, None], 0)
+        rope = rope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        x = self.embed(ids)
+        new_caches = []
+        for n, block in enumerate(self.blocks):
+            layer_cache = kv_caches[n] if use_cache else None
+            x, layer_cache = block(x, rope, layer_cache, index, key_start, 0 if fresh else attend_slots)
+            new_caches.append(layer_cache)
+        if use_cache and not _attends_itself(kv_caches):  # on a mesh: one cache layout (dantinox.parallel.sharding)
+            new_caches = constrain_cache(new_caches, cfg)
+        if logits_at is not None:  # before the norm and head: they act per position
+            x = jnp.take_along_axis(x, _check_logits_at(logits_at, B, T)[:, None, None], axis=1)
+        return self.logits(self.final_norm(x)), (tuple(new_caches) if use_cache else None), {}
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Output projection. h: [B, T, E] -> logits [B, T, V] float32.
+
+        A tied head contracts E with the table's last axis directly (dot_general on [V, E]); ``nnx.Embed.attend``
+        writes ``embedding.T``, which XLA CPU materialised as a [E, V] transpose + copy every decode step
+        (113 MB for SmolLM2's table in float32), about 25% slower for that product.
+        """
+        if self.lm_head is not None:
+            out = self.lm_head(h)
+        elif isinstance(self.embed, nnx.Embed):
+            dtype = self.embed.dtype or h.dtype
+            table = self.embed.embedding[...].astype(dtype)
+            out = jax.lax.dot_general(h.astype(dtype), table, (((h.ndim - 1,), (1,)), ((), ())))
+        else:  # e.g. dantinox.quant.weights.LowPrecisionEmbed, which contracts its own table
+            out = self.embed.attend(h)
+        return out.astype(jnp.float32)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, mesh=None) -> Transformer:
+    """A freshly initialised Transformer for ``cfg`` with parameters drawn from ``seed``; with a ``mesh``
+    (``dantinox.make_mesh``) its parameters are sharded over it (``dantinox.parallel.sharding``; MeshError if the
+    heads or MLP width do not divide by the model axis)."""
+    return shard_model(Transformer(cfg, rngs=nnx.Rngs(seed)), mesh)
+
+
+def _attends_itself(kv_caches) -> bool:
+    """True for layer caches that run their own attention and checks (dantinox.serving.paged_cache)."""
+    return bool(kv_caches) and (hasattr(kv_caches[0], "attend_and_write")
+                                or hasattr(kv_caches[0], "attend_and_write_latent"))
+
+
+def _check_attend_slots(attend_slots, cache_index, max_context: int) -> int | None:
+    """attend_slots as a Python int (numpy integers accepted) or None; ValueError as documented."""
+    if attend_slots is None:
+        return None
+    if (not isinstance(attend_slots, (int, np.integer)) or isinstance(attend_slots, bool)
+            or not 1 <= attend_slots <= max_context):
+        raise ValueError(f"attend_slots={attend_slots!r} is not allowed: None or an int in [1, max_context="
+                         f"{max_context}]")
+    if isinstance(cache_index, jax.core.Tracer):
+        return int(attend_slots)
+    furthest = int(np.max(np.asarray(cache_index)))
+    if furthest > attend_slots:
+        raise ValueError(f"cache_index {furthest} > attend_slots={attend_slots}: the call would skip cache slots "
+                         f"its queries must see")
+    return int(attend_slots)
+
+
+def _check_logits_at(logits_at, batch: int, length: int) -> jax.Array:
+    """logits_at as [B] int32; ValueError when its shape is not [B] or a host value lies outside [0, T)."""
+    if np.shape(logits_at) != (batch,):
+        raise ValueError(f"logits_at must be one position per row, shape ({batch},); got {np.shape(logits_at)}")
+    if not isinstance(logits_at, jax.core.Tracer):
+        host = np.asarray(logits_at)
+        if host.min() < 0 or host.max() >= length:
+            raise ValueError(f"logits_at holds positions {host.min()}..{host.max()}; allowed: [0, T={length})")
+    return jnp.asarray(logits_at, jnp.int32)
+
+
+def _check_ids(ids, vocab_size: int):
+    if isinstance(ids, jax.core.Tracer):
+        if ids.ndim != 2:
+            raise ValueError(f"ids must be [B, T]; got shape {ids.shape}")
+        return ids
+    host = np.asarray(ids)
+    if host.ndim != 2 or host.shape[1] == 0 or host.shape[0] == 0:
+        raise ValueError(f"ids must be a non-empty [B, T] array of token ids; got shape {host.shape}")
+    if not np.issubdtype(host.dtype, np.integer):
+        raise ValueError(f"ids must be integers; got dtype {host.dtype}")
+    if host.min() < 0 or host.max() >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, vocab_size={vocab_size}); got min {host.min()}, "
+                         f"max {host.max()}")
+    return jnp.asarray(host, jnp.int32)
+
+
+def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
+    if kv_caches is None:
+        raise ValueError("use_cache=True needs kv_caches: allocate them with dantinox.init_cache(cfg, batch_size)")
+    if len(kv_caches) != cfg.num_blocks:
+        raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has num_blocks={cfg.num_blocks}")
+    want = cache_field_shapes(cfg, batch)
+    got = tuple(tuple(a.shape) for a in kv_caches[0])
+    window = got[0][-2] if got and len(got[0]) >= 2 else None   # a cache may be cut to its first slots
+    if window is not None and 1 <= window <= cfg.max_context:
+        want = tuple(w[:-2] + (window,) + w[-1:] for w in want)
+    if got != want:
+        layout = "c_kv [B, S, C], k_rope [B, S, R]" if cfg.attention == "mla" else "k, v [B, K, S, D]"
+        if cfg.cache_dtype == "int8":
+            layout += " and their scales [..., 1] (cache_dtype='int8')"
+        raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}; allocate them with "
+                         "dantinox.init_cache(cfg, batch_size)")

@@ -1,0 +1,104 @@
+"""Process-wide XLA setup, applied once when dantinox is imported.
+
+1. ``--xla_cpu_copy_insertion_use_region_analysis=true`` is appended to ``XLA_FLAGS`` (unless the user already
+   set it): together with attending before writing the cache, it removes the cache-sized copies XLA otherwise
+   inserts in the compiled decode loop (../shared/PERFORMANCE.md, item 1). It only takes effect if dantinox is
+   imported before JAX initialises its CPU backend.
+2. The persistent compilation cache lives in ``~/.cache/jax_xla/dantinox``; the environment variable
+   ``DANTINOX_XLA_CACHE`` overrides the path, and ``DANTINOX_XLA_CACHE=off`` disables it.
+3. Compilations are counted with a ``jax.monitoring`` listener (``compile_totals``, ``CompileCounter``), so
+   tests and benchmarks can assert them. A compilation is one ``/jax/core/compile/backend_compile_duration``
+   event: one executable built by XLA or loaded from the persistent compilation cache. Cache loads are also
+   counted separately (``cache_hits``) so a benchmark can tell a cold process start from a warm one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+_FLAG = "--xla_cpu_copy_insertion_use_region_analysis"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=true").strip()
+
+import jax  # noqa: E402
+
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jax_xla", "dantinox")
+
+
+def compilation_cache_dir() -> str | None:
+    """The persistent XLA compilation cache directory in use, or None when disabled."""
+    value = os.environ.get("DANTINOX_XLA_CACHE", DEFAULT_CACHE_DIR)
+    return None if value.lower() in ("off", "0", "none", "") else value
+
+
+def _enable_persistent_cache() -> None:
+    path = compilation_cache_dir()
+    if path is None:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_enable_persistent_cache()
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_lock = threading.Lock()
+_totals = {"compilations": 0, "seconds": 0.0, "cache_hits": 0}
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+    if event == _BACKEND_COMPILE:
+        with _lock:
+            _totals["compilations"] += 1
+            _totals["seconds"] += duration
+
+
+def _on_event(event: str, **_) -> None:
+    if event == _CACHE_HIT:
+        with _lock:
+            _totals["cache_hits"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+jax.monitoring.register_event_listener(_on_event)
+
+
+def compile_totals() -> dict:
+    """Process-wide totals since import: {'compilations': int, 'seconds': float, 'cache_hits': int}."""
+    with _lock:
+        return dict(_totals)
+
+
+@dataclass
+class CompileCounter:
+    """Context manager: compilations, compile seconds and persistent-cache hits inside the ``with`` block.
+
+    >>> with CompileCounter() as counted:
+    ...     run_something()
+    >>> counted.compilations
+    """
+
+    compilations: int = 0
+    seconds: float = 0.0
+    cache_hits: int = 0
+    _start: dict = field(default_factory=dict, repr=False)
+
+    def __enter__(self) -> "CompileCounter":
+        self._start = compile_totals()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.update()
+
+    def update(self) -> "CompileCounter":
+        """Refresh the counts (also usable inside the block)."""
+        now = compile_totals()
+        self.compilations = now["compilations"] - self._start["compilations"]
+        self.seconds = now["seconds"] - self._start["seconds"]
+        self.cache_hits = now["cache_hits"] - self._start["cache_hits"]
+        return self
