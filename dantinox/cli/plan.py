@@ -186,7 +186,7 @@ def _emit(path, obj) -> None:
 
 def run_gate_cmd(args) -> int:
     """``plan gate``: exit 0 to release, 1 with the failed checks and the fallback."""
-    from ..plan.gate import release_gate
+    from ..plan.release_gate import release_gate
 
     ok, lines = release_gate(args.candidate, args.last_good)
     print("\n".join(lines))
