@@ -2,39 +2,17 @@
 
 from . import xla as _xla_setup  # noqa: F401  (XLA flags and the persistent compilation cache, before jax is used)
 from ._version import __version__  # noqa: F401  (dantinox.__version__)
-from .budget.memory import (
-                            CapacityPlan,
-                            MemorySplit,
-                            kv_bytes_per_token,
-                            kv_cache_bytes,
-                            max_batch_size,
-                            memory_split,
-                            param_bytes,
-                            plan_capacity,
-)
+from .budget.memory import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, max_batch_size,
+                            memory_split, param_bytes, plan_capacity)
 from .config import PRESETS, ConfigError, ModelConfig
 from .generation.decode import GenerationResult, generate_result, stream_tokens
-from .generation.diffusion import (
-                            DiffusionResult,
-                            DualCache,
-                            diffusion_generate,
-                            diffusion_generate_result,
-                            init_dual_cache,
-)
+from .generation.diffusion import (DiffusionResult, DualCache, diffusion_generate, diffusion_generate_result,
+                                   init_dual_cache)
 from .generation.generator import Generator
 from .generation.paradigm import generate
 from .generation.sampling import SamplingParams, make_sampling_params, sample_next
-from .model.cache import (
-                            CapacityError,
-                            KVCache,
-                            LatentKV,
-                            LayerKV,
-                            QuantLatentKV,
-                            QuantLayerKV,
-                            bytes_per_token_per_layer,
-                            cache_nbytes,
-                            init_cache,
-)
+from .model.cache import (CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV,
+                          bytes_per_token_per_layer, cache_nbytes, init_cache)
 from .model.mla import MLAttention
 from .model.transformer import Transformer, build_model
 from .parallel.mesh import MeshError, make_mesh

@@ -129,7 +129,7 @@ def test_device_smaller_than_the_weights_says_how_much_is_missing(capsys):
 
 
 def test_cli_wiring_exit_status():
-    """Through ``dantinox.cli.main.main`` (the CLI owner wires the subcommand): 0 on success, 2 on bad input."""
+    """Through ``dantinox.cli.entrypoint.main`` (the CLI owner wires the subcommand): 0 on success, 2 on bad input."""
     cli = pytest.importorskip("dantinox.cli")
     assert cli.main(["budget", "--preset", "tiny", "--context", "32"]) == 0
     assert cli.main(["budget", "--preset", "tiny", "--device-memory", "lots"]) == 2

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.generation.generator import Generator
 from dantinox.quality.verify import verify_cache
 from dantinox.runs.bundled import bundled_run_dir

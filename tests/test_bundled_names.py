@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.runs.bundled import bundled_names, bundled_run_dir, describe_bundled, resolve_run_dir
 from dantinox.runs.run_dir import RunDirError, load_run
 

@@ -6,7 +6,7 @@ import pytest
 from chat_util import CHATML, save_tiny_chat_run
 
 import dantinox as dx
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.generation.generator import Generator
 from dantinox.runs.chat_template import ChatTemplate, ChatTemplateError
 

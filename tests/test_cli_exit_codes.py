@@ -9,7 +9,7 @@ import sys
 import pytest
 from test_generator_cli import make_run
 
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}

@@ -3,7 +3,7 @@ files that do not exist or are directories, files that are not YAML, and flags n
 
 import pytest
 
-from dantinox.cli.main import main
+from dantinox.cli.entrypoint import main
 from dantinox.parallel.mesh import MeshError, mesh_from_flag, naming_flag
 
 

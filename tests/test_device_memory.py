@@ -4,12 +4,8 @@ import pytest
 
 import dantinox as dx
 from dantinox.budget.memory import kv_cache_bytes, param_bytes
-from dantinox.budget.per_device import (
-    kv_bytes_per_sequence_per_device,
-    mesh_shapes_for,
-    plan_mesh,
-    weights_bytes_per_device,
-)
+from dantinox.budget.per_device import (kv_bytes_per_sequence_per_device, mesh_shapes_for, plan_mesh,
+                                        weights_bytes_per_device)
 from dantinox.parallel.mesh import MeshError
 
 SMOLLM2 = dx.ModelConfig(attention="gqa", kv_heads=3, dim=576, n_heads=9, head_size=64, num_blocks=30,
@@ -68,7 +64,7 @@ def test_smollm2_heads_do_not_split_over_two():
 
 
 def test_budget_cli_mesh_table_and_bad_mesh(capsys):
-    from dantinox.cli.main import main
+    from dantinox.cli.entrypoint import main
 
     assert main(["budget", "--preset", "reference", "--device-memory", "80MB", "--mesh", "data=2,model=2"]) == 0
     out = capsys.readouterr().out

@@ -8,13 +8,8 @@ from conftest import tiny_config
 from flax import nnx
 
 import dantinox as dx
-from dantinox.generation.diffusion import (
-    diffusion_generate,
-    diffusion_generate_result,
-    dual_cache_bytes,
-    init_dual_cache,
-    prompt_slots,
-)
+from dantinox.generation.diffusion import (diffusion_generate, diffusion_generate_result, dual_cache_bytes,
+                                           init_dual_cache, prompt_slots)
 
 PROMPTS = [[5, 17, 42, 99, 3, 64], [88, 1, 23, 77, 51, 9]]  # K07: two different 6-token prompts
 K07 = dict(gen_len=16, block_size=8, steps_per_block=8)     # one token unmasked per step
@@ -165,7 +160,7 @@ def test_masked_diffusion_objective_masks_at_rate_t():
 
 
 def test_budget_prints_the_dual_cache_table(capsys):
-    from dantinox.cli.main import main
+    from dantinox.cli.entrypoint import main
 
     assert main(["budget", "--preset", "dante-diffusion", "--context", "256", "--gen-len", "100"]) == 0
     out = capsys.readouterr().out
@@ -189,7 +184,7 @@ def test_diffusion_training_appends_the_mask_token(tmp_path):
 def test_bundled_diffusion_model_generates_with_and_without_cache(capsys):
     import os
 
-    from dantinox.cli.main import main
+    from dantinox.cli.entrypoint import main
     from dantinox.runs.bundled import bundled_run_dir
 
     run_dir = bundled_run_dir("dante-diffusion")
@@ -260,7 +255,7 @@ def test_shifted_objective_scores_token_i_at_position_i_minus_1():
 def test_diffusion_cli_flags_are_checked_before_printing(flags, message, capsys):
     import os
 
-    from dantinox.cli.main import main
+    from dantinox.cli.entrypoint import main
     from dantinox.runs.bundled import bundled_run_dir
 
     run_dir = bundled_run_dir("dante-diffusion")
@@ -274,7 +269,7 @@ def test_diffusion_cli_flags_are_checked_before_printing(flags, message, capsys)
 def test_diffusion_cli_uses_max_new_tokens_as_gen_len(capsys):
     import os
 
-    from dantinox.cli.main import main
+    from dantinox.cli.entrypoint import main
     from dantinox.runs.bundled import bundled_run_dir
 
     run_dir = bundled_run_dir("dante-diffusion")

@@ -62,6 +62,6 @@ def test_unreachable_coordinator_is_one_line_exit_2():
 
 
 def test_incomplete_process_flags():
-    from dantinox.cli.main import main
+    from dantinox.cli.entrypoint import main
 
     assert main(["generate", "--prompt", "Nel", "--num-processes", "2"]) == 2

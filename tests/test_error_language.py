@@ -7,7 +7,7 @@ import re
 import pytest
 from test_generator_cli import make_run
 
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.cli.flags import in_flags, option_names, subcommand_parser
 from dantinox.runs.bundled import bundled_run_dir
 from dantinox.runs.tokenizer import train_tokenizer

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dantinox import ModelConfig, build_model, bundled_run_dir
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.quality.slices import slice_quality, windows
 from dantinox.quant.weights import quantize_weights
 from dantinox.runs.run_dir import save_run

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import reference_logits, spiky_model, tiny_config
 
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.generation.generator import Generator
 from dantinox.model.transformer import build_model
 from dantinox.quality.verify import verify_cache

@@ -16,7 +16,7 @@ from gguf_util import write_tiny_gguf
 import dantinox as dx
 from dantinox.checkpoints import write_run_dir
 from dantinox.checkpoints.gguf_source import read_gguf
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.generation.generator import Generator
 from dantinox.runs.tokenizer import TextTokenizer
 

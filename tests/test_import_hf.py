@@ -16,7 +16,7 @@ from dantinox import ConfigError, ModelConfig
 from dantinox.checkpoints import CheckpointError, convert_weights, import_spec
 from dantinox.checkpoints.hf_dir import read_hf_dir, read_safetensors
 from dantinox.checkpoints.run_dir_writer import read_chat_template, read_generation_config
-from dantinox.cli.main import main
+from dantinox.cli.entrypoint import main
 from dantinox.runs.run_dir import load_run
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "parity")

@@ -157,7 +157,7 @@ def test_a_float_cache_passed_to_an_int8_model_is_rejected_by_shape():
 
 
 def test_budget_dtype_int8_prints_int8_bytes_that_match_the_allocation(capsys):
-    from dantinox.cli import main as cli
+    from dantinox.cli import entrypoint as cli
 
     assert cli.main(["budget", "--preset", "tiny", "--dtype", "int8", "--context", "32", "--measure"]) == 0
     out = capsys.readouterr().out

@@ -12,7 +12,7 @@ from serving_util import chunked_paged_run, drain, greedy, lively_model, make_en
 from test_serving_engine import check_resumed_requests_reprefilled, run_k08_schedule
 
 import dantinox as dx
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.cli.serve import build_engine, kv_summary
 from dantinox.runs.run_dir import save_run
 from dantinox.runs.tokenizer import train_tokenizer

@@ -4,7 +4,7 @@ they run on one device; the equality on a real mesh is tests/multidevice/test_me
 
 import pytest
 
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 
 
 @pytest.mark.parametrize("command", [["eval", "--slice", "a={d}/a.txt"], ["plan", "profile", "--out", "{d}/p.json"],

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dantinox import generate_result, verify_cache
-from dantinox.cli.main import main
+from dantinox.cli.entrypoint import main
 from dantinox.runs.run_dir import load_run
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "parity")

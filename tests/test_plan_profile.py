@@ -61,7 +61,7 @@ def test_plan_profiles_itself_on_the_mesh_given_and_records_it(tmp_path):
     which mesh its costs were measured on."""
     import json
 
-    from dantinox.cli import main as cli
+    from dantinox.cli import entrypoint as cli
     tok = train_tokenizer("abcdefghij klmnop\n" * 4, "char")
     cfg = tiny_config(vocab_size=tok.vocab_size, max_context=64)
     save_run(tmp_path / "run", spiky_model(cfg), cfg, tok)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dantinox.budget.memory import param_bytes
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.config import ModelConfig
 from dantinox.plan.candidate import Candidate, default_candidates
 from dantinox.plan.cost_model import CostModel

@@ -10,7 +10,7 @@ import time
 import pytest
 from test_generator_cli import make_run
 
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.cli import serve as serve_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ from conftest import tiny_config
 from serving_util import SMALL_BUCKETS, lively_model
 
 import dantinox as dx
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.cli.serve import build_engine, kv_summary, parse_bytes
 from dantinox.runs.run_dir import load_run, save_run
 from dantinox.runs.tokenizer import train_tokenizer

@@ -9,7 +9,7 @@ import pytest
 import safetensors.numpy
 from test_train import RUN, TEXT, tiny_cfg
 
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.runs.run_dir import read_summary
 from dantinox.train.trainer import TrainError, train
 

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = open(os.path.join(ROOT, "docs", "training.md"), encoding="utf-8").read()

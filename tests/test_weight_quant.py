@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 import dantinox as dx
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.quant.weights import Int8Linear, quantize_channels, quantize_weights
 
 SMALL = dict(dim=64, n_heads=4, head_size=16, num_blocks=2, vocab_size=200, max_context=64, mlp_hidden=128)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dantinox import generate_result, verify_cache
-from dantinox.cli.main import main as cli_main
+from dantinox.cli.entrypoint import main as cli_main
 from dantinox.runs.run_dir import load_run
 
 

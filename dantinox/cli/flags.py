@@ -1,7 +1,7 @@
 """Library errors spelled in the caller's language: ``name=value`` in a message becomes ``--flag value``.
 
 The library raises ValueError naming its Python arguments (``max_new_tokens=1000 is not allowed: ...``), which
-is right for a Python caller. A command-line user typed flags, so ``dantinox.cli.main.main`` passes every error
+is right for a Python caller. A command-line user typed flags, so ``dantinox.cli.entrypoint.main`` passes every error
 message of a subcommand through ``in_flags`` with that subcommand's parser: each ``name=`` whose name is the
 destination of one of its options (and not part of a longer name or a dotted ``ModelConfig.name``) is
 rewritten to the option as typed, e.g. ``--max_new_tokens 1000`` or ``--reserve-fraction 1.5``. The HTTP

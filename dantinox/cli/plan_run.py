@@ -13,16 +13,8 @@ import sys
 
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..plan.candidate import default_candidates
-from ..plan.inputs import (
-    file_sha256,
-    load_candidates,
-    load_json,
-    load_model,
-    load_trace,
-    parse_memory,
-    parse_slo,
-    positive_number,
-)
+from ..plan.inputs import (file_sha256, load_candidates, load_json, load_model, load_trace, parse_memory, parse_slo,
+                           positive_number)
 from ..plan.ledger import memory_ledger
 from ..plan.quality_gate import gate_variants, run_eval_gate
 from ..plan.recommend import PlanInputs, make_plan

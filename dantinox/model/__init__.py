@@ -7,17 +7,8 @@
   layers.py        RMSNorm, SwiGLU, rotary position embeddings
 """
 
-from .cache import (
-                    CapacityError,
-                    KVCache,
-                    LatentKV,
-                    LayerKV,
-                    QuantLatentKV,
-                    QuantLayerKV,
-                    bytes_per_token_per_layer,
-                    cache_nbytes,
-                    init_cache,
-)
+from .cache import (CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV,
+                    bytes_per_token_per_layer, cache_nbytes, init_cache)
 from .mla import MLAttention
 from .transformer import Transformer, build_model
 

@@ -37,7 +37,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..quant.kv_rows import roundtrip_for
-from .cache import LayerKV, write_layer, write_rows
+from .cache import LayerCacheView, LayerKV, write_layer, write_rows
 from .layers import RMSNorm, apply_rope
 
 NEG_INF = -1e30
@@ -96,7 +96,7 @@ class Attention(nnx.Module):
             (k, (k_q, k_s)), (v, (v_q, v_s)) = (roundtrip_for(layer_cache, k, "k"),
                                                  roundtrip_for(layer_cache, v, "v"))
             stored = (k_q, v_q, k_s, v_s)
-        if hasattr(layer_cache, "attend_and_write"):  # another cache layout, e.g. dantinox.serving.paged_cache
+        if isinstance(layer_cache, LayerCacheView):  # another cache layout, e.g. dantinox.serving.paged_cache
             extra = {} if stored is None else {"stored": stored}
             y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window,
                                                         **extra)

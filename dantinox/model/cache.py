@@ -15,7 +15,7 @@ checks ``cache_index + T <= S`` before it writes; see ``check_cache_capacity``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +196,30 @@ class QuantLatentKV(NamedTuple):
         """The float latents the int8 rows stand for: LatentKV(c_kv [B, S, C], k_rope [B, S, R]) in dtype."""
         return LatentKV(dequantize_rows(self.c_kv, self.c_scale, dtype),
                         dequantize_rows(self.k_rope, self.r_scale, dtype))
+
+
+@runtime_checkable
+class LayerCacheView(Protocol):
+    """A layer cache in another layout than LayerKV (the paged serving pool, the DualCache, the int8 reference):
+    ``dantinox.model.attention.Attention`` hands it the new tokens' projections and it attends and writes.
+
+    q: [B, K, G, T, D] (G = H / K query heads per KV head); k, v: [B, K, T, D] in the compute dtype (for
+    cache_dtype="int8" already read back from int8); cache_index, key_start: [B] int32; window: the sliding
+    window (0: off); stored: for cache_dtype="int8" the rows to write, (k_q, v_q int8 [B, K, T, D], k_scale,
+    v_scale float32 [B, K, T, 1]), else not passed. Returns (y [B, K, G, T, D] float32, the updated view).
+    """
+
+    def attend_and_write(self, q, k, v, cache_index, key_start, window, stored=None): ...
+
+
+@runtime_checkable
+class LatentCacheView(Protocol):
+    """An MLA layer cache in another layout than LatentKV (``dantinox.model.mla.MLAttention``'s hook).
+
+    attend_over(old) -> o [B, T, H, Dv] float32 runs the absorbed attention over ``old`` (the view's old
+    latents as LatentKV or QuantLatentKV, or None for no old slots) and the new tokens; stored: (c_new [B, T,
+    C], kr_new [B, T, R]), or for cache_dtype="int8" (c_q, kr_q int8, c_scale, r_scale [B, T, 1] float32);
+    cache_index, key_start: [B] int32. Returns (o, the updated view).
+    """
+
+    def attend_and_write_latent(self, attend_over, stored, cache_index, key_start): ...

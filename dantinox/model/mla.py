@@ -44,7 +44,7 @@ from flax import nnx
 from ..config import ModelConfig
 from ..quant.kv_rows import roundtrip_for
 from .attention import NEG_INF, attend, new_token_mask, old_slot_mask, old_slots
-from .cache import LatentKV, LayerKV, write_rows
+from .cache import LatentCacheView, LatentKV, LayerCacheView, LayerKV, write_rows
 from .layers import RMSNorm, apply_rope
 
 
@@ -95,7 +95,7 @@ class MLAttention(nnx.Module):
 
         Returns (y [B, T, E], updated LatentKV or None).
         """
-        if hasattr(layer_cache, "attend_and_write"):
+        if isinstance(layer_cache, LayerCacheView):
             raise NotImplementedError("attention='mla' needs a latent cache (LatentKV or a paged latent view "
                                       "with attend_and_write_latent), not a per-head key/value layout")
         cfg = self.cfg
@@ -113,7 +113,7 @@ class MLAttention(nnx.Module):
                                                          roundtrip_for(layer_cache, kr_new, "k_rope"))
             stored = (c_q, r_q, c_s, r_s)
         attention = self._path(T)
-        if hasattr(layer_cache, "attend_and_write_latent"):  # the paged pool (dantinox.serving.paged_cache)
+        if isinstance(layer_cache, LatentCacheView):  # the paged pool (dantinox.serving.paged_cache)
             o, new_cache = layer_cache.attend_and_write_latent(
                 lambda old: attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start),
                 stored, cache_index, key_start)

@@ -21,7 +21,7 @@ from flax import nnx
 from ..config import ModelConfig
 from ..parallel.sharding import constrain_cache, shard_model
 from .attention import Attention
-from .cache import KVCache, cache_field_shapes, check_cache_capacity
+from .cache import KVCache, LatentCacheView, LayerCacheView, cache_field_shapes, check_cache_capacity
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .mla import MLAttention
 
@@ -149,8 +149,7 @@ def build_model(cfg: ModelConfig, seed: int = 0, mesh=None) -> Transformer:
 
 def _attends_itself(kv_caches) -> bool:
     """True for layer caches that run their own attention and checks (dantinox.serving.paged_cache)."""
-    return bool(kv_caches) and (hasattr(kv_caches[0], "attend_and_write")
-                                or hasattr(kv_caches[0], "attend_and_write_latent"))
+    return bool(kv_caches) and isinstance(kv_caches[0], (LayerCacheView, LatentCacheView))
 
 
 def _check_attend_slots(attend_slots, cache_index, max_context: int) -> int | None:

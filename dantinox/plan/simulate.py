@@ -22,16 +22,8 @@ import math
 from ..serving.allocator import BlockAllocator
 from ..serving.request import QueueFullError, Request, RequestError, RequestStatus, SamplingOptions
 from ..serving.scheduler import Scheduler
-from ..serving.step_plan import (
-    advance,
-    decode_step_calls,
-    engine_buckets,
-    engine_policy,
-    finish_reason,
-    forward_calls,
-    plan_decode_steps,
-    pool_blocks,
-)
+from ..serving.step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason,
+                                 forward_calls, plan_decode_steps, pool_blocks)
 from .cost_model import CostModel
 from .metrics import RequestRecord, summarize
 from .router import Router

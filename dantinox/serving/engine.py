@@ -37,16 +37,8 @@ from .paged_cache import init_pool, pool_nbytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
 from .runner import StepLogprobs, copy_blocks, decode_steps, forward_step, read_blocks, static_graph, write_blocks
 from .scheduler import Chunk, Schedule, Scheduler
-from .step_plan import (
-    advance,
-    decode_step_calls,
-    engine_buckets,
-    engine_policy,
-    finish_reason,
-    forward_calls,
-    plan_decode_steps,
-    pool_blocks,
-)
+from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
+                        plan_decode_steps, pool_blocks)
 
 log = logging.getLogger("dantinox.serving")
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dantinox import ModelConfig, build_model
-from dantinox.cli import main as cli
+from dantinox.cli import entrypoint as cli
 from dantinox.runs.run_dir import save_run
 from dantinox.runs.tokenizer import train_tokenizer
 

@@ -151,7 +151,7 @@ def test_vocab_not_dividing_stays_replicated():
 
 
 def test_cli_generate_and_verify_on_a_mesh(capsys):
-    from dantinox.cli.main import main
+    from dantinox.cli.entrypoint import main
 
     args = ["generate", "--prompt", "Nel mezzo", "--max_new_tokens", "12", "--temperature", "0"]
     assert main(args) == 0

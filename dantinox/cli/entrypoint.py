@@ -29,13 +29,8 @@ import sys
 from ..config import ConfigError
 from ..model.cache import CapacityError
 from ..runs.bundled import DEFAULT_BUNDLED, bundled_root, describe_bundled
-from .flags import (
-    _add_kv_dtype,
-    add_distributed_arguments,
-    add_mesh_argument,
-    add_quantize_argument,
-    initialize_from_args,
-)
+from .flags import (_add_kv_dtype, add_distributed_arguments, add_mesh_argument, add_quantize_argument,
+                    initialize_from_args)
 from .generate import _add_diffusion, _add_sampling, cmd_generate
 from .verify import cmd_verify
 
@@ -92,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         budget.set_defaults(func=run_budget)
     _add_serve(sub)
     _add_import(sub)
-    from .main import run_models
+    from .entrypoint import run_models
 
     sub.add_parser("models", help="list the bundled models (usable by name: --run_dir dante-diffusion)"
                    ).set_defaults(func=run_models)
