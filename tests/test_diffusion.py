@@ -8,6 +8,7 @@ from conftest import tiny_config
 from flax import nnx
 
 import dantinox as dx
+from dantinox.budget.memory import diffusion_cache_bytes
 from dantinox.generation.diffusion import (diffusion_generate, diffusion_generate_result, dual_cache_bytes,
                                            init_dual_cache, prompt_slots)
 
@@ -105,7 +106,7 @@ def test_dual_cache_bytes_equal_the_allocated_arrays(model):
     sizes = []
     diffusion_generate_result(model, PROMPTS, **K07, on_block=lambda n, x, c: sizes.append(dx.cache_nbytes(c)))
     assert sizes == [dual_cache_bytes(cfg, 6, 16, 2)] * 2
-    report = dx.planner.diffusion_cache_bytes(cfg, 6, 16, 2)
+    report = diffusion_cache_bytes(cfg, 6, 16, 2)
     assert report["dual_cache"] == sizes[0]
     assert report["ar_same_length"] == dx.kv_cache_bytes(cfg, 2, 22)
     assert report["ar_static"] == dx.cache_nbytes(dx.init_cache(cfg, 2))

@@ -196,7 +196,7 @@ def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
     cfg = model.cfg
     if cfg.paradigm != "ar":
         raise ValueError(f"this function decodes autoregressive models; the model has paradigm={cfg.paradigm!r}"
-                         ": use dantinox.generation.decode or dantinox.generation.diffusion.diffusion_generate")
+                         ": use dantinox.generate or dantinox.diffusion_generate")
     ids, lengths, single = prepare_prompts(prompt_ids, cfg.vocab_size, cfg.max_context)
     check_request(lengths, max_new_tokens, cfg.max_context)
     sampling = make_sampling_params(len(ids), temperature, top_k, top_p, cfg.vocab_size)

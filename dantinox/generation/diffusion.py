@@ -339,7 +339,7 @@ def check_diffusion_request(cfg, longest_prompt: int, gen_len, block_size, steps
     """Raise ValueError (or CapacityError for the length) naming the argument, its value and what is allowed."""
     if cfg.paradigm != "diffusion":
         raise ValueError(f"diffusion generation needs a model with paradigm='diffusion'; this one has "
-                         f"paradigm={cfg.paradigm!r} (use dantinox.generation.decode)")
+                         f"paradigm={cfg.paradigm!r} (use dantinox.generate)")
     if cfg.mask_token_id is None:
         raise ValueError("ModelConfig.mask_token_id is None: the model has no MASK token (train it with "
                          "`dantinox train`, which appends <mask> to the tokenizer and sets it)")

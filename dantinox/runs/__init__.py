@@ -1,0 +1,20 @@
+"""What lies on disk: the run directory, its tokenizer and chat template, the bundled runs, atomic writes.
+
+  run_dir.py         save_run / load_run: config.json, model.safetensors, tokenizer.json, summary.json
+  tokenizer.py       text <-> ids through a Hugging Face tokenizer.json
+  chat.py            a run's chat settings; chat_template.py renders a conversation with its template
+  bundled.py         the run directories shipped in the package, by name
+  files.py           writes that leave the old content or the new, never half of either
+"""
+
+from .bundled import bundled_names, bundled_run_dir, resolve_run_dir
+from .chat import ChatFormat, NoChatTemplateError, load_chat_format
+from .chat_template import ChatTemplate, ChatTemplateError
+from .files import atomic_write_bytes, atomic_write_json
+from .run_dir import RunDirError, load_run, read_summary, save_run
+from .tokenizer import StreamDecoder, TextTokenizer, train_tokenizer
+
+__all__ = ["ChatFormat", "ChatTemplate", "ChatTemplateError", "NoChatTemplateError", "RunDirError",
+           "StreamDecoder", "TextTokenizer", "atomic_write_bytes", "atomic_write_json", "bundled_names",
+           "bundled_run_dir", "load_chat_format", "load_run", "read_summary", "resolve_run_dir", "save_run",
+           "train_tokenizer"]
