@@ -35,7 +35,7 @@ _INT_FLAGS = (("--block-size", "block_size", 1), ("--max-running", "max_running"
 
 
 def parse_bytes(text: str) -> int:
-    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (the budget command's parser).
+    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (``dantinox.budget.memory.parse_memory_size``).
     Raises ValueError naming --kv-memory and the value."""
     from ..budget.memory import parse_memory_size
 

@@ -221,7 +221,7 @@ def _finish(out: np.ndarray, req: _Request) -> GenerationResult:
 def generate_result(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True,
                     temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
                     mesh=None) -> GenerationResult:
-    """Like :func:`generate` but always batched ([B, N] tokens) and with per-row lengths and finish reasons."""
+    """Like :func:`dantinox.generate` but always batched ([B, N] tokens) and with per-row lengths and finish reasons."""
     place_on_mesh(model, mesh)
     return _run(_prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id), model,
                 use_cache)
@@ -254,7 +254,7 @@ def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: in
                   top_k=0, top_p=1.0, seed: int = 0, eos_id=None, mesh=None) -> Iterator[np.ndarray]:
     """Yield new tokens as they are produced, chunk_size decode steps at a time: arrays [B, n] int32
     (n <= chunk_size; the first chunk holds the prefill token too). Rows past their EOS yield eos_id.
-    Same arguments, errors and tokens as :func:`generate` with use_cache=True."""
+    Same arguments, errors and tokens as :func:`dantinox.generate` with use_cache=True."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)

@@ -72,8 +72,8 @@ class Transformer(nnx.Module):
           kv_caches: from ``init_cache(cfg, B)``: per layer LayerKV(k, v) of [B, K, S, D] (MLA: LatentKV(c_kv
             [B, S, C], k_rope [B, S, R]); cache_dtype="int8": QuantLayerKV / QuantLatentKV, the int8 rows plus
             float32 scales [..., S, 1]). Required when use_cache is True (it is never allocated lazily). A cache
-            cut to its first S' <= max_context slots (``generate.cache_window``) is accepted; the call must
-            then stay below slot S'.
+            cut to its first S' <= max_context slots (``dantinox.generation.decode.cache_window``) is accepted;
+            the call must then stay below slot S'.
           cache_index: int or [B] int32: slot of each row's first new token. The Python int 0 marks a fresh
             prefill (the old cache is not read).
           key_start: optional [B] int32: number of left-padding slots per row; those slots are never
