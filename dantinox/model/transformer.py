@@ -126,8 +126,8 @@ class Transformer(nnx.Module):
         """Output projection. h: [B, T, E] -> logits [B, T, V] float32.
 
         A tied head contracts E with the table's last axis directly (dot_general on [V, E]); ``nnx.Embed.attend``
-        writes ``embedding.T``, which XLA CPU materialised as a [E, V] transpose + copy every decode step
-        (113 MB for SmolLM2's table in float32), about 25% slower for that product.
+        writes ``embedding.T``, which XLA CPU materialised as a [E, V] transpose + copy every decode step (a
+        copy of the whole table; measured cost in docs/performance.md, "Costs behind choices in the code").
         """
         if self.lm_head is not None:
             out = self.lm_head(h)
