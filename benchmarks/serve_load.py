@@ -9,7 +9,7 @@ the trace of benchmarks/serve_common.py (--requests requests, Poisson arrivals a
 greedy, streamed) with httpx. The server's log goes to serve_load.log in the temporary directory; its
 "KV cache: ..." line is printed.
 Checks: every request either completes with exactly its max_tokens tokens or gets 429; each completed
-text equals the batch-1 ``dantinox.generation.decode`` output for its prompt; once idle, every KV block is free and
+text equals the batch-1 ``dantinox.generate`` output for its prompt; once idle, every KV block is free and
 /health answers "ok". Prints TTFT p50/p99 and TPOT p50/p99 (client side, ms), output throughput
 (tokens/s over the wall time of the run), completed / rejected counts, preemptions and prefix-cache hits.
 Bounded: one pass over the trace, a 120 s client timeout per request.

@@ -5,8 +5,10 @@
   hf_weights.py      HF-named tensors -> the dantinox parameter tree, every shape checked against the config
   hf_dir.py          reading a Hugging Face model directory (config, safetensors shards, tokenizer, template)
   run_dir_writer.py  ``write_run_dir``: the one entry point every source (HF directory, GGUF) ends in
-  gguf_source.py     (branch import-gguf-chat) ``read_gguf(path) -> hf_dir.HFCheckpoint``: a GGUF file as the
-                     same inputs (HF tensor names and layouts, a tokenizer.json text, template, generation)
+  gguf_source.py     ``read_gguf(path) -> hf_dir.HFCheckpoint``: a GGUF file as the same inputs (HF tensor
+                     names and layouts, a tokenizer.json text, template, generation)
+  gguf_tokenizer.py  GGUF tokenizer metadata -> a tokenizer.json
+  errors.py          CheckpointError
 
 Every failure raises :class:`CheckpointError` with one line naming the file or field, the value and what is
 allowed; ``dantinox import`` prints it and exits 2.

@@ -6,8 +6,8 @@
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step] [--kv-dtype int8] [--quantize bf16|int8]
-  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--kv-dtype int8]
-                    [--quantize bf16|int8]
+  dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--relative_tolerance F]
+                    [--kv-dtype int8] [--quantize bf16|int8]
   (generate, verify, train, eval, plan profile: [--mesh data=D,model=M] shards over D x M devices, and
    [--coordinator HOST:PORT --num-processes N --process-id I] joins N processes into one mesh;
    docs/multi-device.md)

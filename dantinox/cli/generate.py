@@ -1,4 +1,14 @@
-"""TODO docstring."""
+"""``dantinox generate --prompt TEXT``: continue a prompt with a run directory's model and print the text.
+
+The flags, the sampling group (--max_new_tokens, --temperature, --top_k, --top_p, --seed) and the masked-diffusion
+group (--gen_len, --block_size, --steps_per_block, --threshold, --refresh) are added here; ``cmd_generate``
+runs the command through ``dantinox.generation.generator.Generator``, and ``--chat`` goes to
+``dantinox.cli.chat``. Every flag is checked before the prompt is printed (bad values, options of the other
+paradigm, --stream with --no_cache, a prompt plus --max_new_tokens beyond the context): one line, exit 2.
+Without --max_new_tokens an autoregressive model generates DEFAULT_NEW_TOKENS, or what is left of the
+context if less; a diffusion model generates --gen_len (default DEFAULT_GEN_LEN). The text goes to stdout,
+the load, warm-up and speed lines to stderr.
+"""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@
 Without --kv-memory the pool holds max-running sequences of max_context tokens. At start the server logs
 "KV cache: N blocks = T tokens, max concurrency C at L tokens per request" (L = max_context). --kv-dtype
 (float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same --kv-memory holds
-about 3.5x the blocks in int8 as in float32 (scales included; dantinox.quant.kv_rows).
+4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D (3.6x at D = 32;
+the float32 scales included, dantinox.quant.kv_rows).
 FastAPI and uvicorn are imported only when the command runs.
 """
 
@@ -35,7 +36,7 @@ _INT_FLAGS = (("--block-size", "block_size", 1), ("--max-running", "max_running"
 
 
 def parse_bytes(text: str) -> int:
-    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (the budget command's parser).
+    """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (``dantinox.budget.memory.parse_memory_size``).
     Raises ValueError naming --kv-memory and the value."""
     from ..budget.memory import parse_memory_size
 

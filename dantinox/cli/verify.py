@@ -1,4 +1,12 @@
-"""TODO docstring."""
+"""``dantinox verify``: prove the cache exact on a run directory's model (``dantinox.quality.verify``).
+
+Loads the run (with --kv-dtype and --quantize applied, sharded over --mesh), decodes greedily from --prompt
+for --new_tokens tokens (default: fill the context) and prints the largest |cached - uncached| logit
+difference per --range positions. A position passes when its difference is at most
+max(--tolerance, --relative_tolerance x its largest |logit|). For an int8 cache it also prints the rounding
+flips the reference adopted and the distance to a float32 cache. Exit status 0 when every position passes,
+1 otherwise, 2 for bad input (an empty prompt, a prompt or --new_tokens that does not fit the context).
+"""
 
 from __future__ import annotations
 

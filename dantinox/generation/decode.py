@@ -86,9 +86,10 @@ _SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def split_model(model):
     """``nnx.split(model)``, cached per model: (graphdef, state).
 
-    nnx.split walks the module graph (about 10 ms for the reference model, more than a whole decode step);
-    the cached split is reused while every parameter still holds the same array, which a check over the
-    model's variables (tens of microseconds) confirms; after any update (training, loading) it is redone.
+    nnx.split walks the whole module graph on every call, so the split is cached: it is reused while every
+    parameter still holds the same array, which a check over the model's variables (far cheaper than the
+    split) confirms; after any update (training, loading) it is redone. Measured costs: docs/performance.md,
+    "Costs behind choices in the code".
     """
     entry = _SPLITS.get(model)
     if entry is not None and all(var.get_value() is value for var, value in entry[2]):
@@ -107,16 +108,11 @@ def decode_windows(cfg, batch_size: int) -> tuple[int, ...]:
 
     Windowed: multiples of 128 up to 512, then doubling, ending at max_context, e.g. (128, 256, 384, 512) for
     S = 512 (and (S,) for S <= 128). Each window's loop attends over the first L slots only, skipping the
-    empty tail of the cache; ``decode`` cuts the window's slots out once when it begins. The rule, measured
-    with that one-cut-per-window loop (2026-12-01, 2-core AVX-512 Xeon, alternating runs in one process,
-    256 new tokens after a 64-token prompt on the reference shape, 128 on SmolLM2-135M; ms per step, one
-    window of S against these):
-      B >= 2, every attention kind: MHA 17.3 -> 12.1 and GQA kv_heads=2 10.7 -> 7.6 at B=8 (reference
-        shape); SmolLM2 (9 query heads on 3 KV heads, 30 blocks) 79.6 -> 67.3 at B=8;
-      attention="mla", any B: +12 % decode tokens/s at B=1, +26 % at B=8 (measured with per-step cuts);
-      B = 1 otherwise: one window (S,). Windows gained little there (MHA 2.58 -> 2.37, GQA 2.21 -> 2.14,
-        SmolLM2 28.2 -> 26.8) and each window is one more loop body to compile (MHA B=1: 2.1 s -> 6.9 s).
-    Figures: ``benchmarks/bench_decode.py --windows-ab`` (reference shape).
+    empty tail of the cache; ``decode`` cuts the window's slots out once when it begins. Windows are used
+    for every attention kind at B >= 2 and for attention="mla" at any B; otherwise (B = 1) the loop has one
+    window (S,), because each window is one more loop body to compile and a single row gains little.
+    The measurements behind the rule are in docs/performance.md ("Attention windows");
+    ``benchmarks/bench_decode.py --windows-ab`` repeats them on the reference shape.
     """
     S = cfg.max_context
     if cfg.attention != "mla" and batch_size < 2:
@@ -139,8 +135,8 @@ def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: Sampl
     (<= S for the last) over a cache of the first L slots only, so early steps do not read the empty tail of
     the cache (../shared/PERFORMANCE.md, item 3). The window's slots are cut out of the full cache once when
     the window begins and written back once when it ends (every row's written slots are below L while it
-    runs), not every step: per-step cuts were copies of every layer's keys and values, about 17 % of a step
-    of SmolLM2 at B = 8, which decoded at 76.7 ms per step with them and 63.6 ms without (one process).
+    runs), not every step: a per-step cut would copy every layer's keys and values each step (what that cost
+    is in docs/performance.md, "Attention windows").
     Returns the advanced DecodeState (the input is donated).
     """
     model = nnx.merge(graphdef, params)
@@ -221,7 +217,7 @@ def _finish(out: np.ndarray, req: _Request) -> GenerationResult:
 def generate_result(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = True,
                     temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
                     mesh=None) -> GenerationResult:
-    """Like :func:`generate` but always batched ([B, N] tokens) and with per-row lengths and finish reasons."""
+    """Like :func:`dantinox.generate` but always batched ([B, N] tokens) and with per-row lengths and finish reasons."""
     place_on_mesh(model, mesh)
     return _run(_prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id), model,
                 use_cache)
@@ -254,7 +250,7 @@ def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: in
                   top_k=0, top_p=1.0, seed: int = 0, eos_id=None, mesh=None) -> Iterator[np.ndarray]:
     """Yield new tokens as they are produced, chunk_size decode steps at a time: arrays [B, n] int32
     (n <= chunk_size; the first chunk holds the prefill token too). Rows past their EOS yield eos_id.
-    Same arguments, errors and tokens as :func:`generate` with use_cache=True."""
+    Same arguments, errors and tokens as :func:`dantinox.generate` with use_cache=True."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)

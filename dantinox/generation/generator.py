@@ -119,10 +119,10 @@ class Generator:
                  temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  unknown: str = "error", **diffusion_options) -> str | list[str]:
         """Continue ``text`` (or each text of a list, batched) by up to max_new_tokens tokens; returns the new
-        text only. Sampling arguments as in :func:`dantinox.generation.decode` (temperature 0 = greedy); a diffusion
+        text only. Sampling arguments as in :func:`dantinox.generate` (temperature 0 = greedy); a diffusion
         model generates exactly max_new_tokens (gen_len) tokens and takes diffusion_options (block_size,
         steps_per_block, threshold, refresh; see dantinox.generation.diffusion.diffusion_generate).
-        Raises ValueError / CapacityError as :func:`dantinox.generation.decode` and :meth:`encode`."""
+        Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`."""
         if not isinstance(text, (str, list, tuple)) or (not isinstance(text, str) and not text):
             raise ValueError(f"text={text!r} is not allowed: a non-empty string or a non-empty list of strings")
         texts = [text] if isinstance(text, str) else list(text)

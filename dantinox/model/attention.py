@@ -182,8 +182,9 @@ def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | N
 def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:
     """q . k for every query head of a group. q: [B, K, G, T, D]; k: [B, K, S, D] -> [B, K, G, T, S] float32.
 
-    Written as one batched matmul over (B K) with the group's G*T queries as rows: on the CPU this is
-    1.3-1.5x faster than the equivalent 5-D einsum, which makes XLA transpose the cached keys every step.
+    Written as one batched matmul over (B K) with the group's G*T queries as rows, so the cached keys are
+    read in their stored layout; the equivalent 5-D einsum makes XLA transpose them every step (the speed
+    difference on the CPU: docs/performance.md, "Costs behind choices in the code").
     """
     B, K, G, T, D = q.shape
     S = k.shape[2]

@@ -1,9 +1,9 @@
 """The static KV cache: a pytree allocated up front, passed into the model and returned updated.
 
 Layout per layer: k and v of shape [B, K, S, D] (batch, KV heads, max_context slots, head size), in
-``cfg.cache_dtype``; for attention="mla" a ``dantinox.model.cache.LatentKV`` of c_kv [B, S, C] and k_rope [B, S, R]
+``cfg.cache_dtype``; for attention="mla" a ``LatentKV`` of c_kv [B, S, C] and k_rope [B, S, R]
 instead (the latent and the shared RoPE key, never per-head keys and values). With cache_dtype="int8" the
-layers are ``QuantLayerKV`` (int8 k, v plus float32 scales [B, K, S, 1]) and ``dantinox.model.cache.QuantLatentKV``
+layers are ``QuantLayerKV`` (int8 k, v plus float32 scales [B, K, S, 1]) and ``QuantLatentKV``
 (int8 c_kv, k_rope plus scales [B, S, 1]); see ``dantinox.quant.kv_rows``. The cache holds no write index
 of its own: the caller passes ``cache_index`` (a scalar or one slot per row, [B] int32) so rows of different
 lengths share a batch.

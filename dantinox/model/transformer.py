@@ -72,8 +72,8 @@ class Transformer(nnx.Module):
           kv_caches: from ``init_cache(cfg, B)``: per layer LayerKV(k, v) of [B, K, S, D] (MLA: LatentKV(c_kv
             [B, S, C], k_rope [B, S, R]); cache_dtype="int8": QuantLayerKV / QuantLatentKV, the int8 rows plus
             float32 scales [..., S, 1]). Required when use_cache is True (it is never allocated lazily). A cache
-            cut to its first S' <= max_context slots (``generate.cache_window``) is accepted; the call must
-            then stay below slot S'.
+            cut to its first S' <= max_context slots (``dantinox.generation.decode.cache_window``) is accepted;
+            the call must then stay below slot S'.
           cache_index: int or [B] int32: slot of each row's first new token. The Python int 0 marks a fresh
             prefill (the old cache is not read).
           key_start: optional [B] int32: number of left-padding slots per row; those slots are never
@@ -126,8 +126,8 @@ class Transformer(nnx.Module):
         """Output projection. h: [B, T, E] -> logits [B, T, V] float32.
 
         A tied head contracts E with the table's last axis directly (dot_general on [V, E]); ``nnx.Embed.attend``
-        writes ``embedding.T``, which XLA CPU materialised as a [E, V] transpose + copy every decode step
-        (113 MB for SmolLM2's table in float32), about 25% slower for that product.
+        writes ``embedding.T``, which XLA CPU materialised as a [E, V] transpose + copy every decode step (a
+        copy of the whole table; measured cost in docs/performance.md, "Costs behind choices in the code").
         """
         if self.lm_head is not None:
             out = self.lm_head(h)

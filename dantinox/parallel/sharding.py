@@ -22,9 +22,10 @@ after the split (measured in benchmarks/bench_mesh.py). With ``fsdp=True`` the `
 every matrix is also split over ``data`` (ZeRO-3 style parameter sharding for training; Rajbhandari et al.
 2020, "ZeRO", section 5), and XLA all-gathers each matrix where it is used.
 
-Why path rules rather than ``nnx.with_partitioning`` on each module: the modules (attention.py, mla.py,
-layers.py, model.py) stay untouched, a parameter added by another architecture is simply replicated (and
-reported by :func:`unmatched_params`) instead of failing, and the whole layout reads in one table.
+Why path rules rather than ``nnx.with_partitioning`` on each module: the modules (model/attention.py,
+model/mla.py, model/layers.py, model/transformer.py) stay untouched, a parameter added by another architecture
+is simply replicated (and reported by :func:`unmatched_params`) instead of failing, and the whole layout reads
+in one table.
 
 Divisibility. Query heads (n_heads) and the MLP width (mlp_hidden) must divide by the ``model`` size, or
 :class:`MeshError` names the field and the axis. The vocabulary is split only where V divides by it

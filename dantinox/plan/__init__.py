@@ -10,6 +10,8 @@ on the real engine, a sweep of candidate deployments behind SLOs and quality gat
   candidate.py     a deployment to sweep; ledger.py its memory; variants.py kv dtype / weight quantization
   quality_gate.py  dantinox eval --gate per model variant
   recommend.py     drop by memory, quality and SLO; cheapest survivor by cost per million tokens
-  plan_run.py      one plan run; report.py plan.md, plots, plan.json, serve.yaml; gate.py the release gate
-  cli.py           ``dantinox plan`` and its subcommands
+  report.py        plan.md, plots, plan.json, serve.yaml;  gate.py: the release gate
+
+``dantinox plan`` and its subcommands live in ``dantinox/cli/plan.py``, one whole plan run in
+``dantinox/cli/plan_run.py``.
 """

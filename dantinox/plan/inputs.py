@@ -46,7 +46,8 @@ def positive_number(flag: str, value) -> float:
 
 
 def parse_memory(flag: str, text: str) -> int:
-    """'80GB', '512MiB', '1000' -> bytes, via the budget command's parser; ValueError naming ``flag``."""
+    """'80GB', '512MiB', '1000' -> bytes, via ``dantinox.budget.memory.parse_memory_size``; ValueError
+    naming ``flag``."""
     try:
         return parse_memory_size(text)
     except ValueError as err:

@@ -7,11 +7,10 @@ shape is compiled once, then timed as the median of a few runs. Two measurements
 to real serving: ``calibrate_steps`` runs a burst of requests through the real engine and fits, per step
 kind, the host time and slowdown the isolated calls miss; ``measure_wake`` measures how much more the first
 steps after an idle period cost, the first one and the few after it (on a CPU the caches, clock and worker
-threads go cold while the engine waits for requests, which made light-load latency about 30 % slower than
-the isolated calls said). The machine's
-memory bandwidth (a streaming jitted add) and matmul rate (a jitted float32 matmul) are measured briefly,
-and every timed call is set against the time its bytes (weights + KV read) and its FLOPs would take at those
-rates: the bottleneck report.
+threads go cold while the engine waits for requests, so light-load latency exceeds what the isolated calls
+say; docs/planning.md gives the measured effect). The machine's memory bandwidth (a streaming jitted add)
+and matmul rate (a jitted float32 matmul) are measured briefly, and every timed call is set against the
+time its bytes (weights + KV read) and its FLOPs would take at those rates: the bottleneck report.
 
 profile.json records the model digest (sha256 of its weights file), its config, the dantinox version and
 the engine configuration; ``check_profile`` refuses a profile of another model or version, naming what
@@ -95,8 +94,8 @@ def machine_rates(repeats: int = 5) -> dict:
     """{"bandwidth_bytes_per_s", "matmul_flops_per_s", "stream_bytes"}: a jitted in-place streaming add over
     stream_bytes (read + write, the buffer donated so no fresh pages are touched) and a jitted 1024 x 1024
     float32 matmul, best of ``repeats``. stream_bytes is 64 MiB or twice the last-level cache, whichever is
-    larger, at most 1 GiB, so that the add measures memory and not a cache (one host here reports a 260 MiB
-    L3: over 64 MiB it measured 79 GB/s)."""
+    larger, at most 1 GiB, so that the add measures memory and not a cache (a last-level cache larger than
+    64 MiB would otherwise hold the whole buffer; docs/planning.md has the host where that happened)."""
     from functools import partial
 
     nbytes = min(max(64 << 20, 2 * last_level_cache_bytes()), 1 << 30)

@@ -6,7 +6,7 @@ the time it returned, sleep until the next arrival when there is nothing to do. 
 (metrics.summarize), measured from each request's trace arrival time.
 
 Why not over HTTP with guidellm: an in-process replay stamps tokens where the engine produces them, so the
-comparison with the simulator is not blurred by HTTP, JSON and asyncio on a 2-core machine shared with the
+comparison with the simulator is not blurred by HTTP, JSON and asyncio on a small CPU host shared with the
 client; ``dantinox serve`` with guidellm (``--backend kind=openai_http``) remains the end-to-end check.
 
 ``RealReplica`` adapts a PagedEngine to the simulator's replica interface, so ``simulate.run_trace`` can drive

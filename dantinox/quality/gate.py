@@ -62,7 +62,7 @@ def load_gate(path: str | os.PathLike, slice_names) -> dict[str, dict[str, float
 
 
 def gate_value(metric: str, row: Mapping[str, float]) -> float:
-    """The figure a gate metric compares, from one slice's results (keys as in eval_cli's JSON rows)."""
+    """The figure a gate metric compares, from one slice's results (keys as in cli/eval.py's JSON rows)."""
     if metric == "loss_change_pct":
         return abs(row["loss_change_pct"])
     if metric == "agreement_min":

@@ -11,7 +11,8 @@
         zero point fixed at 0). In each matmul the int8 kernel is converted to float32 (exact) right before
         the dot, the dot accumulates in float32 and the fp32 scale multiplies the output columns; no
         dequantized weight is kept between steps, and activations stay float32. The weights take about a
-        quarter of their float32 bytes; on a 2-core AVX-512 CPU decoding was no faster (docs/quantization.md).
+        quarter of their float32 bytes; it saves memory, not necessarily time (measured decode speed:
+        docs/quantization.md, "Decode speed").
         A tied embedding is one int8 table with one scale per vocabulary row: the row of the lookup and the
         output channel of the logits share it. MLA's W_UK / W_UV (used inside the absorbed attention
         einsums) stay float32.
@@ -70,9 +71,10 @@ def _dot_last(x: jax.Array, kernel: jax.Array, contract_kernel_axis: int) -> jax
       - a bf16 x bf16 -> f32 dot (YNNPACK on XLA CPU): the activations must then be rounded to bf16, and the
         one-row decode step and the whole-sequence forward round a few of them to neighbouring bf16 values
         (their float32 values differ in the last bits), so the cached and uncached logits of the bundled model
-        differed by up to 4e-2 (``dantinox verify --quantize bf16`` failed); float32 operands keep them within
-        1e-5 (docs/quantization.md);
-      - converting int8 to bf16: XLA's s8 -> bf16 convert loop was 7x slower on a 2-core AVX-512 host.
+        differed far beyond verify's tolerance (``dantinox verify --quantize bf16`` failed); float32 operands
+        keep them at the float32 floor (figures: docs/quantization.md, "Low-precision weights");
+      - converting int8 to bf16: XLA CPU emits a separate s8 -> bf16 convert loop that costs more than the
+        whole float32 dot (docs/quantization.md).
     """
     dims = (((x.ndim - 1,), (contract_kernel_axis,)), ((), ()))
     return jax.lax.dot_general(x.astype(jnp.float32), kernel.astype(jnp.float32), dims,

@@ -6,13 +6,15 @@
   runner.py                      compiled forward/sample and block-move functions
   request.py                     one request's options, tokens and state
   scheduler.py                   chunked prefill + decode under a token budget; admission; preemption
-  engine.py                      the Engine interface and PagedEngine
+  step_plan.py                   the host arithmetic of one engine step (shared with plan/simulate.py)
+  engine.py                      the Engine interface and PagedEngine; sharded_engine.py: the same on a mesh
   worker.py / server.py          the engine thread and the OpenAI-compatible FastAPI app
+  completions.py                 /v1/completions: validation, choices, stop strings, disconnects
+  chat_endpoint.py               /v1/chat/completions
   metrics.py / protocol.py       Prometheus metrics; the completions request/response format
-  serve_cli.py                   ``dantinox serve``
 
-The HTTP modules (server, worker, metrics, protocol) are not imported here, so the engine works without
-FastAPI installed.
+``dantinox serve`` lives in ``dantinox/cli/serve.py``. The HTTP modules (server, completions, chat_endpoint,
+worker, metrics, protocol) are not imported here, so the engine works without FastAPI installed.
 """
 
 from .allocator import BlockAllocator

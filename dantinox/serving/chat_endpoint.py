@@ -2,7 +2,7 @@
 
 The conversation (``messages``) is rendered with the model's template (``dantinox.runs.chat``), encoded, and run
 through the same worker, engine and per-choice text pipeline as ``/v1/completions`` (``dantinox.serving.
-server``): stop strings, n choices with seeds seed + i, streaming, client disconnects. What differs:
+completions``): stop strings, n choices with seeds seed + i, streaming, client disconnects. What differs:
   - each choice stops at the model's end-of-turn ids (the engine's ``stop_token_ids``); that token is counted
     in usage but not shown in the answer;
   - the answer is ``choices[i].message = {"role": "assistant", "content": text}``; streamed chunks are

@@ -309,8 +309,9 @@ class PagedEngine(Engine):
 
     def _warm_decode_steps(self, B: int, M: int) -> None:
         """Run one iteration of the multi-step loop for bucket (B, M) with every write dropped (block tables
-        point past the pool): the loop body's first execution is slow on the CPU (about 20 ms here), so it is
-        paid before serving, not by the first request that decodes in this bucket."""
+        point past the pool): the loop body's first execution is slow on the CPU (docs/performance.md, "Costs
+        behind choices in the code"), so it is paid before serving, not by the first request that decodes in
+        this bucket."""
         z = np.zeros(B, np.int32)
         table = np.full((B, M), self.allocator.num_blocks, np.int32)
         sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))

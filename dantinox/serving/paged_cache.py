@@ -13,9 +13,9 @@ Layout per layer, the static cache's layout with the slot axis cut into blocks, 
                     indexed by the same block ids, so every block operation (copy-on-write, swap out/in,
                     prefix sharing) that moves or shares a block moves or shares its scales with it.
 Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
-The pool is sized from a memory budget with ``dantinox.model.cache.bytes_per_token_per_layer``, the figure the
-planner sums (2 K D or C + R elements per token and layer), so N x P x L x bytes_per_token_per_layer equals
-the bytes allocated (``pool_nbytes``).
+The pool is sized from a memory budget with ``dantinox.model.cache.bytes_per_token_per_layer``, the figure
+``dantinox.budget.memory`` sums (2 K D or C + R elements per token and layer), so
+N x P x L x bytes_per_token_per_layer equals the bytes allocated (``pool_nbytes``).
 
 How the model reads it. Each attention kind accepts a layer cache object with its own hook (see
 ``dantinox.model.attention.Attention`` and ``dantinox.model.mla.MLAttention``); per call a view carries the layer's

@@ -45,7 +45,7 @@ class SamplingOptions:
 
     max_new_tokens: tokens to generate (>= 1).  temperature: >= 0, 0 = greedy.  top_k: >= 0, 0 = off.
     top_p: in (0, 1], 1 = off.  seed: in [0, 2**32): the request's PRNG stream (the same tokens as
-    ``dantinox.generation.decode`` with that seed).  stop_token_ids: generation ends after any of these ids
+    ``dantinox.generate`` with that seed).  stop_token_ids: generation ends after any of these ids
     (finish reason "stop"; the id is part of the output).  logprobs: None, or 0..MAX_LOGPROBS: each output
     token then carries its log-probability and that many most likely alternatives (``TokenLogprobs``).
     """

@@ -4,9 +4,9 @@ Every function has static shapes chosen by the caller (a batch bucket B and a ch
 fixed-length, padded index lists for the copies), so each compiles once per bucket. The pool is donated, so
 XLA updates it in place. Letters: see ``dantinox.serving.paged_cache``.
 
-The model's graph is a static argument. Hashing an nnx GraphDef walks the whole graph (about 2 ms for a
-4-layer model, paid on every call), so the engine passes a ``StaticGraph``: one interned wrapper per distinct
-graph, hashed once and compared by identity.
+The model's graph is a static argument. Hashing an nnx GraphDef walks the whole graph, on every call (its
+measured cost: docs/performance.md, "Costs behind choices in the code"), so the engine passes a
+``StaticGraph``: one interned wrapper per distinct graph, hashed once and compared by identity.
 """
 
 from __future__ import annotations

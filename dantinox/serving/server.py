@@ -21,6 +21,8 @@ Design (threads and queues):
      token loop, for plain and streamed requests alike, and aborts every unfinished choice (case K10).
   5. Every request answered with 400, 422, 429 or 503 is counted once in
      ``dantinox_requests_rejected_total`` under one reason label (see ``ServerMetrics.rejected``).
+Steps 1, 3 and 4 (validation and submission, the per-choice text, stop strings and disconnects) are
+``dantinox.serving.completions``; this module builds the app (``create_app``) and runs it (``ServerThread``).
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``dantinox.serving.chat_endpoint``), GET /v1/models,
 GET /health, GET /metrics (Prometheus text format).
 """

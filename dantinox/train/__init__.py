@@ -1,4 +1,7 @@
-"""Training: tokenizer, data, trainer, checkpoints and the run directory (one concept per module).
+"""Training: data, trainer, checkpoints, init_from and training on a mesh (one concept per module).
+
+The run directory and the tokenizer live in ``dantinox.runs`` (``dantinox train`` in
+``dantinox/cli/train.py``); they are re-exported here so ``from dantinox.train import load_run`` keeps working.
 
     from dantinox.train import train, load_run
     summary = train(ModelConfig.from_preset("dante"), "text.txt", "runs/r1", steps=2000, seq_len=256)
