@@ -77,18 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv_dtype(ver)
     add_quantize_argument(ver)
     ver.set_defaults(func=cmd_verify)
-    try:
-        from .budget import add_budget_arguments, run_budget
-    except ImportError:  # pragma: no cover - planner not installed yet
-        pass
-    else:
-        budget = sub.add_parser("budget", help="KV cache bytes, max batch and capacity for a model shape")
-        add_budget_arguments(budget)
-        budget.set_defaults(func=run_budget)
+    from .budget import add_budget_arguments, run_budget
+
+    budget = sub.add_parser("budget", help="KV cache bytes, max batch and capacity for a model shape")
+    add_budget_arguments(budget)
+    budget.set_defaults(func=run_budget)
     _add_serve(sub)
     _add_import(sub)
-    from .entrypoint import run_models
-
     sub.add_parser("models", help="list the bundled models (usable by name: --run_dir dante-diffusion)"
                    ).set_defaults(func=run_models)
     _add_plan(sub)

@@ -2,10 +2,9 @@
 
 Reuses dantinox.budget.memory: ``memory_split`` for the reserve (ceil(reserve_fraction x device bytes)) and
 ``kv_bytes_per_token`` for the pool (N blocks x P tokens x bytes per token, N = max_running x ceil(max_context
-/ P), the engine's default pool). Weights are counted by ``param_bytes(cfg, quantize)`` where the planner
-knows quantized weights, else estimated from the float32 bytes (variants.quantized_weight_bytes). A KV dtype
-the planner does not know yet (int8 before the quantized cache lands) is estimated as 1 byte per element plus
-one float32 scale per token, head and layer for keys and values, and marked as an estimate.
+/ P), the engine's default pool). Weights are counted by ``param_bytes(cfg, quantize)``
+(variants.quantized_weight_bytes), the int8 cache's scales included by ``kv_bytes_per_token``: every figure
+is counted, none estimated (the ledger's ``estimated`` field stays in the plan format and is False).
 """
 
 from __future__ import annotations
@@ -46,12 +45,8 @@ def kv_bytes_per_token_for(cfg, kv_dtype: str) -> tuple[int, bool]:
     """(bytes one token takes in the cache across layers, estimated?)."""
     try:
         return kv_bytes_per_token(cfg, kv_dtype), False
-    except Exception:  # noqa: BLE001 - a dtype this version's planner does not know
-        if kv_dtype != "int8":
-            raise ValueError(f"kv_dtype={kv_dtype!r} is not allowed: float32, bfloat16 or int8") from None
-        per_float = kv_bytes_per_token(cfg, "float32")
-        heads = cfg.num_blocks * 2 * (cfg.kv_heads or cfg.n_heads)
-        return per_float // 4 + heads * 4, True
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"kv_dtype={kv_dtype!r} is not allowed: float32, bfloat16 or int8 ({err})") from None
 
 
 def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,

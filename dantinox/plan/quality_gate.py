@@ -73,8 +73,6 @@ def run_eval_gate(run_dir: str | None, gate: str | None, slices: list, kv_dtype:
         failed = tuple(figures.get("failures") or [ln.split("gate failed: ", 1)[-1] for ln in text.splitlines()
                                                    if "gate failed" in ln])
         return GateResult(False, failed, "dantinox eval --gate failed")
-    if "invalid choice: 'eval'" in text:
-        return GateResult(None, detail="this dantinox has no eval command (quantized-path issue not merged)")
     last = text.splitlines()[-1] if text else ""
     raise ValueError(f"dantinox eval for kv {kv_dtype}, weights {quantize} exited {done.returncode}: {last}")
 
