@@ -25,6 +25,7 @@ def worker_env() -> dict:
     return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
 
 
+@pytest.mark.slow   # two child processes forming one mesh, and the single-process run
 @pytest.mark.timeout(600)
 def test_two_processes_equal_one_device(tmp_path):
     corpus = tmp_path / "text.txt"
@@ -50,6 +51,7 @@ def test_two_processes_equal_one_device(tmp_path):
         assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= 1e-5, (got, want)
 
 
+@pytest.mark.slow   # a child process waiting for a coordinator that never answers
 @pytest.mark.timeout(120)
 def test_unreachable_coordinator_is_one_line_exit_2():
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
