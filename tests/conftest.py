@@ -2,10 +2,20 @@
 max_context 32) and an independent reference forward."""
 
 import os
+import shutil
+import tempfile
 
-# The test suite compiles fresh: JAX's persistent compilation cache (~/.cache/jax_xla/dantinox) is off here, so a
-# run does not depend on what earlier runs left on the machine. Set DANTINOX_XLA_CACHE to a directory to use one.
-os.environ.setdefault("DANTINOX_XLA_CACHE", "off")
+# Each pytest run gets its own fresh persistent compilation cache (a temporary directory, removed when the run
+# ends), so a run never depends on what earlier runs left on the machine (~/.cache/jax_xla/dantinox is not used),
+# while the modules of one run share what they compiled: the module-scoped jax.clear_caches() below drops the
+# executables from memory, and the next module that needs the same program loads it from this directory instead
+# of compiling it again. Child processes started by tests inherit the variable and share the cache too. A value
+# the user set (a directory, or "off") is respected. A cache load still counts as one compilation in
+# dantinox.CompileCounter (both fire /jax/core/compile/backend_compile_duration; cache_hits tells them apart).
+_RUN_XLA_CACHE = None
+if "DANTINOX_XLA_CACHE" not in os.environ:
+    _RUN_XLA_CACHE = tempfile.mkdtemp(prefix="dantinox-test-xla-")
+    os.environ["DANTINOX_XLA_CACHE"] = _RUN_XLA_CACHE
 
 
 import gc  # noqa: E402
@@ -17,6 +27,12 @@ import pytest  # noqa: E402
 import dantinox as dx  # noqa: E402
 
 
+def pytest_unconfigure(config):
+    """Remove the run's compilation cache (only the one this conftest created)."""
+    if _RUN_XLA_CACHE is not None:
+        shutil.rmtree(_RUN_XLA_CACHE, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_executables():
     """Drop every compiled executable when a test module ends.
@@ -25,7 +41,8 @@ def release_compiled_executables():
     thousands of them in one process; kept alive, they pass Linux's default limit of 65,530 mappings per process
     (vm.max_map_count) and the next compilation dies with a segmentation fault inside XLA (seen on 2026-12-01:
     two CI runs died that way near the end, in compile and in the persistent cache's read; every file passed
-    alone). Clearing JAX's caches after each module keeps the count near what one module needs.
+    alone). Clearing JAX's caches after each module keeps the count near what one module needs; what a later
+    module needs again it loads from the run's persistent compilation cache (above) instead of compiling it.
     """
     yield
     gc.collect()
