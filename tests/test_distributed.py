@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from cli_util import run_cli
 from distributed_worker import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,10 +56,8 @@ def test_two_processes_equal_one_device(tmp_path):
 @pytest.mark.timeout(120)
 def test_unreachable_coordinator_is_one_line_exit_2():
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
-    cmd = [sys.executable, "-m", "dantinox.cli", "generate", "--prompt", "Nel", "--coordinator", address,
-           "--num-processes", "2", "--process-id", "1", "--coordinator-timeout", "2"]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=worker_env(), capture_output=True, text=True,
-                          timeout=100)
+    proc = run_cli("generate", "--prompt", "Nel", "--coordinator", address, "--num-processes", "2",
+                   "--process-id", "1", "--coordinator-timeout", "2", env=worker_env(), timeout=100)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and address in lines[0] and "cannot be reached within 2 s" in lines[0], proc.stderr
