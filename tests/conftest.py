@@ -2,19 +2,38 @@
 max_context 32) and an independent reference forward."""
 
 import os
+import shutil
+import tempfile
 
-# The test suite compiles fresh: JAX's persistent compilation cache (~/.cache/jax_xla/dantinox) is off here, so a
-# run does not depend on what earlier runs left on the machine. Set DANTINOX_XLA_CACHE to a directory to use one.
-os.environ.setdefault("DANTINOX_XLA_CACHE", "off")
+# Each pytest run gets its own fresh persistent compilation cache (a temporary directory, removed when the run
+# ends), so a run never depends on what earlier runs left on the machine (~/.cache/jax_xla/dantinox is not used),
+# while the modules of one run share what they compiled: the module-scoped jax.clear_caches() below drops the
+# executables from memory, and the next module that needs the same program loads it from this directory instead
+# of compiling it again. Child processes started by tests inherit the variable and share the cache too. A value
+# the user set (a directory, or "off") is respected. A cache load still counts as one compilation in
+# dantinox.CompileCounter (both fire /jax/core/compile/backend_compile_duration; cache_hits tells them apart).
+_RUN_XLA_CACHE = None
+if "DANTINOX_XLA_CACHE" not in os.environ:
+    _RUN_XLA_CACHE = tempfile.mkdtemp(prefix="dantinox-test-xla-")
+    os.environ["DANTINOX_XLA_CACHE"] = _RUN_XLA_CACHE
 
 
 import gc  # noqa: E402
+from functools import partial  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import dantinox as dx  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    """Remove the run's compilation cache (only the one this conftest created)."""
+    if _RUN_XLA_CACHE is not None:
+        shutil.rmtree(_RUN_XLA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -25,12 +44,56 @@ def release_compiled_executables():
     thousands of them in one process; kept alive, they pass Linux's default limit of 65,530 mappings per process
     (vm.max_map_count) and the next compilation dies with a segmentation fault inside XLA (seen on 2026-12-01:
     two CI runs died that way near the end, in compile and in the persistent cache's read; every file passed
-    alone). Clearing JAX's caches after each module keeps the count near what one module needs.
+    alone). Clearing JAX's caches after each module keeps the count near what one module needs; what a later
+    module needs again it loads from the run's persistent compilation cache (above) instead of compiling it.
     """
     yield
     gc.collect()
     jax.clear_caches()
     gc.collect()
+
+
+@partial(jax.jit, static_argnames=("graphdef", "use_cache", "fresh", "attend_slots"))
+def _jitted_call(graphdef, state, ids, kv_caches, cache_index, key_start, logits_at, *, use_cache, fresh,
+                 attend_slots):
+    model = nnx.merge(graphdef, state)
+    return model(ids, use_cache=use_cache, kv_caches=kv_caches, cache_index=0 if fresh else cache_index,
+                 key_start=key_start, attend_slots=attend_slots, logits_at=logits_at)
+
+
+def forward(model, ids, use_cache: bool = False, kv_caches=None, cache_index=0, key_start=None,
+            attend_slots=None, logits_at=None):
+    """``model(ids, ...)`` through ``jax.jit``: same arguments and results (logits, caches, aux), compiled once
+    per model structure, input shapes and static options instead of primitive by primitive on every eager call.
+
+    The model is split at each call, so parameters changed in place since the last call are used. cache_index
+    the Python int 0 stays the model's fresh-prefill marker (a static flag); any other cache_index (int or [B])
+    is a traced int32, so every decode step of one shape shares one program. The model's host-side argument
+    checks see traced values here; this helper is for valid calls (it asserts ids in range and cache_index + T
+    within the cache): the tests of the model's errors call the model itself."""
+    ids = np.asarray(ids)
+    assert ids.ndim == 2 and 0 <= ids.min() and ids.max() < model.cfg.vocab_size, (ids.shape, ids.min(), ids.max())
+    fresh = isinstance(cache_index, int) and not isinstance(cache_index, bool) and cache_index == 0
+    if use_cache:
+        slots = kv_caches[0][0].shape[-2]
+        assert int(np.max(np.asarray(cache_index))) + ids.shape[1] <= slots, (cache_index, ids.shape, slots)
+    graphdef, state = nnx.split(model)
+    return _jitted_call(graphdef, state, jnp.asarray(ids, jnp.int32), kv_caches if use_cache else None,
+                        jnp.int32(0) if fresh else jnp.asarray(cache_index, jnp.int32),
+                        None if key_start is None else jnp.asarray(key_start, jnp.int32),
+                        None if logits_at is None else jnp.asarray(logits_at, jnp.int32),
+                        use_cache=use_cache, fresh=fresh, attend_slots=attend_slots)
+
+
+def uncached_logits(model, seqs) -> np.ndarray:
+    """The plain causal forward (use_cache=False, through ``forward``) over each row of ``seqs`` right-padded with
+    token 0 to max_context: logits [B, max_context, V], one compiled program per model config and batch size.
+    By causality position p holds the last-position logits of the forward over the row's first p + 1 tokens;
+    the padding comes after every position a test compares."""
+    S = model.cfg.max_context
+    assert max(len(q) for q in seqs) <= S
+    ids = np.array([list(q) + [0] * (S - len(q)) for q in seqs], np.int32)
+    return np.asarray(forward(model, ids, use_cache=False)[0])
 
 
 def tiny_config(**overrides) -> dx.ModelConfig:

@@ -3,9 +3,8 @@
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from conftest import spiky_mla, spiky_model
+from conftest import forward, spiky_mla, spiky_model
 from flax import nnx
 
 import dantinox as dx
@@ -76,7 +75,7 @@ def paged_logits(graphdef, params, pool, ids, start, num_new, table):
 def static_logits(model, tokens):
     """The reference: prefill of the whole sequence into the static cache. Returns [T, V]."""
     cache = dx.init_cache(model.cfg, 1)
-    logits, _, _ = model(jnp.asarray([tokens], jnp.int32), use_cache=True, kv_caches=cache, cache_index=0)
+    logits, _, _ = forward(model, np.array([tokens], np.int32), use_cache=True, kv_caches=cache, cache_index=0)
     return np.asarray(logits[0])
 
 

@@ -1,13 +1,17 @@
 """Cases K01-K05 of ../shared/cases/ACCEPTANCE.md, one named test (or group) each. K05's HTTP part belongs
 to the serving issue. "Equal logits" is max |diff| <= 1e-5 in float32. K01, K02, K03 and K05 also run with
 cache_dtype="int8" (issue 10): there the uncached forward and the numpy reference round-trip every key and
-value row through int8 the same way the cache does."""
+value row through int8 the same way the cache does.
+
+Model calls go through conftest.forward (jitted: one compilation per shape, not per primitive and step); each
+decode step is compared with one uncached forward over the final sequence, whose logits at position p are, by
+causality, those of the forward over the sequence's first p + 1 tokens."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import KV_DTYPES, reference_logits, spiky_model, tiny_config
+from conftest import KV_DTYPES, forward, reference_logits, spiky_model, tiny_config, uncached_logits
 
 import dantinox as dx
 
@@ -18,11 +22,11 @@ def decode_greedy(model, prompt, steps, cache=None):
     """Prefill `prompt` at cache_index 0, then `steps` greedy decode calls at cache_index len(prompt)+t.
     Returns (generated tokens, per-decode-step logits [V], final cache)."""
     cache = dx.init_cache(model.cfg, 1) if cache is None else cache
-    logits, cache, _ = model(np.array([prompt], np.int32), use_cache=True, kv_caches=cache, cache_index=0)
+    logits, cache, _ = forward(model, np.array([prompt], np.int32), use_cache=True, kv_caches=cache, cache_index=0)
     tokens, step_logits = [int(np.argmax(logits[0, -1]))], []
     for t in range(steps):
-        logits, cache, _ = model(np.array([[tokens[-1]]], np.int32), use_cache=True, kv_caches=cache,
-                                 cache_index=len(prompt) + t)
+        logits, cache, _ = forward(model, np.array([[tokens[-1]]], np.int32), use_cache=True, kv_caches=cache,
+                                   cache_index=len(prompt) + t)
         step_logits.append(np.asarray(logits[0, -1]))
         tokens.append(int(np.argmax(step_logits[-1])))
     return tokens, step_logits, cache
@@ -34,11 +38,14 @@ def test_K01_decode_positions_follow_cache_index(prompt_len, kv_dtype):
     model = spiky_model(tiny_config(cache_dtype=kv_dtype))
     prompt = list(np.random.default_rng(prompt_len).integers(0, 128, prompt_len))
     tokens, step_logits, cache = decode_greedy(model, prompt, 10)
+    # step t saw prompt + tokens[: t + 1]: its logits are position prompt_len + t of the final sequence's forward
+    seq = np.array([prompt + tokens[:10]], np.int32)
+    uncached = uncached_logits(model, seq)[0]
+    reference = reference_logits(model, seq)[0]
     for t, logits in enumerate(step_logits):
-        seq = np.array([prompt + tokens[: t + 1]], np.int32)
-        expected = np.asarray(model(seq, use_cache=False)[0])[0, -1]
+        expected = uncached[prompt_len + t]
         assert np.abs(logits - expected).max() <= EQ, (t, np.abs(logits - expected).max())
-        np.testing.assert_allclose(logits, reference_logits(model, seq)[0, -1], atol=EQ)
+        np.testing.assert_allclose(logits, reference[prompt_len + t], atol=EQ)
     if prompt_len == 22:  # the last decode step wrote slot 31, the last slot
         assert float(jnp.abs(cache[0].k[0, :, 31]).max()) > 0
 
@@ -49,12 +56,12 @@ def left_padded_run(model, prompts, pad_id, steps):
     pad = np.array([width - len(p) for p in prompts], np.int32)
     ids = np.array([[pad_id] * (width - len(p)) + list(p) for p in prompts], np.int32)
     cache = dx.init_cache(model.cfg, len(prompts))
-    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0, key_start=pad)
+    logits, cache, _ = forward(model, ids, use_cache=True, kv_caches=cache, cache_index=0, key_start=pad)
     all_logits = [np.asarray(logits[:, -1])]
     tokens = [all_logits[-1].argmax(-1)]
     for t in range(steps - 1):
-        logits, cache, _ = model(jnp.asarray(tokens[-1][:, None], jnp.int32), use_cache=True, kv_caches=cache,
-                                 cache_index=width + t, key_start=pad)
+        logits, cache, _ = forward(model, tokens[-1][:, None].astype(np.int32), use_cache=True, kv_caches=cache,
+                                   cache_index=width + t, key_start=pad)
         all_logits.append(np.asarray(logits[:, -1]))
         tokens.append(all_logits[-1].argmax(-1))
     return np.stack(tokens, 1), np.stack(all_logits, 1)
@@ -73,7 +80,7 @@ def test_K02_left_padded_batch_matches_solo_runs(kv_dtype):
     np.testing.assert_array_equal(tokens, tokens17)
     assert np.abs(logits - logits17).max() <= EQ
     # row 0's first real token sits at RoPE position 0: its prefill logits equal the unpadded forward
-    alone = np.asarray(model(np.array([prompts[0]], np.int32))[0])[0, -1]
+    alone = np.asarray(forward(model, np.array([prompts[0]], np.int32))[0])[0, -1]
     assert np.abs(logits[0, 0] - alone).max() <= EQ
 
 
@@ -148,7 +155,7 @@ def test_K05_prompt_plus_new_tokens_beyond_context_never_writes_past_last_slot(k
     prompt = list(range(1, 32))
     tokens, _, cache = decode_greedy(model, prompt, 1)
     full = np.array([prompt + tokens[:1]], np.int32)
-    _, reference, _ = model(full, use_cache=True, kv_caches=dx.init_cache(model.cfg, 1), cache_index=0)
+    _, reference, _ = forward(model, full, use_cache=True, kv_caches=dx.init_cache(model.cfg, 1), cache_index=0)
     expected = np.asarray(reference[0].k[0, :, 31])
     np.testing.assert_allclose(np.asarray(cache[0].k[0, :, 31]), expected, atol=1e-6)
     for index, width in ((32, 1), (31, 2), (40, 1), (np.array([32]), 1)):

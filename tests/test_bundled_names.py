@@ -1,27 +1,19 @@
 """Bundled models by short name from any directory: --run_dir dante / dante-diffusion, `dantinox models`."""
 
-import os
-import subprocess
-import sys
-
 import pytest
+from cli_util import run_cli
 
 from dantinox.cli import entrypoint as cli
 from dantinox.runs.bundled import bundled_names, bundled_run_dir, describe_bundled, resolve_run_dir
 from dantinox.runs.run_dir import RunDirError, load_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def test_generate_the_diffusion_model_by_name_from_another_directory(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-m", "dantinox.cli", "generate", "--run_dir", "dante-diffusion",
-                           "--prompt", "Nel mezzo", "--gen_len", "8", "--temperature", "0"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = run_cli("generate", "--run_dir", "dante-diffusion", "--prompt", "Nel mezzo", "--gen_len", "8",
+                   "--temperature", "0", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("Nel mezzo") and len(done.stdout) > len("Nel mezzo\n")
-    listed = subprocess.run([sys.executable, "-m", "dantinox.cli", "models"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+    listed = run_cli("models", cwd=tmp_path, timeout=120)
     assert listed.returncode == 0, listed.stderr[-2000:]
     lines = listed.stdout.splitlines()
     assert lines[0].split() == ["name", "paradigm", "attention", "parameters", "size", "context", "vocab",

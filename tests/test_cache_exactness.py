@@ -1,10 +1,11 @@
 """Cached and uncached logits agree at every generated position (issue 2 acceptance), for MHA, GQA and MQA,
-batch 1 and a ragged batch of 3 prompts; both match an independent numpy reference."""
+batch 1 and a ragged batch of 3 prompts; both match an independent numpy reference. Model calls go through
+conftest.forward (jitted: one compilation per shape instead of one per primitive and eager call)."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import KV_DTYPES, reference_logits, spiky_model, tiny_config
+from conftest import KV_DTYPES, forward, reference_logits, spiky_model, tiny_config, uncached_logits
 
 import dantinox as dx
 
@@ -22,12 +23,12 @@ def cached_logits_per_step(model, prompts, new_tokens):
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = p
     cache = dx.init_cache(cfg, B)
-    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0)
+    logits, cache, _ = forward(model, ids, use_cache=True, kv_caches=cache, cache_index=0)
     step_logits = [np.asarray(logits)[np.arange(B), lengths - 1]]
     tokens = [step_logits[-1].argmax(-1)]
     for t in range(new_tokens - 1):
-        token = jnp.asarray(tokens[-1][:, None], jnp.int32)
-        logits, cache, _ = model(token, use_cache=True, kv_caches=cache, cache_index=jnp.asarray(lengths + t))
+        token = tokens[-1][:, None].astype(np.int32)
+        logits, cache, _ = forward(model, token, use_cache=True, kv_caches=cache, cache_index=lengths + t)
         step_logits.append(np.asarray(logits)[:, 0])
         tokens.append(step_logits[-1].argmax(-1))
     return np.stack(tokens, 1), step_logits
@@ -45,7 +46,7 @@ def test_cached_equals_uncached_every_position(attn, prompts, kv_dtype):
     worst = 0.0
     for b, prompt in enumerate(prompts):
         full = np.array([list(prompt) + tokens[b, :-1].tolist()], np.int32)
-        uncached = np.asarray(model(full, use_cache=False)[0])[0]
+        uncached = uncached_logits(model, full)[0]
         reference = reference_logits(model, full)[0]
         for t, logits in enumerate(step_logits):
             pos = len(prompt) - 1 + t
@@ -76,7 +77,7 @@ def test_reference_detects_wrong_head_mapping():
     k_part = kernel[...][:, H * D:(H + K) * D]
     swapped = jnp.concatenate([k_part[:, D:], k_part[:, :D]], axis=1)
     kernel[...] = kernel[...].at[:, H * D:(H + K) * D].set(swapped)
-    assert np.abs(np.asarray(model(ids)[0]) - good).max() > 1e-3
+    assert np.abs(np.asarray(forward(model, ids)[0]) - good).max() > 1e-3
 
 
 @pytest.mark.parametrize("attn", ATTENTION, ids=lambda a: a["attention"])

@@ -2,17 +2,13 @@
 closes the pipe (``| head``) ends the command quietly; the budget table stays aligned when a model does not
 fit, with the reason under the table."""
 
-import os
 import subprocess
-import sys
 
 import pytest
+from cli_util import start_cli
 from test_generator_cli import make_run
 
 from dantinox.cli import entrypoint as cli
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
 
 
 @pytest.mark.parametrize("flags,flag", [
@@ -48,8 +44,7 @@ def test_budget_table_stays_aligned_when_the_model_does_not_fit(capsys):
 
 def _closed_reader(args: list[str]) -> subprocess.CompletedProcess:
     """Run the CLI with its stdout read by nobody (the reader closed the pipe before the first line)."""
-    proc = subprocess.Popen([sys.executable, "-m", "dantinox.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
+    proc = start_cli(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()
     err = proc.stderr.read().decode()
     return subprocess.CompletedProcess(args, proc.wait(timeout=300), "", err)
@@ -61,6 +56,7 @@ def test_budget_into_a_closed_pipe_exits_quietly():
     assert done.returncode == cli.SIGPIPE_STATUS
 
 
+@pytest.mark.slow   # the same check as above through a model's stream (the budget one is the default tier's smoke)
 def test_generate_stream_into_a_closed_pipe_exits_quietly(tmp_path):
     run_dir = make_run(tmp_path / "tiny")
     done = _closed_reader(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--stream",

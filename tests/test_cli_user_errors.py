@@ -2,14 +2,13 @@
 files that do not exist or are directories, files that are not YAML, and flags named once."""
 
 import pytest
+from cli_util import run_main
 
-from dantinox.cli.entrypoint import main
 from dantinox.parallel.mesh import MeshError, mesh_from_flag, naming_flag
 
 
 def _one_error_line(capsys, argv):
-    status = main(argv)
-    err = capsys.readouterr().err
+    status, _, err = run_main(argv, capsys)
     assert status == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1, err

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_util import run_cli
 from distributed_worker import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,6 +25,7 @@ def worker_env() -> dict:
     return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
 
 
+@pytest.mark.slow   # two child processes forming one mesh, and the single-process run
 @pytest.mark.timeout(600)
 def test_two_processes_equal_one_device(tmp_path):
     corpus = tmp_path / "text.txt"
@@ -49,13 +51,12 @@ def test_two_processes_equal_one_device(tmp_path):
         assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= 1e-5, (got, want)
 
 
+@pytest.mark.slow   # a child process waiting for a coordinator that never answers
 @pytest.mark.timeout(120)
 def test_unreachable_coordinator_is_one_line_exit_2():
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
-    cmd = [sys.executable, "-m", "dantinox.cli", "generate", "--prompt", "Nel", "--coordinator", address,
-           "--num-processes", "2", "--process-id", "1", "--coordinator-timeout", "2"]
-    proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=worker_env(), capture_output=True, text=True,
-                          timeout=100)
+    proc = run_cli("generate", "--prompt", "Nel", "--coordinator", address, "--num-processes", "2",
+                   "--process-id", "1", "--coordinator-timeout", "2", env=worker_env(), timeout=100)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and address in lines[0] and "cannot be reached within 2 s" in lines[0], proc.stderr

@@ -5,6 +5,7 @@ that were given."""
 import re
 
 import pytest
+from cli_util import run_main
 from test_generator_cli import make_run
 
 from dantinox.cli import entrypoint as cli
@@ -28,8 +29,8 @@ def _python_names(command: str) -> list[str]:
 
 
 def _run(argv, capsys) -> str:
-    assert cli.main(argv) == 2
-    out, err = capsys.readouterr()
+    status, out, err = run_main(argv, capsys)
+    assert status == 2
     assert out == "" and len(err.strip().splitlines()) == 1, err
     for name in _python_names(argv[0]):
         assert not re.search(rf"(?<![\w.\-]){name}=", err), (name, err)

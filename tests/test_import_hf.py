@@ -11,12 +11,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from cli_util import run_main
 
 from dantinox import ConfigError, ModelConfig
 from dantinox.checkpoints import CheckpointError, convert_weights, import_spec
 from dantinox.checkpoints.hf_dir import read_hf_dir, read_safetensors
 from dantinox.checkpoints.run_dir_writer import read_chat_template, read_generation_config
-from dantinox.cli.entrypoint import main
 from dantinox.runs.run_dir import load_run
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
@@ -39,9 +39,8 @@ def edit_config(src: str, **changes) -> None:
 
 
 def run_import(capsys, src: str, out, *extra) -> tuple[int, str]:
-    rc = main(["import", src, "--out", str(out), *extra])
-    err = capsys.readouterr().err.strip()
-    return rc, err
+    rc, _, err = run_main(["import", src, "--out", str(out), *extra], capsys)
+    return rc, err.strip()
 
 
 def assert_refused(capsys, tmp_path, src: str, *needles: str) -> None:

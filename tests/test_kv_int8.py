@@ -9,7 +9,7 @@ cache dtype); MLA in tests/test_mla.py; the paged pool in tests/test_kv_int8_pag
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import qdq_rows, spiky_mla, spiky_model, tiny_config
+from conftest import forward, qdq_rows, spiky_mla, spiky_model, tiny_config
 
 import dantinox as dx
 from dantinox.model.cache import QuantLatentKV
@@ -118,7 +118,7 @@ def test_uncached_int8_forward_differs_from_the_float_forward():
     model = spiky_model(tiny_config())
     twin = spiky_model(tiny_config(cache_dtype="int8"))
     ids = np.array([[3, 1, 4, 1, 5, 9, 2, 6]], np.int32)
-    diff = np.abs(np.asarray(model(ids)[0]) - np.asarray(twin(ids)[0])).max()
+    diff = np.abs(np.asarray(forward(model, ids)[0]) - np.asarray(forward(twin, ids)[0])).max()
     assert 1e-4 < diff < 1.0, diff
 
 

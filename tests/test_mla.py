@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import KV_DTYPES, qdq_rows, spiky_mla
+from conftest import KV_DTYPES, forward, qdq_rows, spiky_mla
 from flax import nnx
 
 import dantinox as dx
@@ -366,12 +366,13 @@ def test_attend_slots_gives_the_same_logits_and_rejects_bad_values(attention):
         model = dx.build_model(dx.ModelConfig.from_preset("tiny-mla", attention="gqa", max_context=64))
     cfg = model.cfg
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 20))
-    _, cache, _ = model(ids, use_cache=True, kv_caches=dx.init_cache(cfg, 2), cache_index=0)
+    _, cache, _ = forward(model, ids, use_cache=True, kv_caches=dx.init_cache(cfg, 2), cache_index=0)
     new = jnp.asarray(ids[:, :3], jnp.int32)
     index = jnp.asarray([20, 17], jnp.int32)
-    full, full_cache, _ = model(new, use_cache=True, kv_caches=cache, cache_index=index)
+    full, full_cache, _ = forward(model, new, use_cache=True, kv_caches=cache, cache_index=index)
     for slots in (20, 32, 64):
-        got, got_cache, _ = model(new, use_cache=True, kv_caches=cache, cache_index=index, attend_slots=slots)
+        got, got_cache, _ = forward(model, new, use_cache=True, kv_caches=cache, cache_index=index,
+                                    attend_slots=slots)
         assert np.abs(np.asarray(got) - np.asarray(full)).max() <= EQ
         for a, b in zip(jax.tree_util.tree_leaves(got_cache), jax.tree_util.tree_leaves(full_cache)):
             assert np.abs(np.asarray(a) - np.asarray(b)).max() <= EQ   # layer 2 writes from layer 1's output

@@ -9,6 +9,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+pytestmark = pytest.mark.slow   # a child pytest over tests/multidevice/ with 8 forced devices (minutes)
+
 
 @pytest.mark.timeout(900)
 def test_multidevice_suite():

