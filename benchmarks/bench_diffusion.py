@@ -10,7 +10,7 @@ the prompt), greedy decoding tokens/s of each method as a ratio to the no-cache 
 runs after a warm-up, so compilation is excluded), the model forwards run (gen_len / forwards = tokens
 committed per forward), and the fraction of its tokens equal to the no-cache output. Then, on --prompts
 held-out prompts of the first length decoded as one batch (rows equal their batch-1 runs,
-tests/test_diffusion.py), how often the final tokens differ from the no-cache run under each refresh policy,
+tests/generation/test_diffusion.py), how often the final tokens differ from the no-cache run under each refresh policy,
 reported and not asserted (--prompts 0 skips it).
 
 The bundled model has max_context 256, so a prompt plus gen_len 256 does not fit: the benchmark raises

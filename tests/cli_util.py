@@ -1,5 +1,5 @@
 """The tests' one way of running the ``dantinox`` command: in this process (``main(argv)``, output captured by
-pytest's ``capsys``) or as a child process (``python -m dantinox.cli.entrypoint ...`` with this interpreter).
+pytest's ``capsys``) or as a child process (``python -m dantinox.cli ...`` with this interpreter).
 
 A child inherits this process's environment (so DANTINOX_XLA_CACHE, the run's compilation cache set by
 conftest.py, too), runs on the CPU and imports dantinox from this source tree."""
@@ -36,7 +36,7 @@ def cli_env(**changes) -> dict:
 
 def cli_command(*args) -> list[str]:
     """The command line of ``dantinox ARGS`` run with this interpreter."""
-    return [sys.executable, "-m", "dantinox.cli.entrypoint", *map(str, args)]
+    return [sys.executable, "-m", "dantinox.cli", *map(str, args)]
 
 
 def run_cli(*args, cwd=None, env=None, timeout: float = 300) -> subprocess.CompletedProcess:

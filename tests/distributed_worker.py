@@ -1,4 +1,4 @@
-"""One process of the 2-process test (tests/test_distributed.py): joins the group, runs greedy generation and
+"""One process of the 2-process test (tests/parallel/test_distributed.py): joins the group, runs greedy generation and
 3 training steps on a (data=2, model=2) mesh over both processes' devices, prints a JSON line."""
 
 import json

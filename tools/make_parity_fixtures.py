@@ -15,7 +15,7 @@ template, then records, in float32 with the eager attention:
   reference_logits.npy   [T, V]: the uncached forward over prompt + the first 19 greedy tokens (the
                          positions whose argmax gave the greedy tokens), float32
 
-tests/test_parity_fixtures.py imports each directory with ``dantinox import`` and compares.
+tests/checkpoints/test_parity_fixtures.py imports each directory with ``dantinox import`` and compares.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ transformers dequantizes the file itself (with gguf) and un-permutes q/k into it
 writes ``reference.json``: the prompt, transformers' token ids for it, the TOP_K largest float32 logits and
 their ids at every position, its GREEDY greedy new tokens, a few weight slices (to compare dequantization),
 and the greedy chat answer to QUESTION (prompt rendered with apply_chat_template, add_generation_prompt).
-The test (tests/test_smollm2_gguf.py) compares dantinox's import against this file without torch.
+The test (tests/checkpoints/test_smollm2_gguf.py) compares dantinox's import against this file without torch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every figure comes from ``dantinox.model.cache.bytes_per_token_per_layer``, the same per-attention-kind number the
 allocator's shapes give, so ``kv_cache_bytes(cfg, B, cfg.max_context)`` equals, byte for byte, what
-``init_cache(cfg, B)`` allocates (tests/test_planner.py checks it for every attention kind and dtype):
+``init_cache(cfg, B)`` allocates (tests/budget/test_planner.py checks it for every attention kind and dtype):
 
   MHA / GQA / MQA   L x 2 x S x K x D x bytes_per_element        per sequence of S tokens
   MLA               L x S x (C + R) x bytes_per_element          (latent plus shared RoPE key)

@@ -205,3 +205,7 @@ def run_models(_args=None) -> int:
           f"{rows[-1]['name'] if rows else DEFAULT_BUNDLED} --prompt \"Nel mezzo\" (from any directory). "
           f"Files: {bundled_root()}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -38,7 +38,7 @@ one scale per token each). Their ``roundtrip_int8(x, field)`` hook (``dantinox.q
 replaces the model's own round trip, and their ``attend_and_write`` / ``attend_and_write_latent`` hook runs
 the attention exactly as the uncached forward does (over the new tokens only, cache_index 0, causal), so with
 nothing to adopt the reference's logits are bit-identical to ``model(ids, use_cache=False)``
-(tests/test_int8_reference.py). The ordinary use_cache=False path has no such layer and is unchanged.
+(tests/quality/test_int8_reference.py). The ordinary use_cache=False path has no such layer and is unchanged.
 The alternative, a reference that recomputes each layer's rows itself, would duplicate the attention code
 it is meant to check. The hooks record their counts on the layer object while the reference is traced; the
 jitted reference returns them (``audit``).

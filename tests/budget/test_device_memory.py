@@ -4,8 +4,12 @@ import pytest
 
 import dantinox as dx
 from dantinox.budget.memory import kv_cache_bytes, param_bytes
-from dantinox.budget.per_device import (kv_bytes_per_sequence_per_device, mesh_shapes_for, plan_mesh,
-                                        weights_bytes_per_device)
+from dantinox.budget.per_device import (
+    kv_bytes_per_sequence_per_device,
+    mesh_shapes_for,
+    plan_mesh,
+    weights_bytes_per_device,
+)
 from dantinox.parallel.mesh import MeshError
 
 SMOLLM2 = dx.ModelConfig(attention="gqa", kv_heads=3, dim=576, n_heads=9, head_size=64, num_blocks=30,

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 from cli_util import start_cli
-from test_generator_cli import make_run
+from run_util import make_run
 
 from dantinox.cli import entrypoint as cli
 

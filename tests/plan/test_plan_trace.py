@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 
 from dantinox.cli import entrypoint as cli
-from dantinox.plan.trace import (TraceClass, TraceError, TraceSpec, default_classes, generate_trace, prompt_token_ids,
-                                 read_trace, trace_text)
+from dantinox.plan.trace import (
+    TraceClass,
+    TraceError,
+    TraceSpec,
+    default_classes,
+    generate_trace,
+    prompt_token_ids,
+    read_trace,
+    trace_text,
+)
 
 RARE = "Tan m'abellis vostre cortes deman,\nqu'ieu no me puesc ni voill a vos cobrire.\n"
 

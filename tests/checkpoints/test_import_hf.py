@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 from cli_util import run_main
+from paths import FIXTURES
 
 from dantinox import ConfigError, ModelConfig
 from dantinox.checkpoints import CheckpointError, convert_weights, import_spec
@@ -19,7 +20,7 @@ from dantinox.checkpoints.hf_dir import read_hf_dir, read_safetensors
 from dantinox.checkpoints.run_dir_writer import read_chat_template, read_generation_config
 from dantinox.runs.run_dir import load_run
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
+FIXTURES = os.path.join(FIXTURES, "parity")
 
 
 def copy_fixture(name: str, tmp_path) -> str:

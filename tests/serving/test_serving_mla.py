@@ -7,8 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
-from serving_util import (chunked_paged_run, drain, greedy, lively_mla_model, lively_model, make_engine, solo,
-                          static_logits)
+from serving_util import (
+    chunked_paged_run,
+    drain,
+    greedy,
+    lively_mla_model,
+    lively_model,
+    make_engine,
+    solo,
+    static_logits,
+)
 from test_serving_engine import check_resumed_requests_reprefilled
 
 import dantinox as dx

@@ -9,8 +9,13 @@ from flax import nnx
 
 import dantinox as dx
 from dantinox.budget.memory import diffusion_cache_bytes
-from dantinox.generation.diffusion import (diffusion_generate, diffusion_generate_result, dual_cache_bytes,
-                                           init_dual_cache, prompt_slots)
+from dantinox.generation.diffusion import (
+    diffusion_generate,
+    diffusion_generate_result,
+    dual_cache_bytes,
+    init_dual_cache,
+    prompt_slots,
+)
 
 PROMPTS = [[5, 17, 42, 99, 3, 64], [88, 1, 23, 77, 51, 9]]  # K07: two different 6-token prompts
 K07 = dict(gen_len=16, block_size=8, steps_per_block=8)     # one token unmasked per step

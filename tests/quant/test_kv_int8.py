@@ -3,8 +3,8 @@ exactness invariant through the static cache and the compiled decode loop with i
 
 The invariant: a cached int8 run equals the uncached forward in which every key/value row is quantized and
 read back the same way (max |diff| <= 1e-5 in float32). MHA / GQA / MQA batch 1 and ragged batches are in
-tests/test_cache_exactness.py and the K cases in tests/test_acceptance_cases.py (both parametrized over the
-cache dtype); MLA in tests/test_mla.py; the paged pool in tests/test_kv_int8_paged.py."""
+tests/model/test_cache_exactness.py and the K cases in tests/test_acceptance_cases.py (both parametrized over the
+cache dtype); MLA in tests/model/test_mla.py; the paged pool in tests/serving/test_kv_int8_paged.py."""
 
 import jax.numpy as jnp
 import numpy as np

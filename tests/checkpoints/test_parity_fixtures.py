@@ -11,12 +11,13 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paths import FIXTURES
 
 from dantinox import generate_result, verify_cache
 from dantinox.cli.entrypoint import main
 from dantinox.runs.run_dir import load_run
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "parity")
+FIXTURES = os.path.join(FIXTURES, "parity")
 pytestmark = pytest.mark.slow   # imports and verifies every parity checkpoint
 NAMES = sorted(n for n in os.listdir(FIXTURES) if os.path.isfile(os.path.join(FIXTURES, n, "reference.json")))
 TOLERANCE = 1e-4

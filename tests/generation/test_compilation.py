@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 from flax import nnx
+from paths import TESTS
 
 import dantinox as dx
 
@@ -70,9 +71,9 @@ def test_no_cache_copies_in_compiled_decode_loop(attn, batch, max_context):
 
 def test_copy_counter_sees_copies_when_the_xla_flag_is_off():
     """Guards the test above: without region analysis XLA does copy the cache, and the counter sees it."""
-    code = ("import sys; sys.path.insert(0, %r); import test_compilation as t, dantinox as dx;"
+    code = ("import sys; sys.path[:0] = [%r, %r]; import test_compilation as t, dantinox as dx;"
             "cfg = dx.ModelConfig.from_preset('reference', num_blocks=2, max_context=128);"
-            "print(t.cache_shaped_copies(t.decode_hlo(cfg, 1), cfg, 1))") % os.path.dirname(__file__)
+            "print(t.cache_shaped_copies(t.decode_hlo(cfg, 1), cfg, 1))") % (os.path.dirname(__file__), TESTS)
     env = dict(os.environ, XLA_FLAGS="--xla_cpu_copy_insertion_use_region_analysis=false",
                DANTINOX_XLA_CACHE="off")   # compiled here with the other flag, never loaded from the run's cache
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

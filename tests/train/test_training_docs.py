@@ -7,9 +7,11 @@ import re
 import subprocess
 import sys
 
+from paths import REPO
+
 from dantinox.cli import entrypoint as cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 DOC = open(os.path.join(ROOT, "docs", "training.md"), encoding="utf-8").read()
 
 

@@ -4,22 +4,12 @@ import jax
 import numpy as np
 import pytest
 from conftest import reference_logits, spiky_model, tiny_config
+from run_util import make_run
 
 from dantinox.cli import entrypoint as cli
 from dantinox.generation.generator import Generator
 from dantinox.model.transformer import build_model
 from dantinox.quality.verify import verify_cache
-from dantinox.runs.run_dir import save_run
-from dantinox.runs.tokenizer import train_tokenizer
-
-TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura, ché la diritta via era smarrita.\n" * 3
-
-
-def make_run(path, kind="char", **cfg_fields):
-    tokenizer = train_tokenizer(TEXT, kind, 260 if kind == "bpe" else None)
-    cfg = tiny_config(vocab_size=tokenizer.vocab_size, max_context=64, **cfg_fields)
-    save_run(path, spiky_model(cfg, qk_scale=3.0), cfg, tokenizer)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

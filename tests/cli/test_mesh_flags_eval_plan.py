@@ -1,6 +1,6 @@
 """``--mesh`` on ``dantinox eval`` and ``dantinox plan profile``: a bad mesh exits 2 with one line naming the
 flag (issue 13). These errors come from parsing the flag and counting devices, before any model is loaded, so
-they run on one device; the equality on a real mesh is tests/multidevice/test_mesh_eval_profile.py."""
+they run on one device; the equality on a real mesh is tests/parallel/multidevice/test_mesh_eval_profile.py."""
 
 import pytest
 

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from paths import REPO
 
 from dantinox.budget.memory import param_bytes
 from dantinox.cli import entrypoint as cli
@@ -19,7 +20,7 @@ from dantinox.runs.bundled import bundled_run_dir
 from dantinox.runs.tokenizer import TextTokenizer
 
 # ../shared/data beside the repository (CI lays it there); the test writes its own slice when it is absent
-RARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+RARE = os.path.join(REPO, "..", "shared", "data",
                     "slices-rare-latin-occitan.txt")
 # costs of the bundled model's calls as profiled on the 2-core development host (seconds)
 COST = CostModel(forward=(1.4e-3, 4.5e-4, 1.9e-4), decode_call=6e-3, decode_iter=(8.6e-4, 1.8e-4, 1.4e-6))

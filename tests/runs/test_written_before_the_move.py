@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+from paths import REPO
 
 import dantinox as dx
 from dantinox.plan.cost_model import CostModel
@@ -13,7 +14,7 @@ from dantinox.plan.profile import check_profile, model_identity
 from dantinox.runs.bundled import bundled_names, bundled_run_dir
 from dantinox.runs.run_dir import load_run
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "docs", "planning-example", "profile.json")
+EXAMPLE = os.path.join(REPO, "docs", "planning-example", "profile.json")
 
 
 def test_bundled_runs_written_before_the_move_load_and_answer():

@@ -10,6 +10,7 @@ import sys
 import pytest
 from cli_util import run_cli
 from distributed_worker import run
+from paths import TESTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = "nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura " * 30
@@ -32,7 +33,7 @@ def test_two_processes_equal_one_device(tmp_path):
     corpus.write_text(TEXT, encoding="utf-8")
     want = run(None, str(corpus), str(tmp_path / "single"))
     address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "distributed_worker.py"), address, str(pid),
+    procs = [subprocess.Popen([sys.executable, os.path.join(TESTS, "distributed_worker.py"), address, str(pid),
                                str(corpus), str(tmp_path / f"proc{pid}")], env=worker_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for pid in (0, 1)]
     results = []

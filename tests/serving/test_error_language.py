@@ -6,7 +6,7 @@ import re
 
 import pytest
 from cli_util import run_main
-from test_generator_cli import make_run
+from run_util import make_run
 
 from dantinox.cli import entrypoint as cli
 from dantinox.cli.flags import in_flags, option_names, subcommand_parser

@@ -9,7 +9,8 @@ import os
 import subprocess
 import sys
 
-from test_generator_cli import make_run
+from paths import REPO
+from run_util import make_run
 
 from dantinox.generation.generator import prompt_buckets
 
@@ -36,7 +37,7 @@ def test_generator_warmup_covers_prefill_buckets_and_the_decode_loop(tmp_path):
     run_dir = make_run(tmp_path / "tiny", attention="gqa", kv_heads=2)  # max_context 64, char tokenizer
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", CHILD, run_dir], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["warmup"] > 0

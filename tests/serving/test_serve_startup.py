@@ -7,7 +7,7 @@ import time
 
 import pytest
 from cli_util import cli_env, start_cli
-from test_generator_cli import make_run
+from run_util import make_run
 
 from dantinox.cli import entrypoint as cli
 from dantinox.cli import serve as serve_cli
