@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 from chat_util import TEXT, chat_tokenizer
+from conftest import forward
 from gguf.quants import dequantize, quantize
 from gguf_util import write_tiny_gguf
 
@@ -56,7 +57,7 @@ def test_import_cli_equals_hf_import_and_chats(tmp_path, capsys):
     write_run_dir(tmp_path / "from-hf", ckpt.config, original, chat_tokenizer().hf.to_str(), None, None)
     a, b = Generator(tmp_path / "from-gguf", warmup=False), Generator(tmp_path / "from-hf", warmup=False)
     ids = np.asarray([a.encode(TEXT[:40])], np.int32)
-    la, lb = (np.asarray(g.model(ids, use_cache=False)[0]) for g in (a, b))
+    la, lb = (np.asarray(forward(g.model, ids, use_cache=False)[0]) for g in (a, b))
     assert np.abs(la - lb).max() <= 1e-5
     assert a.chat_format.stop_ids == (a.tokenizer.hf.token_to_id("<|im_end|>"),) and b.chat_format is None
     prompt = a.chat_format.prompt_ids([{"role": "user", "content": "Dove?"}], a.tokenizer)

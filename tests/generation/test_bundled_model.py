@@ -14,7 +14,7 @@ from dantinox.runs.bundled import bundled_run_dir
 
 @pytest.fixture(scope="module")
 def gen():
-    return Generator()
+    return Generator(warmup=False)   # compiles what the tests use (warmup: test_generator_warmup.py, the CLI test)
 
 
 def test_bundled_run_directory_is_complete_and_small():

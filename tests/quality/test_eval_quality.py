@@ -3,9 +3,9 @@ the table, the JSON file, the gate, and one-line errors for bad input."""
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import forward
 
 from dantinox import ModelConfig, build_model, bundled_run_dir
 from dantinox.cli import entrypoint as cli
@@ -46,7 +46,7 @@ def test_teacher_forced_loss_equals_uncached_forward(model, n):
     want = 0.0
     for s, m in zip(starts, mask):
         row = ids[s:s + S]
-        logits = np.asarray(model(jnp.asarray(row[None], jnp.int32))[0])[0, :-1]
+        logits = np.asarray(forward(model, row[None].astype(np.int32))[0])[0, :-1]
         want += numpy_nll(logits[m[:len(row) - 1]], row[1:][m[:len(row) - 1]])
     q = slice_quality(model, model, ids, chars=2 * (n - 1), prefix=8, batch=2, prompts=3, prompt_tokens=8,
                       continuation=8)

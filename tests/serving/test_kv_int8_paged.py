@@ -148,6 +148,7 @@ def float_run(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow   # two engines built as `dantinox serve` builds them, 24 requests each (~11 s)
 def test_serve_kv_dtype_int8_logs_more_blocks_and_admits_more_sequences_in_the_same_memory(float_run):
     engines = {name: serve_engine(float_run, name) for name in (None, "int8")}
     fp32, int8 = engines[None], engines["int8"]

@@ -54,7 +54,7 @@ def test_k06_preempted_requests_resume_with_the_right_output(model, policy):
         tokens, reason = results[rid]
         assert len(tokens) == 16 and reason == "length" and len(set(tokens)) > 3  # a discriminating output
         assert tokens == solo(model, prompt, 16)
-    big = make_engine(model, num_blocks=64)
+    big = make_engine(model, num_blocks=40)   # large enough for any one of them alone; shares the 40-block programs
     for prompt in batch:  # alone with a large pool
         rid = big.add_request(prompt, greedy(16))
         assert drain(big)[rid][0] == solo(model, prompt, 16)
@@ -170,7 +170,7 @@ def test_admission_bounds_and_input_errors(model):
 
 
 def test_abort_frees_blocks_and_reports_once(model):
-    engine = make_engine(model, num_blocks=20)
+    engine = make_engine(model, num_blocks=40)   # the pool size of the other tests: its programs are compiled
     keep = engine.add_request(prompts([9], seed=6)[0], greedy(12))
     drop = engine.add_request(prompts([13], seed=7)[0], greedy(12))
     for _ in range(3):
@@ -182,7 +182,7 @@ def test_abort_frees_blocks_and_reports_once(model):
 
 
 def test_a_failed_step_ends_running_requests_with_an_error_and_the_engine_goes_on(model):
-    engine = make_engine(model, num_blocks=20)
+    engine = make_engine(model, num_blocks=40)
     first = engine.add_request(prompts([5], seed=9)[0], greedy(6))
     engine.step()
     run, calls = engine._run, []

@@ -35,7 +35,10 @@ def mla_config(**overrides) -> dx.ModelConfig:
     return dx.ModelConfig.from_preset("tiny-mla", **overrides)
 
 
-@pytest.fixture(scope="module", params=list(PATHS), ids=list(PATHS))
+# The engine tests run the absorbed path (mla_absorb's default) in the default tier and the naive one in the slow
+# tier (~13 s of engine programs); both paths' paged logits equal the static cache's in the default tier below.
+@pytest.fixture(scope="module", params=["absorbed", pytest.param("naive", marks=pytest.mark.slow)],
+                ids=list(PATHS))
 def model(request):
     return lively_mla_model(mla_config(mla_absorb=PATHS[request.param], max_context=64))
 

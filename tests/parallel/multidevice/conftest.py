@@ -24,3 +24,15 @@ globals().update({name: value for name, value in vars(_parent).items()
 def _needs_eight_devices():
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices: run through tests/parallel/test_multidevice.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """In a one-device process, mark this directory's tests skipped at collection, so their module fixtures
+    (models, meshes, compilations) are not set up only to be skipped."""
+    if jax.device_count() >= 8:
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    skip = pytest.mark.skip(reason="needs 8 devices: run through tests/parallel/test_multidevice.py")
+    for item in items:
+        if os.path.dirname(str(item.path)) == here:
+            item.add_marker(skip)
