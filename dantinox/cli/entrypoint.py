@@ -26,11 +26,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .._version import __version__
 from ..config import ConfigError
 from ..model.cache import CapacityError
 from ..runs.bundled import DEFAULT_BUNDLED, bundled_root, describe_bundled
-from .flags import (_add_kv_dtype, add_distributed_arguments, add_mesh_argument, add_quantize_argument,
-                    initialize_from_args)
+from .flags import (
+    _add_kv_dtype,
+    add_distributed_arguments,
+    add_mesh_argument,
+    add_quantize_argument,
+    initialize_from_args,
+)
 from .generate import _add_diffusion, _add_sampling, cmd_generate
 from .verify import cmd_verify
 
@@ -41,7 +47,9 @@ USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError, IsADir
 def build_parser() -> argparse.ArgumentParser:
     from .train import add_train_arguments, run_train_from_args
 
-    parser = argparse.ArgumentParser(prog="dantinox", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dantinox", description="Fast, memory-honest text generation built "
+                                     "around the KV cache: one subcommand per task (dantinox SUBCOMMAND --help).")
+    parser.add_argument("--version", action="version", version=f"dantinox {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model on a text file")
     add_train_arguments(train)

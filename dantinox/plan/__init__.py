@@ -10,7 +10,9 @@ on the real engine, a sweep of candidate deployments behind SLOs and quality gat
   candidate.py     a deployment to sweep; ledger.py its memory; variants.py kv dtype / weight quantization
   quality_gate.py  dantinox eval --gate per model variant
   recommend.py     drop by memory, quality and SLO; cheapest survivor by cost per million tokens
-  report.py        plan.md, plots, plan.json, serve.yaml;  gate.py: the release gate
+  inputs.py        the plan's inputs read and checked: trace, SLOs, memory sizes, candidates, the model
+  report.py        plan.md, plots, plan.json, serve.yaml
+  release_gate.py  the release gate: a new plan against the last good one
 
 ``dantinox plan`` and its subcommands live in ``dantinox/cli/plan.py``, one whole plan run in
 ``dantinox/cli/plan_run.py``.

@@ -31,7 +31,8 @@ pool, the batch's block tables [B, M] and the number of valid new tokens per row
   the same with latents: it gathers LatentKV(c_kv [B, M*P, C], k_rope [B, M*P, R]), hands it to the
   model's own MLA attention (absorbed or naive, ``cfg.mla_absorb``) as the old cache, and scatters the new
   latents.
-So paged and static logits agree to float rounding (tests/serving/test_serving_paged.py, tests/serving/test_serving_mla.py).
+So paged and static logits agree to float rounding (tests/serving/test_serving_paged.py,
+tests/serving/test_serving_mla.py).
 """
 
 from __future__ import annotations

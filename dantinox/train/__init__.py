@@ -1,4 +1,4 @@
-"""Training: data, trainer, checkpoints, init_from and training on a mesh (one concept per module).
+"""Training: data, trainer, checkpoints, init_from and training on a mesh (sharded.py; one concept per module).
 
 The run directory and the tokenizer live in ``dantinox.runs`` (``dantinox train`` in
 ``dantinox/cli/train.py``); they are re-exported here so ``from dantinox.train import load_run`` keeps working.
