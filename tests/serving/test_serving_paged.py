@@ -1,7 +1,6 @@
 """Paged attention: logits through the block pool equal the static cache's, for ragged batches, chunked
 prefill and decode, with MHA, GQA and MQA; padding positions never reach the pool."""
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import spiky_model, tiny_config
@@ -37,8 +36,8 @@ def test_paged_logits_equal_static_ragged_chunked(attn):
     # Blocks never listed in a table stay zero: padding and unused rows wrote nothing.
     untouched = np.concatenate([[0], perm[10:]])
     for layer in pool:
-        assert float(jnp.abs(layer.k[untouched]).max()) == 0.0
-        assert float(jnp.abs(layer.v[untouched]).max()) == 0.0
+        assert float(np.abs(np.asarray(layer.k)[untouched]).max()) == 0.0   # on the host: no eager compiles
+        assert float(np.abs(np.asarray(layer.v)[untouched]).max()) == 0.0
 
 
 def test_padding_is_dropped_and_pool_is_sized_from_memory():
