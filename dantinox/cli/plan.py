@@ -1,14 +1,16 @@
 """``dantinox plan``: the capacity plan, and its steps as subcommands.
 
   dantinox plan trace    --out T.jsonl --requests N --rate R [--arrivals poisson|gamma] [--rare-file F] [--seed S]
+  dantinox plan trace    --from mooncake FILE --out T.jsonl
   dantinox plan profile  [--run_dir R] [--kv-dtype D] [--quantize Q] [--mesh data=D,model=M] --out profile.json
+                         [--repeats K] [--cooldown S] [--call-repeats N]
                          [--coordinator HOST:PORT --num-processes N --process-id I]
   dantinox plan simulate --trace T --config C.yaml [--profile P] [--slo ...] [--out M.json]
   dantinox plan replay   --trace T --config C.yaml [--profile P] [--out M.json]
   dantinox plan gate     --candidate plan.json --last-good plan.json
   dantinox plan --trace T --slo ttft_p99=MS,tpot_p99=MS --device-memory BYTES --price-per-hour USD
                 [--gate GATE.yaml --slice NAME=FILE ...] [--candidates C.yaml] [--baseline NAME|plan.json]
-                [--profile P] [--out DIR]
+                [--profile P] [--out DIR] [--interval t|range] [--confidence C] [--decide-at edge|median]
 
 Bad input exits 2 with one line naming the flag, file and line, or value.
 """
@@ -23,7 +25,7 @@ import sys
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..runs.files import atomic_write_bytes
 from .flags import add_distributed_arguments, add_mesh_argument
-from .plan_run import _costs, _profile
+from .plan_run import _costs, _profile, _samples_flags
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,11 +42,21 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="append", default=None,
                    help="profile.json, one per model variant (repeatable; default: profile the float model now)")
     p.add_argument("--out", default="plan", help="output directory")
+    p.add_argument("--interval", default=None, choices=("t", "range"),
+                   help="latency interval over the profile samples (default: t when every profile has >= 2)")
+    p.add_argument("--confidence", default=None, help="the t interval's confidence (default 0.9)")
+    p.add_argument("--decide-at", default="edge", choices=("edge", "median"),
+                   help="SLO check at the interval's pessimistic edge (default) or at the median")
+    p.add_argument("--profile-repeats", type=int, default=3, help="samples of the profile taken without --profile")
+    p.add_argument("--cooldown", default="10", help="seconds between two profile samples")
     add_mesh_argument(p)   # the mesh of the profile taken when no --profile is given
     p.set_defaults(func=run_plan)
     sub = p.add_subparsers(dest="plan_command")
-    t = sub.add_parser("trace", help="generate a mixed trace")
+    t = sub.add_parser("trace", help="generate a mixed trace, or convert one (--from)")
     t.add_argument("--out", required=True)
+    t.add_argument("--from", dest="convert_from", nargs=2, metavar=("FORMAT", "FILE"), default=None,
+                   help="convert FILE from FORMAT (mooncake: JSONL of timestamp, input_length, output_length, "
+                        "hash_ids)")
     t.add_argument("--requests", type=int, default=200)
     t.add_argument("--rate", default="4", help="mean requests per second")
     t.add_argument("--arrivals", default="poisson", help="poisson or gamma")
@@ -57,7 +69,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--run_dir", default=None)
     pr.add_argument("--kv-dtype", default="float32")
     pr.add_argument("--quantize", default="none")
-    pr.add_argument("--repeats", type=int, default=15, help="timed runs per call (median)")
+    pr.add_argument("--repeats", type=int, default=3, help="independent profile samples, --cooldown apart")
+    pr.add_argument("--cooldown", default="10", help="seconds between two samples")
+    pr.add_argument("--call-repeats", type=int, default=15, help="timed runs per call in a sample (median)")
     pr.add_argument("--out", required=True)
     add_mesh_argument(pr)
     add_distributed_arguments(pr)
@@ -93,6 +107,8 @@ def run_trace_cmd(args) -> int:
     from ..plan.inputs import positive_number
     from ..plan.trace import TraceSpec, default_classes, generate_trace, trace_text
 
+    if args.convert_from:
+        return _convert_trace(args)
     if args.rare_file and not os.path.isfile(args.rare_file):
         raise FileNotFoundError(f"--rare-file {args.rare_file}: no such file")
     spec = TraceSpec(requests=args.requests, rate=positive_number("--rate", args.rate),
@@ -102,6 +118,21 @@ def run_trace_cmd(args) -> int:
     records = generate_trace(spec)
     _write(args.out, trace_text(records).encode())
     print(f"wrote {args.out}: {len(records)} requests over {records[-1]['arrival']:.1f} s")
+    return 0
+
+
+def _convert_trace(args) -> int:
+    """``plan trace --from FORMAT FILE``: write FILE converted to the trace format."""
+    from ..plan.trace_import import TRACE_FORMATS, convert_trace
+
+    fmt, path = args.convert_from
+    if fmt not in TRACE_FORMATS:
+        raise ValueError(f"--from {fmt!r} is not allowed: one of {', '.join(TRACE_FORMATS)}")
+    records = convert_trace(fmt, path)
+    from ..plan.trace import trace_text
+
+    _write(args.out, trace_text(records).encode())
+    print(f"wrote {args.out}: {len(records)} requests from {fmt} {path}")
     return 0
 
 
@@ -115,7 +146,9 @@ def run_profile_cmd(args) -> int:
     run_dir, model, cfg, _ = load_model(args.run_dir)
     with naming_flag(args.mesh):       # heads or MLP width not dividing over model: before any timing
         check_model_fits(cfg, mesh)
-    prof = _profile(run_dir, model, cfg, args.kv_dtype, args.quantize, args.repeats, mesh, args.mesh)
+    samples, cooldown = _samples_flags(args)
+    prof = _profile(run_dir, model, cfg, args.kv_dtype, args.quantize, args.call_repeats, mesh, args.mesh,
+                    samples, cooldown)
     _write(args.out, _json_bytes(prof))
     md = ["# Bottleneck report", ""] + bottleneck_markdown(prof["bottleneck"], prof["rates"])
     _write(os.path.splitext(args.out)[0] + "_bottleneck.md", ("\n".join(md) + "\n").encode())
@@ -140,7 +173,7 @@ def run_simulate_cmd(args) -> int:
     run_dir, model, cfg, tok = load_model(args.run_dir)
     requests, prompts = load_trace(args.trace, cfg, tok)
     costs, _ = _costs(args, run_dir, model, cfg)
-    cost = costs.get((cand.kv_dtype, cand.quantize)) or next(iter(costs.values()))
+    cost = (costs.get((cand.kv_dtype, cand.quantize)) or next(iter(costs.values())))[0]   # its first sample
     result = simulate(cfg, cand, cost, requests, prompts, slo)
     result.pop("records")
     _emit(args.out, {"candidate": cand.to_dict(), "simulated": result})
@@ -169,7 +202,7 @@ def run_replay_cmd(args) -> int:
         from ..plan.simulate import simulate
 
         costs, _ = _costs(args, run_dir, model, cfg)
-        sim = simulate(cfg, cand, next(iter(costs.values())), requests, prompts, slo)
+        sim = simulate(cfg, cand, next(iter(costs.values()))[0], requests, prompts, slo)
         sim.pop("records")
         out["simulated"] = sim
     _emit(args.out, out)

@@ -54,9 +54,11 @@ def build_plan(args) -> tuple[dict, dict, str]:
     check_weights_fit(cfg, candidates, weights, device)
     requests, prompts = load_trace(args.trace, cfg, tok)
     costs, prof = _costs(args, run_dir, model, cfg)
+    interval, confidence = interval_flags(args, costs)
     gates = gate_variants([(c.kv_dtype, c.quantize) for c in candidates],
                           lambda kv, q: run_eval_gate(args.run_dir, args.gate, args.slice, kv, q))
-    inp = PlanInputs(cfg, requests, prompts, costs, slo, device, price, weights, gates, baseline, last_good)
+    inp = PlanInputs(cfg, requests, prompts, costs, slo, device, price, weights, gates, baseline, last_good,
+                     interval=interval, confidence=confidence, decide_at=args.decide_at)
     result = make_plan(inp, candidates)
     ttfts = {r["candidate"]["name"]: r.pop("ttfts") for r in result["candidates"]}
     plan = dict(result, identity=model_identity(run_dir, cfg), bottleneck=prof.get("bottleneck", []),
@@ -69,21 +71,61 @@ def build_plan(args) -> tuple[dict, dict, str]:
     return plan, ttfts, run_dir
 
 
-def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=15, mesh=None, mesh_flag=None) -> dict:
+def interval_flags(args, costs: dict) -> tuple:
+    """(interval method or None, confidence) from --interval / --confidence and the profiles' samples: t by
+    default when every variant has >= 2 samples, point estimates otherwise. ValueError (one line naming the
+    flag) for an interval asked of a profile with fewer than 2 samples, or a confidence outside (0, 1)."""
+    from ..plan.uncertainty import check_interval_request
+
+    fewest = min(len(v) for v in costs.values())
+    asked = args.interval is not None or args.confidence is not None
+    method = args.interval or "t"
+    try:
+        confidence = float(args.confidence) if args.confidence is not None else 0.9
+    except ValueError:
+        raise ValueError(f"--confidence={args.confidence!r} is not allowed: a number in (0, 1), e.g. 0.9") from None
+    if not asked and fewest < 2:
+        return None, confidence
+    try:
+        check_interval_request(fewest, method, confidence)
+    except ValueError as err:
+        flag = "--confidence" if "confidence" in str(err).split(":")[0] else "--interval"
+        if "samples" in str(err):
+            raise ValueError(f"{flag}: a profile has {fewest} sample: an interval needs at least 2 (take it with "
+                             "dantinox plan profile --repeats K, K >= 2)") from None
+        raise ValueError(f"{flag}: {err}") from None
+    return method, confidence
+
+
+def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=15, mesh=None, mesh_flag=None,
+             samples=1, cooldown_s=0.0) -> dict:
     from ..plan.profile import take_profile
 
-    print(f"profiling kv_dtype={kv_dtype} quantize={quantize}{f' mesh {mesh_flag}' if mesh else ''} ...",
-          file=sys.stderr)
+    print(f"profiling kv_dtype={kv_dtype} quantize={quantize}{f' mesh {mesh_flag}' if mesh else ''}, "
+          f"{samples} sample(s) {cooldown_s:g} s apart ...", file=sys.stderr)
     with naming_flag(mesh_flag):
-        return take_profile(run_dir, model, cfg, kv_dtype, quantize, repeats, mesh)
+        return take_profile(run_dir, model, cfg, kv_dtype, quantize, repeats, mesh, samples, cooldown_s)
+
+
+def _samples_flags(args) -> tuple[int, float]:
+    """(--repeats / --profile-repeats, --cooldown) checked: ValueError naming the flag."""
+    from ..plan.inputs import positive_number
+
+    samples = getattr(args, "repeats", None) if getattr(args, "plan_command", None) == "profile" else \
+        getattr(args, "profile_repeats", 1)
+    flag = "--repeats" if getattr(args, "plan_command", None) == "profile" else "--profile-repeats"
+    if samples < 1:
+        raise ValueError(f"{flag}={samples} is not allowed: an integer >= 1")
+    text = str(getattr(args, "cooldown", 0))
+    cooldown = 0.0 if text in ("0", "0.0") else positive_number("--cooldown", text)
+    return samples, cooldown
 
 
 def _costs(args, run_dir, model, cfg) -> tuple[dict, dict]:
-    """({(kv, quantize): CostModel}, the first profile) from --profile (one path or several, each checked
-    against the model) or from a fresh profile of the float model."""
-    from ..plan.cost_model import CostModel
+    """({(kv, quantize): [CostModel per sample]}, the first profile) from --profile (one path or several, each
+    checked against the model) or from a fresh profile of the float model (--profile-repeats samples)."""
     from ..plan.inputs import load_json
-    from ..plan.profile import check_profile, model_identity
+    from ..plan.profile import check_profile, model_identity, profile_cost_models
 
     paths = [args.profile] if isinstance(args.profile, str) else (args.profile or [])
     profiles = []
@@ -98,14 +140,11 @@ def _costs(args, run_dir, model, cfg) -> tuple[dict, dict]:
         mesh = mesh_from_flag(flag)
         with naming_flag(flag):
             check_model_fits(cfg, mesh)
-        profiles = [_profile(run_dir, model, cfg, mesh=mesh, mesh_flag=flag)]
+        samples, cooldown = _samples_flags(args)
+        profiles = [_profile(run_dir, model, cfg, mesh=mesh, mesh_flag=flag, samples=samples, cooldown_s=cooldown)]
     costs = {}
     for prof in profiles:
-        try:
-            costs[(prof.get("kv_dtype", "float32"), prof.get("quantize", "none"))] = CostModel.from_dict(
-                prof["cost_model"])
-        except (KeyError, ValueError) as err:
-            raise ValueError(f"--profile: {err}") from None
+        costs[(prof.get("kv_dtype", "float32"), prof.get("quantize", "none"))] = profile_cost_models(prof)
     if ("float32", "none") not in costs:
         raise ValueError("--profile: one profile must be of the float model (--kv-dtype float32 --quantize none)")
     return costs, profiles[0]

@@ -64,6 +64,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode steps per compiled call when a step only decodes (1 = one token per call)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
+    p.add_argument("--request-log", default=None,
+                   help="append one JSONL line per finished request (a trace for dantinox plan --trace)")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: run dir name)")
     p.add_argument("--config", default=None, help="YAML/JSON file of serve flags (e.g. a plan's serve.yaml); "
                    "flags given on the command line win")
@@ -197,6 +199,24 @@ def configure_logging() -> None:
     logging.getLogger("dantinox").setLevel(logging.INFO)
 
 
+def _request_log(args):
+    """The RequestLog of --request-log (None without it); OSError naming the flag if the file cannot be opened."""
+    if not getattr(args, "request_log", None):
+        return None
+    from ..plan.profile import weights_digest
+    from ..runs.bundled import resolve_run_dir
+    from ..serving.request_log import RequestLog
+
+    try:
+        digest = weights_digest(resolve_run_dir(args.run_dir))
+    except OSError:
+        digest = None
+    try:
+        return RequestLog(args.request_log, digest)
+    except OSError as err:
+        raise OSError(f"--request-log {args.request_log}: {err.strerror or err}") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``dantinox serve``; blocks until the server stops (Ctrl-C)."""
     apply_config_file(args)
@@ -224,8 +244,8 @@ def run_serve(args: argparse.Namespace) -> int:
         counted = engine.warmup()
         log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,
                  counted.cache_hits, counted.seconds)
-    config = uvicorn.Config(create_app(engine, tokenizer, name, chat_format), host=args.host, port=args.port,
-                            log_level="info")
+    config = uvicorn.Config(create_app(engine, tokenizer, name, chat_format, _request_log(args)), host=args.host,
+                            port=args.port, log_level="info")
     log.info("listening on http://%s:%d (Ctrl-C to stop)", args.host, args.port)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

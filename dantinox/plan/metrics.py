@@ -3,7 +3,10 @@
 TTFT: first token time - arrival (seconds). TPOT: (last token - first token) / (output tokens - 1), per
 request with >= 2 tokens. ITL: every gap between consecutive tokens of a request (a multi-step decode call
 delivers several tokens at once, so gaps of 0 are real). Output tokens/s: all output tokens / (last token
-time - first arrival). Goodput: requests meeting every SLO per second over the same span. Percentiles are
+time - first arrival). Goodput: requests meeting every SLO per second over the same span (DistServe's unit,
+Zhong et al., OSDI 2024, section 2; DistServe then quotes the highest rate whose attainment meets a target, which
+the load sweep gives: load_sweep.py). SLO attainment: the fraction of all requests (rejected ones count as
+missing) whose own TTFT, own TPOT, and both, are within the SLO bounds. Percentiles are
 numpy's linear interpolation. Every float is rounded to 9 significant digits so equal runs serialize to equal
 bytes.
 """
@@ -59,6 +62,24 @@ def meets_slo(rec: RequestRecord, slo: dict) -> bool:
     return ttft <= slo.get("ttft_p99", float("inf")) and (tpot is None or tpot <= slo.get("tpot_p99", float("inf")))
 
 
+def slo_attainment(records: list[RequestRecord], slo: dict) -> dict:
+    """{"ttft", "tpot", "all"}: the fraction of ``records`` (0.0 with none) whose own TTFT / TPOT / both meet
+    ``slo`` {"ttft_p99": s, "tpot_p99": s} (a missing bound is met; a request with one token meets TPOT;
+    a rejected or unfinished request meets neither)."""
+    inf = float("inf")
+    counts = {"ttft": 0, "tpot": 0, "all": 0}
+    for rec in records:
+        ttft, tpot, _ = per_request(rec)
+        if ttft is None or rec.rejected:
+            continue
+        a = ttft <= slo.get("ttft_p99", inf)
+        b = tpot is None or tpot <= slo.get("tpot_p99", inf)
+        counts["ttft"] += a
+        counts["tpot"] += b
+        counts["all"] += a and b
+    return {k: _r(v / len(records)) if records else 0.0 for k, v in counts.items()}
+
+
 def summarize(records: list[RequestRecord], slo: dict | None = None, counters: dict | None = None) -> dict:
     """The metrics dict of a run (see the module docstring); ``counters`` (preemptions, prefix hits, peak
     blocks, queue lengths) are merged in as given."""
@@ -82,7 +103,8 @@ def summarize(records: list[RequestRecord], slo: dict | None = None, counters: d
     out = {"requests": len(records), "finished": len(done), "rejected": sum(bool(r.rejected) for r in records),
            "ttft": _pcts(ttfts), "tpot": _pcts(tpots), "itl": _pcts(itls), "output_tokens": out_tokens,
            "duration_s": _r(span), "output_tokens_per_s": _r(out_tokens / span),
-           "goodput_rps": _r(sum(meets_slo(r, slo) for r in records) / span), "slices": slices}
+           "goodput_rps": _r(sum(meets_slo(r, slo) for r in records) / span), "slices": slices,
+           "slo_attainment": slo_attainment(records, slo)}
     for key, value in (counters or {}).items():
         out[key] = _r(value) if isinstance(value, float) else value
     return out

@@ -12,6 +12,13 @@ say; docs/planning.md gives the measured effect). The machine's memory bandwidth
 and matmul rate (a jitted float32 matmul) are measured briefly, and every timed call is set against the
 time its bytes (weights + KV read) and its FLOPs would take at those rates: the bottleneck report.
 
+Repeats: a profile is a sample of a cost that drifts (docs/planning.md measured 0.90-1.35x within minutes on
+the 2-core host), so ``take_profile(samples=K)`` measures K times on one engine, the first after a warm-up pass
+(``engine.warmup`` compiles every bucket, then one untimed time_engine pass), with ``cooldown_s`` seconds of
+sleep between two samples so they spread over time. profile.json (format 3) keeps every sample's points and
+cost model under "samples"; its top-level "points" / "cost_model" are sample 0's (what a reader of format 2
+used). ``profile_cost_models`` returns one CostModel per sample from either format (format 2: one).
+
 profile.json records the model digest (sha256 of its weights file), its config, the dantinox version and
 the engine configuration; ``check_profile`` refuses a profile of another model or version, naming what
 differs. The machine is recorded but not checked: a profile from another machine may be used unchanged.
@@ -47,7 +54,8 @@ from ..serving.sharded_engine import ShardedPagedEngine
 from .cost_model import CostModel
 from .variants import apply_variant
 
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 3
+READABLE_FORMATS = (2, 3)   # 2: one sample (before --repeats)
 WAKE_GAPS = (0.005, 0.02, 0.05, 0.15)   # idle seconds before a step, for measure_wake
 
 
@@ -355,24 +363,52 @@ def model_identity(run_dir: str, cfg) -> dict:
             else dict(vars(cfg)), "dantinox_version": __version__}
 
 
+def repeat_samples(measure, samples: int, cooldown_s: float = 0.0, sleep=time.sleep) -> list:
+    """[measure() for each of ``samples`` samples], sleeping ``cooldown_s`` seconds between two of them.
+    Raises ValueError naming ``samples`` (an integer >= 1) or ``cooldown_s`` (a number >= 0)."""
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+        raise ValueError(f"samples={samples!r} is not allowed: an integer >= 1")
+    if not isinstance(cooldown_s, (int, float)) or isinstance(cooldown_s, bool) or cooldown_s < 0:
+        raise ValueError(f"cooldown_s={cooldown_s!r} is not allowed: seconds, a number >= 0")
+    out = []
+    for i in range(samples):
+        if i:
+            sleep(cooldown_s)
+        out.append(measure())
+    return out
+
+
+def _measure_points(engine, repeats: int) -> dict:
+    """One sample: time_engine's points with the wake-up cost and the calibration of real steps."""
+    points = time_engine(engine, repeats)
+    points["wake"], points["cold_window"] = measure_wake(engine)
+    points["calibration"] = calibrate_steps(engine, fit_cost_model(points))
+    return points
+
+
 def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: str = "none",
-                 repeats: int = 15, mesh=None) -> dict:
+                 repeats: int = 15, mesh=None, samples: int = 1, cooldown_s: float = 0.0) -> dict:
     """Profile the model's engine at block size 16 (decode buckets up to 16 rows, chunks up to 64 tokens),
-    on ``mesh`` (a jax Mesh from ``dantinox.parallel.mesh.make_mesh``) when given, else on one device.
-    Returns the profile dict (JSON-ready): identity, machine, mesh, rates, points, cost model, bottleneck rows.
-    Raises ValueError for a kv_dtype / quantize this version cannot build, MeshError (a ValueError) when the
-    model does not divide over the mesh."""
+    on ``mesh`` (a jax Mesh from ``dantinox.parallel.mesh.make_mesh``) when given, else on one device;
+    ``samples`` independent samples ``cooldown_s`` seconds apart after a warm-up (see the module docstring),
+    each call timed as the median of ``repeats`` runs. Returns the profile dict (JSON-ready): identity,
+    machine, mesh, rates, points, cost model, samples, bottleneck rows. Raises ValueError for a kv_dtype /
+    quantize this version cannot build or a bad samples / cooldown_s, MeshError (a ValueError) when the model
+    does not divide over the mesh."""
+    repeat_samples(lambda: None, samples, cooldown_s, sleep=lambda _: None)   # check the arguments first
     model, cfg = apply_variant(model, cfg, kv_dtype, quantize)
     config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, max_decode_steps=8)  # a full pool
     engine = PagedEngine(model, config) if mesh is None else ShardedPagedEngine(model, config, mesh)
     with mesh_scope(mesh):  # the engine's own steps enter it too; the direct calls below need it
-        points = time_engine(engine, repeats)
-        points["wake"], points["cold_window"] = measure_wake(engine)
-        points["calibration"] = calibrate_steps(engine, fit_cost_model(points))
+        if samples > 1:
+            engine.warmup()
+            time_engine(engine, 1)   # untimed: the first runs after compiling are slow on a CPU
+        all_points = repeat_samples(lambda: _measure_points(engine, repeats), samples, cooldown_s)
     rates = machine_rates()
     weights = param_bytes(model)
     n_params = param_bytes(dataclasses.replace(cfg, cache_dtype="float32")) // 4   # float32 build: 4 B each
     kv_bpt = kv_bytes_per_token(cfg)
+    points = all_points[0]
     return {"format": PROFILE_FORMAT, "identity": model_identity(run_dir, cfg), "kv_dtype": kv_dtype,
             "quantize": quantize, "block_size": 16,
             "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -380,15 +416,30 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
                         "devices": jax.device_count()},
             "mesh": mesh_shape(mesh),
             "rates": rates, "points": points, "cost_model": fit_cost_model(points).to_dict(),
+            "samples": [{"points": p, "cost_model": fit_cost_model(p).to_dict()} for p in all_points],
+            "cooldown_s": float(cooldown_s),
             "bottleneck": bottleneck_rows(cfg, points, rates, weights, kv_bpt, n_params)}
+
+
+def profile_cost_models(profile: dict, where: str = "--profile") -> list:
+    """[CostModel, ...]: one per sample of a format-3 profile, the single one of a format-2 profile. Raises
+    ValueError naming ``where`` and the field for a missing or malformed cost model."""
+    try:
+        if profile.get("format") == 2 or "samples" not in profile:
+            return [CostModel.from_dict(profile["cost_model"])]
+        if not isinstance(profile["samples"], list) or not profile["samples"]:
+            raise ValueError("samples: a non-empty list is required")
+        return [CostModel.from_dict(s["cost_model"]) for s in profile["samples"]]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def check_profile(profile: dict, identity: dict, where: str = "--profile") -> None:
     """Raise ValueError naming the first difference between the profile's identity and the model's: another
     format, dantinox version, weights digest or config field."""
-    if profile.get("format") != PROFILE_FORMAT:
+    if profile.get("format") not in READABLE_FORMATS:
         raise ValueError(f"{where}: profile format {profile.get('format')!r} is not allowed: this dantinox reads "
-                         f"format {PROFILE_FORMAT}; take the profile again (dantinox plan profile)")
+                         f"formats {READABLE_FORMATS}; take the profile again (dantinox plan profile)")
     theirs = profile.get("identity", {})
     if theirs.get("dantinox_version") != identity["dantinox_version"]:
         raise ValueError(f"{where}: the profile was taken with dantinox {theirs.get('dantinox_version')}, this is "

@@ -18,16 +18,21 @@ from dataclasses import dataclass, field
 
 from .candidate import Candidate
 from .ledger import memory_ledger
+from .load_sweep import sweep_landmarks
 from .simulate import simulate
+from .uncertainty import latency_intervals, median_metrics
 
 RATE_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @dataclass
 class PlanInputs:
-    """What a plan is computed from. costs: {(kv_dtype, quantize): CostModel}; gates: {(kv_dtype, quantize):
-    GateResult}; slo: {"ttft_p99": s, "tpot_p99": s}; device_bytes: bytes per replica; price_per_hour: USD
-    per replica-hour; baseline: a candidate name; last_good: a plan dict (or None)."""
+    """What a plan is computed from. costs: {(kv_dtype, quantize): CostModel or [CostModel, ...] (one per
+    profile sample)}; gates: {(kv_dtype, quantize): GateResult}; slo: {"ttft_p99": s, "tpot_p99": s};
+    device_bytes: bytes per replica; price_per_hour: USD per replica-hour; baseline: a candidate name;
+    last_good: a plan dict (or None); interval: "t", "range" or None (point estimates; see uncertainty.py);
+    confidence: the t interval's level; decide_at: "edge" (the interval's pessimistic edge) or "median";
+    attainment_target: the SLO attainment the load sweep's goodput rate must keep."""
 
     cfg: object
     requests: list
@@ -41,6 +46,10 @@ class PlanInputs:
     baseline: str = "baseline"
     last_good: dict | None = None
     reserve_fraction: float = 0.1
+    interval: str | None = "t"
+    confidence: float = 0.9
+    decide_at: str = "edge"
+    attainment_target: float = 0.9
 
 
 def cost_per_million(replicas: int, price_per_hour: float, tokens_per_s: float) -> float | None:
@@ -50,12 +59,22 @@ def cost_per_million(replicas: int, price_per_hour: float, tokens_per_s: float) 
     return float(f"{replicas * price_per_hour / (tokens_per_s * 3600) * 1e6:.9g}")
 
 
-def _cost_model(inp: PlanInputs, cand: Candidate):
+def _cost_models(inp: PlanInputs, cand: Candidate) -> tuple[list, str | None]:
+    """([CostModel, ...] of the candidate's variant, one per profile sample; a note when the float ones stand in)."""
     key = (cand.kv_dtype, cand.quantize)
-    if key in inp.costs:
-        return inp.costs[key], None
-    return inp.costs[("float32", "none")], (f"no profile for kv_dtype={key[0]}, quantize={key[1]}: float costs "
-                                            "used")
+    note = None
+    if key not in inp.costs:
+        key, note = ("float32", "none"), f"no profile for kv_dtype={key[0]}, quantize={key[1]}: float costs used"
+    costs = inp.costs[key]
+    return (list(costs) if isinstance(costs, (list, tuple)) else [costs]), note
+
+
+def simulate_samples(inp: PlanInputs, cand: Candidate, costs: list, requests=None) -> tuple[list, list]:
+    """(one metrics dict per cost model, the records of the median run by p99 TTFT) for ``cand``."""
+    runs = [simulate(inp.cfg, cand, c, requests or inp.requests, inp.prompts, inp.slo) for c in costs]
+    records = [r.pop("records") for r in runs]
+    order = sorted(range(len(runs)), key=lambda i: (runs[i]["ttft"]["p99"] or 0.0, i))
+    return runs, records[order[(len(order) - 1) // 2]]
 
 
 def evaluate_candidate(inp: PlanInputs, cand: Candidate) -> dict:
@@ -75,25 +94,33 @@ def evaluate_candidate(inp: PlanInputs, cand: Candidate) -> dict:
         row["dropped"].append("quality gate failed: " + "; ".join(gate.failed))
     elif gate is not None and gate.passed is None:
         row["dropped"].append(f"quality not measured: {gate.detail}")
-    cost, note = _cost_model(inp, cand)
+    costs, note = _cost_models(inp, cand)
     if note:
         row["notes"].append(note)
-    result = simulate(inp.cfg, cand, cost, inp.requests, inp.prompts, inp.slo)
-    records = result.pop("records")
+    runs, records = simulate_samples(inp, cand, costs)
     row["ttfts"] = sorted(r.token_times[0] - r.arrival for r in records if r.token_times and not r.rejected)
-    row["metrics"] = result
+    row["metrics"] = result = median_metrics(runs)
+    row["samples"] = len(runs)
+    row["intervals"] = latency_intervals(runs, inp.interval, inp.confidence)
     row["cost_per_million_usd"] = cost_per_million(cand.replicas, inp.price_per_hour, result["output_tokens_per_s"])
-    row["dropped"] += slo_failures(result, inp.slo)
+    failures = slo_failures(result, inp.slo, row["intervals"], inp.decide_at)
+    row["passes_only_at_median"] = bool(failures) and not row["dropped"] and not slo_failures(result, inp.slo)
+    row["dropped"] += failures
     return row
 
 
-def slo_failures(metrics: dict, slo: dict) -> list[str]:
-    """Reasons a run misses its SLOs (p99 TTFT, p99 TPOT in seconds) or rejected requests; [] if none."""
+def slo_failures(metrics: dict, slo: dict, intervals: dict | None = None, decide_at: str = "median") -> list[str]:
+    """Reasons a run misses its SLOs (p99 TTFT, p99 TPOT in seconds) or rejected requests; [] if none.
+    With ``intervals`` (uncertainty.latency_intervals) and decide_at="edge", each p99 is taken at its
+    interval's high edge; otherwise the metrics' own (median) p99."""
     out = []
     for key, metric in (("ttft_p99", "ttft"), ("tpot_p99", "tpot")):
-        value = metrics[metric]["p99"]
+        value, median = metrics[metric]["p99"], metrics[metric]["p99"]
+        if intervals is not None and decide_at == "edge":
+            value = intervals[key]["high"]
         if key in slo and value is not None and value > slo[key]:
-            out.append(f"SLO: p99 {metric.upper()} {value * 1e3:.1f} ms > {slo[key] * 1e3:.1f} ms")
+            where = "" if value == median else f" (interval high edge; median {median * 1e3:.1f} ms)"
+            out.append(f"SLO: p99 {metric.upper()} {value * 1e3:.1f} ms{where} > {slo[key] * 1e3:.1f} ms")
     if metrics["rejected"]:
         out.append(f"SLO: {metrics['rejected']} requests rejected")
     return out
@@ -117,22 +144,26 @@ def choose(rows: list, baseline: str, last_good: dict | None) -> dict:
 
 
 def rate_sweep(inp: PlanInputs, cand: Candidate, factors=RATE_FACTORS) -> list[dict]:
-    """The candidate at the trace's arrival rate times each factor: output tokens/s and p99 TTFT."""
+    """The candidate at the trace's arrival rate times each factor, simulated once per profile sample: median
+    output tokens/s, p99 TTFT (median and interval high edge) and the fraction of requests meeting every SLO."""
     import dataclasses
 
-    cost, _ = _cost_model(inp, cand)
+    costs, _ = _cost_models(inp, cand)
     span = max(inp.requests[-1].arrival, 1e-9)
     out = []
     for f in factors:
         scaled = [dataclasses.replace(q, arrival=q.arrival / f) for q in inp.requests]
-        m = simulate(inp.cfg, cand, cost, scaled, inp.prompts, inp.slo)
+        runs, _ = simulate_samples(inp, cand, costs, scaled)
+        m, iv = median_metrics(runs), latency_intervals(runs, inp.interval, inp.confidence)
         out.append({"factor": f, "rate_rps": float(f"{len(scaled) / (span / f):.6g}"),
-                    "output_tokens_per_s": m["output_tokens_per_s"], "ttft_p99_s": m["ttft"]["p99"]})
+                    "output_tokens_per_s": m["output_tokens_per_s"], "ttft_p99_s": m["ttft"]["p99"],
+                    "ttft_p99_high_s": iv["ttft_p99"]["high"], "attainment_all": m["slo_attainment"]["all"]})
     return out
 
 
 def make_plan(inp: PlanInputs, candidates: list) -> dict:
-    """Evaluate every candidate and choose. Returns {"candidates": rows, "recommendation", "rate_sweep"}."""
+    """Evaluate every candidate and choose. Returns {"candidates": rows, "recommendation", "rate_sweep",
+    "load_sweep" (the sweep's knee, saturation and goodput rate: load_sweep.sweep_landmarks), "uncertainty"}."""
     names = [c.name for c in candidates]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -144,4 +175,8 @@ def make_plan(inp: PlanInputs, candidates: list) -> dict:
         row["notes"].append("the fallback, not among the swept candidates")
         rows.append(row)
     sweep = rate_sweep(inp, Candidate.from_dict(rec["candidate"]))
-    return {"candidates": rows, "recommendation": rec, "rate_sweep": sweep}
+    samples = {f"{k[0]},{k[1]}": len(v) if isinstance(v, (list, tuple)) else 1 for k, v in sorted(inp.costs.items())}
+    return {"candidates": rows, "recommendation": rec, "rate_sweep": sweep,
+            "load_sweep": sweep_landmarks(sweep, inp.attainment_target),
+            "uncertainty": {"interval": inp.interval, "confidence": inp.confidence, "decide_at": inp.decide_at,
+                            "samples": samples}}

@@ -3,7 +3,10 @@ into place (a reader never sees half a file).
 
 plan.json is deterministic: keys sorted, floats from the simulation (rounded there), no timestamps; the same
 inputs give the same bytes. plan.md holds the recommendation, the table of every candidate and why each was
-dropped, the memory ledger and the bottleneck report. Plots (matplotlib, Agg backend, fixed metadata so the
+dropped, each latency as the median over the profile samples with its interval, the SLO the decision used (the
+interval's pessimistic edge unless --decide-at median), the candidates that pass only at the median, SLO
+attainment and goodput per candidate, the load sweep with its knee, saturation and goodput rate, the memory
+ledger and the bottleneck report. Plots (matplotlib, Agg backend, fixed metadata so the
 PNG bytes do not carry a date): TTFT CDF per candidate with the SLO line; output tokens/s and p99 TTFT
 against arrival rate; the memory ledger as a stacked bar.
 """
@@ -67,12 +70,16 @@ def plan_markdown(plan: dict, plots_dir: str = ".") -> str:
             f"{plan['inputs']['trace_requests']} requests (sha256 {plan['inputs']['trace_sha256'][:12]}). Model "
             f"weights sha256 {plan['identity']['weights_sha256'][:12]}, "
             f"dantinox {plan['identity']['dantinox_version']}.",
-            "", "## Candidates", "",
+            "", uncertainty_line(plan), "", "## Candidates", "",
             "| candidate | kv | weights | P | run | chunk | steps | preempt | replicas | routing | tok/s | "
-            "TTFT p50 / p99 ms | TPOT p99 ms | preempt | prefix hits | $/M tok | verdict |",
-            "|---" * 17 + "|"]
+            "TTFT p50 / p99 ms [interval] | TPOT p99 ms [interval] | SLO attained TTFT / TPOT / all | goodput req/s"
+            " | preempt | prefix hits | $/M tok | verdict |",
+            "|---" * 19 + "|"]
     for r in plan["candidates"]:
         out.append(_candidate_line(r))
+    only = [r["candidate"]["name"] for r in plan["candidates"] if r.get("passes_only_at_median")]
+    out += ["", "Pass only at the median (dropped at the interval's pessimistic edge): "
+            + (", ".join(only) if only else "none") + "."]
     out += ["", "## Memory ledger (per replica, MiB)", "",
             "| candidate | weights | KV pool (blocks) | reserve | total | device | fits |", "|---" * 7 + "|"]
     for r in plan["candidates"]:
@@ -80,10 +87,12 @@ def plan_markdown(plan: dict, plots_dir: str = ".") -> str:
         out.append(f"| {r['candidate']['name']} | {_mib(g['weights'])} | {_mib(g['kv'])} ({g['kv_blocks']}) | "
                    f"{_mib(g['reserve'])} | {_mib(g['total'])} | {_mib(g['device'])} | "
                    f"{'yes' if g['fits'] else 'NO'} |")
-    out += ["", "## Load sweep (recommended deployment)", "", "| rate (req/s) | output tok/s | p99 TTFT ms |",
-            "|---|---|---|"]
-    out += [f"| {s['rate_rps']} | {s['output_tokens_per_s']:.1f} | {_fmt_ms(s['ttft_p99_s'])} |"
-            for s in plan["rate_sweep"]]
+    out += ["", "## Load sweep (recommended deployment)", "",
+            "| rate (req/s) | output tok/s | p99 TTFT ms (median / high edge) | SLO attained (all) |",
+            "|---|---|---|---|"]
+    out += [f"| {s['rate_rps']} | {s['output_tokens_per_s']:.1f} | {_fmt_ms(s['ttft_p99_s'])} / "
+            f"{_fmt_ms(s.get('ttft_p99_high_s'))} | {_pct(s.get('attainment_all'))} |" for s in plan["rate_sweep"]]
+    out += ["", landmarks_line(plan.get("load_sweep"))]
     out += ["", "## Bottleneck report (profile)", ""] + bottleneck_markdown(plan.get("bottleneck", []),
                                                                             plan.get("rates", {}))
     out += ["", "## Quality gates", ""]
@@ -92,6 +101,42 @@ def plan_markdown(plan: dict, plots_dir: str = ".") -> str:
             f"{'; '.join(g['failed'])}" for g in plan.get("gates", [])]
     out += ["", "## Plots", ""] + [f"![{p}]({os.path.join(plots_dir, p)})" for p in PLOTS]
     return "\n".join(out) + "\n"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _rps(x) -> str:
+    return "none in the sweep" if x is None else f"{x:g} req/s"
+
+
+def uncertainty_line(plan: dict) -> str:
+    """How latencies are stated and which value the SLO check used."""
+    u = plan.get("uncertainty") or {}
+    samples = ", ".join(f"{k}: {v}" for k, v in sorted((u.get("samples") or {}).items()))
+    method = {"t": f"a t-based {u.get('confidence', 0.9):.0%} interval of the mean over the samples' simulations "
+                   "(mean +- t x s / sqrt(K))", "range": "the range (min-max) over the samples' simulations",
+              None: "point estimates (one profile sample: no interval)"}.get(u.get("interval"), "-")
+    at = "the interval's pessimistic (high) edge" if u.get("decide_at", "edge") == "edge" else "the median"
+    return (f"Latency: median over one simulation per profile sample ({samples or '-'}), with {method}. SLO "
+            f"decisions use {at}.")
+
+
+def landmarks_line(marks: dict | None) -> str:
+    """The load sweep's knee, saturation and goodput rate in words."""
+    if not marks:
+        return "(no load sweep)"
+    return (f"Knee (Kneedle on p99 TTFT): {_rps(marks['knee_rps'])}; saturation (output tokens/s per request/s "
+            f"below 95 % of the lightest rate's): {_rps(marks['saturation_rps'])}; goodput (highest rate with "
+            f">= {marks['attainment_target']:.0%} of requests meeting every SLO, DistServe): "
+            f"{_rps(marks['goodput_rps'])}.")
+
+
+def _interval_ms(iv: dict | None) -> str:
+    if not iv or iv.get("low") is None or iv["low"] == iv["high"]:
+        return ""
+    return f" [{_fmt_ms(iv['low'])}-{_fmt_ms(iv['high'])}]"
 
 
 def _candidate_line(r: dict) -> str:
@@ -103,10 +148,12 @@ def _candidate_line(r: dict) -> str:
             f"{c['max_batched_tokens']} | {c['max_decode_steps']} | {c['preemption']} | {c['replicas']} | "
             f"{c['routing']} |")
     if m is None:
-        return head + " - | - | - | - | - | - | " + verdict + " |"
-    cost = r["cost_per_million_usd"]
-    return head + (f" {m['output_tokens_per_s']:.1f} | {_fmt_ms(m['ttft']['p50'])} / {_fmt_ms(m['ttft']['p99'])} | "
-                   f"{_fmt_ms(m['tpot']['p99'])} | {m['preemptions']} | {m['prefix_cache_hits']} | "
+        return head + " - | - | - | - | - | - | - | - | " + verdict + " |"
+    cost, iv, att = r["cost_per_million_usd"], r.get("intervals") or {}, m.get("slo_attainment") or {}
+    return head + (f" {m['output_tokens_per_s']:.1f} | {_fmt_ms(m['ttft']['p50'])} / {_fmt_ms(m['ttft']['p99'])}"
+                   f"{_interval_ms(iv.get('ttft_p99'))} | {_fmt_ms(m['tpot']['p99'])}{_interval_ms(iv.get('tpot_p99'))}"
+                   f" | {_pct(att.get('ttft'))} / {_pct(att.get('tpot'))} / {_pct(att.get('all'))} | "
+                   f"{m['goodput_rps']:.2f} | {m['preemptions']} | {m['prefix_cache_hits']} | "
                    f"{'-' if cost is None else f'{cost:.4f}'} | {verdict} |")
 
 

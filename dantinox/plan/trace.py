@@ -13,6 +13,22 @@ One JSON object per line, one request per object, in arrival order:
   prefix         a shared-prefix id (a system prompt); requests with the same id share their first
                  prefix_tokens tokens, so the prefix cache can serve them
   prefix_tokens  the shared prefix's length (integer >= 0, at most the prompt length)
+  hash_ids       with prompt_tokens: the prompt's blocks as content hashes (list of integers >= 0, as in the
+                 Mooncake trace); block i gets its ids from a stream keyed by its hash, so requests sharing
+                 leading hashes share those tokens exactly (the prefix cache sees what production saw)
+  block_tokens   tokens per hash_ids block (integer >= 1; default 512, the Mooncake trace's block)
+
+Request logs (``dantinox serve --request-log FILE``, dantinox/serving/request_log.py) are traces too: their
+lines carry ``"source": "request-log"`` and what the server observed, which the planner reads past:
+  source                      "request-log"
+  cached_tokens               prompt tokens the prefix cache served (integer >= 0)
+  ttft_s, tpot_s              the server's own TTFT and TPOT (seconds, or null)
+  finish_reason               stop, length, abort, error, ...
+  model_sha256, dantinox_version
+A request log is written as requests finish, so its arrivals are not in order: a trace whose every line is a
+request-log line is sorted by arrival (ties by line) and its requests numbered in that order. A logged request
+that generated no token (max_tokens 0, allowed only in a request log: aborted or refused before its first
+token) is skipped: there is nothing to replay.
 
 The generator draws arrivals from a Poisson process (exponential gaps) or a gamma process (gaps with a
 coefficient of variation ``burstiness`` > 1 are bursty), lengths from log-normal distributions per class, and
@@ -22,6 +38,7 @@ slice). Same arguments and seed, same file, byte for byte (fixed key order, roun
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -32,7 +49,10 @@ import numpy as np
 
 ARRIVAL_PROCESSES = ("poisson", "gamma")
 _KNOWN = {"arrival", "prompt", "prompt_ids", "prompt_tokens", "max_tokens", "temperature", "top_p", "top_k",
-          "seed", "slice", "prefix", "prefix_tokens"}
+          "seed", "slice", "prefix", "prefix_tokens", "hash_ids", "block_tokens"}
+OBSERVED = ("source", "cached_tokens", "ttft_s", "tpot_s", "finish_reason", "model_sha256", "dantinox_version")
+REQUEST_LOG = "request-log"
+MOONCAKE_BLOCK_TOKENS = 512
 
 
 class TraceError(ValueError):
@@ -56,6 +76,9 @@ class TraceRequest:
     slice: str = "default"
     prefix: str | None = None
     prefix_tokens: int = 0
+    hash_ids: tuple | None = None
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    source: str = "trace"
 
 
 def _is_int(v) -> bool:
@@ -75,15 +98,17 @@ def parse_line(text: str, lineno: int, max_context: int | None = None) -> TraceR
         raise TraceError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: a JSON object is required, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - _KNOWN)
+    logged = obj.get("source") == REQUEST_LOG
+    known = _KNOWN | set(OBSERVED) if logged else _KNOWN
+    unknown = sorted(set(obj) - known)
     if unknown:
-        raise TraceError(f"{where}: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(_KNOWN))}")
+        raise TraceError(f"{where}: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(known))}")
     for name in ("arrival", "max_tokens"):
         if name not in obj:
             raise TraceError(f"{where}: field {name!r} is missing")
     if not _is_num(obj["arrival"]) or obj["arrival"] < 0:
         raise TraceError(f"{where}: arrival={obj['arrival']!r} is not allowed: seconds, a number >= 0")
-    if not _is_int(obj["max_tokens"]) or obj["max_tokens"] < 1:
+    if not _is_int(obj["max_tokens"]) or obj["max_tokens"] < (0 if logged else 1):
         raise TraceError(f"{where}: max_tokens={obj['max_tokens']!r} is not allowed: an integer >= 1")
     given = [k for k in ("prompt", "prompt_ids", "prompt_tokens") if k in obj]
     if len(given) != 1:
@@ -98,12 +123,29 @@ def parse_line(text: str, lineno: int, max_context: int | None = None) -> TraceR
         raise TraceError(f"{where}: prompt of {length} tokens + max_tokens={obj['max_tokens']} = "
                          f"{length + obj['max_tokens']} exceeds the model's context of {max_context} tokens")
     _check_sampling(obj, where)
+    hash_ids, block_tokens = _check_hash_ids(obj, given[0], where)
     return TraceRequest(
         index=lineno - 1, arrival=float(obj["arrival"]), max_tokens=obj["max_tokens"], prompt=obj.get("prompt"),
         prompt_ids=tuple(obj["prompt_ids"]) if "prompt_ids" in obj else None,
         prompt_tokens=obj.get("prompt_tokens"), temperature=float(obj.get("temperature", 0.0)),
         top_p=float(obj.get("top_p", 1.0)), top_k=obj.get("top_k", 0), seed=obj.get("seed", 0),
-        slice=str(obj.get("slice", "default")), prefix=obj.get("prefix"), prefix_tokens=prefix_tokens)
+        slice=str(obj.get("slice", "default")), prefix=obj.get("prefix"), prefix_tokens=prefix_tokens,
+        hash_ids=hash_ids, block_tokens=block_tokens, source=REQUEST_LOG if logged else "trace")
+
+
+def _check_hash_ids(obj: dict, kind: str, where: str) -> tuple:
+    """(hash_ids tuple or None, block_tokens); TraceError naming the field for a bad one."""
+    block = obj.get("block_tokens", MOONCAKE_BLOCK_TOKENS)
+    if not _is_int(block) or block < 1:
+        raise TraceError(f"{where}: block_tokens={block!r} is not allowed: an integer >= 1")
+    if "hash_ids" not in obj:
+        return None, block
+    value = obj["hash_ids"]
+    if not isinstance(value, list) or not all(_is_int(h) and h >= 0 for h in value):
+        raise TraceError(f"{where}: hash_ids is not allowed: a list of integers >= 0")
+    if kind != "prompt_tokens" or "prefix" in obj:
+        raise TraceError(f"{where}: hash_ids is allowed only with prompt_tokens and without prefix")
+    return tuple(value), block
 
 
 def _check_prompt(obj: dict, kind: str, where: str) -> int | None:
@@ -141,23 +183,31 @@ def read_trace(path: str, max_context: int | None = None) -> list[TraceRequest]:
     """Read and check a JSONL trace. Blank lines are skipped. Raises TraceError naming the file and line:
     invalid JSON, a missing or bad field, a negative or decreasing arrival, a request longer than
     ``max_context``; FileNotFoundError for a missing file."""
-    out, last = [], 0.0
+    out = []
     with open(path, encoding="utf-8") as f:
         for lineno, text in enumerate(f, 1):
             if not text.strip():
                 continue
             try:
-                req = parse_line(text, lineno, max_context)
+                out.append((lineno, parse_line(text, lineno, max_context)))
             except TraceError as err:
                 raise TraceError(f"{path} {err}") from None
-            if req.arrival < last:
-                raise TraceError(f"{path} line {lineno}: arrival={req.arrival} is not allowed: arrivals must "
-                                 f"not decrease (previous {last})")
-            last = req.arrival
-            out.append(req)
+    if out and all(req.source == REQUEST_LOG for _, req in out):   # written as requests finished
+        kept = sorted(((req.arrival, lineno, req) for lineno, req in out if req.max_tokens > 0),
+                      key=lambda t: t[:2])
+        out = [(lineno, dataclasses.replace(req, index=i)) for i, (_, lineno, req) in enumerate(kept)]
+    last = 0.0
+    for lineno, req in out:
+        if req.arrival < last:
+            raise TraceError(f"{path} line {lineno}: arrival={req.arrival} is not allowed: arrivals must "
+                             f"not decrease (previous {last})")
+        if req.max_tokens < 1:
+            raise TraceError(f"{path} line {lineno}: max_tokens=0 is not allowed in a trace mixing request-log "
+                             "and other lines")
+        last = req.arrival
     if not out:
         raise TraceError(f"{path}: the trace has no requests")
-    return out
+    return [req for _, req in out]
 
 
 def _stream(key: str, n: int, vocab_size: int, low: int = 1) -> list[int]:
@@ -182,6 +232,10 @@ def prompt_token_ids(req: TraceRequest, tokenizer, vocab_size: int) -> list[int]
         if not ids:
             raise TraceError(f"line {req.index + 1}: prompt encodes to no tokens")
         return ids
+    if req.hash_ids is not None:
+        ids = [t for h in req.hash_ids for t in _stream(f"block:{h}", req.block_tokens, vocab_size)]
+        ids = ids[:req.prompt_tokens]
+        return ids + _stream(f"request:{req.index}", req.prompt_tokens - len(ids), vocab_size)
     shared = _stream(f"prefix:{req.prefix}", req.prefix_tokens, vocab_size) if req.prefix else []
     return shared + _stream(f"request:{req.index}", req.prompt_tokens - len(shared), vocab_size)
 

@@ -31,6 +31,7 @@ from ..runs.chat_template import ChatTemplateError
 from .completions import _Choice, _Completion
 from .protocol import MAX_CHOICES, MAX_STOP_STRINGS, SamplingRequest, error_body
 from .request import RequestError, SamplingOptions
+from .request_log import slice_from
 
 # fields this endpoint does not implement -> the values that change nothing
 UNSUPPORTED_CHAT_FIELDS = {"tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
@@ -154,7 +155,8 @@ def add_chat_route(app, service, chat_format) -> None:
         except RequestError as err:
             service.metrics.rejected(err)
             return JSONResponse(error_body(str(err), err.field), status_code=400)
-        cid, rids, events, refused = await service.submit("chatcmpl", prompt_ids, options, _as_messages_error)
+        cid, rids, events, refused = await service.submit("chatcmpl", prompt_ids, options, _as_messages_error,
+                                                          slice_name=slice_from(body.model_extra))
         if refused is not None:
             return refused
         session = _ChatCompletion(service, cid, rids, len(prompt_ids), body, events, chat_format.stop_ids)

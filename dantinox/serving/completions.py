@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..runs.tokenizer import StreamDecoder, UnknownCharactersError
 from .protocol import CompletionRequest, LogprobsLog, StopChecker, choice_body, completion_body, error_body, usage_body
 from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
+from .request_log import slice_from
 from .worker import EngineWorker
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions, cut to what is left of the context
@@ -53,7 +54,8 @@ class _Service:
         except RequestError as err:
             self.metrics.rejected(err)
             return JSONResponse(error_body(str(err), err.field), status_code=400)
-        cid, rids, events, refused = await self.submit("cmpl", prompt_ids, options)
+        cid, rids, events, refused = await self.submit("cmpl", prompt_ids, options,
+                                                       slice_name=slice_from(body.model_extra))
         if refused is not None:
             return refused
         session = _Completion(self, cid, rids, len(prompt_ids), body, events)
@@ -61,14 +63,15 @@ class _Service:
             return StreamingResponse(session.sse(request), media_type="text/event-stream")
         return await session.respond(request)
 
-    async def submit(self, kind: str, prompt_ids: list[int], options: list, rejected=lambda err: err):
+    async def submit(self, kind: str, prompt_ids: list[int], options: list, rejected=lambda err: err,
+                     slice_name: str | None = None):
         """Hand one request of len(options) choices to the worker and wait for its admission. Returns (id,
         engine request ids, event queue, None) or, when the engine is dead or refuses the request, a 503 /
         400 / 429 response in the last place (``rejected`` may reword the refusal; the worker counted it)."""
         cid = f"{kind}-{uuid.uuid4().hex}"
         rids = [f"{cid}-{i}" for i in range(len(options))]
         events: asyncio.Queue = asyncio.Queue()
-        self.worker.submit(rids, prompt_ids, options, asyncio.get_running_loop(), events)
+        self.worker.submit(rids, prompt_ids, options, asyncio.get_running_loop(), events, slice_name)
         first = await _next_event(events, self.worker)
         if first[0] == "dead":
             self.metrics.rejected(reason="unavailable")

@@ -51,20 +51,24 @@ from .worker import EngineWorker
 log = logging.getLogger("dantinox.serving")
 
 
-def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None) -> FastAPI:
+def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None,
+               request_log=None) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
     engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
-    model's ``dantinox.runs.chat.ChatFormat`` (None: /v1/chat/completions answers 400, the model has no template).
+    model's ``dantinox.runs.chat.ChatFormat`` (None: /v1/chat/completions answers 400, the model has no template);
+    request_log: a ``request_log.RequestLog`` (one line per finished request; closed with the app) or None.
     """
     metrics = ServerMetrics()
-    worker = EngineWorker(engine, metrics)
+    worker = EngineWorker(engine, metrics, request_log)
 
     @asynccontextmanager
     async def lifespan(_app):
         worker.start()
         yield
         worker.stop()
+        if request_log is not None:
+            request_log.close()
 
     app = FastAPI(title="dantinox", lifespan=lifespan)
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine

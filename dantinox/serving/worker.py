@@ -37,6 +37,11 @@ class _Stream:
     queue: asyncio.Queue
     submitted: float          # perf_counter seconds
     last_token: float | None = None
+    first_token: float | None = None
+    tokens: int = 0
+    slice_name: str | None = None
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
 
     def send(self, event: tuple) -> None:
         try:
@@ -46,11 +51,13 @@ class _Stream:
 
 
 class EngineWorker:
-    """Runs ``engine`` in a daemon thread. ``metrics`` (optional) is a ServerMetrics."""
+    """Runs ``engine`` in a daemon thread. ``metrics`` (optional) is a ServerMetrics; ``request_log``
+    (optional) a request_log.RequestLog that gets one line per finished request."""
 
-    def __init__(self, engine: Engine, metrics=None):
+    def __init__(self, engine: Engine, metrics=None, request_log=None):
         self.engine = engine
         self.metrics = metrics
+        self.request_log = request_log
         self.commands: queue.Queue = queue.Queue()
         self.snapshot: dict = engine.stats()
         self.healthy = True
@@ -73,12 +80,13 @@ class EngineWorker:
         return self._thread.is_alive() and self.healthy
 
     def submit(self, request_ids: list[str], prompt_ids: list, options: list[SamplingOptions],
-               loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> None:
+               loop: asyncio.AbstractEventLoop, events: asyncio.Queue, slice_name: str | None = None) -> None:
         """Queue one completion: request_ids[i] runs with options[i] on the same prompt_ids (choice i).
         Replies go to ``events`` on ``loop`` (see the module docstring); choices i > 0 share the first
-        one's prompt blocks through the engine's prefix cache (``share_prompt_with``)."""
+        one's prompt blocks through the engine's prefix cache (``share_prompt_with``). slice_name: the class
+        the request log records for it."""
         self.commands.put(("submit", list(request_ids), prompt_ids, list(options), loop, events,
-                           time.perf_counter()))
+                           time.perf_counter(), slice_name))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Ask the worker to stop ``request_id`` (one engine request) and free its blocks. ``reason`` is the
@@ -118,7 +126,7 @@ class EngineWorker:
             if self.engine.abort(command[1]):
                 self._abort_reasons[command[1]] = command[2]
             return
-        _, rids, prompt_ids, options, loop, events, submitted = command
+        _, rids, prompt_ids, options, loop, events, submitted, slice_name = command
         added = []
         try:
             for rid, opts in zip(rids, options):
@@ -133,7 +141,8 @@ class EngineWorker:
             _Stream(loop, events, submitted).send(("rejected", err))
             return
         for rid in rids:
-            self._streams[rid] = _Stream(loop, events, submitted)
+            self._streams[rid] = _Stream(loop, events, submitted, slice_name=slice_name,
+                                         prompt_tokens=len(prompt_ids))
         self._streams[rids[0]].send(("accepted",))
 
     def _route(self, outputs: list[RequestOutput]) -> None:
@@ -147,12 +156,19 @@ class EngineWorker:
                     since = now - (stream.last_token or stream.submitted)
                     self.metrics.token(since, first=stream.last_token is None)
                 stream.last_token = now
+                stream.first_token = stream.first_token or now
+                stream.tokens += len(out.new_token_ids)
+            if self.request_log and out.request_id in getattr(self.engine, "requests", {}):
+                stream.cached_tokens = self.engine.requests[out.request_id].num_cached_tokens
             if out.finished:
                 del self._streams[out.request_id]
                 reason = self._abort_reasons.pop(out.request_id, None)
+                reason = reason if out.finish_reason == "abort" and reason else out.finish_reason
                 if self.metrics:
-                    self.metrics.finished(reason if out.finish_reason == "abort" and reason
-                                          else out.finish_reason)
+                    self.metrics.finished(reason)
+                if self.request_log:
+                    self.request_log.record(stream.submitted, stream.first_token, stream.last_token, stream.tokens,
+                                            stream.prompt_tokens, stream.cached_tokens, reason, stream.slice_name)
             stream.send(("output", out))
 
     def _publish(self) -> None:

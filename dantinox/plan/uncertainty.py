@@ -1,0 +1,107 @@
+"""Latency as a distribution: one simulation per profile sample, summarized as a median and an interval.
+
+A profile taken with ``dantinox plan profile --repeats K`` holds K cost models (one per independent profile,
+taken minutes apart). The planner simulates every candidate once per cost model; each latency metric then has
+K values x_1..x_K and is reported as their median and one of two intervals:
+
+  "t"      the two-sided Student-t interval of the mean at confidence c:
+           mean +- t_{(1 + c) / 2, K - 1} x s / sqrt(K), s the sample standard deviation (ddof = 1)
+           (the interval AIPerf reports over repeated runs; e.g. NIST/SEMATECH e-Handbook of Statistical
+           Methods, section 7.2.2.1). It needs K >= 2.
+  "range"  [min x_i, max x_i] (c is not used). It needs K >= 2.
+
+With K identical samples both intervals have zero width. The interval's pessimistic edge (the high end for a
+latency) is what the SLO check uses by default. Every float is rounded to 9 significant digits (as metrics.py
+does) so the same inputs serialize to the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+INTERVAL_METHODS = ("t", "range")
+
+
+def _r(x: float) -> float:
+    return float(f"{float(x):.9g}")
+
+
+def check_interval_request(samples: int, method: str, confidence: float) -> None:
+    """Raise ValueError naming ``method``, ``confidence`` or ``samples`` when an interval cannot be computed:
+    an unknown method, a confidence outside (0, 1), or fewer than 2 samples."""
+    if method not in INTERVAL_METHODS:
+        raise ValueError(f"interval method={method!r} is not allowed: one of {INTERVAL_METHODS}")
+    if not isinstance(confidence, (int, float)) or isinstance(confidence, bool) or not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence!r} is not allowed: a number in (0, 1), e.g. 0.9")
+    if samples < 2:
+        raise ValueError(f"samples={samples}: an interval needs at least 2 profile samples "
+                         "(dantinox plan profile --repeats K, K >= 2)")
+
+
+def interval(values: list, method: str = "t", confidence: float = 0.9) -> dict:
+    """{"median", "low", "high", "n"} of ``values`` (floats; None entries are dropped; all None -> every field
+    None but n). With one value, or method None (a point estimate), low = high = median. Raises ValueError for
+    an unknown method."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"median": None, "low": None, "high": None, "n": 0}
+    a = np.asarray(xs)
+    median = float(np.median(a))
+    if len(xs) == 1 or method is None or float(a.max()) == float(a.min()):
+        low = high = median
+    elif method == "range":
+        low, high = float(a.min()), float(a.max())
+    elif method == "t":
+        from scipy.stats import t as student_t
+
+        half = float(student_t.ppf((1 + confidence) / 2, len(xs) - 1)) * float(a.std(ddof=1)) / math.sqrt(len(xs))
+        low, high = float(a.mean()) - half, float(a.mean()) + half
+    else:
+        raise ValueError(f"interval method={method!r} is not allowed: one of {INTERVAL_METHODS}")
+    return {"median": _r(median), "low": _r(low), "high": _r(high), "n": len(xs)}
+
+
+LATENCY_KEYS = tuple(f"{m}_p{p}" for m in ("ttft", "tpot", "itl") for p in (50, 90, 99))
+
+
+def latency_intervals(runs: list, method: str = "t", confidence: float = 0.9) -> dict:
+    """{"ttft_p99": interval, ...} for every LATENCY_KEYS metric over ``runs`` (summarize dicts, one per profile
+    sample), plus "output_tokens_per_s", "goodput_rps" and each SLO attainment fraction ("attainment_ttft",
+    "attainment_tpot", "attainment_all")."""
+    out = {}
+    for key in LATENCY_KEYS:
+        metric, pct = key.rsplit("_", 1)
+        out[key] = interval([r[metric][pct] for r in runs], method, confidence)
+    for key in ("output_tokens_per_s", "goodput_rps"):
+        out[key] = interval([r[key] for r in runs], method, confidence)
+    for key in ("ttft", "tpot", "all"):
+        out[f"attainment_{key}"] = interval([r["slo_attainment"][key] for r in runs], method, confidence)
+    return out
+
+
+def median_metrics(runs: list) -> dict:
+    """One metrics dict from several: every number the median over ``runs`` (an integer stays an integer when
+    all runs agree, else the rounded median), nested dicts merged key by key, other values from the first run.
+    One run: that run unchanged."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: median_metrics([r[k] for r in runs]) for k in first}
+    if isinstance(first, bool) or first is None or not isinstance(first, (int, float)):
+        return first
+    if any(r is None for r in runs):
+        return first
+    if all(r == first for r in runs):
+        return first
+    return _r(float(np.median(np.asarray(runs, float))))
+
+
+def pessimistic(intervals: dict, key: str, at: str = "edge"):
+    """The value the SLO check compares for latency ``key``: the interval's high edge (at="edge") or its median
+    (at="median"). Raises ValueError for another ``at``."""
+    if at not in ("edge", "median"):
+        raise ValueError(f"decide_at={at!r} is not allowed: edge or median")
+    return intervals[key]["high" if at == "edge" else "median"]
