@@ -8,6 +8,7 @@ rates and bottleneck rows of the profile, the gates, every candidate and the rec
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -83,14 +84,16 @@ def interval_flags(args, costs: dict) -> tuple:
     try:
         confidence = float(args.confidence) if args.confidence is not None else 0.9
     except ValueError:
-        raise ValueError(f"--confidence={args.confidence!r} is not allowed: a number in (0, 1), e.g. 0.9") from None
+        confidence = math.nan
+    if not 0 < confidence < 1:
+        raise ValueError(f"--confidence={args.confidence} is not allowed: a number in (0, 1), e.g. 0.9")
     if not asked and fewest < 2:
         return None, confidence
     try:
         check_interval_request(fewest, method, confidence)
     except ValueError as err:
-        flag = "--confidence" if "confidence" in str(err).split(":")[0] else "--interval"
-        if "samples" in str(err):
+        flag = "--interval" if args.interval is not None else "--confidence"
+        if str(err).startswith("samples="):
             raise ValueError(f"{flag}: a profile has {fewest} sample: an interval needs at least 2 (take it with "
                              "dantinox plan profile --repeats K, K >= 2)") from None
         raise ValueError(f"{flag}: {err}") from None

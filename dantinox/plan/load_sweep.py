@@ -7,8 +7,8 @@ Input: the sweep's points in increasing rate, each {"rate_rps", "output_tokens_p
   knee         Kneedle (Satopaa, Albrecht, Irwin, Raghavan, "Finding a 'Kneedle' in a Haystack", ICDCS
                Workshops 2011, section III) on p99 TTFT against rate, a convex increasing curve: both axes
                scaled to [0, 1], the knee is the point where (scaled rate - scaled p99 TTFT) is largest;
-               None when no point lies below the chord (a straight or concave curve), or with fewer than 3
-               points. With a handful of swept rates it is only as fine as the sweep.
+               None when no point lies below the chord by more than 1e-9 (a straight or concave curve), or
+               with fewer than 3 points. With a handful of swept rates it is only as fine as the sweep.
   saturation   the lowest swept rate whose output tokens/s per offered request/s falls below
                SATURATION_FRACTION of the lightest rate's: the engine no longer serves what arrives. None when
                every rate keeps up.
@@ -34,7 +34,7 @@ def knee(rates: list, latencies: list):
         return None
     diffs = [((x - x0) / (x1 - x0) - (y - y0) / (y1 - y0), x) for x, y in pts]
     best, rate = max(diffs, key=lambda d: (d[0], -d[1]))
-    return rate if best > 0 else None
+    return rate if best > 1e-9 else None   # a straight line: every difference 0 up to rounding
 
 
 def saturation(points: list, fraction: float = SATURATION_FRACTION):
