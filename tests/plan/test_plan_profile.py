@@ -157,3 +157,18 @@ def test_plan_profiles_itself_on_the_mesh_given_and_records_it(tmp_path):
                      "--candidates", str(candidates), "--out", str(tmp_path / "plan")]) == 0
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["mesh"] == {"data": 1, "model": 1}
+
+
+@pytest.mark.slow   # two real profiles of a tiny model
+def test_profile_with_two_samples_keeps_both(tmp_path):
+    from dantinox.plan.profile import PROFILE_FORMAT, profile_cost_models
+    tok = train_tokenizer("abcdefghij klmnop\n" * 4, "char")
+    cfg = tiny_config(vocab_size=tok.vocab_size, max_context=64)
+    model = spiky_model(cfg)
+    save_run(tmp_path, model, cfg, tok)
+    prof = take_profile(str(tmp_path), model, cfg, repeats=2, samples=2, cooldown_s=0.01)
+    check_profile(prof, model_identity(str(tmp_path), cfg))
+    assert prof["format"] == PROFILE_FORMAT and len(prof["samples"]) == 2 and prof["cooldown_s"] == 0.01
+    assert prof["samples"][0]["points"] == prof["points"] and prof["cost_model"] == prof["samples"][0]["cost_model"]
+    costs = profile_cost_models(prof)
+    assert len(costs) == 2 and all(set(c.points) == set(prof["points"]["forward"]) for c in costs)

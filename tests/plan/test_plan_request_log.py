@@ -165,3 +165,36 @@ def test_bad_mooncake_line_is_named(tmp_path, line, expected):
     src.write_text('{"timestamp": 1, "input_length": 3, "output_length": 1, "hash_ids": [1]}\n' + line + "\n")
     with pytest.raises(TraceError, match=expected):
         read_mooncake(str(src))
+
+
+@pytest.mark.slow   # a real server (compiles a tiny model's calls)
+def test_serve_request_log_of_a_real_server_is_a_trace(tmp_path):
+    import httpx
+    from conftest import tiny_config
+    from serving_util import SMALL_BUCKETS, lively_model
+
+    from dantinox.runs.tokenizer import train_tokenizer
+    from dantinox.serving.engine import EngineConfig, PagedEngine
+    from dantinox.serving.server import ServerThread, create_app
+
+    tok = train_tokenizer("abcdefghij klmnop\n" * 4, "char")
+    cfg = tiny_config(vocab_size=tok.vocab_size)
+    engine = PagedEngine(lively_model(cfg), EngineConfig(block_size=4, num_blocks=48, max_running=4,
+                                                         max_batched_tokens=16, decode_buckets=(1, 4),
+                                                         **SMALL_BUCKETS))
+    path = tmp_path / "requests.jsonl"
+    srv = ServerThread(create_app(engine, tok, "tiny", request_log=RequestLog(str(path), None))).start()
+    bodies = [{"prompt": "abc def", "max_tokens": 5, "temperature": 0, "metadata": {"slice": "doc"}},
+              {"prompt": "ghij", "max_tokens": 3, "temperature": 0, "user": "chat"},
+              {"prompt": "klmnop abc", "max_tokens": 4, "temperature": 0}]
+    try:
+        for body in bodies:
+            assert httpx.post(srv.url + "/v1/completions", json=body, timeout=120).status_code == 200
+    finally:
+        srv.stop()
+    reqs = read_trace(str(path))
+    assert [(q.prompt_tokens, q.max_tokens, q.slice) for q in reqs] == [
+        (len(tok.encode(b["prompt"])), b["max_tokens"], s) for b, s in zip(bodies, ("doc", "chat", "default"))]
+    assert [q.arrival for q in reqs] == sorted(q.arrival for q in reqs) and reqs[0].arrival >= 0
+    lines = [json.loads(t) for t in path.read_text().splitlines()]
+    assert all(ln["finish_reason"] == "length" and ln["ttft_s"] > 0 for ln in lines)
