@@ -3,7 +3,8 @@
 ``dantinox plan gate --candidate plan.json --last-good plan.json`` checks the candidate plan:
   1. it recommends a deployment that passed its own sweep (not a fallback);
   2. that deployment's simulated p99 TTFT / TPOT meet the candidate plan's SLOs and the last-good plan's
-     (the stricter of each), and no request was rejected;
+     (the stricter of each), and no request was rejected; taken at the interval's pessimistic edge when the
+     plan decided there (its "uncertainty" says so), else at the median;
   3. every quality gate of its model variant passed (a variant not measured fails);
   4. it records what it was measured on (weights sha256, dantinox version);
   5. on the same trace (equal trace sha256), its p99 TTFT is at most REGRESSION x the last-good's.
@@ -37,7 +38,8 @@ def check_release(cand: dict, good: dict) -> list[str]:
     if row is None or row.get("metrics") is None:
         return failed + [f"the candidate plan has no simulated metrics for {rec['name']!r}"]
     slo = _stricter(cand["inputs"]["slo"], good["inputs"]["slo"])
-    failed += [f"{rec['name']}: {reason}" for reason in slo_failures(row["metrics"], slo)]
+    at = (cand.get("uncertainty") or {}).get("decide_at", "median")
+    failed += [f"{rec['name']}: {reason}" for reason in slo_failures(row["metrics"], slo, row.get("intervals"), at)]
     variant = [row["candidate"]["kv_dtype"], row["candidate"]["quantize"]]
     for g in cand.get("gates", []):
         if g["variant"] == variant and g["passed"] is not True:

@@ -59,12 +59,11 @@ def plan_markdown(plan: dict, plots_dir: str = ".") -> str:
     if rec["fallback"]:
         out += [f"**No candidate passed.** Recommended fallback: **{rec['name']}** ({rec['reason']}).", ""]
     else:
-        cost = row["cost_per_million_usd"]
-        out += [f"**Recommended: {rec['name']}** ({rec['reason']}): "
-                f"{row['metrics']['output_tokens_per_s']:.1f} output tokens/s, p99 TTFT "
-                f"{_fmt_ms(row['metrics']['ttft']['p99'])} ms, p99 TPOT {_fmt_ms(row['metrics']['tpot']['p99'])} "
-                f"ms, **${cost:.4f} per million output tokens** at ${plan['inputs']['price_per_hour']}/h per "
-                "replica.", ""]
+        cost, m, iv = row["cost_per_million_usd"], row["metrics"], row.get("intervals") or {}
+        out += [f"**Recommended: {rec['name']}** ({rec['reason']}): {m['output_tokens_per_s']:.1f} output tokens/s, "
+                f"p99 TTFT {_fmt_ms(m['ttft']['p99'])}{_interval_ms(iv.get('ttft_p99'))} ms, p99 TPOT "
+                f"{_fmt_ms(m['tpot']['p99'])}{_interval_ms(iv.get('tpot_p99'))} ms, **${cost:.4f} per million output "
+                f"tokens** at ${plan['inputs']['price_per_hour']}/h per replica.", ""]
     out += [f"SLO: p99 TTFT <= {_fmt_ms(slo.get('ttft_p99'))} ms, p99 TPOT <= {_fmt_ms(slo.get('tpot_p99'))} ms. "
             f"Device memory {_mib(plan['inputs']['device_bytes'])} MiB per replica. Trace: "
             f"{plan['inputs']['trace_requests']} requests (sha256 {plan['inputs']['trace_sha256'][:12]}). Model "

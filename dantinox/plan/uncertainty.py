@@ -82,9 +82,9 @@ def latency_intervals(runs: list, method: str = "t", confidence: float = 0.9) ->
 
 
 def median_metrics(runs: list) -> dict:
-    """One metrics dict from several: every number the median over ``runs`` (an integer stays an integer when
-    all runs agree, else the rounded median), nested dicts merged key by key, other values from the first run.
-    One run: that run unchanged."""
+    """One metrics dict from several: every number the median over ``runs`` (integers whose median is a whole
+    number stay integers; otherwise the median rounded to 9 significant digits), nested dicts merged key by key,
+    other values from the first run. One run: that run unchanged."""
     if len(runs) == 1:
         return runs[0]
     first = runs[0]
@@ -96,7 +96,10 @@ def median_metrics(runs: list) -> dict:
         return first
     if all(r == first for r in runs):
         return first
-    return _r(float(np.median(np.asarray(runs, float))))
+    median = float(np.median(np.asarray(runs, float)))
+    if all(isinstance(r, int) for r in runs) and median.is_integer():
+        return int(median)
+    return _r(median)
 
 
 def pessimistic(intervals: dict, key: str, at: str = "edge"):

@@ -52,6 +52,8 @@ def test_median_metrics_keeps_agreeing_integers_and_takes_medians():
     runs = [{"a": 3, "b": {"p99": 0.1}, "s": "x"}, {"a": 3, "b": {"p99": 0.3}, "s": "x"},
             {"a": 3, "b": {"p99": 0.2}, "s": "x"}]
     assert median_metrics(runs) == {"a": 3, "b": {"p99": 0.2}, "s": "x"}
+    assert median_metrics([{"hits": 148}, {"hits": 150}, {"hits": 149}]) == {"hits": 149}
+    assert median_metrics([{"hits": 148}, {"hits": 149}]) == {"hits": 148.5}
 
 
 def test_slo_attainment_counts_each_request_against_the_bounds():
