@@ -143,10 +143,10 @@ def run_profile_cmd(args) -> int:
     from ..plan.report import bottleneck_markdown
 
     mesh = mesh_from_flag(args.mesh)   # docs/multi-device.md; the profile records its shape
+    samples, cooldown = _samples_flags(args)
     run_dir, model, cfg, _ = load_model(args.run_dir)
     with naming_flag(args.mesh):       # heads or MLP width not dividing over model: before any timing
         check_model_fits(cfg, mesh)
-    samples, cooldown = _samples_flags(args)
     prof = _profile(run_dir, model, cfg, args.kv_dtype, args.quantize, args.call_repeats, mesh, args.mesh,
                     samples, cooldown)
     _write(args.out, _json_bytes(prof))

@@ -154,7 +154,8 @@ def test_plan_profiles_itself_on_the_mesh_given_and_records_it(tmp_path):
     candidates = tmp_path / "c.yaml"
     candidates.write_text("- {name: baseline}\n")
     assert cli.main(["plan", "--run_dir", str(tmp_path / "run"), "--trace", str(trace), "--mesh", "data=1,model=1",
-                     "--candidates", str(candidates), "--out", str(tmp_path / "plan")]) == 0
+                     "--profile-repeats", "1", "--cooldown", "0", "--candidates", str(candidates),
+                     "--out", str(tmp_path / "plan")]) == 0
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["mesh"] == {"data": 1, "model": 1}
 

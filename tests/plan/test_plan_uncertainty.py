@@ -225,3 +225,14 @@ def test_a_confidence_outside_0_1_is_named(cli_dir, capsys):
     code = cli.main(_args(d, trace, prof, "bad2", "--confidence", "1.5"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--confidence=1.5 is not allowed: a number in (0, 1)" in err[0], err
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (("--repeats", "0"), "--repeats=0 is not allowed: an integer >= 1"),
+    (("--cooldown", "-1"), "--cooldown='-1' is not allowed"),
+])
+def test_bad_profile_repeats_or_cooldown_is_one_line(tmp_path, capsys, extra, expected):
+    code = cli.main(["plan", "profile", "--out", str(tmp_path / "p.json"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "p.json").exists()

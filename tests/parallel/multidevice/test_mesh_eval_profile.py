@@ -48,8 +48,8 @@ def test_eval_on_a_mesh_equals_one_device(run_dir, tmp_path, capsys):
 
 def test_plan_profile_on_a_mesh_records_it(run_dir, tmp_path):
     out = tmp_path / "profile.json"
-    assert cli.main(["plan", "profile", "--run_dir", run_dir, "--repeats", "1", "--mesh", "data=2,model=4",
-                     "--out", str(out)]) == 0
+    assert cli.main(["plan", "profile", "--run_dir", run_dir, "--repeats", "1", "--call-repeats", "1", "--mesh",
+                     "data=2,model=4", "--out", str(out)]) == 0
     prof = json.loads(out.read_text())
     assert prof["mesh"] == {"data": 2, "model": 4} and prof["machine"]["devices"] == 8
     assert all(s > 0 for s in prof["points"]["forward"].values()) and prof["points"]["decode"]
