@@ -156,7 +156,7 @@ class EngineWorker:
                     since = now - (stream.last_token or stream.submitted)
                     self.metrics.token(since, first=stream.last_token is None)
                 stream.last_token = now
-                stream.first_token = stream.first_token or now
+                stream.first_token = now if stream.first_token is None else stream.first_token
                 stream.tokens += len(out.new_token_ids)
             if self.request_log and out.request_id in getattr(self.engine, "requests", {}):
                 stream.cached_tokens = self.engine.requests[out.request_id].num_cached_tokens
