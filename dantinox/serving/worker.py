@@ -56,7 +56,6 @@ class EngineWorker:
         self.healthy = True
         self.error: str | None = None
         self._streams: dict[str, _Stream] = {}
-        self._abort_reasons: dict[str, str] = {}  # request id -> finish reason to count for its abort
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dantinox-engine", daemon=True)
 
@@ -82,8 +81,8 @@ class EngineWorker:
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Ask the worker to stop ``request_id`` (one engine request) and free its blocks. ``reason`` is the
-        finish reason the metrics count for it: "abort" (the client left), or "stop" (the server ended it on
-        a stop string, which the engine does not see)."""
+        finish reason the engine records for it (so /health's engine counters and /metrics agree): "abort"
+        (the client left), or "stop" (the server ended it on a stop string, which the engine does not see)."""
         self.commands.put(("abort", request_id, reason))
 
     # The worker thread -----------------------------------------------------------------------------
@@ -115,8 +114,7 @@ class EngineWorker:
 
     def _execute(self, command: tuple) -> None:
         if command[0] == "abort":
-            if self.engine.abort(command[1]):
-                self._abort_reasons[command[1]] = command[2]
+            self.engine.abort(command[1], command[2])
             return
         _, rids, prompt_ids, options, loop, events, submitted = command
         added = []
@@ -149,10 +147,8 @@ class EngineWorker:
                 stream.last_token = now
             if out.finished:
                 del self._streams[out.request_id]
-                reason = self._abort_reasons.pop(out.request_id, None)
                 if self.metrics:
-                    self.metrics.finished(reason if out.finish_reason == "abort" and reason
-                                          else out.finish_reason)
+                    self.metrics.finished(out.finish_reason)
             stream.send(("output", out))
 
     def _publish(self) -> None:
