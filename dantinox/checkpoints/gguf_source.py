@@ -6,7 +6,9 @@ directory of the same model would give:
   tensors            HF tensor names ("model.layers.0.self_attn.q_proj.weight") -> float32 [out, in] arrays
   tokenizer_json     tokenizer.json text (``dantinox.checkpoints.gguf_tokenizer``)
   chat_template      tokenizer.chat_template, or None
-  generation         bos_token_id / eos_token_id (tokenizer.ggml.*)
+  generation         bos_token_id, and eos_token_id: the ids of tokenizer.ggml.eos_token_id, eot_token_id
+                     (end of turn) and eom_token_id (end of message), in that order, without repeats
+  special_tokens     bos_token / eos_token: the texts of those ids
 so ``write_run_dir`` turns it into a run directory as it would a downloaded model (``dantinox import``).
 
 Tensors are dequantized with the ``gguf`` package's own ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0,
@@ -55,9 +57,8 @@ def read_metadata(reader) -> dict:
 
 
 def open_reader(path: str | os.PathLike):
-    """A ``gguf.GGUFReader`` for ``path``. Raises GGUFError for a missing, non-GGUF, corrupt or truncated file."""
-    import gguf
-
+    """A ``gguf.GGUFReader`` for ``path``. Raises GGUFError for a missing, non-GGUF, corrupt or truncated file
+    (a tensor whose data runs past the end of the file is named, with the bytes it needs and the bytes left)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: no such file")
@@ -66,9 +67,54 @@ def open_reader(path: str | os.PathLike):
     if magic != b"GGUF":
         raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
-        return gguf.GGUFReader(path, "r")
+        return _checked_reader_class()(path, "r")
+    except _TruncatedTensor as err:
+        raise GGUFError(f"{path}: {err}") from None
     except Exception as err:  # the reader raises ValueError, struct.error, IndexError... on damaged files
         raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(err).__name__}: {err})") from None
+
+
+class _TruncatedTensor(ValueError):
+    pass
+
+
+def _checked_reader_class():
+    """gguf.GGUFReader that first checks every tensor's byte range against the file's size, so a truncated
+    file is reported by tensor name and sizes instead of by the numpy reshape that would fail inside the
+    reader. The ranges follow the reader's own layout (data offset + offset of the tensor; ggml's bytes per
+    block from gguf.GGML_QUANT_SIZES)."""
+    import gguf
+
+    class CheckedReader(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                problem = _past_the_end(field, start_offs, len(self.data))
+                if problem:
+                    raise _TruncatedTensor(problem)
+            return super()._build_tensors(start_offs, fields)
+
+    return CheckedReader
+
+
+def _past_the_end(field, start_offs: int, size: int) -> str | None:
+    """What is wrong with one tensor-info field whose data runs past ``size`` bytes, or None (also when the
+    field's layout is not the one this check knows: the reader then reports whatever it finds)."""
+    import gguf
+
+    try:
+        _, name, _, dims, raw_type, offset = field.parts
+        qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        need = int(np.prod(dims)) * type_size // block
+        start = int(start_offs + offset[0])
+        label = bytes(name).decode("utf-8", "replace")
+    except (ValueError, TypeError, KeyError, IndexError):
+        return None
+    if start + need <= size:
+        return None
+    shape = [int(d) for d in reversed(dims.tolist())]
+    return (f"tensor {label} ({qtype.name}, shape {shape}) needs {need} bytes from offset {start}, but the file "
+            f"has {max(size - start, 0)} bytes there ({size} bytes in all): the file is truncated")
 
 
 def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -199,5 +245,24 @@ def read_gguf(path: str | os.PathLike) -> HFCheckpoint:
         tok_json = tokenizer_json(meta)
     except GGUFTokenizerError as err:
         raise GGUFTokenizerError(f"{path}: {err}") from None
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
-    return HFCheckpoint(config, tensors, tok_json, meta.get("tokenizer.chat_template"), generation)
+    generation, special = stop_tokens(meta)
+    return HFCheckpoint(config, tensors, tok_json, meta.get("tokenizer.chat_template"), generation, special)
+
+
+EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def stop_tokens(meta: dict) -> tuple[dict, dict]:
+    """({"bos_token_id", "eos_token_id": [ids of EOS_KEYS]}, {"bos_token", "eos_token": texts}) of a GGUF
+    file's metadata (keys that are absent are left out; the ids are checked by ``write_run_dir``)."""
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    eos = list(dict.fromkeys(meta[k] for k in EOS_KEYS if meta.get(k) is not None))
+    generation = {"eos_token_id": eos} if eos else {}
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        generation["bos_token_id"] = bos
+    special = {}
+    for name, value in (("bos_token", bos), ("eos_token", eos[0] if eos else None)):
+        if isinstance(value, int) and 0 <= value < len(tokens):
+            special[name] = tokens[value]
+    return generation, special

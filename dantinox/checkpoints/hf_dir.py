@@ -8,9 +8,11 @@ Expected files (as ``save_pretrained`` writes them):
   tokenizer.json                   required (the ``tokenizers`` file; a SentencePiece tokenizer.model alone is
                                    not read)
   tokenizer_config.json            optional; its ``chat_template`` (a string, or a list of {name, template}
-                                   from which "default" is taken) unless chat_template.jinja exists
+                                   from which "default" is taken) unless chat_template.jinja exists, and its
+                                   special token texts (bos_token, eos_token, unk_token, pad_token)
   chat_template.jinja              optional (transformers 5 writes the template here)
-  generation_config.json           optional; without it eos_token_id / bos_token_id come from config.json
+  generation_config.json           optional; bos_token_id from it or else config.json; eos_token_id: the ids of
+                                   both (generation_config.json's first), since either may name the turn's end
 
 Tensors are memory-mapped and read with numpy from the safetensors header (F32, F16, BF16 via ml_dtypes, F64),
 so bfloat16 checkpoints need no torch. Every problem raises CheckpointError naming the file.
@@ -22,12 +24,14 @@ import glob
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from ..runs.chat import SPECIAL_TOKENS
+from ..runs.stop_ids import id_list, token_text
 from .errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +47,7 @@ class HFCheckpoint:
     tokenizer_json: str
     chat_template: str | None
     generation: dict
+    special_tokens: dict = field(default_factory=dict)  # {"eos_token": "<|eot_id|>", ...}: texts, where known
 
 
 def read_hf_dir(path: str | os.PathLike) -> HFCheckpoint:
@@ -68,10 +73,15 @@ def read_hf_dir(path: str | os.PathLike) -> HFCheckpoint:
     with open(tok_path, encoding="utf-8") as f:
         tokenizer_json = f.read()
     tok_config = _json(path, "tokenizer_config.json") or {}
-    generation = _json(path, "generation_config.json")
-    if generation is None:
-        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
-    return HFCheckpoint(config, tensors, tokenizer_json, _chat_template(path, tok_config), generation)
+    generation = dict(_json(path, "generation_config.json") or {})
+    if generation.get("bos_token_id") is None and config.get("bos_token_id") is not None:
+        generation["bos_token_id"] = config["bos_token_id"]
+    eos = id_list(generation.get("eos_token_id")) + id_list(config.get("eos_token_id"))
+    if eos:
+        generation["eos_token_id"] = list(dict.fromkeys(eos))
+    special = {name: token_text(tok_config.get(name)) for name in SPECIAL_TOKENS}
+    return HFCheckpoint(config, tensors, tokenizer_json, _chat_template(path, tok_config), generation,
+                        {k: v for k, v in special.items() if v is not None})
 
 
 def _json(path: str, name: str, required: bool = False) -> Any:

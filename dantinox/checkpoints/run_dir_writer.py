@@ -7,11 +7,16 @@ plan and ``dx.Generator`` work unchanged) plus three files of imported models:
   model.safetensors       float32 parameters under run-directory names (see ``hf_weights``)
   tokenizer.json          the checkpoint's ``tokenizers`` file (padded with unused special tokens
                           ``<|dantinox_unused_N|>`` when the embedding has more rows than the tokenizer has ids)
-  model_summary.json      parameters, KV bytes per token, tokenizer kind, ``imported_from``, ``architecture``
+  model_summary.json      parameters, KV bytes per token, tokenizer kind, ``imported_from``, ``architecture``,
+                          ``stop_token_ids`` and ``stop_tokens`` (their texts), for reference
   chat_template.jinja     the chat template, verbatim (only when the checkpoint has one)
   generation_config.json  the checkpoint's generation defaults as given (HF generation_config.json keys:
                           temperature, top_p, top_k, do_sample, bos_token_id, ...) plus ``eos_token_ids``: every
-                          id that ends a turn (eos_token_id as a list, deduplicated, order kept)
+                          id that ends generation, merged (case K11): eos_token_id (one id or a list), then the
+                          id of the tokenizer config's eos_token text, deduplicated, order kept; this is the
+                          list generation stops at (``dantinox.runs.stop_ids``)
+  tokenizer_config.json   the special token texts (bos_token, eos_token, unk_token, pad_token) the checkpoint
+                          names, which a chat template reads (only when it names any)
   source_config.json      the source's config dict, for reference
 
 Atomicity: everything is written into a hidden temporary directory beside ``out`` and renamed to ``out`` as
@@ -33,6 +38,7 @@ from .._version import __version__
 from ..model.cache import bytes_per_token_per_layer
 from ..model.transformer import Transformer
 from ..runs.files import atomic_write_bytes, atomic_write_json
+from ..runs.stop_ids import TOKENIZER_CONFIG, merge_stop_ids
 from ..runs.tokenizer import TextTokenizer
 from .errors import CheckpointError
 from .hf_config import ImportSpec, import_spec
@@ -46,7 +52,8 @@ PAD_TOKEN = "<|dantinox_unused_{}|>"
 
 def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
                   tokenizer_json: str, chat_template: str | None, generation: Mapping[str, Any] | None,
-                  dtype: str = "float32", max_context: int | None = None, source: str = "") -> ImportSpec:
+                  dtype: str = "float32", max_context: int | None = None, source: str = "",
+                  special_tokens: Mapping[str, str] | None = None) -> ImportSpec:
     """Convert a checkpoint and write it as the run directory ``out`` (which must not exist yet).
 
     The entry point of every importer (Hugging Face directory, GGUF file): the source reader produces
@@ -59,10 +66,12 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
       tokenizer_json: the text of a ``tokenizers`` tokenizer.json (BPE or WordLevel model).
       chat_template: the Jinja chat template text, or None.
       generation: generation defaults (HF generation_config.json keys), or None; ``eos_token_id`` (int or list)
-        becomes ``eos_token_ids``.
+        becomes ``eos_token_ids``, with the id of special_tokens["eos_token"] added.
       dtype: "float32" or "bfloat16": the run's compute and cache dtype (weights are stored float32).
       max_context: static cache slots S; default the checkpoint's, at most hf_config.DEFAULT_MAX_CONTEXT.
       source: where the checkpoint came from (recorded in model_summary.json).
+      special_tokens: {"bos_token", "eos_token", "unk_token", "pad_token"} -> text, as the checkpoint's
+        tokenizer_config.json names them (or None).
     Returns the ImportSpec (its cfg is the run's ModelConfig; context_note a line worth printing, or None).
     Raises CheckpointError (one line): ``out`` exists or cannot be created, an unsupported config, a missing or
     misshapen tensor, an unreadable tokenizer or one with more ids than vocab_size, eos ids outside the vocabulary.
@@ -75,7 +84,8 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
     params = convert_weights(tensors, spec)
     _check_against_model(params, spec)
     tokenizer = _tokenizer(tokenizer_json, spec.cfg.vocab_size)
-    gen = _generation(generation, spec.cfg.vocab_size)
+    special = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str) and v}
+    gen = _generation(generation, tokenizer, special.get("eos_token"))
     parent = os.path.dirname(out)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.import-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -85,7 +95,7 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
         raise CheckpointError(f"--out {out}: cannot create the run directory there "
                               f"({err.strerror or type(err).__name__})") from None
     try:
-        _write_files(tmp, spec, params, tokenizer, chat_template, gen, hf_config, source)
+        _write_files(tmp, spec, params, tokenizer, chat_template, gen, hf_config, source, special)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,20 +155,22 @@ def _tokenizer(text: str, vocab_size: int) -> TextTokenizer:
     return tokenizer
 
 
-def _generation(generation: Mapping[str, Any] | None, vocab_size: int) -> dict:
+def _generation(generation: Mapping[str, Any] | None, tokenizer: TextTokenizer, eos_token: str | None) -> dict:
+    """The run's generation_config.json: ``generation`` plus eos_token_ids, the merged stop ids (K11)."""
     gen = dict(generation or {})
     eos = gen.get("eos_token_id")
-    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
-            raise CheckpointError(f"generation_config.json: eos_token_id={eos!r} is not allowed: token ids in "
-                                  f"[0, vocab_size={vocab_size})")
-    gen["eos_token_ids"] = list(dict.fromkeys(ids))
+    try:
+        ids = merge_stop_ids(tokenizer.vocab_size, eos)
+    except ValueError:
+        raise CheckpointError(f"generation_config.json: eos_token_id={eos!r} is not allowed: token ids in "
+                              f"[0, vocab_size={tokenizer.vocab_size})") from None
+    eos_id = tokenizer.hf.token_to_id(eos_token) if eos_token is not None else None
+    gen["eos_token_ids"] = ids + ([eos_id] if eos_id is not None and eos_id not in ids else [])
     return gen
 
 
 def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, chat_template: str | None,
-                 gen: dict, hf_config: Mapping[str, Any], source: str) -> None:
+                 gen: dict, hf_config: Mapping[str, Any], source: str, special: dict) -> None:
     cfg = spec.cfg
     atomic_write_json(os.path.join(tmp, "config.json"), cfg.to_dict())
     atomic_write_bytes(os.path.join(tmp, "model.safetensors"),
@@ -166,9 +178,13 @@ def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, c
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     summary = {"dantinox_version": __version__, "parameters": int(sum(a.size for a in params.values())),
                "kv_bytes_per_token": int(bytes_per_token_per_layer(cfg) * cfg.num_blocks),
-               "tokenizer": tokenizer.kind, "imported_from": source, "architecture": spec.architecture}
+               "tokenizer": tokenizer.kind, "imported_from": source, "architecture": spec.architecture,
+               "stop_token_ids": gen["eos_token_ids"],
+               "stop_tokens": [tokenizer.hf.id_to_token(i) for i in gen["eos_token_ids"]]}
     atomic_write_json(os.path.join(tmp, "model_summary.json"), summary)
     atomic_write_json(os.path.join(tmp, GENERATION_FILE), gen)
+    if special:
+        atomic_write_json(os.path.join(tmp, TOKENIZER_CONFIG), special)
     atomic_write_json(os.path.join(tmp, SOURCE_CONFIG_FILE), dict(hf_config))
     if chat_template:
         atomic_write_bytes(os.path.join(tmp, CHAT_TEMPLATE_FILE), chat_template.encode("utf-8"))

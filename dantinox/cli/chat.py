@@ -1,7 +1,11 @@
 """``dantinox generate --chat MESSAGE [--system TEXT]``: one chat turn with a model that has a chat template.
 
-Prints the assistant's answer (the text before the model's end-of-turn token); timings go to stderr. Errors
-(no template, empty message, bad sampling flags, a prompt that fills the context) exit 2 with one line.
+Prints the assistant's answer (the text before the model's end-of-turn token; --ignore_eos generates past it);
+timings go to stderr. The model flags of ``generate`` work here as they do with --prompt: --kv-dtype,
+--quantize, --mesh (and the distributed group), --unknown; those that cannot apply to one chat turn
+(--no_cache, --stream, the diffusion group) are refused naming the flag. Errors (no template, empty message,
+bad sampling or model flags, a mesh that cannot be made, a conversation that fills the context) exit 2 with
+one line.
 """
 
 from __future__ import annotations
@@ -10,6 +14,10 @@ import sys
 import time
 
 from ..generation.sampling import make_sampling_params
+from ..model.cache import CapacityError
+from ..parallel.mesh import mesh_from_flag, naming_flag
+from ..quant.kv_dtype import parse_kv_dtype
+from ..quant.weights import check_quantize
 from ..runs.chat import require_chat_format
 
 DEFAULT_CHAT_TOKENS = 256
@@ -33,6 +41,10 @@ def check_chat_args(args) -> None:
              if getattr(args, k, None) is not None]
     if given:
         raise ValueError(f"{', '.join(given)} apply to diffusion models, not to --chat")
+    make_sampling_params(1, args.temperature, args.top_k, args.top_p)
+    if args.kv_dtype is not None:
+        parse_kv_dtype(args.kv_dtype)
+    check_quantize(args.quantize, "--quantize")
 
 
 def run_chat(args) -> int:
@@ -40,15 +52,26 @@ def run_chat(args) -> int:
     from ..generation.generator import Generator
 
     check_chat_args(args)
-    make_sampling_params(1, args.temperature, args.top_k, args.top_p)
-    gen = Generator(args.run_dir)
+    with naming_flag(args.mesh):  # warmed up below, for this conversation's prompt bucket only
+        gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
+                        quantize=args.quantize)
     require_chat_format(gen.chat_format, gen.run_dir)  # fail before printing anything
     messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
         {"role": "user", "content": args.chat}]
+    try:
+        ids = gen.chat_prompt_ids(messages, unknown=args.unknown)
+    except CapacityError as err:
+        given = "--chat and --system" if args.system is not None else "--chat"
+        raise CapacityError(f"{given}: {err}") from None
+    started = time.perf_counter()
+    gen.warm_up([len(ids)])
+    gen.load_seconds += time.perf_counter() - started
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s", file=sys.stderr)
     start = time.perf_counter()
     answer = gen.chat(messages, args.max_new_tokens or DEFAULT_CHAT_TOKENS, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, unknown=args.unknown,
+                      ignore_eos=args.ignore_eos)
     print(answer)
-    print(f"[dantinox] answered in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    print(f"[dantinox] prompt {len(ids)} tokens after the chat template, answered in "
+          f"{time.perf_counter() - start:.2f} s", file=sys.stderr)
     return 0

@@ -2,7 +2,7 @@
 
   dantinox train    --data FILE --out runs/NAME [--preset NAME | --config YAML] [--set field=value ...]
   dantinox generate [--run_dir R] (--prompt P | --chat MESSAGE [--system TEXT]) [--no_cache] [--stream]
-                    [--max_new_tokens N] [--temperature T]
+                    [--max_new_tokens N] [--ignore_eos] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step] [--kv-dtype int8] [--quantize bf16|int8]
@@ -18,7 +18,8 @@
   dantinox models   (the bundled models; R may be one of their names, e.g. dante-diffusion, from any directory)
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
-exit with status 2 and one line on stderr; verify exits with status 1 when the cache is not exact.
+exit with status 2 and one line on stderr (a flag of the wrong type or an unknown flag too: no usage block);
+verify exits with status 1 when the cache is not exact.
 """
 
 from __future__ import annotations
@@ -44,10 +45,20 @@ USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError, IsADir
                PermissionError)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors (a flag of the wrong type, an unknown or missing flag) are one line
+    naming the flag, "dantinox generate: error: argument --max_new_tokens: invalid int value: 'abc' (see
+    dantinox generate --help)", exit status 2, instead of the whole usage block. Subcommand parsers are made of
+    the same class (argparse's add_subparsers default)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .train import add_train_arguments, run_train_from_args
 
-    parser = argparse.ArgumentParser(prog="dantinox", description="Fast, memory-honest text generation built "
+    parser = OneLineErrorParser(prog="dantinox", description="Fast, memory-honest text generation built "
                                      "around the KV cache: one subcommand per task (dantinox SUBCOMMAND --help).")
     parser.add_argument("--version", action="version", version=f"dantinox {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,15 +156,24 @@ def main(argv: list[str] | None = None) -> int:
         initialize_from_args(args)  # --coordinator ...: join the process group first (dantinox.parallel.distributed)
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
-        from .flags import in_flags, option_names, subcommand_parser
-
-        flags = option_names(subcommand_parser(parser, args.command) or parser)
-        message = in_flags(_error_text(err, args, _all_option_names(subcommand_parser(parser, args.command))), flags)
-        print(f"dantinox {args.command}: error: {message}", file=sys.stderr)
+        print(f"dantinox {args.command}: error: {_user_message(err, args, parser)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         _silence_stdout()
         return SIGPIPE_STATUS
+
+
+def _user_message(err: Exception, args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """A user error's message in the flags of the subcommand (``dantinox.cli.flags.in_flags``), one line."""
+    from ..parallel.mesh import AXES, MeshError
+    from .flags import in_flags, option_names, subcommand_parser
+
+    sub = subcommand_parser(parser, args.command)
+    flags = option_names(sub or parser)
+    if isinstance(err, MeshError):  # "data=2 x model=4" names mesh axes, not the --data flag of train
+        flags = {dest: flag for dest, flag in flags.items() if dest not in AXES}
+    typed = [v for value in vars(args).values() for v in (value if isinstance(value, list) else [value])]
+    return in_flags(_error_text(err, args, _all_option_names(sub)), flags, typed)
 
 
 def _error_text(err: Exception, args: argparse.Namespace, flags: dict[str, str]) -> str:

@@ -4,8 +4,11 @@ The library raises ValueError naming its Python arguments (``max_new_tokens=1000
 is right for a Python caller. A command-line user typed flags, so ``dantinox.cli.entrypoint.main`` passes every error
 message of a subcommand through ``in_flags`` with that subcommand's parser: each ``name=`` whose name is the
 destination of one of its options (and not part of a longer name or a dotted ``ModelConfig.name``) is
-rewritten to the option as typed, e.g. ``--max_new_tokens 1000`` or ``--reserve-fraction 1.5``. The HTTP
-server does the same job by naming the JSON field in every 400 (``dantinox.serving.request.RequestError``).
+rewritten to the option as typed, e.g. ``--max_new_tokens 1000`` or ``--reserve-fraction 1.5``. Text the user
+typed as a flag's value is quoted back as typed (``--mesh data=2,model=4`` keeps its ``data=`` although
+``train`` has a ``--data`` flag; so does ``--set seed=3``), and a mesh error's axis names (``data=2 x model=4``)
+are axes, not flags. The HTTP server does the same job by naming the JSON field in every 400
+(``dantinox.serving.request.RequestError``).
 """
 
 from __future__ import annotations
@@ -27,16 +30,23 @@ def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
     return out
 
 
-def in_flags(message: str, flags: dict[str, str]) -> str:
+def in_flags(message: str, flags: dict[str, str], typed=()) -> str:
     """``message`` with each ``name=value`` for a name in ``flags`` rewritten as ``--flag value`` (a quoted
     value without spaces loses its quotes: ``unknown='replace'`` -> ``--unknown replace``), and a message
-    that begins with such a name (``prompt is empty``) beginning with the flag instead."""
+    that begins with such a name (``prompt is empty``) beginning with the flag instead.
+
+    typed: the values the user gave on the command line (strings); where one of them appears in the message
+    it is left exactly as typed."""
     if not flags:
         return message
     names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
     pattern = re.compile(rf"(?<![\w.\-])({names})=('[^'\s]*'|\"[^\"\s]*\"|)")
+    kept = [(m.start(), m.end()) for value in typed if isinstance(value, str) and "=" in value
+            for m in re.finditer(re.escape(value), message)]
 
     def rewrite(match: re.Match) -> str:
+        if any(start <= match.start() < end for start, end in kept):
+            return match.group(0)
         value = match.group(2)
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]

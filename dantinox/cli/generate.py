@@ -6,8 +6,9 @@ runs the command through ``dantinox.generation.generator.Generator``, and ``--ch
 ``dantinox.cli.chat``. Every flag is checked before the prompt is printed (bad values, options of the other
 paradigm, --stream with --no_cache, a prompt plus --max_new_tokens beyond the context): one line, exit 2.
 Without --max_new_tokens an autoregressive model generates DEFAULT_NEW_TOKENS, or what is left of the
-context if less; a diffusion model generates --gen_len (default DEFAULT_GEN_LEN). The text goes to stdout,
-the load, warm-up and speed lines to stderr.
+context if less; a diffusion model generates --gen_len (default DEFAULT_GEN_LEN). An autoregressive model stops
+early at the run's stop ids (its end-of-turn / end-of-text tokens, not printed; case K11) unless --ignore_eos.
+The text goes to stdout, the load, warm-up and speed lines to stderr.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ DEFAULT_NEW_TOKENS = 200
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max_new_tokens", type=int, default=None,
                    help="new tokens to generate (default: 200, or what is left of the context if less)")
+    p.add_argument("--ignore_eos", action="store_true",
+                   help="do not stop at the model's end-of-turn / end-of-text tokens (listed by dantinox import "
+                        "and in the run's model_summary.json)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top_k", type=int, default=0, help="keep the k most likely tokens; 0 = off (a k above the "
                    "vocabulary size keeps every token, like 0)")
@@ -93,20 +97,29 @@ def cmd_generate(args) -> int:
           f"({gen.warmup.compilations} compilations, {gen.warmup.cache_hits} from the persistent cache)",
           file=sys.stderr)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  unknown=args.unknown)
+                  unknown=args.unknown, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
     print(args.prompt, end="", flush=True)
     if args.stream:
-        for piece in gen.stream(args.prompt, args.max_new_tokens, **kwargs):
-            print(piece, end="", flush=True)
+        for piece, tokens, reason in gen.stream_completion(args.prompt, args.max_new_tokens, **kwargs):  # noqa: B007
+            print(piece, end="", flush=True)  # the last item's count and finish reason are reported below
     else:
-        print(gen.generate(args.prompt, args.max_new_tokens, use_cache=not args.no_cache, **kwargs), end="")
+        done = gen.complete(args.prompt, args.max_new_tokens, use_cache=not args.no_cache, **kwargs)
+        print(done.text, end="")
+        tokens, reason = done.tokens, done.finish_reason
     print()
     seconds = time.perf_counter() - start
-    print(f"[dantinox] prompt {len(ids)} tokens, {args.max_new_tokens} new tokens in {seconds:.2f} s "
-          f"({args.max_new_tokens / seconds:.1f} tokens/s, cache {'off' if args.no_cache else 'on'})",
-          file=sys.stderr)
+    ended = f", ended by stop id {_stop_texts(gen)}" if reason == "stop" else ""
+    print(f"[dantinox] prompt {len(ids)} tokens, {tokens} new tokens in {seconds:.2f} s "
+          f"({tokens / seconds:.1f} tokens/s, cache {'off' if args.no_cache else 'on'}{ended})", file=sys.stderr)
     return 0
+
+
+def _stop_texts(gen) -> str:
+    """The run's stop ids as '2 (<|im_end|>)', for the report line."""
+    from ..runs.stop_ids import describe_stop_ids
+
+    return describe_stop_ids(gen.stop_ids, gen.tokenizer)
 
 
 def _listed(flags: list[str]) -> str:
@@ -133,7 +146,7 @@ def _generate_diffusion(args, gen, ids) -> int:
     from ..generation.diffusion import check_diffusion_request
 
     given = [flag for flag, used in (("--stream", args.stream), ("--top_k", args.top_k != 0),
-                                     ("--top_p", args.top_p != 1.0)) if used]
+                                     ("--top_p", args.top_p != 1.0), ("--ignore_eos", args.ignore_eos)) if used]
     if given:
         raise ValueError(f"{_listed(given)} only for autoregressive models; {gen.run_dir} holds a "
                          "paradigm='diffusion' model")

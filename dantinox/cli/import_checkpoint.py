@@ -4,7 +4,8 @@ SOURCE is a Hugging Face model directory (``dantinox.checkpoints.hf_dir``) or a 
 (``dantinox.checkpoints.gguf_source.read_gguf``, which returns the same ``HFCheckpoint``). Both end in
 ``dantinox.checkpoints.write_run_dir``, which writes an ordinary run directory atomically. Bad input (a
 directory without config.json or weights, a missing shard, a tensor whose shape disagrees with the config, an
-unsupported architecture or field) raises CheckpointError: one line, exit 2.
+unsupported architecture or field) raises CheckpointError: one line, exit 2. It also prints the
+token ids generation will stop at (merged from the checkpoint's files, case K11; ``dantinox.runs.stop_ids``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def read_source(source: str):
     return read_hf_dir(source)
 
 
+def _stop_ids_line(run_dir: str) -> str:
+    """The run's stop ids with their texts ('2 (<|im_end|>)'), as generation will use them."""
+    from ..runs.stop_ids import describe_stop_ids, read_stop_ids
+    from ..runs.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer.load(os.path.join(run_dir, "tokenizer.json"))
+    return describe_stop_ids(read_stop_ids(run_dir, tokenizer), tokenizer)
+
+
 def run_import(args) -> int:
     """Import SOURCE into --out; prints what was written. Raises CheckpointError / ValueError (exit 2)."""
     from ..checkpoints import write_run_dir
@@ -55,12 +65,13 @@ def run_import(args) -> int:
     ckpt = read_source(args.source)
     spec = write_run_dir(args.out, ckpt.config, ckpt.tensors, ckpt.tokenizer_json, ckpt.chat_template,
                          ckpt.generation, dtype=args.dtype, max_context=args.max_context,
-                         source=os.path.abspath(args.source))
+                         source=os.path.abspath(args.source), special_tokens=ckpt.special_tokens)
     cfg = spec.cfg
     print(f"imported {spec.architecture} from {args.source} into {args.out} in "
           f"{time.perf_counter() - start:.1f} s: {cfg.num_blocks} blocks, dim {cfg.dim}, "
           f"attention {cfg.attention}, vocab {cfg.vocab_size}, dtype {cfg.compute_dtype}, "
           f"chat template {'yes' if ckpt.chat_template else 'no'}")
+    print(f"stops at token ids: {_stop_ids_line(args.out)}")
     if spec.context_note:
         print(spec.context_note)
     return 0

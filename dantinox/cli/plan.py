@@ -10,7 +10,7 @@
   dantinox plan gate     --candidate plan.json --last-good plan.json
   dantinox plan --trace T --slo ttft_p99=MS,tpot_p99=MS --device-memory BYTES --price-per-hour USD
                 [--gate GATE.yaml --slice NAME=FILE ...] [--candidates C.yaml] [--baseline NAME|plan.json]
-                [--profile P] [--out DIR] [--interval t|range] [--confidence C] [--decide-at edge|median]
+                [--profile P] [--out DIR [--force]] [--interval t|range] [--confidence C] [--decide-at edge|median]
 
 Bad input exits 2 with one line naming the flag, file and line, or value.
 """
@@ -41,7 +41,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default="baseline", help="fallback: a candidate name or a last known-good plan.json")
     p.add_argument("--profile", action="append", default=None,
                    help="profile.json, one per model variant (repeatable; default: profile the float model now)")
-    p.add_argument("--out", default="plan", help="output directory")
+    p.add_argument("--out", default="plan", help="output directory (default ./plan; refused when it already holds "
+                   "files, unless --force)")
+    p.add_argument("--force", action="store_true", help="write into an --out directory that already holds files "
+                   "(plan.json, plan.md, serve.yaml and the plots are replaced)")
     p.add_argument("--interval", default=None, choices=("t", "range"),
                    help="latency interval over the profile samples (default: t when every profile has >= 2)")
     p.add_argument("--confidence", default=None, help="the t interval's confidence (default 0.9)")
@@ -226,12 +229,24 @@ def run_gate_cmd(args) -> int:
     return 0 if ok else 1
 
 
+def check_plan_out(out: str, force: bool) -> None:
+    """Raise ValueError naming --out when it is a file, or a directory that already holds files and --force was
+    not given (a plan never overwrites an earlier one silently)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file: give a directory for the plan")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise ValueError(f"--out {out} already holds files ({', '.join(sorted(os.listdir(out))[:4])}"
+                         f"{', ...' if len(os.listdir(out)) > 4 else ''}): choose another --out, or pass --force "
+                         "to replace the plan there")
+
+
 def run_plan(args) -> int:
     """The default action: profile (unless --profile), sweep, recommend, write the plan."""
     from .plan_run import build_plan
 
     if not args.trace:
         raise ValueError("--trace is required (a JSONL trace; `dantinox plan trace --out T.jsonl` makes one)")
+    check_plan_out(args.out, args.force)  # before the profile and the sweep, which take minutes
     plan, ttfts, run_dir = build_plan(args)
     from ..plan.report import write_plan
 

@@ -226,26 +226,29 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from ..runs.bundled import resolve_run_dir
     from ..runs.chat import load_chat_format
+    from ..runs.stop_ids import describe_stop_ids, read_stop_ids
     from ..serving.server import create_app
 
     configure_logging()
     log = logging.getLogger("dantinox.serving")
     engine, tokenizer, name = build_engine(args)
     chat_format = load_chat_format(resolve_run_dir(args.run_dir), tokenizer)
+    stop_ids = read_stop_ids(resolve_run_dir(args.run_dir), tokenizer)
     log.info(kv_summary(engine))
     if hasattr(engine, "blocks_per_device"):
         per = engine.blocks_per_device()
         log.info("mesh %s: %d devices, each holds all %d blocks with %s KV heads: %.2f MiB of KV per device",
                  args.mesh, per["devices"], per["blocks"], per["heads_per_device"] or "the whole latent (no)",
                  per["bytes_per_device"] / 2**20)
-    log.info("chat: %s", "POST /v1/chat/completions (stops at token ids %s)" % (chat_format.stop_ids,)
-             if chat_format else "no chat template: /v1/chat/completions answers 400")
+    log.info("stop token ids (unless a request sets ignore_eos): %s", describe_stop_ids(stop_ids, tokenizer))
+    log.info("chat: %s", "POST /v1/chat/completions" if chat_format
+             else "no chat template: /v1/chat/completions answers 400")
     if not args.no_warmup:
         counted = engine.warmup()
         log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,
                  counted.cache_hits, counted.seconds)
-    config = uvicorn.Config(create_app(engine, tokenizer, name, chat_format, _request_log(args)), host=args.host,
-                            port=args.port, log_level="info")
+    config = uvicorn.Config(create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args)),
+                            host=args.host, port=args.port, log_level="info")
     log.info("listening on http://%s:%d (Ctrl-C to stop)", args.host, args.port)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

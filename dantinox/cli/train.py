@@ -12,7 +12,7 @@ import yaml
 
 from ..config import ConfigError, ModelConfig, config_field_names, switch_attention
 from ..runs.tokenizer import KINDS
-from ..train.trainer import RESUME_HINT, TrainConfig, TrainError, train
+from ..train.trainer import RESUME_HINT, TrainConfig, TrainError, check_out_dir, train
 
 CLI_RESUME_HINT = "; pass --no_resume to start over, or write to another --out directory"
 
@@ -65,6 +65,7 @@ def run_train_from_args(args) -> int:
     Precedence: TrainConfig defaults < the YAML train: section < command-line options; the model config is
     the preset (or YAML) with --set overrides applied. Raises ConfigError / TrainError naming the field.
     """
+    check_out_dir(args.out, "--out")  # before the config and the data are read
     cfg, options = resolve_cli_config(args.preset, args.config, args.set)
     for name in _CLI_TRAIN_OPTIONS:
         if getattr(args, name, None) is not None:

@@ -9,13 +9,18 @@
 Prompts are encoded with the run's tokenizer; characters outside a char vocabulary raise ValueError by default
 (``unknown="replace"`` maps them to ``<unk>`` instead). Streaming decodes with an incremental detokenizer, so
 a piece never ends inside a multi-byte character.
+
+Every autoregressive path (generate, stream, chat) stops at the run's stop ids (``stop_ids``: its end-of-turn
+and end-of-text tokens, ``dantinox.runs.stop_ids``; case K11) and leaves that token out of the text;
+``ignore_eos=True`` generates past them to max_new_tokens (as vLLM's ``ignore_eos``). A diffusion model fills
+its whole canvas and ignores them.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -25,7 +30,9 @@ from ..quant.weights import check_quantize, quantize_weights
 from ..runs.bundled import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # noqa: F401 (re-exported)
 from ..runs.chat import load_chat_format, require_chat_format
 from ..runs.chat_template import ChatTemplateError
+from ..model.cache import CapacityError
 from ..runs.run_dir import load_run
+from ..runs.stop_ids import read_stop_ids
 from ..runs.tokenizer import StreamDecoder
 from ..xla import CompileCounter
 from .decode import generate_result, stream_tokens
@@ -77,7 +84,8 @@ class Generator:
       quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
         ``dantinox.quant.weights``.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter),
-      chat_format (``dantinox.runs.chat.ChatFormat``, or None when the run has no chat template).
+      chat_format (``dantinox.runs.chat.ChatFormat``, or None when the run has no chat template), stop_ids
+      (the token ids generation stops at, ``dantinox.runs.stop_ids.read_stop_ids``; () for a trained run).
     Raises: RunDirError for a missing or inconsistent run directory; MeshError when n_heads or mlp_hidden
     does not divide by the mesh's model axis; KVDtypeError for a kv_dtype outside the allowed set or one the
     model cannot hold (int8 for a diffusion model); ValueError for another quantize value.
@@ -95,6 +103,7 @@ class Generator:
         quantize_weights(self.model, quantize)
         shard_model(self.model, mesh)
         self.chat_format = load_chat_format(self.run_dir, self.tokenizer)
+        self.stop_ids = read_stop_ids(self.run_dir, self.tokenizer)
         self.warmup = CompileCounter()
         if warmup:
             self.warm_up()
@@ -117,11 +126,12 @@ class Generator:
 
     def generate(self, text: str | list[str], max_new_tokens: int = 200, *, use_cache: bool = True,
                  temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 unknown: str = "error", **diffusion_options) -> str | list[str]:
+                 unknown: str = "error", ignore_eos: bool = False, **diffusion_options) -> str | list[str]:
         """Continue ``text`` (or each text of a list, batched) by up to max_new_tokens tokens; returns the new
-        text only. Sampling arguments as in :func:`dantinox.generate` (temperature 0 = greedy); a diffusion
-        model generates exactly max_new_tokens (gen_len) tokens and takes diffusion_options (block_size,
-        steps_per_block, threshold, refresh; see dantinox.generation.diffusion.diffusion_generate).
+        text only, which ends before the first stop id (``stop_ids``; ignore_eos=True: no stop ids). Sampling
+        arguments as in :func:`dantinox.generate` (temperature 0 = greedy); a diffusion model generates exactly
+        max_new_tokens (gen_len) tokens and takes diffusion_options (block_size, steps_per_block, threshold,
+        refresh; see dantinox.generation.diffusion.diffusion_generate).
         Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`."""
         if not isinstance(text, (str, list, tuple)) or (not isinstance(text, str) and not text):
             raise ValueError(f"text={text!r} is not allowed: a non-empty string or a non-empty list of strings")
@@ -132,51 +142,112 @@ class Generator:
                               top_k=top_k, top_p=top_p, seed=seed, **diffusion_options)
             out = [self.tokenizer.decode(row.tolist()) for row in tokens]
             return out[0] if isinstance(text, str) else out
-        result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, seed=seed)
-        out = [self.tokenizer.decode(row[:n].tolist()) for row, n in zip(result.tokens, result.lengths)]
+        out = [c.text for c in self._complete(ids, max_new_tokens, use_cache, temperature, top_k, top_p, seed,
+                                              ignore_eos)]
         return out[0] if isinstance(text, str) else out
 
+    def complete(self, text: str, max_new_tokens: int = 200, *, use_cache: bool = True, temperature: float = 0.8,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, unknown: str = "error",
+                 ignore_eos: bool = False) -> "Completion":
+        """:meth:`generate` of one text by an autoregressive model, with how it ended: a :class:`Completion`
+        (text, tokens generated with the stop token counted, finish_reason "stop" or "length")."""
+        if self.cfg.paradigm != "ar":
+            raise ValueError(f"complete() needs an autoregressive model; this one has paradigm="
+                             f"{self.cfg.paradigm!r}: use generate()")
+        return self._complete([self.encode(text, unknown)], max_new_tokens, use_cache, temperature, top_k, top_p,
+                              seed, ignore_eos)[0]
+
+    def _eos(self, ignore_eos: bool):
+        return None if ignore_eos or not self.stop_ids else list(self.stop_ids)
+
+    def _complete(self, ids, max_new_tokens, use_cache, temperature, top_k, top_p, seed, ignore_eos):
+        result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
+        out = []
+        for row, n, reason in zip(result.tokens, result.lengths, result.finish_reasons):
+            shown = int(n) - (reason == "stop")  # the stop token is not part of the text
+            out.append(Completion(self.tokenizer.decode(row[:shown].tolist()), int(n), reason))
+        return out
+
     def stream(self, text: str, max_new_tokens: int = 200, *, temperature: float = 0.8, top_k: int = 0,
-               top_p: float = 1.0, seed: int = 0, chunk_size: int = 8, unknown: str = "error") -> Iterator[str]:
-        """Yield the new text piece by piece as it is generated (chunk_size decode steps per device call).
-        Pieces never split a character; their concatenation equals :meth:`generate`'s text for the same seed.
-        Autoregressive models only (raises ValueError for a diffusion model)."""
+               top_p: float = 1.0, seed: int = 0, chunk_size: int = 8, unknown: str = "error",
+               ignore_eos: bool = False) -> Iterator[str]:
+        """Yield the new text piece by piece as it is generated (chunk_size decode steps per device call),
+        ending before the first stop id (ignore_eos=True: no stop ids). Pieces never split a character; their
+        concatenation equals :meth:`generate`'s text for the same seed. Autoregressive models only (raises
+        ValueError for a diffusion model)."""
+        for piece, _, _ in self.stream_completion(text, max_new_tokens, temperature=temperature, top_k=top_k,
+                                                  top_p=top_p, seed=seed, chunk_size=chunk_size, unknown=unknown,
+                                                  ignore_eos=ignore_eos):
+            if piece:
+                yield piece
+
+    def stream_completion(self, text: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
+                          top_k: int = 0, top_p: float = 1.0, seed: int = 0, chunk_size: int = 8,
+                          unknown: str = "error", ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:
+        """:meth:`stream` with the count so far: yields (piece, tokens generated so far, None) and last
+        ("", tokens generated, finish_reason "stop" or "length"); pieces may be empty."""
         if self.cfg.paradigm != "ar":
             raise ValueError("streaming needs an autoregressive model; this one has paradigm="
                              f"{self.cfg.paradigm!r}: use generate()")
-        decoder = StreamDecoder(self.tokenizer)
+        decoder, stops, count = StreamDecoder(self.tokenizer), set(self._eos(ignore_eos) or ()), 0
         chunks = stream_tokens(self.model, self.encode(text, unknown), max_new_tokens, chunk_size=chunk_size,
-                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                               eos_id=self._eos(ignore_eos))
         for chunk in chunks:
-            piece = "".join(decoder.push(int(t)) for t in np.asarray(chunk)[0])
-            if piece:
-                yield piece
-        tail = decoder.flush()
-        if tail:
-            yield tail
+            piece = ""
+            for token in np.asarray(chunk)[0].tolist():
+                count += 1
+                if token in stops:
+                    yield piece + decoder.flush(), count, None
+                    yield "", count, "stop"
+                    return
+                piece += decoder.push(token)
+            yield piece, count, None
+        yield decoder.flush(), count, None
+        yield "", count, "length"
 
     def chat(self, messages, max_new_tokens: int = 256, *, system: str | None = None, temperature: float = 0.8,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> str:
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, unknown: str = "error",
+             ignore_eos: bool = False) -> str:
         """The assistant's answer to a conversation, rendered with the model's chat template.
 
         messages: a list of {"role": "system" | "user" | "assistant" | "tool", "content": str}, or one string
-          (a single user message). system: an optional system message put first.
-        Generation stops at any of the model's end-of-turn ids (``chat_format.stop_ids``) or after
+          (a single user message). system: an optional system message put first. Text in a content that looks
+          like a special token ("<|im_end|>") stays text (``dantinox.runs.chat``, case K12).
+        Generation stops at any of the model's stop ids (``stop_ids``; ignore_eos=True: none) or after
         max_new_tokens (cut to what is left of max_context); the answer excludes the stop token.
         Raises NoChatTemplateError (the run has no template), ChatTemplateError naming ``messages[i].role`` /
-        ``.content``, ValueError / CapacityError as :meth:`generate`.
+        ``.content``, CapacityError when the rendered conversation leaves no room in max_context for an answer,
+        ValueError as :meth:`generate` (also for a diffusion model).
         """
-        chat = require_chat_format(self.chat_format, self.run_dir)
-        ids = chat.prompt_ids(chat_messages(messages, system), self.tokenizer)
+        require_chat_format(self.chat_format, self.run_dir)
+        if self.cfg.paradigm != "ar":
+            raise ValueError(f"chat needs an autoregressive model; this one has paradigm={self.cfg.paradigm!r}")
+        ids = self.chat_prompt_ids(messages, system, unknown)
         if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
             max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
-        result = generate_result(self.model, ids, max_new_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, seed=seed, eos_id=list(chat.stop_ids) or None)
-        row, n = result.tokens[0], int(result.lengths[0])
-        if result.finish_reasons[0] == "stop":
-            n -= 1  # drop the end-of-turn token
-        return self.tokenizer.decode(row[:n].tolist())
+        return self._complete([ids], max_new_tokens, True, temperature, top_k, top_p, seed, ignore_eos)[0].text
+
+    def chat_prompt_ids(self, messages, system: str | None = None, unknown: str = "error") -> list[int]:
+        """The prompt ids :meth:`chat` generates from. Raises as :meth:`chat` (CapacityError: the conversation
+        has max_context tokens or more after the chat template)."""
+        chat = require_chat_format(self.chat_format, self.run_dir)
+        ids = chat.prompt_ids(chat_messages(messages, system), self.tokenizer, unknown)
+        if len(ids) >= self.cfg.max_context:
+            raise CapacityError(f"the conversation has {len(ids)} tokens after the chat template, more than "
+                                f"max_context={self.cfg.max_context} leaves room for (at most "
+                                f"{self.cfg.max_context - 1} prompt tokens and 1 new token); shorten the messages")
+        return ids
+
+
+class Completion(NamedTuple):
+    """One generated text: text (without the stop token), tokens (generated, the stop token counted),
+    finish_reason ("stop": a stop id ended it; "length": max_new_tokens did)."""
+
+    text: str
+    tokens: int
+    finish_reason: str
 
 
 def chat_messages(messages, system: str | None = None) -> list:

@@ -12,11 +12,27 @@ A model's chat template is a Jinja2 template (tokenizer_config.json's ``chat_tem
 Messages are checked before rendering: every role must be one of ROLES and every content a string (or a list
 of OpenAI text parts, joined), so a bad conversation gets one error naming ``messages[i].role`` or
 ``messages[i].content`` instead of a template failure.
+
+Which text came from a message (K12). :meth:`ChatTemplate.render_segments` returns the rendering cut into
+pieces that say whether each came from the template or from a message's content, so the tokenizer can match
+special tokens (``<|im_start|>``) in the template's text only (``dantinox.runs.chat``). It renders the
+conversation once more with every content replaced by a placeholder that no text holds (a random number between
+two private-use characters, which trim, upper and lower leave alone): the template's text is what lies around
+the placeholders. When putting the contents back where the placeholders are gives the real rendering, the
+template inserts contents verbatim (ChatML, SmolLM2). Otherwise (a template that changes a content, e.g.
+Llama 3's ``| trim``) each content's rendered form is found by rendering with that one content real and the
+others as placeholders: whatever differs from the placeholder rendering there counts as that content's text,
+and the pieces must again add up to the real rendering exactly. So text whose presence depends on a message's
+content counts as that content (it can never yield a control id), and a template for which that region cannot
+be told apart (the text before or after it changes too, or a changed content rendered twice) is refused with
+ChatTemplateError rather than guessed at.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -109,9 +125,59 @@ class ChatTemplate:
 
         Raises ChatTemplateError for bad messages or a template error (message included).
         """
+        return self._render(normalize_messages(messages), add_generation_prompt)
+
+    def render_segments(self, messages, add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """The rendering of ``messages`` as pieces [(text, from_content)] whose texts joined equal
+        :meth:`render`'s; from_content is True for the template's rendering of a message's content (see the
+        module docstring for how the pieces are found, exactly). Empty pieces are left out.
+
+        Raises ChatTemplateError as :meth:`render`, and when the template's text around the contents depends on
+        the contents (naming the message).
+        """
+        checked = normalize_messages(messages)
+        real = self._render(checked, add_generation_prompt)
+        nonce = secrets.randbelow(10**12)
+        while any(f"\ue000{nonce}:" in text for text in [self.source] + [m["content"] for m in checked]):
+            nonce = secrets.randbelow(10**12)  # a placeholder must be a text that nothing else holds
+        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(checked))]
+        masked = self._render([dict(m, content=mark) for m, mark in zip(checked, marks)], add_generation_prompt)
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", masked)  # template text, message index, template text...
+        pieces = [p if n % 2 == 0 else int(p) for n, p in enumerate(parts)]
+        segments = _assemble(pieces, [m["content"] for m in checked])
+        if "".join(text for text, _ in segments) == real:  # the template inserts contents verbatim
+            return segments
+        rendered = {}
+        for i in sorted({p for p in pieces if isinstance(p, int)}):
+            rendered[i] = self._rendered_content(checked, marks, i, masked, add_generation_prompt)
+        segments = _assemble(pieces, rendered)
+        if "".join(text for text, _ in segments) != real:
+            raise ChatTemplateError("the chat template's text around the message contents depends on the "
+                                    "contents, so text in a message cannot be kept apart from the template's "
+                                    "special tokens; this template is not supported")
+        return segments
+
+    def _rendered_content(self, checked: list, marks: list, i: int, masked: str, add_generation_prompt) -> str:
+        """What the template makes of message i's content: the rendering with that content real and the others
+        as placeholders, less the template text around placeholder i (ChatTemplateError when that text is not
+        there, or the content is rendered more than once)."""
+        where = f"messages[{i}].content"
+        if masked.count(marks[i]) != 1:
+            raise ChatTemplateError(f"{where}: the chat template renders this content {masked.count(marks[i])} "
+                                    "times and changes it, so its text cannot be kept apart from the template's "
+                                    "special tokens; this template is not supported", where)
+        before, after = masked.split(marks[i])
+        one = self._render([m if j == i else dict(m, content=marks[j]) for j, m in enumerate(checked)],
+                           add_generation_prompt)
+        if not (one.startswith(before) and one.endswith(after) and len(one) >= len(before) + len(after)):
+            raise ChatTemplateError(f"{where}: the chat template's text around this content depends on the "
+                                    "content, so text in a message cannot be kept apart from the template's "
+                                    "special tokens; this template is not supported", where)
+        return one[len(before):len(one) - len(after)]
+
+    def _render(self, checked: list, add_generation_prompt: bool) -> str:
         from jinja2 import TemplateError
 
-        checked = normalize_messages(messages)
         context = {"bos_token": None, "eos_token": None, "unk_token": None, "pad_token": None,
                    **self.special_tokens}
         try:
@@ -121,3 +187,10 @@ class ChatTemplate:
             raise
         except TemplateError as err:
             raise ChatTemplateError(f"the chat template failed: {err}") from None
+
+
+def _assemble(pieces: list, contents) -> list[tuple[str, bool]]:
+    """[(text, from_content)] of pieces (template text str, or a message index into ``contents``), empty
+    texts left out."""
+    out = [(contents[p], True) if isinstance(p, int) else (p, False) for p in pieces]
+    return [(text, from_content) for text, from_content in out if text]

@@ -10,6 +10,13 @@ Two kinds, both exact round trips (``decode(encode(text)) == text``):
 - ``"bpe"``: byte-level BPE (ByteLevel pre-tokenizer and decoder, the 256 byte symbols always in the
   vocabulary), so every text encodes and nothing is unknown. A token may hold part of a multi-byte
   character; :class:`StreamDecoder` holds such pieces back until the character is complete.
+
+Special tokens (added tokens marked special: an imported model's ``<|im_start|>``, a diffusion run's
+``<mask>``) are matched in the text by default, as the ``tokenizers`` library does: the text "<|im_end|>"
+encodes to that one id. ``encode(text, special=False)`` turns that off (the library's
+``encode_special_tokens``), so the same text encodes as the ordinary characters it is made of; and
+:meth:`TextTokenizer.encode_pieces` matches special tokens only in the pieces a caller trusts (a chat
+template's own text, not a message's content: case K12).
 """
 
 from __future__ import annotations
@@ -46,12 +53,19 @@ class TextTokenizer:
         self.unk_id = hf.token_to_id(UNK) if kind == "char" else None
         if kind == "char" and self.unk_id is None:
             raise ValueError(f"a char tokenizer must hold the token {UNK!r}")
+        self._literal: Tokenizer | None = None  # a copy of hf that matches no special token (built on first use)
 
-    def encode(self, text: str, unknown: str = "error") -> list[int]:
+    @property
+    def special_ids(self) -> frozenset:
+        """The ids of the added tokens marked special (control tokens such as ``<|im_end|>``)."""
+        return frozenset(i for i, t in self.hf.get_added_tokens_decoder().items() if t.special)
+
+    def encode(self, text: str, unknown: str = "error", special: bool = True) -> list[int]:
         """Token ids of ``text`` (a list of ints in [0, V)); "" encodes to [].
 
         unknown: policy for characters outside a char vocabulary: "error" raises, "replace" maps each to
           ``<unk>``. Byte-level BPE has no unknown characters, so the policy never applies to it.
+        special: match special-token texts ("<|im_end|>" -> its id); False encodes them as ordinary text.
         Raises:
           ValueError: unknown="error" and the text holds unknown characters (names them and their
             positions, 0-based character offsets); an unknown policy name; text not a str.
@@ -62,13 +76,46 @@ class TextTokenizer:
             raise ValueError(f"text must be a str; got {type(text).__name__}")
         if not text:
             return []
-        ids = self.hf.encode(text, add_special_tokens=False).ids
+        ids = (self.hf if special else self._literal_tokenizer()).encode(text, add_special_tokens=False).ids
         if self.kind == "char" and unknown == "error":
             # Char tokens are one per code point, so token index == character offset.
             where = np.flatnonzero(np.asarray(ids, np.int64) == self.unk_id)
             if where.size:
                 raise UnknownCharactersError(_unknown_message(text, where))
         return ids
+
+    def encode_pieces(self, pieces, unknown: str = "error") -> list[int]:
+        """Token ids of the text ``"".join(text for text, _ in pieces)`` where special tokens are matched only
+        in the pieces whose flag is False; text of a piece flagged True (e.g. a chat message's content) always
+        encodes as ordinary text, and a special token that reaches into such a piece is not matched either.
+
+        pieces: [(text, literal: bool)]. The ids equal :meth:`encode` of the joined text when no literal piece
+        holds a special-token text: the whole text is encoded once to find where the special tokens lie
+        (``tokenizers`` offsets), and the text between the trusted ones is encoded with special=False.
+        Raises ValueError as :meth:`encode`.
+        """
+        text, literal, at = "", [], 0
+        for piece, is_literal in pieces:
+            if is_literal:
+                literal.append((at, at + len(piece)))
+            text, at = text + piece, at + len(piece)
+        if not text:
+            return []
+        specials = self.special_ids
+        ids, done = [], 0
+        found = self.hf.encode(text, add_special_tokens=False)
+        for token, (start, end) in zip(found.ids, found.offsets):
+            if token in specials and not any(start < b and a < end for a, b in literal):
+                ids += self.encode(text[done:start], unknown, special=False) + [token]
+                done = end
+        return ids + self.encode(text[done:], unknown, special=False)
+
+    def _literal_tokenizer(self) -> Tokenizer:
+        if self._literal is None:
+            literal = Tokenizer.from_str(self.hf.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal
 
     def decode(self, ids) -> str:
         """Text of a sequence of token ids (list, tuple or 1-D integer array).

@@ -3,14 +3,16 @@
 The conversation (``messages``) is rendered with the model's template (``dantinox.runs.chat``), encoded, and run
 through the same worker, engine and per-choice text pipeline as ``/v1/completions`` (``dantinox.serving.
 completions``): stop strings, n choices with seeds seed + i, streaming, client disconnects. What differs:
-  - each choice stops at the model's end-of-turn ids (the engine's ``stop_token_ids``); that token is counted
-    in usage but not shown in the answer;
+  - the conversation is encoded so that text in a message that looks like a special token stays text, and only
+    the template's own markup yields control ids (``ChatFormat.prompt_ids``, case K12);
   - the answer is ``choices[i].message = {"role": "assistant", "content": text}``; streamed chunks are
     ``chat.completion.chunk`` objects whose ``delta`` holds the role first, then content pieces, and a last
     chunk per choice with an empty delta and the finish_reason;
   - max_completion_tokens (or the older max_tokens; the former wins) defaults to what is left of the context.
-Supported fields: model, messages, max_tokens, max_completion_tokens, temperature (default 1.0), top_p, top_k
-(an extension), seed, stop, stream, stream_options.include_usage, n, user (ignored). Fields this server does
+Like a completion, each choice stops at the model's stop ids (counted in usage, not shown; finish_reason
+"stop"), unless the request sets ignore_eos. Supported fields: model, messages, max_tokens,
+max_completion_tokens, temperature (default 1.0), top_p, top_k (an extension), seed, stop, stream,
+stream_options.include_usage, n, ignore_eos (vLLM's extension), user (ignored). Fields this server does
 not implement (tools, tool_choice, response_format, logprobs, top_logprobs, penalties, logit_bias) are rejected
 with 400 naming the field unless they hold their no-op value. A model without a template answers 400
 (param "model"), a message with an unknown role 400 naming ``messages[i].role``.
@@ -18,7 +20,6 @@ with 400 naming the field unless they hold their no-op value. A model without a 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import secrets
 import time
@@ -28,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import StrictInt
 
 from ..runs.chat_template import ChatTemplateError
-from .completions import _Choice, _Completion
+from .completions import _Completion
 from .protocol import MAX_CHOICES, MAX_STOP_STRINGS, SamplingRequest, error_body
 from .request import RequestError, SamplingOptions
 from .request_log import slice_from
@@ -76,28 +77,9 @@ def _same(value, no_op) -> bool:
     return value == no_op and isinstance(value, bool) == isinstance(no_op, bool)
 
 
-class _ChatChoice(_Choice):
-    """A completion choice that hides the end-of-turn tokens from the text (they still count as tokens)."""
-
-    def __init__(self, index: int, rid: str, tokenizer, stops: list[str], hidden: tuple):
-        super().__init__(index, rid, tokenizer, stops, None)
-        self.hidden = set(hidden)
-
-    def push(self, out):
-        shown = [t for t in out.new_token_ids if t not in self.hidden]
-        text = super().push(dataclasses.replace(out, new_token_ids=shown, logprobs=None))
-        self.completion_tokens += len(out.new_token_ids) - len(shown)
-        return text
-
-
 class _ChatCompletion(_Completion):
-    """One accepted chat request of n choices -> a ``chat.completion`` body or ``chat.completion.chunk`` events."""
-
-    def __init__(self, service, cid, rids, prompt_tokens, body: ChatCompletionRequest, events, hidden: tuple):
-        super().__init__(service, cid, rids, prompt_tokens, body, events)
-        self.choices = [_ChatChoice(i, rid, service.tokenizer, body.stop_strings(), hidden)
-                        for i, rid in enumerate(rids)]
-        self.by_rid = {c.rid: c for c in self.choices}
+    """One accepted chat request of n choices -> a ``chat.completion`` body or ``chat.completion.chunk`` events
+    (its choices, as a completion's, hide the stop ids; they carry no logprobs)."""
 
     def _object(self, kind: str, choices: list, usage: dict | None) -> dict:
         body = {"id": self.cid, "object": kind, "created": int(time.time()), "model": self.service.model_name,
@@ -159,7 +141,7 @@ def add_chat_route(app, service, chat_format) -> None:
                                                           slice_name=slice_from(body.model_extra))
         if refused is not None:
             return refused
-        session = _ChatCompletion(service, cid, rids, len(prompt_ids), body, events, chat_format.stop_ids)
+        session = _ChatCompletion(service, cid, rids, len(prompt_ids), body, events)
         if body.stream:
             return StreamingResponse(session.sse(request), media_type="text/event-stream")
         return await session.respond(request)
@@ -194,4 +176,4 @@ def _prepare(service, chat_format, body: ChatCompletionRequest) -> tuple[list[in
     seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
     return prompt_ids, [SamplingOptions(max_new_tokens=limit, temperature=body.temperature, top_k=body.top_k,
                                         top_p=body.top_p, seed=(seed + i) % 2**32,
-                                        stop_token_ids=tuple(chat_format.stop_ids)) for i in range(body.n)]
+                                        stop_token_ids=service.stops_for(body)) for i in range(body.n)]

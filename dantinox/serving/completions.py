@@ -35,9 +35,15 @@ _GONE = ("gone",)  # the event the watcher puts on a request's queue when its cl
 class _Service:
     """The completions endpoint's logic (one instance per app)."""
 
-    def __init__(self, worker: EngineWorker, tokenizer, model_name: str, max_context: int, metrics):
+    def __init__(self, worker: EngineWorker, tokenizer, model_name: str, max_context: int, metrics,
+                 stop_ids: tuple = ()):
         self.worker, self.tokenizer, self.metrics = worker, tokenizer, metrics
         self.model_name, self.max_context = model_name, max_context
+        self.stop_ids = tuple(stop_ids)
+
+    def stops_for(self, body) -> tuple:
+        """The stop ids of a request: the model's, or none when it asks for ignore_eos."""
+        return () if body.ignore_eos else self.stop_ids
 
     async def complete(self, body: CompletionRequest, request: HttpRequest):
         if not self.worker.alive:
@@ -101,7 +107,8 @@ class _Service:
         default = max(1, min(DEFAULT_MAX_TOKENS, self.max_context - prompt_tokens))
         max_tokens = default if body.max_tokens is None else body.max_tokens
         return [SamplingOptions(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                top_p=body.top_p, seed=(seed + i) % 2**32, logprobs=body.logprobs)
+                                top_p=body.top_p, seed=(seed + i) % 2**32, logprobs=body.logprobs,
+                                stop_token_ids=self.stops_for(body))
                 for i in range(body.n)]
 
 
@@ -134,10 +141,13 @@ async def _watch_disconnect(request: HttpRequest, events: asyncio.Queue) -> None
 
 
 class _Choice:
-    """One choice of a completion (one engine request): its tokens -> text pieces, stop strings, logprobs."""
+    """One choice of a completion (one engine request): its tokens -> text pieces, stop strings, logprobs.
+    Tokens in ``hidden`` (the request's stop ids) count as completion tokens but add no text or logprobs."""
 
-    def __init__(self, index: int, rid: str, tokenizer, stops: list[str], logprobs: int | None):
+    def __init__(self, index: int, rid: str, tokenizer, stops: list[str], logprobs: int | None,
+                 hidden: tuple = ()):
         self.index, self.rid = index, rid
+        self.hidden = frozenset(hidden)
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopChecker(stops)
         self.logprobs = None if logprobs is None else LogprobsLog(tokenizer.decode)
@@ -153,6 +163,8 @@ class _Choice:
         self.completion_tokens += len(out.new_token_ids)
         piece = ""
         for i, token in enumerate(out.new_token_ids):
+            if token in self.hidden:
+                continue
             if self.logprobs is not None and out.logprobs:
                 self.logprobs.add(out.logprobs[i], self.decoded)
             text = self.decoder.push(token)
@@ -184,8 +196,8 @@ class _Completion:
                  events: asyncio.Queue):
         self.service, self.cid, self.body, self.events = service, cid, body, events
         self.prompt_tokens = prompt_tokens
-        self.choices = [_Choice(i, rid, service.tokenizer, body.stop_strings(), body.logprobs)
-                        for i, rid in enumerate(rids)]
+        self.choices = [_Choice(i, rid, service.tokenizer, body.stop_strings(), body.logprobs,
+                                service.stops_for(body)) for i, rid in enumerate(rids)]
         self.by_rid = {c.rid: c for c in self.choices}
 
     @property

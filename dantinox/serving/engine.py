@@ -66,9 +66,11 @@ class Engine(abc.ABC):
         """Run one iteration; returns an output for every request that got a token or finished."""
 
     @abc.abstractmethod
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; its final output (finish reason "abort") comes from the next
-        step(). Returns False if the id is unknown or already finished."""
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request and free its blocks; its final output comes from the next step() with finish reason
+        ``reason``: "abort" (the client left) or "stop" (the server ended it on a stop string, which the
+        engine does not see; counted as finished in ``stats``, as /metrics counts it). Returns False if the id
+        is unknown or already finished."""
 
     @abc.abstractmethod
     def stats(self) -> dict:
@@ -187,11 +189,13 @@ class PagedEngine(Engine):
         self.counters["steps"] += 1
         return outputs
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"reason={reason!r} is not allowed: 'abort' or 'stop'")
         req = self.requests.get(request_id)
         if req is None:
             return False
-        self._finish(req, "abort")
+        self._finish(req, reason)
         self._pending.append(self._output(req, []))
         return True
 

@@ -49,7 +49,7 @@ class ServerMetrics:
         """Count one rejected request under one reason label: ``reason`` if given, else from ``err``:
         "queue_full" (QueueFullError, 429), "invalid_<field>" (a RequestError naming the JSON field, 400),
         or "invalid". The server passes "invalid_json" / "invalid_body" (a body that is not JSON or not an
-        object), "invalid_<field>" (a type error in one field, 422) and "unavailable" (503)."""
+        object), "invalid_<field>" (a missing field or a type error in one, 400) and "unavailable" (503)."""
         if reason is None:
             field = getattr(err, "field", None)
             field = field and field.split("[")[0].split(".")[0]  # messages[3].role -> messages: bounded labels

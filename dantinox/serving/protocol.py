@@ -4,11 +4,17 @@ Supported fields of ``POST /v1/completions``: model, prompt (a string, a list of
 string), max_tokens (default: 16, or what is left of the context if less), temperature (default 1.0;
 0 = greedy), top_p, top_k (an extension; 0 = off), seed, stop (a string or up to 4), stream,
 stream_options.include_usage, n (1..MAX_CHOICES choices per prompt), logprobs (null or 0..MAX_LOGPROBS),
-echo (must be false), user (ignored). Types are strict: max_tokens: "5" or true, stream: "yes" get 422
-naming the field. seed must be in [0, 2**32); model, when given, must be the served model's name; stop strings
-must not be empty. OpenAI fields this server does not implement (best_of, suffix, frequency_penalty,
+echo (must be false), user (ignored), ignore_eos (vLLM's extension, default false). Types are strict:
+max_tokens: "5" or true, stream: "yes" get 400 naming the field (every error is OpenAI's error object).
+seed must be in [0, 2**32); model, when given, must be the served model's name; stop strings must not be
+empty. OpenAI fields this server does not implement (best_of, suffix, frequency_penalty,
 presence_penalty, logit_bias) are rejected with 400 naming the field unless they hold their no-op value
 (null, best_of 1, penalties 0, logit_bias {}); other unknown fields are ignored.
+
+Stop ids. Every choice ends at the model's stop ids (its end-of-turn / end-of-text tokens,
+``dantinox.runs.stop_ids``; case K11) with finish_reason "stop"; the stop token is counted in usage but not
+shown in the text (nor in logprobs). ``ignore_eos: true`` turns them off for the request (generation then runs
+to max_tokens, and a stop token it meets is text like any other).
 
 n > 1: choice i is its own engine request with seed (seed + i) mod 2**32, so with a seed every choice is
 reproducible and choice 0 equals the n = 1 completion; at temperature 0 all choices are equal. Usage counts
@@ -59,6 +65,7 @@ class SamplingRequest(BaseModel):
     stream: StrictBool = False
     stream_options: dict | None = None
     n: StrictInt = 1
+    ignore_eos: StrictBool = False  # vLLM's extension: generate past the model's stop ids
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -19,8 +19,11 @@ Design (threads and queues):
      /metrics counts that request as finished by "stop", not "abort" (K10). A disconnect is noticed while
      tokens flow: a watcher task polls ``is_disconnected()`` every DISCONNECT_POLL_S seconds beside the
      token loop, for plain and streamed requests alike, and aborts every unfinished choice (case K10).
-  5. Every request answered with 400, 422, 429 or 503 is counted once in
+  5. Every request answered with 400, 429 or 503 is counted once in
      ``dantinox_requests_rejected_total`` under one reason label (see ``ServerMetrics.rejected``).
+  6. Every error, whatever raised it, is OpenAI's error object {"error": {"message", "type", "param",
+     "code"}}: a body that is not JSON, not an object, misses a field or has a field of the wrong type is a 400
+     naming the field (never FastAPI's 422 format); an unknown path or method keeps its 404 / 405 status.
 Steps 1, 3 and 4 (validation and submission, the per-choice text, stop strings and disconnects) are
 ``dantinox.serving.completions``; this module builds the app (``create_app``) and runs it (``ServerThread``).
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``dantinox.serving.chat_endpoint``), GET /v1/models,
@@ -40,6 +43,7 @@ from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .chat_endpoint import add_chat_route
 from .completions import _Service
@@ -52,11 +56,13 @@ log = logging.getLogger("dantinox.serving")
 
 
 def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None,
-               request_log=None) -> FastAPI:
+               stop_ids=None, request_log=None) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
     engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
     model's ``dantinox.runs.chat.ChatFormat`` (None: /v1/chat/completions answers 400, the model has no template);
+    stop_ids: the token ids every request stops at unless it sets ignore_eos (``dantinox.runs.stop_ids.
+    read_stop_ids``); None: chat_format's stop_ids, or none without a chat format.
     request_log: a ``request_log.RequestLog`` (one line per finished request; closed with the app) or None.
     """
     metrics = ServerMetrics()
@@ -72,13 +78,23 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
 
     app = FastAPI(title="dantinox", lifespan=lifespan)
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine
-    service = _Service(worker, tokenizer, model_name, engine.max_context, metrics)
+    if stop_ids is None:
+        stop_ids = chat_format.stop_ids if chat_format is not None else ()
+    service = _Service(worker, tokenizer, model_name, engine.max_context, metrics, stop_ids)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_request, exc: RequestValidationError):
-        body, label, status = _validation_error(exc)
+    async def invalid_body(request, exc: RequestValidationError):
+        body, label = _validation_error(exc, "messages" if request.url.path.endswith("/chat/completions")
+                                        else "prompt")
         metrics.rejected(reason=f"invalid_{label or 'body'}")
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        detail = exc.detail if isinstance(exc.detail, str) else repr(exc.detail)
+        body = error_body(f"{request.method} {request.url.path}: {detail}", None,
+                          "invalid_request_error" if exc.status_code < 500 else "server_error")
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HttpRequest):
@@ -104,23 +120,26 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     return app
 
 
-def _validation_error(exc: RequestValidationError) -> tuple[dict, str | None, int]:
-    """(error body, metrics label, status) for a body FastAPI could not parse or validate: the label is the
-    JSON field, "json" (not JSON) or "body" (not an object)."""
+def _validation_error(exc: RequestValidationError, required: str) -> tuple[dict, str | None]:
+    """(OpenAI error body, metrics label) for a body FastAPI could not parse or validate (answered with 400):
+    the label is the JSON field, "json" (not JSON) or "body" (not an object). required: the field the
+    endpoint needs ("prompt" or "messages"), named when the body is missing."""
     first = exc.errors()[0]
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", first.get("msg"))
-        return error_body(f"the request body is not valid JSON: {detail}", "body"), "json", 400
+        return error_body(f"the request body is not valid JSON: {detail}", "body"), "json"
     if loc == ("body",):
         what = "missing" if first.get("type") == "missing" else "not a JSON object"
-        return (error_body(f"the request body is {what}: send a JSON object with at least 'prompt'", "body"),
-                "body", 400)
+        return error_body(f"the request body is {what}: send a JSON object with at least {required!r}",
+                          "body"), "body"
     field = str(loc[1]) if len(loc) > 1 else None  # the top-level field (later parts name union members)
+    if first.get("type") == "missing":
+        return error_body(f"{field} is required", field), field
     # a union field (stop: a string or a list of strings) fails once per member: name every allowed form
     msgs = [e.get("msg") for e in exc.errors() if len(tuple(e.get("loc", ()))) > 1 and str(e["loc"][1]) == field]
     allowed = " or ".join(dict.fromkeys(m for m in msgs if m))
-    return error_body(f"{field}: {allowed} (got {first.get('input')!r})", field), field, 422
+    return error_body(f"{field}: {allowed} (got {first.get('input')!r})", field), field
 
 
 class ServerThread:

@@ -63,7 +63,6 @@ class EngineWorker:
         self.healthy = True
         self.error: str | None = None
         self._streams: dict[str, _Stream] = {}
-        self._abort_reasons: dict[str, str] = {}  # request id -> finish reason to count for its abort
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dantinox-engine", daemon=True)
 
@@ -90,8 +89,8 @@ class EngineWorker:
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Ask the worker to stop ``request_id`` (one engine request) and free its blocks. ``reason`` is the
-        finish reason the metrics count for it: "abort" (the client left), or "stop" (the server ended it on
-        a stop string, which the engine does not see)."""
+        finish reason the engine records for it (so /health's engine counters and /metrics agree): "abort"
+        (the client left), or "stop" (the server ended it on a stop string, which the engine does not see)."""
         self.commands.put(("abort", request_id, reason))
 
     # The worker thread -----------------------------------------------------------------------------
@@ -123,8 +122,7 @@ class EngineWorker:
 
     def _execute(self, command: tuple) -> None:
         if command[0] == "abort":
-            if self.engine.abort(command[1]):
-                self._abort_reasons[command[1]] = command[2]
+            self.engine.abort(command[1], command[2])
             return
         _, rids, prompt_ids, options, loop, events, submitted, slice_name = command
         added = []
@@ -162,13 +160,12 @@ class EngineWorker:
                 stream.cached_tokens = self.engine.requests[out.request_id].num_cached_tokens
             if out.finished:
                 del self._streams[out.request_id]
-                reason = self._abort_reasons.pop(out.request_id, None)
-                reason = reason if out.finish_reason == "abort" and reason else out.finish_reason
                 if self.metrics:
-                    self.metrics.finished(reason)
+                    self.metrics.finished(out.finish_reason)
                 if self.request_log:
                     self.request_log.record(stream.submitted, stream.first_token, stream.last_token, stream.tokens,
-                                            stream.prompt_tokens, stream.cached_tokens, reason, stream.slice_name)
+                                            stream.prompt_tokens, stream.cached_tokens, out.finish_reason,
+                                            stream.slice_name)
             stream.send(("output", out))
 
     def _publish(self) -> None:

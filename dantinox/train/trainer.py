@@ -325,7 +325,8 @@ def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.Path
     Returns the model_summary.json dict: val_loss and train_loss (nats/token), val_nats_per_char, steps,
     tokens_seen, training_time_s (steps + evaluations, all sessions), tokens_per_s (training tokens per
     second of step time, compilation included), parameters, kv_bytes_per_token, data_file, data_sha256.
-    Raises TrainError (bad option, checkpoint made with other options / data), FileNotFoundError / DataError
+    Raises TrainError (bad option, out_dir is a file, checkpoint made with other options / data),
+    FileNotFoundError / DataError
     (data file), ConfigError (model config), CheckpointError (unreadable checkpoint).
     """
     unknown = sorted(set(options) - {f.name for f in dataclasses.fields(TrainConfig)})
@@ -336,11 +337,21 @@ def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.Path
         options = _tokenizer_options_from(options)
     opts = TrainConfig(**options)
     opts.resolved(cfg)  # bad options fail before the data is read (resuming may fill defaults differently)
+    check_out_dir(out_dir, "out_dir")
     if stop_at is not None:
         _check_int("stop_at", stop_at, minimum=1)
     session = _start_session(cfg, os.fspath(data_path), os.fspath(out_dir), opts, log)
     _run_steps(session, min(opts.steps, stop_at or opts.steps), log, progress)
     return _finish(session, log)
+
+
+def check_out_dir(out_dir: str | os.PathLike, name: str = "out_dir") -> None:
+    """Raise TrainError naming ``name`` when ``out_dir`` exists but is not a directory (a run directory is
+    written there: a new one, or one to resume)."""
+    path = os.fspath(out_dir)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise TrainError(f"{name} {path} is a file, not a directory: give the path of a run directory (a new one, "
+                         "or one to resume)")
 
 
 def _tokenizer_options_from(options: dict) -> dict:

@@ -45,7 +45,8 @@ def test_tokenizer_from_metadata_encodes_like_the_original(tmp_path):
     assert ours.encode(sample) == original.encode(sample)
     assert ours.decode(ours.encode(sample)) == sample
     assert ckpt.generation == {"bos_token_id": original.hf.token_to_id("<|im_start|>"),
-                               "eos_token_id": original.hf.token_to_id("<|im_end|>")}
+                               "eos_token_id": [original.hf.token_to_id("<|im_end|>")]}  # eos, eot, eom merged
+    assert ckpt.special_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
 
 
 def test_import_cli_equals_hf_import_and_chats(tmp_path, capsys):
@@ -77,12 +78,22 @@ def bad_import(tmp_path, capsys, path) -> str:
 
 
 def test_truncated_gguf(tmp_path, capsys):
+    """A file cut inside its header is corrupt or truncated; one cut inside the tensor data names the first
+    tensor that runs past the end, the bytes it needs and the bytes the file has (not numpy's reshape)."""
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, Q.Q8_0)
     data = path.read_bytes()
-    for cut in (40, len(data) // 2, len(data) - 100):
+    tensors = gguf.GGUFReader(str(path)).tensors  # the intact file's table: where each tensor's bytes lie
+    path.write_bytes(data[:40])
+    assert "corrupt or truncated" in bad_import(tmp_path, capsys, path)
+    for cut in (len(data) // 2, len(data) - 100):
         path.write_bytes(data[:cut])
-        assert "corrupt or truncated" in bad_import(tmp_path, capsys, path)
+        first = next(t for t in tensors if t.data_offset + t.n_bytes > cut)
+        err = bad_import(tmp_path, capsys, path)
+        assert (f"tensor {first.name} ({first.tensor_type.name}, shape {list(reversed(first.shape.tolist()))}) "
+                f"needs {first.n_bytes} bytes from offset {first.data_offset}, but the file has "
+                f"{cut - first.data_offset} bytes there ({cut} bytes in all): the file is truncated") in err, err
+        assert "reshape" not in err
 
 
 def test_not_gguf_and_corrupt_header(tmp_path, capsys):

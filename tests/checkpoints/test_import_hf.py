@@ -146,7 +146,8 @@ def test_run_dir_keeps_template_generation_defaults_and_pads_the_tokenizer(capsy
     assert rc == 0, err
     with open(os.path.join(FIXTURES, "qwen2", "chat_template.jinja")) as f:
         assert read_chat_template(tmp_path / "run") == f.read()
-    assert read_generation_config(tmp_path / "run")["eos_token_ids"] == [257]
+    # generation_config.json's eos_token_id, then tokenizer_config.json's eos_token <|im_end|> (K11)
+    assert read_generation_config(tmp_path / "run")["eos_token_ids"] == [257, 256]
     _, cfg, tokenizer, summary = load_run(tmp_path / "run")
     assert (cfg.compute_dtype, cfg.cache_dtype, cfg.qkv_bias) == ("bfloat16", "bfloat16", True)
     assert tokenizer.vocab_size == cfg.vocab_size == 264           # 258 ids padded with unused specials

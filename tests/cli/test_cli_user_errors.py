@@ -53,3 +53,48 @@ def test_import_into_an_unwritable_place_names_out(tmp_path, capsys):
     line = _one_error_line(capsys, ["import", source, "--out", out])
     assert line.startswith(f"dantinox import: error: --out {out}: cannot create the run directory there")
     assert os.listdir(tmp_path) == ["a-file"]                 # no temporary directory left behind
+
+
+@pytest.mark.parametrize("argv, command, flag", [
+    (["generate", "--max_new_tokens", "abc"], "dantinox generate",
+     "argument --max_new_tokens: invalid int value: 'abc'"),
+    (["serve", "--port", "eighty"], "dantinox serve", "argument --port: invalid int value: 'eighty'"),
+    (["plan", "trace", "--out", "t.jsonl", "--requests", "many"], "dantinox plan trace",
+     "argument --requests: invalid int value: 'many'"),
+    (["generate", "--refresh", "sometimes"], "dantinox generate", "argument --refresh: invalid choice: 'sometimes'"),
+    (["generate", "--no-such-flag"], "dantinox", "unrecognized arguments: --no-such-flag"),
+])
+def test_a_flag_of_the_wrong_type_is_one_line_not_the_usage(capsys, argv, command, flag):
+    from dantinox.cli.entrypoint import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"{command}: error: {flag}") and err.rstrip().endswith(f"(see {command} --help)")
+    assert "usage:" not in err
+
+
+def test_typed_values_and_mesh_axes_are_not_rewritten_into_flags(tmp_path, capsys):
+    """train has a --data flag; the mesh text data=2,model=4 and the axes in the message stay as they are."""
+    from dantinox.cli.flags import in_flags
+
+    data = tmp_path / "text.txt"
+    data.write_text("Nel mezzo del cammin di nostra vita\n" * 20)
+    line = _one_error_line(capsys, ["train", "--data", str(data), "--out", str(tmp_path / "run"), "--preset", "tiny",
+                                    "--steps", "1", "--mesh", "data=2,model=4"])
+    assert "--mesh 'data=2,model=4'" in line and "data=2 x model=4" in line and "--data 2" not in line
+    flags = {"seed": "--seed", "max_new_tokens": "--max_new_tokens"}
+    assert in_flags("--set seed=3: seed=3 is not a field", flags, typed=["seed=3"]) == \
+        "--set seed=3: seed=3 is not a field"
+    assert in_flags("max_new_tokens=0 is not allowed", flags, typed=["seed=3"]) == "--max_new_tokens 0 is not allowed"
+
+
+def test_train_into_a_file_is_one_line(tmp_path, capsys):
+    data, out = tmp_path / "text.txt", tmp_path / "a-file"
+    data.write_text("Nel mezzo del cammin\n" * 20)
+    out.write_text("x")
+    line = _one_error_line(capsys, ["train", "--data", str(data), "--out", str(out), "--steps", "1"])
+    assert line == (f"dantinox train: error: --out {out} is a file, not a directory: give the path of a run "
+                    "directory (a new one, or one to resume)")
+    assert out.read_text() == "x"

@@ -3,7 +3,7 @@
 
 import numpy as np
 import pytest
-from chat_util import CHATML, save_tiny_chat_run
+from chat_util import CHATML, INJECTION, chatml_literal_ids, save_tiny_chat_run
 
 import dantinox as dx
 from dantinox.cli import entrypoint as cli
@@ -65,6 +65,17 @@ def test_generate_chat_cli(chat_run, capsys):
     assert capsys.readouterr().out == want + "\n"
 
 
+def test_k12_generate_chat_encodes_typed_markers_as_text(chat_run, capsys):
+    gen = Generator(chat_run, warmup=False)
+    messages = [{"role": "system", "content": "Sei Virgilio."}, {"role": "user", "content": INJECTION}]
+    want = chatml_literal_ids(gen.tokenizer, messages)
+    assert cli.main(["generate", "--run_dir", chat_run, "--chat", INJECTION, "--system", "Sei Virgilio.",
+                     "--temperature", "0", "--max_new_tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert f"prompt {len(want)} tokens after the chat template" in err
+    assert out == gen.chat(messages, 5, temperature=0) + "\n"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--chat", ""], "--chat is empty"),
     (["--chat", "ciao", "--prompt", "x"], "--prompt and --chat exclude each other"),
@@ -85,3 +96,42 @@ def test_chat_without_template_exits_2(tmp_path, capsys):
     assert "has no chat template" in err and err.count("\n") == 1
     with pytest.raises(ValueError, match="has no chat template"):
         Generator(run, warmup=False).chat("ciao")
+
+
+def test_generate_chat_applies_the_model_flags(chat_run, capsys, monkeypatch):
+    """--kv-dtype, --quantize and --mesh reach the model that answers (they were once silently dropped)."""
+    from dantinox.parallel.mesh import mesh_of
+    from dantinox.generation.decode import split_model
+
+    used, original = [], Generator.chat
+
+    def spy(self, *args, **kwargs):
+        used.append((self.cfg.cache_dtype, self.quantize, mesh_of(split_model(self.model)[1])))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Generator, "chat", spy)
+    argv = ["generate", "--run_dir", chat_run, "--chat", "Dove siamo?", "--temperature", "0", "--max_new_tokens", "4"]
+    assert cli.main(argv + ["--kv-dtype", "int8", "--quantize", "int8", "--mesh", "data=1,model=1"]) == 0
+    answer = capsys.readouterr().out
+    (cache_dtype, quantize, mesh), = used
+    assert (cache_dtype, quantize, dict(mesh.shape)) == ("int8", "int8", {"data": 1, "model": 1})
+    want = original(Generator(chat_run, warmup=False, kv_dtype="int8", quantize="int8"), "Dove siamo?", 4,
+                    temperature=0)
+    assert answer == want + "\n"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-dtype", "int4"], "--kv-dtype"), (["--quantize", "int4"], "--quantize"),
+    (["--mesh", "data=2,model=4"], "--mesh 'data=2,model=4'"), (["--mesh", "rows=2"], "--mesh"),
+])
+def test_generate_chat_refuses_bad_model_flags(chat_run, capsys, flags, message):
+    assert cli.main(["generate", "--run_dir", chat_run, "--chat", "ciao", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert message in err and err.count("\n") == 1 and out == ""
+
+
+def test_generate_chat_too_long_names_the_conversation(chat_run, capsys):
+    assert cli.main(["generate", "--run_dir", chat_run, "--chat", "Nel mezzo " * 40]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dantinox generate: error: --chat: the conversation has ") and "--prompt" not in err
+    assert "max_context=96" in err and err.count("\n") == 1

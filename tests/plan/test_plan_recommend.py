@@ -202,3 +202,19 @@ def test_profile_of_another_model_or_version_is_refused(cli_inputs, capsys, chan
     code = cli.main(_plan_args(d, trace, other, d / "bad2"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and expected in err[0], err
+
+
+def test_plan_refuses_to_overwrite_an_earlier_plan_unless_forced(cli_inputs, capsys):
+    d, trace, profile = cli_inputs
+    out = d / "earlier"
+    out.mkdir()
+    (out / "plan.json").write_text("{}")
+    assert cli.main(_plan_args(d, trace, profile, out)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {out} already holds files (plan.json)" in err and "--force" in err
+    assert (out / "plan.json").read_text() == "{}"
+    (d / "a-file").write_text("x")
+    assert cli.main(_plan_args(d, trace, profile, d / "a-file")) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert cli.main(_plan_args(d, trace, profile, out, "--force")) == 0
+    assert json.loads((out / "plan.json").read_text())["recommendation"]

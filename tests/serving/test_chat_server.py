@@ -5,7 +5,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from chat_util import save_tiny_chat_run
+from chat_util import INJECTION, MARKERS, chatml_literal_ids, save_tiny_chat_run
 from serving_util import SMALL_BUCKETS
 
 import dantinox as dx
@@ -91,6 +91,22 @@ def test_chat_stops_at_end_of_turn_id(tmp_path):
     assert out.usage.completion_tokens == first + 1  # the end-of-turn token counts, but is not shown
 
 
+def test_k12_special_token_text_in_a_message_stays_text(client, run_dir):
+    """The user typed ChatML markers: usage.prompt_tokens is the length of the safe encoding (only the
+    template's markers are control ids), and the answer is the one Generator.chat gives for those ids."""
+    messages = [MESSAGES[0], {"role": "user", "content": INJECTION}]
+    gen = Generator(run_dir, warmup=False)
+    want = chatml_literal_ids(gen.tokenizer, messages)
+    naive = gen.tokenizer.encode(gen.chat_format.template.render(messages))
+    assert len(naive) < len(want)  # rendered and encoded in one go, the typed markers became 4 control ids
+    done = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6, temperature=0)
+    assert done.usage.prompt_tokens == len(want)
+    assert gen.chat_prompt_ids(messages) == want
+    assert done.choices[0].message.content == gen.chat(messages, 6, temperature=0)
+    start, end = (gen.tokenizer.hf.token_to_id(m) for m in MARKERS)
+    assert (want.count(start), want.count(end)) == (3, 2)
+
+
 @pytest.mark.parametrize("body, field, text", [
     ({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]}, "messages[1].role",
      "'wizard' is not allowed"),
@@ -117,3 +133,37 @@ def test_model_without_template_answers_400(run_dir):
         assert "has no chat template" in r.json()["error"]["message"]
         plain = httpx.post(srv.url + "/v1/completions", json={"prompt": "Nel", "max_tokens": 2}, timeout=30)
         assert plain.status_code == 200
+
+
+def test_bundled_dante_has_a_chat_template():
+    from dantinox.runs.bundled import bundled_run_dir
+    from dantinox.runs.tokenizer import TextTokenizer
+
+    run = bundled_run_dir("dante")
+    chat = load_chat_format(run, TextTokenizer.load(f"{run}/tokenizer.json"))
+    assert chat.stop_ids == () and chat.template.render([{"role": "system", "content": "a"},
+                                                         {"role": "user", "content": "b"}]) == "a\nb\n"
+
+
+@pytest.mark.slow  # the bundled model's engine compiles for ~40 s on two CPUs
+def test_bundled_model_chats():
+    """The bundled dante run has a plain chat template (each message's text on its own line), so
+    /v1/chat/completions (guidellm's default request) answers on it, as Generator.chat does."""
+    from dantinox.runs.bundled import bundled_run_dir
+
+    run = bundled_run_dir("dante")
+    messages = [{"role": "user", "content": "Nel mezzo del cammin di nostra vita"}]
+    gen = Generator(run, warmup=False)
+    assert gen.chat_format.template.render(messages) == "Nel mezzo del cammin di nostra vita\n"
+    want = gen.chat(messages, 8, temperature=0)
+    engine = PagedEngine(gen.model, EngineConfig(block_size=16, num_blocks=32, max_running=1, max_batched_tokens=16,
+                                                 decode_buckets=(1,), prefill_buckets=(1,), chunk_buckets=(16,),
+                                                 max_decode_steps=1))
+    with ServerThread(create_app(engine, gen.tokenizer, "dante", gen.chat_format)) as srv:
+        cl = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        done = cl.chat.completions.create(model="dante", messages=messages, max_tokens=8, temperature=0)
+        chunks = list(cl.chat.completions.create(model="dante", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert done.choices[0].message.content == want and done.choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 8

@@ -102,6 +102,42 @@ def test_stop_strings_end_the_text_and_free_the_request(server, loaded):
     assert lines[-1] == "data: [DONE]" and '"finish_reason": "stop"' in lines[-2]
 
 
+def finished_by(metrics_text: str, reason: str) -> float:
+    """dantinox_requests_finished_total{finish_reason=reason} in a /metrics text (0 when absent)."""
+    key = f'dantinox_requests_finished_total{{finish_reason="{reason}"}}'
+    line = [x for x in metrics_text.splitlines() if x.startswith(key)]
+    return float(line[0].split()[-1]) if line else 0.0
+
+
+def test_health_and_metrics_agree_on_stop_strings(loaded):
+    """A request the server ends on a stop string counts as finished by "stop" on /metrics and as finished, not
+    aborted, in /health's engine counters. The engine is held after its first step, so the stop string (the
+    first generated character) is seen while the request still runs: the server's abort ends it."""
+    prompt = next(p for p in ([7, 8, 9], [5, 9, 40], [1, 2, 3], [11, 12])
+                  if reference_text(loaded, p, 1) and "\ufffd" not in reference_text(loaded, p, 1))
+    stop = reference_text(loaded, prompt, 1)[0]
+    engine = GatedEngine(loaded[0], EngineConfig(block_size=4, num_blocks=48, max_running=1, max_batched_tokens=16,
+                                                 decode_buckets=(1, 4, 16), max_decode_steps=1, **SMALL_BUCKETS))
+    app = create_app(engine, loaded[1], "tiny")
+    replies = []
+    with ServerThread(app) as srv, httpx.Client(timeout=60) as client:
+        hold(engine, wait=False)
+        post = threading.Thread(target=lambda: replies.append(client.post(srv.url + "/v1/completions", json=dict(
+            prompt=prompt, max_tokens=20, temperature=0, stop=[stop])).json()))
+        post.start()
+        wait_for(lambda: engine.at_gate() and engine.steps == 0)
+        step_once(engine)                                   # prefill: the first token, which holds the stop string
+        wait_for(lambda: app.state.worker.commands.qsize() == 1)  # the server's abort for the stop string
+        engine.release()
+        post.join(60)
+        health = lambda: client.get(srv.url + "/health").json()["engine"]  # noqa: E731
+        wait_for(lambda: health()["running"] == 0 and health()["waiting"] == 0)  # the abort has been taken
+        health, metrics = health(), client.get(srv.url + "/metrics").text
+    assert replies[0]["choices"][0]["finish_reason"] == "stop"
+    assert (health["finished"], health["aborted"]) == (1, 0)
+    assert finished_by(metrics, "stop") == 1 and finished_by(metrics, "abort") == 0
+
+
 def test_k05_prompt_longer_than_context_gets_a_4xx_then_the_server_still_works(loaded):
     first = start_server(loaded)
     try:
@@ -145,12 +181,12 @@ def test_64_concurrent_greedy_prompts_equal_batch_one_generate(server, loaded):
 def test_invalid_input_names_the_field(server):
     url = server.url + "/v1/completions"
     bad = httpx.post(url, json=dict(prompt="x", max_tokens="many"), timeout=30)
-    assert bad.status_code == 422 and bad.json()["error"]["param"] == "max_tokens"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     missing = httpx.post(url, json=dict(max_tokens=3), timeout=30)
-    assert missing.status_code == 422 and missing.json()["error"]["param"] == "prompt"
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt"
     for field in ("n", "logprobs"):
         typed = httpx.post(url, json={"prompt": "x", field: "several"}, timeout=30)
-        assert typed.status_code == 422 and typed.json()["error"]["param"] == field
+        assert typed.status_code == 400 and typed.json()["error"]["param"] == field
     for body, field in ((dict(prompt="x", n=0), "n"), (dict(prompt="x", n=17), "n"),
                         (dict(prompt="x", logprobs=6), "logprobs"), (dict(prompt="x", logprobs=-1), "logprobs"),
                         (dict(prompt="x", temperature=-1), "temperature"),
@@ -333,7 +369,7 @@ def test_strict_types_seed_range_unsupported_fields_and_bad_bodies(server):
                         (dict(prompt="x", stream="yes"), "stream"), (dict(prompt="x", seed="3"), "seed"),
                         (dict(prompt="x", temperature="0.5"), "temperature"), (dict(prompt=["1", 2]), "prompt")):
         reply = httpx.post(url, json=body, timeout=30)
-        assert reply.status_code == 422 and reply.json()["error"]["param"] == field, (body, reply.text)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (body, reply.text)
         assert field in reply.json()["error"]["message"]
     union = httpx.post(url, json=dict(prompt="x", stop=5), timeout=30).json()["error"]   # str | list[str]
     assert union["param"] == "stop" and "valid string" in union["message"] and "valid list" in union["message"]
@@ -353,3 +389,29 @@ def test_strict_types_seed_range_unsupported_fields_and_bad_bodies(server):
     empty = httpx.post(url, timeout=30)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "body"
     assert "body is missing" in empty.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b"{not json", 400, "body"),                          # malformed
+    ("/v1/completions", b"[1, 2]", 400, "body"),                             # not an object
+    ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),                # missing field
+    ("/v1/completions", b'{"prompt": "x", "n": "two"}', 400, "n"),           # wrong type
+    ("/v1/completions", b'{"prompt": "x", "ignore_eos": 1}', 400, "ignore_eos"),
+    ("/v1/chat/completions", b"{not json", 400, "body"),
+    ("/v1/chat/completions", b'{"model": "tiny"}', 400, "messages"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
+    ("/v1/chat/completions", b'{"messages": [], "max_completion_tokens": "9"}', 400, "max_completion_tokens"),
+    ("/v1/nothing", b"{}", 404, None),
+])
+def test_every_error_is_openai_error_json(server, path, body, status, param):
+    reply = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert reply.status_code == status, reply.text
+    assert set(reply.json()) == {"error"} and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    assert reply.json()["error"]["param"] == param and reply.json()["error"]["message"]
+    if body == b'{"model": "tiny"}':  # a chat body without messages names messages, not prompt
+        assert reply.json()["error"]["message"] == "messages is required"
+
+
+def test_wrong_method_is_openai_error_json(server):
+    reply = httpx.get(server.url + "/v1/completions", timeout=30)
+    assert reply.status_code == 405 and reply.json()["error"]["message"].startswith("GET /v1/completions")
