@@ -12,7 +12,8 @@ import tempfile
 # of compiling it again. Child processes started by tests inherit the variable and share the cache too, and so
 # do pytest-xdist's workers: the controlling process loads this file first and the workers inherit its
 # environment. A value the user set (a directory, or "off") is respected. A cache load still counts as one
-# compilation in dantinox.CompileCounter (both fire /jax/core/compile/backend_compile_duration; cache_hits tells them apart).
+# compilation in dantinox.CompileCounter (both fire /jax/core/compile/backend_compile_duration; cache_hits
+# tells them apart).
 _RUN_XLA_CACHE = None
 if "DANTINOX_XLA_CACHE" not in os.environ:
     _RUN_XLA_CACHE = tempfile.mkdtemp(prefix="dantinox-test-xla-")
