@@ -216,7 +216,7 @@ def test_an_interval_asked_of_a_one_sample_profile_is_one_line(cli_dir, capsys, 
     code = cli.main(_args(d, trace, prof, "bad", *extra))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and expected in err[0], err
-    assert cli.main(_args(d, trace, prof, "ok")) == 0                  # without asking: point estimates
+    assert cli.main(_args(d, trace, prof, "ok" + extra[0])) == 0       # without asking: point estimates
 
 
 def test_a_confidence_outside_0_1_is_named(cli_dir, capsys):

@@ -113,8 +113,8 @@ def test_the_worker_adds_all_choices_of_a_request_or_none():
     loop, events = asyncio.new_event_loop(), asyncio.Queue()
     prompt, opts = [5, 6, 7], SamplingOptions(max_new_tokens=4)
     try:
-        worker._execute(("submit", ["a0", "a1"], prompt, [opts] * 2, loop, events, 0.0))
-        worker._execute(("submit", ["b0", "b1"], prompt, [opts] * 2, loop, events, 0.0))  # b1: queue full
+        worker._execute(("submit", ["a0", "a1"], prompt, [opts] * 2, loop, events, 0.0, None))
+        worker._execute(("submit", ["b0", "b1"], prompt, [opts] * 2, loop, events, 0.0, None))  # b1: queue full
         loop.run_until_complete(asyncio.sleep(0))
         replies = [events.get_nowait() for _ in range(events.qsize())]
     finally:
