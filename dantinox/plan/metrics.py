@@ -33,7 +33,8 @@ class RequestRecord:
     preemptions: int = 0
 
 
-def _r(x: float) -> float:
+def round_figure(x: float) -> float:
+    """x rounded to 9 significant digits, so the same inputs serialize to the same bytes."""
     return float(f"{float(x):.9g}")
 
 
@@ -41,7 +42,7 @@ def _pcts(values: list) -> dict:
     if not values:
         return {f"p{p}": None for p in PERCENTILES}
     a = np.asarray(values, float)
-    return {f"p{p}": _r(np.percentile(a, p)) for p in PERCENTILES}
+    return {f"p{p}": round_figure(np.percentile(a, p)) for p in PERCENTILES}
 
 
 def per_request(rec: RequestRecord) -> tuple:
@@ -77,7 +78,7 @@ def slo_attainment(records: list[RequestRecord], slo: dict) -> dict:
         counts["ttft"] += a
         counts["tpot"] += b
         counts["all"] += a and b
-    return {k: _r(v / len(records)) if records else 0.0 for k, v in counts.items()}
+    return {k: round_figure(v / len(records)) if records else 0.0 for k, v in counts.items()}
 
 
 def summarize(records: list[RequestRecord], slo: dict | None = None, counters: dict | None = None) -> dict:
@@ -102,9 +103,9 @@ def summarize(records: list[RequestRecord], slo: dict | None = None, counters: d
         slices[name] = {"requests": sum(r.slice == name for r in records), "ttft": _pcts(mine)}
     out = {"requests": len(records), "finished": len(done), "rejected": sum(bool(r.rejected) for r in records),
            "ttft": _pcts(ttfts), "tpot": _pcts(tpots), "itl": _pcts(itls), "output_tokens": out_tokens,
-           "duration_s": _r(span), "output_tokens_per_s": _r(out_tokens / span),
-           "goodput_rps": _r(sum(meets_slo(r, slo) for r in records) / span), "slices": slices,
+           "duration_s": round_figure(span), "output_tokens_per_s": round_figure(out_tokens / span),
+           "goodput_rps": round_figure(sum(meets_slo(r, slo) for r in records) / span), "slices": slices,
            "slo_attainment": slo_attainment(records, slo)}
     for key, value in (counters or {}).items():
-        out[key] = _r(value) if isinstance(value, float) else value
+        out[key] = round_figure(value) if isinstance(value, float) else value
     return out

@@ -20,12 +20,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy.stats import t as student_t
+
+from .metrics import round_figure
 
 INTERVAL_METHODS = ("t", "range")
-
-
-def _r(x: float) -> float:
-    return float(f"{float(x):.9g}")
 
 
 def check_interval_request(samples: int, method: str, confidence: float) -> None:
@@ -54,13 +53,12 @@ def interval(values: list, method: str = "t", confidence: float = 0.9) -> dict:
     elif method == "range":
         low, high = float(a.min()), float(a.max())
     elif method == "t":
-        from scipy.stats import t as student_t
 
         half = float(student_t.ppf((1 + confidence) / 2, len(xs) - 1)) * float(a.std(ddof=1)) / math.sqrt(len(xs))
         low, high = float(a.mean()) - half, float(a.mean()) + half
     else:
         raise ValueError(f"interval method={method!r} is not allowed: one of {INTERVAL_METHODS}")
-    return {"median": _r(median), "low": _r(low), "high": _r(high), "n": len(xs)}
+    return {"median": round_figure(median), "low": round_figure(low), "high": round_figure(high), "n": len(xs)}
 
 
 LATENCY_KEYS = tuple(f"{m}_p{p}" for m in ("ttft", "tpot", "itl") for p in (50, 90, 99))
@@ -99,7 +97,7 @@ def median_metrics(runs: list) -> dict:
     median = float(np.median(np.asarray(runs, float)))
     if all(isinstance(r, int) for r in runs) and median.is_integer():
         return int(median)
-    return _r(median)
+    return round_figure(median)
 
 
 def pessimistic(intervals: dict, key: str, at: str = "edge"):
