@@ -11,6 +11,7 @@
   dantinox plan --trace T --slo ttft_p99=MS,tpot_p99=MS --device-memory BYTES --price-per-hour USD
                 [--gate GATE.yaml --slice NAME=FILE ...] [--candidates C.yaml] [--baseline NAME|plan.json]
                 [--profile P] [--out DIR [--force]] [--interval t|range] [--confidence C] [--decide-at edge|median]
+                [--confirm N [--confirm-repeats R]]
 
 Bad input exits 2 with one line naming the flag, file and line, or value.
 """
@@ -52,6 +53,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="SLO check at the interval's pessimistic edge (default) or at the median")
     p.add_argument("--profile-repeats", type=int, default=3, help="samples of the profile taken without --profile")
     p.add_argument("--cooldown", default="10", help="seconds between two profile samples")
+    p.add_argument("--confirm", type=int, default=0, metavar="N",
+                   help="replay the N cheapest passing candidates (and the baseline) on the real engine and recommend "
+                        "the first whose measured latencies meet the SLO (default 0: simulation only)")
+    p.add_argument("--confirm-repeats", type=int, default=3, metavar="R", help="replays per confirmed candidate")
     add_mesh_argument(p)   # the mesh of the profile taken when no --profile is given
     p.set_defaults(func=run_plan)
     sub = p.add_subparsers(dest="plan_command")
@@ -252,6 +257,6 @@ def run_plan(args) -> int:
 
     paths = write_plan(args.out, plan, ttfts, args.run_dir)
     rec = plan["recommendation"]
-    word = "fallback" if rec["fallback"] else "recommended"
+    word = "fallback" if rec["fallback"] else "confirmed" if rec.get("confirmed") else "recommended"
     print(f"{word}: {rec['name']} ({rec['reason']}); wrote {', '.join(paths)}")
     return 0

@@ -46,6 +46,7 @@ def build_plan(args) -> tuple[dict, dict, str]:
     from ..plan.profile import model_identity
 
     slo = parse_slo(args.slo)
+    check_confirm_flags(args)
     price = positive_number("--price-per-hour", args.price_per_hour)
     device = parse_memory("--device-memory", args.device_memory)
     candidates = load_candidates(args.candidates) if args.candidates else default_candidates()
@@ -61,6 +62,8 @@ def build_plan(args) -> tuple[dict, dict, str]:
     inp = PlanInputs(cfg, requests, prompts, costs, slo, device, price, weights, gates, baseline, last_good,
                      interval=interval, confidence=confidence, decide_at=args.decide_at)
     result = make_plan(inp, candidates)
+    if getattr(args, "confirm", 0):
+        result = _confirm(args, inp, result, model, costs)
     ttfts = {r["candidate"]["name"]: r.pop("ttfts") for r in result["candidates"]}
     plan = dict(result, identity=model_identity(run_dir, cfg), bottleneck=prof.get("bottleneck", []),
                 rates=prof.get("rates", {}), mesh=prof.get("mesh"),
@@ -70,6 +73,37 @@ def build_plan(args) -> tuple[dict, dict, str]:
                         "price_per_hour": price, "baseline": baseline,
                         "profile_sha256": [file_sha256(p) for p in args.profile or []]})
     return plan, ttfts, run_dir
+
+
+def check_confirm_flags(args) -> None:
+    """ValueError (one line naming the flag) for --confirm / --confirm-repeats below their bounds, or --confirm
+    with --mesh (the replay runs on one device)."""
+    args.confirm, args.confirm_repeats = getattr(args, "confirm", 0), getattr(args, "confirm_repeats", 3)
+    if args.confirm < 0:
+        raise ValueError(f"--confirm={args.confirm} is not allowed: an integer >= 0 (0: no confirmation)")
+    if args.confirm and args.confirm_repeats < 1:
+        raise ValueError(f"--confirm-repeats={args.confirm_repeats} is not allowed: an integer >= 1")
+    if args.confirm and getattr(args, "mesh", None):
+        raise ValueError(f"--confirm with --mesh {args.mesh} is not supported: the confirmation replays on one "
+                         "device; plan on the mesh without --confirm, or confirm without --mesh")
+
+
+def _confirm(args, inp, result: dict, model, costs: dict) -> dict:
+    """result with the N best candidates replayed on the engine (confirm.py), progress on stderr."""
+    from ..plan.confirm import apply_confirmation, confirm_candidates
+    from ..plan.confirm_replay import EngineReplayer
+
+    replayer = EngineReplayer(model, inp.cfg, inp.requests, inp.prompts, inp.slo, costs[("float32", "none")][0])
+
+    def measure(cand):
+        print(f"confirming {cand.name} on the engine ({len(inp.requests)} requests) ...", file=sys.stderr)
+        return replayer(cand)
+
+    conf = confirm_candidates(result["candidates"], result["recommendation"], inp.slo, args.confirm,
+                              args.confirm_repeats, measure, inp.interval or "t", inp.confidence, inp.baseline)
+    if conf["warning"]:
+        print(f"warning: {conf['warning']}", file=sys.stderr)
+    return apply_confirmation(result, conf, inp)
 
 
 def interval_flags(args, costs: dict) -> tuple:

@@ -133,6 +133,12 @@ def choose(rows: list, baseline: str, last_good: dict | None) -> dict:
         best = min(passing, key=lambda r: (r["cost_per_million_usd"], r["candidate"]["name"]))
         return {"name": best["candidate"]["name"], "candidate": best["candidate"], "fallback": False,
                 "reason": f"cheapest of {len(passing)} passing candidates"}
+    return fallback_choice(rows, baseline, last_good)
+
+
+def fallback_choice(rows: list, baseline: str, last_good: dict | None) -> dict:
+    """The fallback recommendation when no candidate passed (in simulation, or on the engine: confirm.py): the
+    last known-good plan's deployment, else the named baseline candidate."""
     if last_good is not None:
         rec = last_good["recommendation"]
         return {"name": rec["name"], "candidate": rec["candidate"], "fallback": True,

@@ -7,7 +7,9 @@
      plan decided there (its "uncertainty" says so), else at the median;
   3. every quality gate of its model variant passed (a variant not measured fails);
   4. it records what it was measured on (weights sha256, dantinox version);
-  5. on the same trace (equal trace sha256), its p99 TTFT is at most REGRESSION x the last-good's.
+  5. on the same trace (equal trace sha256), its p99 TTFT is at most REGRESSION x the last-good's;
+  6. when the plan was confirmed on the real engine (``plan --confirm``), the recommendation is the confirmed
+     candidate and its measured p99 TTFT / TPOT, at the measured interval's high edge, meet the stricter SLOs.
 Exit 0: release. Exit 1: every failed check, and the fallback: the last-good plan's deployment with the
 model digest and version it was measured on.
 """
@@ -45,6 +47,7 @@ def check_release(cand: dict, good: dict) -> list[str]:
         if g["variant"] == variant and g["passed"] is not True:
             what = "failed: " + "; ".join(g["failed"]) if g["passed"] is False else "not measured: " + g["detail"]
             failed.append(f"quality gate for kv {variant[0]}, weights {variant[1]} {what}")
+    failed += _confirmation_failures(cand, slo)
     ident = cand.get("identity", {})
     if not ident.get("weights_sha256") or not ident.get("dantinox_version"):
         failed.append("the candidate plan does not record the model digest and dantinox version")
@@ -58,6 +61,22 @@ def check_release(cand: dict, good: dict) -> list[str]:
     return failed
 
 
+def _confirmation_failures(cand: dict, slo: dict) -> list[str]:
+    """Check 6: [] when the plan was not confirmed on the engine, or was and its recommendation holds there."""
+    conf = cand.get("confirmation")
+    if not conf:
+        return []
+    rec = cand["recommendation"]
+    if not rec.get("confirmed"):
+        return [f"{rec['name']}: not confirmed on the real engine (no replayed candidate met the SLO)"]
+    result = next((r for r in conf["results"] if r["name"] == rec["name"]), None)
+    if result is None:
+        return [f"{rec['name']}: the plan's confirmation has no measurement of it"]
+    m = result["measured"]
+    return [f"{rec['name']} measured on the engine: {reason}"
+            for reason in slo_failures(m["metrics"], slo, m["intervals"], "edge")]
+
+
 def release_gate(candidate_path: str, last_good_path: str) -> tuple[bool, list[str]]:
     """(release?, lines to print). Raises ValueError naming the flag for an unreadable plan."""
     cand, good = load_json("--candidate", candidate_path), load_json("--last-good", last_good_path)
@@ -66,7 +85,9 @@ def release_gate(candidate_path: str, last_good_path: str) -> tuple[bool, list[s
             raise ValueError(f"{flag}: not a plan.json written by dantinox plan (no recommendation or inputs)")
     failed = check_release(cand, good)
     if not failed:
-        return True, [f"release: {cand['recommendation']['name']} (weights sha256 "
+        how = "confirmed on the real engine" if cand["recommendation"].get("confirmed") else \
+            "simulated only, not confirmed on the engine"
+        return True, [f"release: {cand['recommendation']['name']} ({how}; weights sha256 "
                       f"{cand['identity']['weights_sha256'][:12]}, dantinox {cand['identity']['dantinox_version']})"]
     ident = good.get("identity", {})
     lines = [f"FAILED: {f}" for f in failed]

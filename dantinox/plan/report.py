@@ -57,10 +57,12 @@ def plan_markdown(plan: dict, plots_dir: str = ".") -> str:
     out = ["# Capacity plan", ""]
     row = next((r for r in plan["candidates"] if r["candidate"]["name"] == rec["name"]), None)
     if rec["fallback"]:
-        out += [f"**No candidate passed.** Recommended fallback: **{rec['name']}** ({rec['reason']}).", ""]
+        where = " on the real engine" if rec.get("confirmed") is False else ""
+        out += [f"**No candidate passed{where}.** Recommended fallback: **{rec['name']}** ({rec['reason']}).", ""]
     else:
         cost, m, iv = row["cost_per_million_usd"], row["metrics"], row.get("intervals") or {}
-        out += [f"**Recommended: {rec['name']}** ({rec['reason']}): {m['output_tokens_per_s']:.1f} output tokens/s, "
+        word = "Recommended and confirmed on the real engine" if rec.get("confirmed") else "Recommended"
+        out += [f"**{word}: {rec['name']}** ({rec['reason']}): {m['output_tokens_per_s']:.1f} output tokens/s, "
                 f"p99 TTFT {_fmt_ms(m['ttft']['p99'])}{_interval_ms(iv.get('ttft_p99'))} ms, p99 TPOT "
                 f"{_fmt_ms(m['tpot']['p99'])}{_interval_ms(iv.get('tpot_p99'))} ms, **${cost:.4f} per million output "
                 f"tokens** at ${plan['inputs']['price_per_hour']}/h per replica.", ""]
@@ -79,6 +81,7 @@ def plan_markdown(plan: dict, plots_dir: str = ".") -> str:
     only = [r["candidate"]["name"] for r in plan["candidates"] if r.get("passes_only_at_median")]
     out += ["", "Pass only at the median (dropped at the interval's pessimistic edge): "
             + (", ".join(only) if only else "none") + "."]
+    out += confirmation_markdown(plan.get("confirmation"))
     out += ["", "## Memory ledger (per replica, MiB)", "",
             "| candidate | weights | KV pool (blocks) | reserve | total | device | fits |", "|---" * 7 + "|"]
     for r in plan["candidates"]:
@@ -100,6 +103,29 @@ def plan_markdown(plan: dict, plots_dir: str = ".") -> str:
             f"{'; '.join(g['failed'])}" for g in plan.get("gates", [])]
     out += ["", "## Plots", ""] + [f"![{p}]({os.path.join(plots_dir, p)})" for p in PLOTS]
     return "\n".join(out) + "\n"
+
+
+def confirmation_markdown(conf: dict | None) -> list[str]:
+    """plan.md's section on the replays of ``plan --confirm`` (nothing when the plan was not confirmed)."""
+    if not conf:
+        return []
+    out = ["", "## Confirmation on the real engine", "",
+           f"Each candidate replayed {conf['repeats']} times on the engine (trace arrivals on the wall clock, cold "
+           "prefix cache); measured values are the median over the replays with their interval; a candidate is "
+           "confirmed when every SLO holds at the measured interval's high edge. Predicted: the simulation "
+           "(median [high edge])." + (f" {conf['warning']}." if conf.get("warning") else ""), "",
+           "| candidate | role | TTFT p99 ms predicted | TTFT p50 / p99 ms measured [interval] | TPOT p99 ms "
+           "predicted | TPOT p50 / p99 ms measured [interval] | confirmed |", "|---" * 7 + "|"]
+    for r in conf["results"]:
+        p, m = r["predicted"], r["measured"]
+        mm, iv = m["metrics"], m["intervals"]
+        verdict = "yes" if m["confirmed"] else "no: " + "; ".join(m["failures"])
+        out.append(f"| {r['name']} | {r['role']} | {_fmt_ms(p['ttft_p99']['median'])} "
+                   f"[{_fmt_ms(p['ttft_p99']['high'])}] | {_fmt_ms(mm['ttft']['p50'])} / {_fmt_ms(mm['ttft']['p99'])}"
+                   f"{_interval_ms(iv.get('ttft_p99'))} | {_fmt_ms(p['tpot_p99']['median'])} "
+                   f"[{_fmt_ms(p['tpot_p99']['high'])}] | {_fmt_ms(mm['tpot']['p50'])} / {_fmt_ms(mm['tpot']['p99'])}"
+                   f"{_interval_ms(iv.get('tpot_p99'))} | {verdict} |")
+    return out
 
 
 def _pct(x) -> str:
