@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .candidate import Candidate
 from .load_sweep import sweep_landmarks
+from .pareto import pareto_summary
 from .recommend import evaluate_candidate, fallback_choice, rate_sweep, slo_failures
 from .uncertainty import latency_intervals, median_metrics
 
@@ -118,4 +119,5 @@ def apply_confirmation(result: dict, confirmation: dict, inp) -> dict:
     if rec["name"] != result["recommendation"]["name"]:
         out["rate_sweep"] = rate_sweep(inp, Candidate.from_dict(rec["candidate"]))
         out["load_sweep"] = sweep_landmarks(out["rate_sweep"], inp.attainment_target)
+        out["pareto"] = pareto_summary(out["candidates"], out["rate_sweep"], rec["candidate"]["replicas"])
     return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from .candidate import Candidate
 from .ledger import memory_ledger
 from .load_sweep import sweep_landmarks
+from .pareto import pareto_summary
 from .simulate import simulate
 from .uncertainty import latency_intervals, median_metrics
 
@@ -163,13 +164,15 @@ def rate_sweep(inp: PlanInputs, cand: Candidate, factors=RATE_FACTORS) -> list[d
         m, iv = median_metrics(runs), latency_intervals(runs, inp.interval, inp.confidence)
         out.append({"factor": f, "rate_rps": float(f"{len(scaled) / (span / f):.6g}"),
                     "output_tokens_per_s": m["output_tokens_per_s"], "ttft_p99_s": m["ttft"]["p99"],
-                    "ttft_p99_high_s": iv["ttft_p99"]["high"], "attainment_all": m["slo_attainment"]["all"]})
+                    "ttft_p99_high_s": iv["ttft_p99"]["high"], "tpot_p50_s": m["tpot"]["p50"],
+                    "attainment_all": m["slo_attainment"]["all"]})
     return out
 
 
 def make_plan(inp: PlanInputs, candidates: list) -> dict:
     """Evaluate every candidate and choose. Returns {"candidates": rows, "recommendation", "rate_sweep",
-    "load_sweep" (the sweep's knee, saturation and goodput rate: load_sweep.sweep_landmarks), "uncertainty"}."""
+    "load_sweep" (the sweep's knee, saturation and goodput rate: load_sweep.sweep_landmarks), "pareto" (tokens/s
+    per user against per replica: pareto.pareto_summary), "uncertainty"}."""
     names = [c.name for c in candidates]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -184,5 +187,6 @@ def make_plan(inp: PlanInputs, candidates: list) -> dict:
     samples = {f"{k[0]},{k[1]}": len(v) if isinstance(v, (list, tuple)) else 1 for k, v in sorted(inp.costs.items())}
     return {"candidates": rows, "recommendation": rec, "rate_sweep": sweep,
             "load_sweep": sweep_landmarks(sweep, inp.attainment_target),
+            "pareto": pareto_summary(rows, sweep, rec["candidate"]["replicas"]),
             "uncertainty": {"interval": inp.interval, "confidence": inp.confidence, "decide_at": inp.decide_at,
                             "samples": samples}}

@@ -8,7 +8,8 @@ interval's pessimistic edge unless --decide-at median), the candidates that pass
 attainment and goodput per candidate, the load sweep with its knee, saturation and goodput rate, the memory
 ledger and the bottleneck report. Plots (matplotlib, Agg backend, fixed metadata so the
 PNG bytes do not carry a date): TTFT CDF per candidate with the SLO line; output tokens/s and p99 TTFT
-against arrival rate; the memory ledger as a stacked bar.
+against arrival rate; the memory ledger as a stacked bar; output tokens/s per user against per replica with
+the Pareto front (pareto.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 from ..runs.files import atomic_write_bytes
 from .candidate import Candidate
 
-PLOTS = ("ttft_cdf.png", "rate_sweep.png", "memory_ledger.png")
+PLOTS = ("ttft_cdf.png", "rate_sweep.png", "memory_ledger.png", "pareto.png")
 
 
 def plan_json_bytes(plan: dict) -> bytes:
@@ -94,7 +95,7 @@ def plan_markdown(plan: dict, plots_dir: str = ".") -> str:
             "|---|---|---|---|"]
     out += [f"| {s['rate_rps']} | {s['output_tokens_per_s']:.1f} | {_fmt_ms(s['ttft_p99_s'])} / "
             f"{_fmt_ms(s.get('ttft_p99_high_s'))} | {_pct(s.get('attainment_all'))} |" for s in plan["rate_sweep"]]
-    out += ["", landmarks_line(plan.get("load_sweep"))]
+    out += ["", landmarks_line(plan.get("load_sweep")), "", pareto_line(plan.get("pareto"))]
     out += ["", "## Bottleneck report (profile)", ""] + bottleneck_markdown(plan.get("bottleneck", []),
                                                                             plan.get("rates", {}))
     out += ["", "## Quality gates", ""]
@@ -158,6 +159,16 @@ def landmarks_line(marks: dict | None) -> str:
             f"{_rps(marks['goodput_rps'])}.")
 
 
+def pareto_line(pareto: dict | None) -> str:
+    """The Pareto front of output tokens/s per user against per replica, in words."""
+    if not pareto or not pareto["points"]:
+        return "(no Pareto front: no candidate with a simulated TPOT)"
+    by_name = {p["name"]: p for p in pareto["points"]}
+    front = ", ".join(f"{n} ({by_name[n]['per_user']:.0f} / {by_name[n]['per_replica']:.0f})" for n in pareto["front"])
+    return (f"Pareto front (output tokens/s per user = 1 / median TPOT, against output tokens/s per replica; "
+            f"pareto.png): {front}.")
+
+
 def _interval_ms(iv: dict | None) -> str:
     if not iv or iv.get("low") is None or iv["low"] == iv["high"]:
         return ""
@@ -203,7 +214,7 @@ def _png(fig) -> bytes:
 
 
 def plot_files(plan: dict, ttfts: dict) -> dict:
-    """{file name: PNG bytes} of the three plots. ttfts: {candidate name: sorted TTFTs in seconds}."""
+    """{file name: PNG bytes} of the four plots. ttfts: {candidate name: sorted TTFTs in seconds}."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -226,6 +237,7 @@ def plot_files(plan: dict, ttfts: dict) -> dict:
     plt.close(fig)
     files["rate_sweep.png"] = _rate_plot(plt, plan)
     files["memory_ledger.png"] = _ledger_plot(plt, plan)
+    files["pareto.png"] = _pareto_plot(plt, plan)
     return files
 
 
@@ -244,6 +256,31 @@ def _rate_plot(plt, plan: dict) -> bytes:
     if slo:
         ax2.axhline(slo * 1e3, color="k", linestyle=":", linewidth=0.8, label="SLO p99 TTFT")
     ax.legend(line1 + line2, [h.get_label() for h in line1 + line2], loc="upper left", fontsize=7)
+    fig.tight_layout()
+    data = _png(fig)
+    plt.close(fig)
+    return data
+
+
+def _pareto_plot(plt, plan: dict) -> bytes:
+    pareto = plan.get("pareto") or {"points": [], "front": [], "sweep": []}
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for passed, marker, label in ((True, "o", "passed"), (False, "x", "dropped")):
+        pts = [p for p in pareto["points"] if p["passed"] == passed]
+        ax.scatter([p["per_replica"] for p in pts], [p["per_user"] for p in pts], marker=marker, label=label, s=18)
+    by_name = {p["name"]: p for p in pareto["points"]}
+    front = [by_name[n] for n in pareto["front"]]
+    ax.plot([p["per_replica"] for p in front], [p["per_user"] for p in front], "k-", linewidth=0.8,
+            label="Pareto front")
+    for p in front:
+        ax.annotate(p["name"], (p["per_replica"], p["per_user"]), fontsize=5, xytext=(2, 2),
+                    textcoords="offset points")
+    if pareto["sweep"]:
+        ax.plot([p["per_replica"] for p in pareto["sweep"]], [p["per_user"] for p in pareto["sweep"]], "s:",
+                color="C3", markersize=3, label=f"{plan['recommendation']['name']} across the load sweep")
+    ax.set(xlabel="output tokens/s per replica", ylabel="output tokens/s per user (1 / median TPOT)",
+           title="Throughput per user against per replica")
+    ax.legend(fontsize=6)
     fig.tight_layout()
     data = _png(fig)
     plt.close(fig)

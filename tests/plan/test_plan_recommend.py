@@ -162,7 +162,7 @@ def test_plan_json_byte_identical_and_release_gate(cli_inputs, capsys):
     plan = json.loads(a)
     assert plan["identity"]["weights_sha256"] and plan["identity"]["dantinox_version"]
     assert _row(plan, "kv-bf16")["dropped"][0].startswith("quality not measured")
-    for name in ("plan.md", "serve.yaml", "ttft_cdf.png", "rate_sweep.png", "memory_ledger.png"):
+    for name in ("plan.md", "serve.yaml", "ttft_cdf.png", "rate_sweep.png", "memory_ledger.png", "pareto.png"):
         assert (d / "a" / name).stat().st_size > 0
     assert not [f for f in os.listdir(d / "a") if f.endswith(".tmp")]
     capsys.readouterr()
