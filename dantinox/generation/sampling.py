@@ -104,3 +104,29 @@ def _draw(logits, key, params: SamplingParams, greedy_choice, is_greedy) -> jax.
     sampled = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(is_greedy, greedy_choice, sampled)
 
+
+
+def filtered_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """The distribution ``sample_next`` draws from, as probabilities in vocabulary order. logits: [B, V]
+    float32; params: per-row settings ([B] each). Returns [B, V] float32: softmax of logits / temperature over
+    the top-k and top-p nucleus kept exactly as ``sample_next`` keeps them (0 elsewhere); a greedy row is the
+    point mass on its argmax. Speculative sampling's acceptance test and residual read it."""
+    greedy_choice = jnp.argmax(logits, axis=-1)
+    is_greedy = params.temperature <= GREEDY_TEMPERATURE
+    point = jax.nn.one_hot(greedy_choice, logits.shape[-1], dtype=jnp.float32)
+
+    def nucleus():
+        safe_t = jnp.where(is_greedy, 1.0, params.temperature)
+        vocab = logits.shape[-1]
+        sorted_scores, order = jax.lax.top_k(logits / safe_t[:, None], vocab)
+        rank = jnp.arange(vocab)[None, :]
+        keep = (params.top_k[:, None] == 0) | (rank < params.top_k[:, None])
+        probs = jax.nn.softmax(jnp.where(keep, sorted_scores, _MASKED), axis=-1)
+        mass_before = jnp.concatenate([jnp.zeros_like(probs[:, :1]), jnp.cumsum(probs, axis=-1)[:, :-1]], axis=-1)
+        keep = keep & ((mass_before < params.top_p[:, None] - TOP_P_TOLERANCE) | (rank == 0))
+        kept = jax.nn.softmax(jnp.where(keep, sorted_scores, _MASKED), axis=-1)
+        rows = jnp.arange(logits.shape[0])[:, None]
+        unsorted = jnp.zeros_like(kept).at[rows, order].set(kept)
+        return jnp.where(is_greedy[:, None], point, unsorted)
+
+    return jax.lax.cond(jnp.all(is_greedy), lambda: point, nucleus)

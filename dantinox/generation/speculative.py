@@ -1,0 +1,159 @@
+"""Speculative decoding with n-gram proposals through the static KV cache: one compiled loop.
+
+Each iteration of the loop proposes k tokens per row by prompt lookup (``ngram.propose_ngram``) and verifies
+them in one forward of the target over [last token, d_1 .. d_k] at each row's own cache slot: T = k + 1 new
+tokens, keys and values written at slots index .. index + k. From the target's logits at the k + 1 positions:
+
+  greedy      accept the longest prefix of proposals equal to the target's argmax, then emit the target's own
+              next token: the output is token for token what plain greedy decoding gives.
+  sampling    the rejection rule of Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative
+              Decoding", section 2.3) and Chen et al. 2023 (algorithm 2) with a point-mass proposal q = d:
+              accept d_j with probability p_j(d_j); at the first rejection draw from the residual
+              max(p_j - q_j, 0) normalised, i.e. p_j without d_j; when all k are accepted draw one more token
+              from p_{k+1}. p is the target's distribution after temperature, top-k and top-p
+              (``sampling.filtered_probs``), so the output distribution is the target's.
+
+The cache needs no rollback: after a emitted tokens the row's index moves by a, the slots past it hold keys
+of rejected proposals that no query reads (attention sees only slots below a query's own position) and the
+next call overwrites them. A row emits at most its remaining budget and stops at its first stop id.
+When no row has a proposal (no n-gram match), the iteration is one plain decode step instead (``lax.cond``):
+speculation switches itself off where lookup finds nothing. Near the end of the cache (fewer than k + 1 free
+slots) the loop finishes with plain steps. k, the n-gram bounds and the batch size are static; the step bound,
+sampling settings, seed and stop ids are traced, so one program serves every request of that shape.
+
+Shapes: B batch, S max_context, V vocabulary, k proposed tokens.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..model.cache import KVCache
+from .ngram import propose_ngram
+from .prompts import is_eos
+from .sampling import SamplingParams, filtered_probs, sample_next
+
+MAX_SPEC_TOKENS = 16
+
+
+class SpecState(NamedTuple):
+    """Loop state of the speculative loop (a pytree)."""
+
+    produced: jax.Array   # [B] int32: tokens generated per row; out[b, :produced[b]] is filled
+    token: jax.Array      # [B] int32: newest token, not yet in the cache
+    index: jax.Array      # [B] int32: cache slot (and seq position) of `token`
+    done: jax.Array       # [B] bool: the row met a stop id (a row is live while not done and below the step bound)
+    out: jax.Array        # [B, S] int32: generated tokens
+    seq: jax.Array        # [B, S] int32: prompt + generated tokens, valid at 0..index
+    cache: KVCache
+    iteration: jax.Array  # [] int32: loop iterations (the PRNG stream of each)
+    proposed: jax.Array   # [B] int32: proposals verified
+    accepted: jax.Array   # [B] int32: proposals accepted
+    verify_calls: jax.Array  # [] int32: iterations that verified (the rest were plain steps)
+
+
+def spec_state(state, ids) -> SpecState:
+    """The SpecState after ``decode.prefill``'s DecodeState ``state``; ids: [B, T] padded prompts."""
+    B, S = state.out.shape
+    seq = jnp.zeros((B, S), jnp.int32).at[:, : ids.shape[1]].set(ids)
+    seq = seq.at[jnp.arange(B), state.index].set(state.token)
+    produced = jnp.ones((B,), jnp.int32)
+    return SpecState(produced, state.token, state.index, state.done, state.out, seq,
+                     state.cache, jnp.zeros((), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
+                     jnp.zeros((), jnp.int32))   # distinct buffers: the state is donated
+
+
+def accept_proposals(logits, proposals, key, sampling: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """The tokens to emit and how many proposals were accepted.
+
+    logits: [B, k + 1, V] float32 (the target at the last token and each proposal); proposals: [B, k] int32;
+    sampling: per-row settings ([B]). Returns (tokens [B, k + 1] int32: the accepted proposals then the
+    target's token at the first rejection, or the extra token when all were accepted; accepted [B] int32 in
+    0..k). Greedy rows take the argmax rule, sampled rows the rejection rule (module docstring)."""
+    B, T, V = logits.shape
+    k = T - 1
+    rep = SamplingParams(*(jnp.repeat(x, T) for x in sampling))
+    probs = filtered_probs(logits.reshape(B * T, V), rep).reshape(B, T, V)
+    key_u, key_r = jax.random.split(key)
+    p_proposed = jnp.take_along_axis(probs[:, :k], proposals[..., None], axis=-1)[..., 0]    # [B, k]
+    ok = jax.random.uniform(key_u, (B, k)) < p_proposed
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    at = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]                 # [B, V]
+    rejected = jnp.take_along_axis(jnp.pad(proposals, ((0, 0), (0, 1)), constant_values=-1),
+                                   accepted[:, None], axis=1)[:, 0]
+    residual = jnp.where(jnp.arange(V)[None, :] == rejected[:, None], 0.0, at)
+    greedy_like = jnp.argmax(residual, axis=-1).astype(jnp.int32)
+    drawn = jax.random.categorical(key_r, jnp.where(residual > 0, jnp.log(residual), -1e30), axis=-1)
+    last = jnp.where(sampling.temperature <= 1e-5, greedy_like, drawn.astype(jnp.int32))
+    tokens = jnp.concatenate([proposals, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(jnp.arange(T)[None, :] == accepted[:, None], last[:, None], tokens)
+    return tokens.astype(jnp.int32), accepted
+
+
+def _emit(s: SpecState, tokens, count, stop_step, eos_id, fill) -> SpecState:
+    """Append the first ``count`` [B] of ``tokens`` [B, n] to each live row, cut at its first stop id and
+    at its budget; the newest becomes ``token``."""
+    B, n = tokens.shape
+    j = jnp.arange(n)[None, :]
+    count = jnp.where(_live(s, stop_step), jnp.minimum(count, stop_step - s.produced), 0)
+    hit = jnp.stack([is_eos(tokens[:, i], eos_id) for i in range(n)], axis=1) & (j < count[:, None])
+    first = jnp.argmax(hit, axis=1).astype(jnp.int32)
+    stopped = jnp.any(hit, axis=1)
+    count = jnp.where(stopped, first + 1, count)
+    rows = jnp.arange(B)[:, None]
+    write = j < count[:, None]
+    out = s.out.at[rows, jnp.where(write, s.produced[:, None] + j, s.out.shape[1])].set(tokens, mode="drop")
+    seq = s.seq.at[rows, jnp.where(write, s.index[:, None] + 1 + j, s.seq.shape[1])].set(tokens, mode="drop")
+    newest = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+    produced = s.produced + count
+    return s._replace(produced=produced, token=jnp.where(count > 0, newest, s.token), index=s.index + count,
+                      done=s.done | stopped, out=out, seq=seq)
+
+
+def _live(s: SpecState, stop_step) -> jax.Array:
+    """[B] bool: rows still generating (no stop id yet, fewer than stop_step tokens)."""
+    return ~s.done & (s.produced < stop_step)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "k", "ngram_max", "ngram_min"), donate_argnames=("state",))
+def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampling: SamplingParams, eos_id, fill,
+                       k: int, ngram_max: int, ngram_min: int) -> SpecState:
+    """Run the speculative loop until every row met a stop id or has ``stop_step`` tokens; one compiled program
+    (a later call with a larger stop_step continues the same state: streaming).
+    stop_step, eos_id, fill: [] int32 (eos_id may be [E]); k, ngram_max, ngram_min: static. Returns the
+    advanced SpecState (the input is donated)."""
+    model = nnx.merge(graphdef, params)
+    S = model.cfg.max_context
+
+    def plain(s: SpecState) -> SpecState:
+        logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index)
+        token = sample_next(logits[:, 0], jax.random.fold_in(key, s.iteration), sampling)
+        s = _emit(s._replace(cache=cache), token[:, None], jnp.ones_like(s.produced), stop_step, eos_id, fill)
+        return s._replace(iteration=s.iteration + 1)
+
+    def verify(s: SpecState, proposals) -> SpecState:
+        inputs = jnp.concatenate([s.token[:, None], proposals], axis=1)
+        logits, cache, _ = model(inputs, use_cache=True, kv_caches=s.cache, cache_index=s.index)
+        tokens, accepted = accept_proposals(logits, proposals, jax.random.fold_in(key, s.iteration), sampling)
+        live = _live(s, stop_step)
+        before = s.produced
+        s = _emit(s._replace(cache=cache), tokens, accepted + 1, stop_step, eos_id, fill)
+        used = jnp.maximum(s.produced - before - 1, 0)
+        return s._replace(iteration=s.iteration + 1, verify_calls=s.verify_calls + 1,
+                          proposed=s.proposed + jnp.where(live, k, 0), accepted=s.accepted + jnp.where(live, used, 0))
+
+    def body(s: SpecState) -> SpecState:
+        proposals, found = propose_ngram(s.seq, s.index, k, ngram_max, ngram_min)
+        return jax.lax.cond(jnp.any(found & _live(s, stop_step)), lambda: verify(s, proposals), lambda: plain(s))
+
+    def room(s: SpecState):   # every live row has k + 1 free slots (a finished row's writes are never read)
+        live = _live(s, stop_step)
+        return jnp.any(live) & (jnp.max(jnp.where(live, s.index, 0)) + k + 1 <= S)
+
+    state = jax.lax.while_loop(room, body, state)
+    return jax.lax.while_loop(lambda s: jnp.any(_live(s, stop_step)), plain, state)
