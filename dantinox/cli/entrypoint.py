@@ -19,18 +19,22 @@
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input
 exit with status 2 and one line on stderr (a flag of the wrong type or an unknown flag too: no usage block);
-verify exits with status 1 when the cache is not exact.
+verify exits with status 1 when the cache is not exact. Ctrl-C, in any command and at any point after the
+import, exits with status 130 and one line on stderr, "dantinox COMMAND: interrupted" (train adds the step of
+the checkpoint it saved; ``dantinox.runs.interrupts``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .._version import __version__
 from ..config import ConfigError
 from ..model.cache import CapacityError
 from ..runs.bundled import DEFAULT_BUNDLED, bundled_root, describe_bundled
+from ..runs.interrupts import EXIT_STATUS as INTERRUPTED_STATUS
 from .flags import (
     _add_kv_dtype,
     add_distributed_arguments,
@@ -147,11 +151,20 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status.
 
     0 success; 1 a failed check (verify, budget --measure); 2 bad input (one line on stderr, nothing on
-    stdout); 141 when stdout was closed by its reader (``dantinox budget ... | head``): no traceback, as a
-    Unix tool ended by SIGPIPE.
+    stdout); 130 Ctrl-C (one line on stderr, "dantinox COMMAND: interrupted", plus what was kept, e.g. train's
+    checkpoint step); 141 when stdout was closed by its reader (``dantinox budget ... | head``): no
+    traceback, as a Unix tool ended by SIGPIPE.
+    argv None means the process is the command (the console script, ``python -m dantinox.cli``): after a
+    Ctrl-C it then ends at once with os._exit(130) once stdout and stderr are flushed, because a normal
+    interpreter exit while JAX's threads are compiling can crash (a segfault after Ctrl-C in serve's warm-up,
+    2 of 3 tries on a cold XLA cache). Every file is written atomically (``dantinox.runs.files``) and the
+    server's request log is flushed per line, so nothing is lost by skipping the interpreter's teardown.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()  # imports the subcommands' libraries (JAX among them): seconds
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt as err:
+        return _interrupted(None, err, argv is None)
     try:
         initialize_from_args(args)  # --coordinator ...: join the process group first (dantinox.parallel.distributed)
         return int(args.func(args) or 0)
@@ -161,6 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return SIGPIPE_STATUS
+    except KeyboardInterrupt as err:
+        return _interrupted(args.command, err, argv is None)
+
+
+def _interrupted(command: str | None, err: KeyboardInterrupt, end_process: bool) -> int:
+    """Ctrl-C: one line on stderr naming the command (and what the library kept, ``Interrupted.detail``), stdout
+    flushed; returns 130, or with end_process ends the process with that status (see ``main``)."""
+    detail = getattr(err, "detail", "")
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    print(f"dantinox{' ' + command if command else ''}: interrupted{': ' + detail if detail else ''}",
+          file=sys.stderr, flush=True)
+    if end_process:
+        os._exit(INTERRUPTED_STATUS)
+    return INTERRUPTED_STATUS
 
 
 def _user_message(err: Exception, args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
@@ -207,8 +237,6 @@ def _all_option_names(parser: argparse.ArgumentParser | None) -> dict[str, str]:
 
 def _silence_stdout() -> None:
     """Point stdout at /dev/null so the interpreter's final flush of unwritten output cannot fail again."""
-    import os
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -3,13 +3,18 @@
   dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--kv-dtype int8]
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
-                 [--no-prefix-caching] [--no-warmup] [--config serve.yaml]
+                 [--no-prefix-caching] [--no-warmup] [--max-request-bytes 1MiB] [--config serve.yaml]
 
 Without --kv-memory the pool holds max-running sequences of max_context tokens. At start the server logs
 "KV cache: N blocks = T tokens, max concurrency C at L tokens per request" (L = max_context). --kv-dtype
 (float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same --kv-memory holds
 4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D (3.6x at D = 32;
 the float32 scales included, dantinox.quant.kv_rows).
+--max-request-bytes (default 1 MiB) is the largest HTTP request body accepted; a larger one is answered 413
+before it is read (``dantinox.serving.request_limits``).
+Ctrl-C, during loading and warm-up as while serving, ends the command with one line on stderr and exit
+status 130 (``dantinox.cli.entrypoint``); uvicorn finishes the requests in flight for up to
+GRACEFUL_SHUTDOWN_S seconds first.
 FastAPI and uvicorn are imported only when the command runs.
 """
 
@@ -35,15 +40,26 @@ _INT_FLAGS = (("--block-size", "block_size", 1), ("--max-running", "max_running"
               ("--max-decode-steps", "max_decode_steps", 1))
 
 
-def parse_bytes(text: str) -> int:
+GRACEFUL_SHUTDOWN_S = 5  # after Ctrl-C, seconds uvicorn waits for requests in flight before closing them
+
+
+def parse_bytes(text: str, flag: str = "--kv-memory") -> int:
     """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (``dantinox.budget.memory.parse_memory_size``).
-    Raises ValueError naming --kv-memory and the value."""
+    Raises ValueError naming ``flag`` and the value."""
     from ..budget.memory import parse_memory_size
 
     try:
         return parse_memory_size(text)
     except ValueError as err:
-        raise ValueError(f"--kv-memory={text!r} is not allowed: {err}") from None
+        raise ValueError(f"{flag}={text!r} is not allowed: {err}") from None
+
+
+def max_request_bytes(args: argparse.Namespace) -> int:
+    """The request body limit of --max-request-bytes in bytes (default 1 MiB). Raises ValueError naming it."""
+    from ..serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
+
+    text = getattr(args, "max_request_bytes", None)
+    return DEFAULT_MAX_REQUEST_BYTES if text is None else parse_bytes(text, "--max-request-bytes")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +80,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode steps per compiled call when a step only decodes (1 = one token per call)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
+    p.add_argument("--max-request-bytes", default=None,
+                   help="largest request body accepted, e.g. 1MiB (the default) or 16MB; larger ones get 413")
     p.add_argument("--request-log", default=None,
                    help="append one JSONL line per finished request (a trace for dantinox plan --trace)")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: run dir name)")
@@ -134,6 +152,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
                              "or a host name") from None
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory)
+    max_request_bytes(args)
     if getattr(args, "mesh", None) is not None:
         parse_mesh(args.mesh)
     check_quantize(getattr(args, "quantize", None), "--quantize")
@@ -191,6 +210,21 @@ def bind_address(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_log_config() -> dict:
+    """uvicorn's logging setup with its life-cycle lines ("Started server process", "Application startup
+    complete", "Shutting down", ...) below the level shown: dantinox logs the start once ("listening on ..."),
+    and Ctrl-C ends with the one line of ``dantinox.cli.entrypoint``. The access log (stdout) and uvicorn's
+    warnings and errors stay."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["uvicorn.error"]["level"] = "WARNING"
+    config["loggers"]["uvicorn.access"]["level"] = "INFO"
+    return config
+
+
 def configure_logging() -> None:
     """INFO lines from dantinox and uvicorn only; other libraries (JAX's backend probing, which logs an INFO
     line about a missing TPU library on every start) only from WARNING up."""
@@ -244,11 +278,13 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info("chat: %s", "POST /v1/chat/completions" if chat_format
              else "no chat template: /v1/chat/completions answers 400")
     if not args.no_warmup:
+        log.info("warm-up: compiling every batch and chunk shape (Ctrl-C to stop)")
         counted = engine.warmup()
         log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,
                  counted.cache_hits, counted.seconds)
-    config = uvicorn.Config(create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args)),
-                            host=args.host, port=args.port, log_level="info")
+    app = create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args), max_request_bytes(args))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=uvicorn_log_config(),
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     log.info("listening on http://%s:%d (Ctrl-C to stop)", args.host, args.port)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -6,6 +6,8 @@
   stop_ids.py        the token ids that end generation (end of turn / end of text), merged from the run's files
   bundled.py         the run directories shipped in the package, by name
   files.py           writes that leave the old content or the new, never half of either
+  chars_per_token.py the most characters one token stands for: a lower bound on a text's tokens from its length
+  interrupts.py      Ctrl-C: loops that stop at a whole state and say what they kept
 """
 
 from .bundled import bundled_names, bundled_run_dir, resolve_run_dir

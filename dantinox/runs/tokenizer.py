@@ -17,6 +17,11 @@ encodes to that one id. ``encode(text, special=False)`` turns that off (the libr
 ``encode_special_tokens``), so the same text encodes as the ordinary characters it is made of; and
 :meth:`TextTokenizer.encode_pieces` matches special tokens only in the pieces a caller trusts (a chat
 template's own text, not a message's content: case K12).
+
+A long text (GIL_FREE_CHARS characters or more) is encoded through the library's ``encode_batch``, which
+releases Python's GIL while the Rust code runs (``encode`` does too in recent releases, not by contract), so a
+server thread tokenizing a huge prompt does not stop the event loop; the ids are the same (one text, one
+encoding). Nothing here mutates a ``tokenizers.Tokenizer`` after it is built, so threads may encode at once.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ KINDS = ("char", "bpe")
 UNK = "<unk>"
 MIN_BPE_VOCAB = 256  # the byte alphabet
 _REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode yields for an incomplete byte sequence
+GIL_FREE_CHARS = 4096  # texts at least this long are encoded with the GIL released (see the module docstring)
 
 
 class TextTokenizer:
@@ -76,7 +82,7 @@ class TextTokenizer:
             raise ValueError(f"text must be a str; got {type(text).__name__}")
         if not text:
             return []
-        ids = (self.hf if special else self._literal_tokenizer()).encode(text, add_special_tokens=False).ids
+        ids = _encoding(self.hf if special else self._literal_tokenizer(), text).ids
         if self.kind == "char" and unknown == "error":
             # Char tokens are one per code point, so token index == character offset.
             where = np.flatnonzero(np.asarray(ids, np.int64) == self.unk_id)
@@ -103,7 +109,7 @@ class TextTokenizer:
             return []
         specials = self.special_ids
         ids, done = [], 0
-        found = self.hf.encode(text, add_special_tokens=False)
+        found = _encoding(self.hf, text)
         for token, (start, end) in zip(found.ids, found.offsets):
             if token in specials and not any(start < b and a < end for a, b in literal):
                 ids += self.encode(text[done:start], unknown, special=False) + [token]
@@ -156,6 +162,13 @@ class TextTokenizer:
             return cls.from_json(text)
         except ValueError as err:
             raise ValueError(f"{os.fspath(path)}: {err}") from err
+
+
+def _encoding(hf: Tokenizer, text: str):
+    """``hf``'s Encoding of ``text`` without added special tokens; the GIL is released for long texts."""
+    if len(text) < GIL_FREE_CHARS:
+        return hf.encode(text, add_special_tokens=False)
+    return hf.encode_batch([text], add_special_tokens=False)[0]
 
 
 def _infer_kind(data: dict) -> str:

@@ -11,10 +11,11 @@
   worker.py / server.py          the engine thread and the OpenAI-compatible FastAPI app
   completions.py                 /v1/completions: validation, choices, stop strings, disconnects
   chat_endpoint.py               /v1/chat/completions
+  request_limits.py              the request body limit (413); a prompt over the context by its characters
   metrics.py / protocol.py       Prometheus metrics; the completions request/response format
 
 ``dantinox serve`` lives in ``dantinox/cli/serve.py``. The HTTP modules (server, completions, chat_endpoint,
-worker, metrics, protocol) are not imported here, so the engine works without FastAPI installed.
+request_limits, worker, metrics, protocol) are not imported here, so the engine works without FastAPI installed.
 """
 
 from .allocator import BlockAllocator

@@ -15,11 +15,14 @@ max_completion_tokens, temperature (default 1.0), top_p, top_k (an extension), s
 stream_options.include_usage, n, ignore_eos (vLLM's extension), user (ignored). Fields this server does
 not implement (tools, tool_choice, response_format, logprobs, top_logprobs, penalties, logit_bias) are rejected
 with 400 naming the field unless they hold their no-op value. A model without a template answers 400
-(param "model"), a message with an unknown role 400 naming ``messages[i].role``.
+(param "model"), a message with an unknown role 400 naming ``messages[i].role``. The conversation is rendered
+and encoded in a worker thread, and a rendered prompt too long for the context by its characters alone is
+refused (400 on "messages") before it is encoded (``dantinox.serving.request_limits``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -132,8 +135,8 @@ def add_chat_route(app, service, chat_format) -> None:
         if not service.worker.alive:
             service.metrics.rejected(reason="unavailable")
             return JSONResponse(error_body("the engine is not running", None, "server_error"), status_code=503)
-        try:
-            prompt_ids, options = _prepare(service, chat_format, body)
+        try:  # rendering and tokenizing in a worker thread: the event loop keeps serving (request_limits)
+            prompt_ids, options = await asyncio.to_thread(_prepare, service, chat_format, body)
         except RequestError as err:
             service.metrics.rejected(err)
             return JSONResponse(error_body(str(err), err.field), status_code=400)
@@ -164,8 +167,11 @@ def _prepare(service, chat_format, body: ChatCompletionRequest) -> tuple[list[in
     if body.model is not None and body.model != service.model_name:
         raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
                            f"{service.model_name!r}")
+    def fits(num_chars: int) -> None:
+        service.length_bound.check(num_chars, "messages", "the prompt rendered from messages")
+
     try:
-        prompt_ids = chat_format.prompt_ids(body.messages, service.tokenizer)
+        prompt_ids = chat_format.prompt_ids(body.messages, service.tokenizer, before_encoding=fits)
     except ChatTemplateError as err:
         raise RequestError(err.field, str(err)) from None
     field, limit = body.token_limit()

@@ -1,7 +1,12 @@
 """The completion machinery behind ``/v1/completions`` (and extended by the chat route): one request's
 validation and submission to the engine worker (``_Service``), its choices as they stream back
 (``_Choice``, ``_Completion``), client-disconnect watching (K10) and the mapping of engine rejections to
-HTTP answers."""
+HTTP answers.
+
+No request stalls the others: a prompt obviously over the context is refused from its length in characters
+before it is tokenized (``request_limits.PromptLengthBound``), and tokenizing runs in a worker thread
+(``asyncio.to_thread``) with the GIL released for long texts (``dantinox.runs.tokenizer``), so the event loop
+keeps answering while a huge prompt is encoded."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..runs.tokenizer import StreamDecoder, UnknownCharactersError
 from .protocol import CompletionRequest, LogprobsLog, StopChecker, choice_body, completion_body, error_body, usage_body
 from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
+from .request_limits import PromptLengthBound
 from .request_log import slice_from
 from .worker import EngineWorker
 
@@ -40,6 +46,7 @@ class _Service:
         self.worker, self.tokenizer, self.metrics = worker, tokenizer, metrics
         self.model_name, self.max_context = model_name, max_context
         self.stop_ids = tuple(stop_ids)
+        self.length_bound = PromptLengthBound(tokenizer, max_context)
 
     def stops_for(self, body) -> tuple:
         """The stop ids of a request: the model's, or none when it asks for ignore_eos."""
@@ -55,7 +62,7 @@ class _Service:
             if body.model is not None and body.model != self.model_name:
                 raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
                                    f"{self.model_name!r}")
-            prompt_ids = self._encode(body.prompt)
+            prompt_ids = await self.encode_prompt(body.prompt)
             options = self._options(body, len(prompt_ids))
         except RequestError as err:
             self.metrics.rejected(err)
@@ -85,6 +92,15 @@ class _Service:
         if first[0] == "rejected":
             return cid, rids, events, _rejection(rejected(first[1]))
         return cid, rids, events, None
+
+    async def encode_prompt(self, prompt) -> list[int]:
+        """The token ids of a completion's prompt, tokenized in a worker thread; a text that cannot fit the
+        context is refused first, from its length (RequestError naming "prompt")."""
+        text = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) else prompt
+        if not isinstance(text, str):
+            return list(text)
+        self.length_bound.check(len(text), "prompt")
+        return await asyncio.to_thread(self._encode, text)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ..generation.sampling import SamplingParams
+from ..runs.interrupts import deferred_interrupts
 from ..xla import CompileCounter
 from .allocator import BlockAllocator
 from .paged_cache import init_pool, pool_nbytes
@@ -214,20 +215,31 @@ class PagedEngine(Engine):
     # Warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> CompileCounter:
         """Compile every bucket (decode, prefill x chunk) and the block moves with empty batches (nothing is
-        written). Returns the CompileCounter of the warm-up; later steps compile nothing."""
-        with CompileCounter() as counted:
-            shapes = [(B, 1) for B in self.decode_buckets]
-            shapes += [(B, T) for B in self.prefill_buckets for T in self.chunk_buckets]
-            for B, T in shapes:
-                jax.block_until_ready(self._call_forward([], B, T))
-            if self.config.max_decode_steps > 1:
-                for B in self.decode_buckets:
-                    for M in self.table_buckets:
-                        self._warm_decode_steps(B, M)
-            self.pool = copy_blocks(self.pool, *self._pad_copies([]))
-            data = self._read_host([0])
-            self._write_host([], data)
+        written). Returns the CompileCounter of the warm-up; later steps compile nothing.
+
+        Ctrl-C (``dantinox.runs.interrupts``): the compilation under way finishes and KeyboardInterrupt is
+        raised here, between two compilations (raised by Python wherever the signal lands, it can fall inside
+        a callback of JAX's compile path and be lost, and the server would then start anyway)."""
+        shapes = [(B, 1) for B in self.decode_buckets]
+        shapes += [(B, T) for B in self.prefill_buckets for T in self.chunk_buckets]
+        calls = [lambda B=B, T=T: jax.block_until_ready(self._call_forward([], B, T)) for B, T in shapes]
+        if self.config.max_decode_steps > 1:
+            calls += [lambda B=B, M=M: self._warm_decode_steps(B, M)
+                      for B in self.decode_buckets for M in self.table_buckets]
+        calls.append(self._warm_block_moves)
+        with CompileCounter() as counted, deferred_interrupts() as interrupt:
+            for call in calls:
+                if interrupt.requested:
+                    raise KeyboardInterrupt
+                call()
+            if interrupt.requested:
+                raise KeyboardInterrupt
         return counted
+
+    def _warm_block_moves(self) -> None:
+        self.pool = copy_blocks(self.pool, *self._pad_copies([]))
+        data = self._read_host([0])
+        self._write_host([], data)
 
     # Internals ------------------------------------------------------------------------------------
     def _move_blocks(self, sched: Schedule) -> None:

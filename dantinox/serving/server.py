@@ -1,9 +1,12 @@
 """OpenAI-compatible HTTP server: FastAPI on uvicorn in front of one Engine running in its own thread.
 
 Design (threads and queues):
-  1. uvicorn runs the FastAPI app on one asyncio event loop. Handlers validate the body, encode the prompt
-     with the run's tokenizer and hand the request to the EngineWorker (``dantinox.serving.worker``) through
-     its thread-safe command queue, together with a fresh ``asyncio.Queue`` for the replies. A request for
+  1. uvicorn runs the FastAPI app on one asyncio event loop. A body over the size limit is answered 413
+     before it is read (``request_limits.BodySizeLimit``). Handlers validate the body, refuse a prompt that
+     cannot fit the context by its length in characters, encode the prompt with the run's tokenizer in a
+     worker thread (so a huge prompt never holds the loop) and hand the request to the EngineWorker
+     (``dantinox.serving.worker``) through its thread-safe command queue, together with a fresh
+     ``asyncio.Queue`` for the replies. A request for
      n choices becomes n engine requests (ids ``<completion id>-<i>``), submitted together.
   2. The worker thread owns the engine: it admits or rejects the request (the first reply: "accepted" or
      "rejected" with a RequestError -> 400 naming the field, or QueueFullError -> 429 with Retry-After),
@@ -19,7 +22,7 @@ Design (threads and queues):
      /metrics counts that request as finished by "stop", not "abort" (K10). A disconnect is noticed while
      tokens flow: a watcher task polls ``is_disconnected()`` every DISCONNECT_POLL_S seconds beside the
      token loop, for plain and streamed requests alike, and aborts every unfinished choice (case K10).
-  5. Every request answered with 400, 429 or 503 is counted once in
+  5. Every request answered with 400, 413, 429 or 503 is counted once in
      ``dantinox_requests_rejected_total`` under one reason label (see ``ServerMetrics.rejected``).
   6. Every error, whatever raised it, is OpenAI's error object {"error": {"message", "type", "param",
      "code"}}: a body that is not JSON, not an object, misses a field or has a field of the wrong type is a 400
@@ -50,13 +53,14 @@ from .completions import _Service
 from .engine import Engine
 from .metrics import ServerMetrics
 from .protocol import CompletionRequest, error_body
+from .request_limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, check_max_bytes
 from .worker import EngineWorker
 
 log = logging.getLogger("dantinox.serving")
 
 
 def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None,
-               stop_ids=None, request_log=None) -> FastAPI:
+               stop_ids=None, request_log=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
     engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
@@ -64,7 +68,10 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     stop_ids: the token ids every request stops at unless it sets ignore_eos (``dantinox.runs.stop_ids.
     read_stop_ids``); None: chat_format's stop_ids, or none without a chat format.
     request_log: a ``request_log.RequestLog`` (one line per finished request; closed with the app) or None.
+    max_request_bytes: the largest request body accepted (bytes); a larger one is answered 413.
+    Raises ValueError for a max_request_bytes below 1.
     """
+    check_max_bytes(max_request_bytes, "max_request_bytes")
     metrics = ServerMetrics()
     worker = EngineWorker(engine, metrics, request_log)
 
@@ -77,6 +84,8 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
             request_log.close()
 
     app = FastAPI(title="dantinox", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes,
+                       on_reject=lambda: metrics.rejected(reason="body_too_large"))
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine
     if stop_ids is None:
         stop_ids = chat_format.stop_ids if chat_format is not None else ()

@@ -14,6 +14,9 @@ Walkthrough of :func:`train`:
      and at the end, the mean validation loss is computed and a row is appended to training_log.csv.
   5. Checkpoints are written every ``checkpoint_every`` steps and at the end; the run directory is written
      at the end (see ``dantinox.runs.run_dir``).
+  6. Ctrl-C during the steps (``dantinox.runs.interrupts``): the step in progress finishes, a checkpoint of it
+     is written through the same atomic writer, and ``Interrupted`` is raised saying at which step it was
+     saved; the same call again resumes from there, on the same trajectory.
 
 Losses are natural-log cross-entropy per token (nats/token); ``val_nats_per_char`` rescales the validation
 loss by tokens per character of the held-out text (equal to the loss for a char tokenizer).
@@ -55,6 +58,7 @@ from ..model.transformer import build_model
 from ..parallel.mesh import mesh_from_flag, mesh_scope, naming_flag, parse_mesh
 from ..parallel.sharding import shard_model
 from ..runs import run_dir as rd
+from ..runs.interrupts import Interrupted, deferred_interrupts
 from ..runs.tokenizer import KINDS, MASK, TextTokenizer, train_tokenizer, with_mask_token
 from . import checkpoint as ckpt
 from .data import TokenData, file_sha256, read_text, sample_batch, split_text, val_batches
@@ -501,32 +505,45 @@ def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
         s.elapsed_s += time.perf_counter() - t0
         emit(f"step 0: val {s.init_val:.4f} with the weights of {s.opts.init_from}")
     tokens_per_step = s.opts.batch_size * s.opts.seq_len
-    while s.step < until:
-        batch = sample_batch(s.data.train, s.rng, s.opts.batch_size, s.opts.seq_len)
-        noise = _mask_noise(s.cfg, s.rng, batch.shape)
-        t0 = time.perf_counter()
-        with mesh_scope(s.mesh):
-            s.params, s.opt_state, loss_arr = train_step(s.params, s.opt_state, s.rest,
-                                                         place_batch(batch, s.mesh), noise)
-        loss = float(loss_arr)
-        dt = time.perf_counter() - t0
-        s.step += 1
-        s.elapsed_s += dt
-        s.step_time_s += dt
-        window_tokens, window_time = window_tokens + tokens_per_step, window_time + dt
-        tok_s = window_tokens / max(window_time, 1e-9)
-        if not math.isfinite(loss):
-            bar.close()
-            raise TrainError(f"training loss became {loss} at step {s.step}; lower lr (now {s.opts.lr})")
-        if s.step % s.opts.eval_every == 0 or s.step == s.opts.steps:
-            s.elapsed_s += _evaluate_and_log(s, loss, float(schedule(s.step)), tok_s, emit)
-            window_tokens, window_time = 0, 0.0
-        if s.opts.checkpoint_every and s.step % s.opts.checkpoint_every == 0:
-            _save_checkpoint(s)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", val=f"{s.last_val:.3f}", tok_s=f"{tok_s:,.0f}")
-        s.train_loss = loss
-    bar.close()
+    with deferred_interrupts() as interrupt:  # Ctrl-C: finish the step, checkpoint it, stop (step 6)
+        while s.step < until and not interrupt.requested:
+            batch = sample_batch(s.data.train, s.rng, s.opts.batch_size, s.opts.seq_len)
+            noise = _mask_noise(s.cfg, s.rng, batch.shape)
+            t0 = time.perf_counter()
+            with mesh_scope(s.mesh):
+                s.params, s.opt_state, loss_arr = train_step(s.params, s.opt_state, s.rest,
+                                                             place_batch(batch, s.mesh), noise)
+            loss = float(loss_arr)
+            dt = time.perf_counter() - t0
+            s.step += 1
+            s.elapsed_s += dt
+            s.step_time_s += dt
+            window_tokens, window_time = window_tokens + tokens_per_step, window_time + dt
+            tok_s = window_tokens / max(window_time, 1e-9)
+            if not math.isfinite(loss):
+                bar.close()
+                raise TrainError(f"training loss became {loss} at step {s.step}; lower lr (now {s.opts.lr})")
+            if s.step % s.opts.eval_every == 0 or s.step == s.opts.steps:
+                s.elapsed_s += _evaluate_and_log(s, loss, float(schedule(s.step)), tok_s, emit)
+                window_tokens, window_time = 0, 0.0
+            if s.opts.checkpoint_every and s.step % s.opts.checkpoint_every == 0:
+                _save_checkpoint(s)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", val=f"{s.last_val:.3f}", tok_s=f"{tok_s:,.0f}")
+            s.train_loss = loss
+        bar.close()
+        if interrupt.requested:
+            _stop_interrupted(s)
+
+
+def _stop_interrupted(s: _Session) -> None:
+    """After a Ctrl-C between two steps: checkpoint the last whole step (unless it is saved already) and raise
+    Interrupted saying where; nothing is saved before the first step."""
+    if s.step == 0:
+        raise Interrupted("before the first training step: nothing was saved")
+    if s.saved_step != s.step:
+        _save_checkpoint(s)
+    raise Interrupted(f"checkpoint saved at step {s.step} in {s.ckpt_dir}; the same command resumes from there")
 
 
 def _mask_noise(cfg: ModelConfig, rng: np.random.Generator, shape) -> jax.Array | None:

@@ -1,0 +1,118 @@
+"""Limits that keep one request from stalling the server, checked before any heavy work is done for it.
+
+1. The request body (``serve --max-request-bytes``, default DEFAULT_MAX_REQUEST_BYTES = 1 MiB): a body whose
+   Content-Length is over the limit is answered 413 before a byte of it is read; a body sent without one
+   (chunked) is counted as it arrives and answered 413 as soon as it passes the limit (``BodySizeLimit``).
+   Either way the answer is OpenAI's error object naming the size and the limit, and the rest of the body
+   is never buffered.
+2. A prompt obviously over the context: a text of N characters needs at least ceil(N / C) tokens when no
+   token of the vocabulary stands for more than C characters (``dantinox.runs.chars_per_token``); when that
+   lower bound already exceeds the context, the prompt is refused with 400 before it is tokenized
+   (``PromptLengthBound``). The bound is exact: a prompt that fits is never refused by it. A tokenizer whose
+   pipeline allows no such bound gets no early check (its prompts are tokenized, off the event loop).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..runs.chars_per_token import fewest_tokens, max_chars_per_token
+from .protocol import error_body
+from .request import RequestError
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: a 250,000-token prompt at 4 bytes per token fits
+
+
+def check_max_bytes(max_bytes, name: str = "max_bytes") -> int:
+    """``max_bytes`` itself when it is an integer >= 1; ValueError naming ``name`` and the value otherwise."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"{name}={max_bytes!r} is not allowed: an integer number of bytes >= 1")
+    return max_bytes
+
+
+class BodySizeLimit:
+    """ASGI middleware: HTTP request bodies over ``max_bytes`` get 413 with OpenAI's error object.
+
+    app: the ASGI app; max_bytes: the largest body allowed (bytes, >= 1); on_reject: called with no
+    argument for each refused request (the server counts it in ``dantinox_requests_rejected_total`` as
+    "body_too_large"). A body within the limit is read whole here and handed to the app unchanged; later
+    ``receive`` calls (the disconnect watcher's) go to the server as before.
+    """
+
+    def __init__(self, app, max_bytes: int, on_reject=None):
+        self.app, self.max_bytes, self.on_reject = app, check_max_bytes(max_bytes), on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            return await self._refuse(scope, receive, send, f"the request body has {declared:,} bytes")
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":  # the client went away while sending
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send, f"the request body passed {size:,} bytes "
+                                          "(sent without a Content-Length)")
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(messages, receive), send)
+
+    async def _refuse(self, scope, receive, send, what: str) -> None:
+        if self.on_reject is not None:
+            self.on_reject()
+        body = error_body(f"{what}; this server accepts request bodies of at most {self.max_bytes:,} bytes",
+                          "body", "invalid_request_error", "request_too_large")
+        payload = json.dumps(body).encode("utf-8")
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode("ascii"))]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _replay(messages: list, receive):
+    """A ``receive`` that returns ``messages`` first, then defers to ``receive``."""
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
+
+
+class PromptLengthBound:
+    """Refuses a text that cannot fit the context, from its length in characters alone.
+
+    tokenizer: the served TextTokenizer (its bound is computed once here; None when its pipeline has none);
+    max_tokens: the most prompt tokens the engine accepts (its context, in tokens).
+    """
+
+    def __init__(self, tokenizer, max_tokens: int):
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
+        self.max_tokens = max_tokens
+
+    def check(self, num_chars: int, field: str, what: str | None = None) -> None:
+        """Raise RequestError naming ``field`` when a text of ``num_chars`` characters needs more than
+        max_tokens tokens whatever its content. what: how the message names the text (default: the field)."""
+        per = self.max_chars_per_token
+        if per is None:
+            return
+        fewest = fewest_tokens(num_chars, per)
+        if fewest > self.max_tokens:
+            raise RequestError(field, f"{what or field} has {num_chars:,} characters, so at least {fewest:,} "
+                               f"tokens (no token of this model stands for more than {per} characters); the "
+                               f"context holds {self.max_tokens:,} tokens: send a shorter {field}")

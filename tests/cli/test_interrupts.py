@@ -1,0 +1,154 @@
+"""Ctrl-C (issue 19, item 5): every command ends with one line on stderr, "dantinox COMMAND: interrupted", and
+exit status 130; a loop under ``deferred_interrupts`` finishes its step first; ``train`` keeps a checkpoint of
+the last whole step, which resumes; ``serve`` ends cleanly during its warm-up (JAX compiling) and while
+listening: no traceback, no segfault. The child-process tests send SIGINT when the child has printed a given
+line, never after a sleep."""
+
+import signal
+import socket
+import subprocess
+import threading
+
+import httpx
+import pytest
+from cli_util import cli_env, start_cli
+from run_util import TEXT, make_run
+
+from dantinox.cli import entrypoint
+from dantinox.config import ModelConfig
+from dantinox.runs.interrupts import EXIT_STATUS, Interrupted, deferred_interrupts
+from dantinox.runs.run_dir import load_run, read_summary
+from dantinox.train import checkpoint as ckpt
+from dantinox.train.trainer import train
+
+COMMANDS = {"generate": ["generate", "--prompt", "Nel"], "serve": ["serve"], "verify": ["verify"],
+            "train": ["train", "--data", "text.txt", "--out", "run"], "eval": ["eval"], "plan": ["plan"],
+            "import": ["import", "model.gguf", "--out", "run"], "budget": ["budget", "--preset", "tiny"]}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_ends_with_one_line_and_130(command, monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(entrypoint, "initialize_from_args", interrupted)
+    assert entrypoint.main(COMMANDS[command]) == EXIT_STATUS == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"dantinox {command}: interrupted\n"
+
+
+def test_what_a_library_kept_is_on_the_same_line(monkeypatch, capsys):
+    def interrupted(args):
+        raise Interrupted("checkpoint saved at step 7 in run/checkpoint")
+
+    monkeypatch.setattr(entrypoint, "initialize_from_args", interrupted)
+    assert entrypoint.main(COMMANDS["train"]) == 130
+    assert capsys.readouterr().err == "dantinox train: interrupted: checkpoint saved at step 7 in run/checkpoint\n"
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals: main thread")
+def test_deferred_interrupts_sets_a_flag_then_raises_on_the_second():
+    before = signal.getsignal(signal.SIGINT)
+    with deferred_interrupts() as flag:
+        assert not flag.requested
+        signal.raise_signal(signal.SIGINT)  # the handler runs before the next line
+        assert flag.requested
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt):  # outside, Ctrl-C is Python's again
+        signal.raise_signal(signal.SIGINT)
+
+
+def _interrupt_at(proc: subprocess.Popen, stream, marker: str, timeout: float = 300, ready=None) -> list[str]:
+    """Read ``stream`` line by line until a line holds ``marker`` (and then until ``ready()`` is true, when
+    given), then send SIGINT; returns the lines read. Fails if the child ends or ``timeout`` seconds pass
+    first."""
+    lines, timer = [], threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        for line in iter(stream.readline, ""):
+            lines.append(line)
+            if marker in line:
+                while ready is not None and not ready() and proc.poll() is None:
+                    pass
+                proc.send_signal(signal.SIGINT)
+                return lines
+    finally:
+        timer.cancel()
+    raise AssertionError(f"the child ended (status {proc.wait()}) before printing {marker!r}: {''.join(lines)}")
+
+
+def _rest(proc: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return out, err
+
+
+TRAIN_ARGS = dict(steps=100_000, batch_size=2, seq_len=16, eval_every=1, eval_batches=1, checkpoint_every=0)
+
+
+@pytest.mark.slow
+def test_train_interrupted_saves_a_checkpoint_that_resumes(tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT * 20, encoding="utf-8")
+    out_dir = tmp_path / "run"
+    flags = [f for name, value in TRAIN_ARGS.items() for f in (f"--{name}", value)]
+    proc = start_cli("train", "--data", data, "--out", out_dir, "--preset", "tiny", "--no_progress", *flags,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                     env=cli_env(PYTHONUNBUFFERED="1", DANTINOX_XLA_CACHE="off"))
+    _interrupt_at(proc, proc.stdout, "step 3/")
+    _, err = _rest(proc)
+    assert proc.returncode == 130, err
+    meta = ckpt.read_checkpoint_meta(out_dir / "checkpoint")
+    step = meta["step"]
+    assert step >= 3
+    assert err.splitlines() == [f"dantinox train: interrupted: checkpoint saved at step {step} in "
+                                f"{out_dir / 'checkpoint'}; the same command resumes from there"]
+    logs = []
+    train(ModelConfig.from_preset("tiny"), data, out_dir, log=logs.append, progress=False,
+          **{**TRAIN_ARGS, "steps": step})  # resumes the checkpoint (its arrays load into the state) and ends
+    assert f"resumed from {out_dir / 'checkpoint'} at step {step}" in logs
+    assert read_summary(out_dir)["steps"] == step
+    load_run(out_dir)
+
+
+def _free_port() -> int:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return port
+
+
+def _serve(tmp_path, port: int, *flags) -> subprocess.Popen:
+    run_dir = make_run(tmp_path / "tiny")
+    return start_cli("serve", "--run_dir", run_dir, "--port", port, *flags, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=cli_env(DANTINOX_XLA_CACHE="off"))
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.slow
+def test_serve_interrupted_during_warmup(tmp_path):
+    proc = _serve(tmp_path, _free_port())
+    _interrupt_at(proc, proc.stderr, "warm-up: compiling")
+    _, err = _rest(proc)
+    assert proc.returncode == 130, (proc.returncode, err)  # not -11 / 139 (segfault)
+    assert err.splitlines() == ["dantinox serve: interrupted"]
+
+
+@pytest.mark.slow
+def test_serve_interrupted_while_listening(tmp_path):
+    port = _free_port()
+    proc = _serve(tmp_path, port, "--no-warmup")
+    before = _interrupt_at(proc, proc.stderr, "listening on", ready=lambda: _answers(f"http://127.0.0.1:{port}/health"))
+    _, err = _rest(proc)  # uvicorn shuts down gracefully, then the command ends
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.splitlines() == ["dantinox serve: interrupted"], err
+    assert sum("listening on" in line or "running on" in line.lower() for line in before) == 1
+    assert len(set(before)) == len(before), before  # no start line logged twice
