@@ -1,14 +1,15 @@
 """``dantinox eval``: quality per text slice of a quantized variant against the float baseline, with gates.
 
-  dantinox eval [--run_dir R] --slice NAME=FILE [--slice NAME=FILE ...] [--kv-dtype D] [--quantize Q]
+  dantinox eval [--run_dir R] --slice NAME=FILE|NAME [--slice ...] [--kv-dtype D] [--quantize Q]
                 [--baseline default] [--gate GATE.yaml] [--json OUT] [--prefix P] [--batch B] [--prompts N]
                 [--prompt-tokens T] [--continuation C] [--mesh data=D,model=M]
                 [--coordinator HOST:PORT --num-processes N --process-id I]
 
 Walkthrough:
-  1. Every flag and slice file is checked first (missing, not UTF-8, empty, a bad NAME=FILE, a gate file naming
-     an unknown slice or metric, a --mesh that does not parse or does not match the device count): one line on
-     stderr, exit status 2.
+  1. Every flag and slice file is checked first (missing and not a bundled slice name, not UTF-8, empty, a bad
+     NAME=FILE, a gate file naming an unknown slice or metric, a --mesh that does not parse or needs more
+     devices than there are): one line on stderr, exit status 2. A slice is NAME=FILE, or the name of a slice
+     shipped in the package (it-heldout, rare-latin-occitan, en-shakespeare; ``dantinox.runs.bundled``).
   2. The run is loaded twice: the baseline ("default": the run as saved, float32 weights and its own cache
      dtype) and the candidate (the cache dtype of --kv-dtype, then the weights of --quantize). With --mesh both
      are then sharded over the mesh (``dantinox.parallel.sharding.shard_model``, as generate and verify do; heads not
@@ -34,6 +35,7 @@ from ..parallel.mesh import mesh_from_flag, mesh_shape, naming_flag
 from ..quality.gate import GATE_METRICS, check_gate, gate_passes, gate_value, load_gate
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, quantize_weights
+from ..runs.bundled import bundled_slice_names, resolve_slice_file
 from .flags import add_distributed_arguments, add_mesh_argument, add_quantize_argument
 
 SLICE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -43,8 +45,9 @@ BASELINES = ("default",)
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``dantinox eval``."""
     p.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
-    p.add_argument("--slice", action="append", default=[], metavar="NAME=FILE", dest="slices",
-                   help="a text slice to measure (repeat the flag for several)")
+    p.add_argument("--slice", action="append", default=[], metavar="NAME=FILE|NAME", dest="slices",
+                   help="a text slice to measure: NAME=FILE, or a bundled slice by name ("
+                        f"{', '.join(bundled_slice_names())}); repeat the flag for several")
     p.add_argument("--kv-dtype", default=None, help="cache dtype of the candidate (default: the run's own)")
     add_quantize_argument(p)
     p.add_argument("--baseline", default="default", help="what the candidate is compared with: default (the run "
@@ -60,20 +63,35 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     add_distributed_arguments(p)
 
 
-def parse_slices(specs: list[str]) -> dict[str, str]:
-    """{name: text} from NAME=FILE specs. Raises ValueError (one line, naming --slice and the spec)."""
+def resolve_slice_specs(specs: list[str]) -> list[tuple[str, str]]:
+    """[(name, path)] from --slice specs: NAME=FILE (a file, or when no such file exists a bundled slice
+    name: ``rare=rare-latin-occitan``) or NAME alone (the bundled slice of that name, named as itself).
+    Raises ValueError (one line, naming --slice and the spec; an unknown name lists the bundled ones)."""
     if not specs:
-        raise ValueError("--slice is required: give at least one NAME=FILE")
+        raise ValueError("--slice is required: give at least one NAME=FILE, or the name of a bundled slice ("
+                         f"{', '.join(bundled_slice_names())})")
     out = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
-        if not sep or not SLICE_NAME.match(name) or not path:
-            raise ValueError(f"--slice {spec!r} is not allowed: NAME=FILE with NAME of letters, digits, '_', '.', "
-                             "'-'")
+        if not SLICE_NAME.match(name) or (sep and not path):
+            raise ValueError(f"--slice {spec!r} is not allowed: NAME=FILE or the name of a bundled slice, with "
+                             "NAME of letters, digits, '_', '.', '-'")
+        if not sep and name not in bundled_slice_names():
+            raise ValueError(f"--slice {spec!r} is not a bundled slice (bundled: "
+                             f"{', '.join(bundled_slice_names())}); give NAME=FILE for a file of your own")
         if name in out:
             raise ValueError(f"--slice {spec!r}: the name {name!r} is given twice")
-        out[name] = read_slice(name, path)
-    return out
+        try:
+            out[name] = resolve_slice_file(path if sep else name)
+        except FileNotFoundError as err:
+            raise ValueError(f"--slice {name}={err}") from None
+    return list(out.items())
+
+
+def parse_slices(specs: list[str]) -> dict[str, str]:
+    """{name: text} from --slice specs (:func:`resolve_slice_specs`). Raises ValueError (one line, naming
+    --slice and the spec)."""
+    return {name: read_slice(name, path) for name, path in resolve_slice_specs(specs)}
 
 
 def read_slice(name: str, path: str) -> str:

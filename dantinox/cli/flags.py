@@ -76,7 +76,8 @@ def add_mesh_argument(parser) -> None:
     """Add ``--mesh data=D,model=M`` to an argparse parser (read it with :func:`mesh_from_flag`)."""
     parser.add_argument("--mesh", default=None, metavar="data=D,model=M",
                         help="run on a D x M device mesh: batch over data, heads and MLP width over model "
-                             "(D * M = the device count; docs/multi-device.md)")
+                             "(D * M at most the device count: the first D * M devices are used; on a CPU host "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=8 gives 8; docs/multi-device.md)")
 
 
 def add_distributed_arguments(parser) -> None:

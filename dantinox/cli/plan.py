@@ -1,6 +1,7 @@
 """``dantinox plan``: the capacity plan, and its steps as subcommands.
 
-  dantinox plan trace    --out T.jsonl --requests N --rate R [--arrivals poisson|gamma] [--rare-file F] [--seed S]
+  dantinox plan trace    --out T.jsonl --requests N --rate R [--arrivals poisson|gamma] [--rare-file F|NAME]
+                         [--seed S]
   dantinox plan trace    --from mooncake FILE --out T.jsonl
   dantinox plan profile  [--run_dir R] [--kv-dtype D] [--quantize Q] [--mesh data=D,model=M] --out profile.json
                          [--repeats K] [--cooldown S] [--call-repeats N]
@@ -9,7 +10,7 @@
   dantinox plan replay   --trace T --config C.yaml [--profile P] [--out M.json]
   dantinox plan gate     --candidate plan.json --last-good plan.json
   dantinox plan --trace T --slo ttft_p99=MS,tpot_p99=MS --device-memory BYTES --price-per-hour USD
-                [--gate GATE.yaml --slice NAME=FILE ...] [--candidates C.yaml] [--baseline NAME|plan.json]
+                [--gate GATE.yaml --slice NAME=FILE|NAME ...] [--candidates C.yaml] [--baseline NAME|plan.json]
                 [--profile P] [--out DIR [--force]] [--interval t|range] [--confidence C] [--decide-at edge|median]
                 [--confirm N [--confirm-repeats R]]
 
@@ -24,6 +25,7 @@ import os
 import sys
 
 from ..parallel.mesh import mesh_from_flag, naming_flag
+from ..runs.bundled import resolve_slice_file
 from ..runs.files import atomic_write_bytes
 from .flags import add_distributed_arguments, add_mesh_argument
 from .plan_run import _costs, _profile, _samples_flags
@@ -37,7 +39,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-memory", default="1GiB", help="memory of one device, e.g. 80GB")
     p.add_argument("--price-per-hour", default="1.0", help="USD per device-hour")
     p.add_argument("--gate", default=None, help="quality gate YAML for dantinox eval")
-    p.add_argument("--slice", action="append", default=[], help="NAME=FILE quality slice (repeatable)")
+    p.add_argument("--slice", action="append", default=[], help="NAME=FILE quality slice, FILE a path or a bundled "
+                   "slice name (e.g. rare=rare-latin-occitan), or NAME alone for a bundled slice (repeatable)")
     p.add_argument("--candidates", default=None, help="YAML list of candidates (default: the built-in sweep)")
     p.add_argument("--baseline", default="baseline", help="fallback: a candidate name or a last known-good plan.json")
     p.add_argument("--profile", action="append", default=None,
@@ -70,7 +73,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--arrivals", default="poisson", help="poisson or gamma")
     t.add_argument("--burstiness", default="2", help="gamma gaps' coefficient of variation")
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--rare-file", default=None, help="text file of the rare-language slice")
+    t.add_argument("--rare-file", default=None, help="text file of the rare-language slice, or a bundled slice by "
+                   "name (e.g. rare-latin-occitan)")
     t.add_argument("--max-context", type=int, default=256)
     t.set_defaults(func=run_trace_cmd)
     pr = sub.add_parser("profile", help="time the engine's compiled calls, fit the cost model")
@@ -117,10 +121,14 @@ def run_trace_cmd(args) -> int:
 
     if args.convert_from:
         return _convert_trace(args)
-    if args.rare_file and not os.path.isfile(args.rare_file):
-        raise FileNotFoundError(f"--rare-file {args.rare_file}: no such file")
+    rare_file = None
+    if args.rare_file:
+        try:
+            rare_file = resolve_slice_file(args.rare_file)   # a path, or a bundled slice by name
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"--rare-file {err}") from None
     spec = TraceSpec(requests=args.requests, rate=positive_number("--rate", args.rate),
-                     classes=default_classes(args.rare_file), arrivals=args.arrivals,
+                     classes=default_classes(rare_file), arrivals=args.arrivals,
                      burstiness=positive_number("--burstiness", args.burstiness), seed=args.seed,
                      max_context=args.max_context)
     records = generate_trace(spec)

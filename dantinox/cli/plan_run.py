@@ -19,6 +19,7 @@ from ..plan.inputs import (file_sha256, load_candidates, load_json, load_model, 
 from ..plan.ledger import memory_ledger
 from ..plan.quality_gate import gate_variants, run_eval_gate
 from ..plan.recommend import PlanInputs, make_plan
+from .eval import resolve_slice_specs
 
 
 def check_weights_fit(cfg, candidates, weights_bytes: int, device_bytes: int) -> None:
@@ -50,6 +51,7 @@ def build_plan(args) -> tuple[dict, dict, str]:
     price = positive_number("--price-per-hour", args.price_per_hour)
     device = parse_memory("--device-memory", args.device_memory)
     candidates = load_candidates(args.candidates) if args.candidates else default_candidates()
+    slices = [f"{name}={path}" for name, path in resolve_slice_specs(args.slice)] if args.slice else []
     baseline, last_good = _baseline(args.baseline)
     run_dir, model, cfg, tok = load_model(args.run_dir)
     weights = param_bytes(model)
@@ -58,7 +60,7 @@ def build_plan(args) -> tuple[dict, dict, str]:
     costs, prof = _costs(args, run_dir, model, cfg)
     interval, confidence = interval_flags(args, costs)
     gates = gate_variants([(c.kv_dtype, c.quantize) for c in candidates],
-                          lambda kv, q: run_eval_gate(args.run_dir, args.gate, args.slice, kv, q))
+                          lambda kv, q: run_eval_gate(args.run_dir, args.gate, slices, kv, q))
     inp = PlanInputs(cfg, requests, prompts, costs, slo, device, price, weights, gates, baseline, last_good,
                      interval=interval, confidence=confidence, decide_at=args.decide_at)
     result = make_plan(inp, candidates)

@@ -1,15 +1,18 @@
 """``dantinox serve``: load a run directory, size the paged KV pool from a memory budget, serve over HTTP.
 
-  dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--kv-dtype int8]
+  dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB [--kv-memory-all]]
+                 [--kv-dtype int8]
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
                  [--no-prefix-caching] [--no-warmup] [--max-request-bytes 1MiB] [--config serve.yaml]
 
-Without --kv-memory the pool holds max-running sequences of max_context tokens. At start the server logs
-"KV cache: N blocks = T tokens, max concurrency C at L tokens per request" (L = max_context). --kv-dtype
-(float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same --kv-memory holds
-4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D (3.6x at D = 32;
-the float32 scales included, dantinox.quant.kv_rows).
+Without --kv-memory the pool holds max-running sequences of max_context tokens; --kv-memory sizes it from a
+byte budget, but takes no more blocks than those max-running sequences can use (--kv-memory-all takes every
+block the budget holds). At start the server logs "KV cache: N blocks = T tokens, max concurrency C at L
+tokens per request (M MiB = B bytes, ...)" (L = max_context; C = min(N // blocks per request, max-running)).
+--kv-dtype (float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same
+--kv-memory holds 4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D
+(3.6x at D = 32; the float32 scales included, dantinox.quant.kv_rows), up to the max-running cap.
 --max-request-bytes (default 1 MiB) is the largest HTTP request body accepted; a larger one is answered 413
 before it is read (``dantinox.serving.request_limits``).
 Ctrl-C, during loading and warm-up as while serving, ends the command with one line on stderr and exit
@@ -66,7 +69,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 2GB or 512MiB (per device with --mesh)")
+    p.add_argument("--kv-memory", default=None, help="KV pool size, e.g. 2GB or 512MiB (per device with --mesh); "
+                   "the pool takes at most what --max-running full-context sequences can use")
+    p.add_argument("--kv-memory-all", action="store_true",
+                   help="allocate every block --kv-memory holds, beyond what --max-running can use (more room "
+                        "for the prefix cache)")
     add_mesh_argument(p)
     p.add_argument("--kv-dtype", default=None,
                    help="KV cache dtype: float32, bfloat16 or int8 (default: the run's cache_dtype)")
@@ -91,14 +98,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def kv_summary(engine) -> str:
-    """The start-up line: blocks, tokens, and how many max_context requests fit at once."""
-    alloc, L = engine.allocator, engine.max_context
+    """The start-up line: blocks, tokens, how many max_context requests run at once (the pool's blocks and
+    --max-running both bound it), the pool's bytes, and when the pool was capped, what --kv-memory would
+    have held."""
+    alloc, L, size = engine.allocator, engine.max_context, engine.pool_size
     tokens = alloc.num_blocks * alloc.block_size
-    concurrency = alloc.num_blocks // alloc.blocks_for(L)
-    mib = engine.stats()["kv_cache_bytes"] / 2**20
+    fit = alloc.num_blocks // alloc.blocks_for(L)
+    concurrency = min(fit, engine.config.max_running)
+    nbytes = engine.stats()["kv_cache_bytes"]
     line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
-            f"tokens per request ({mib:.2f} MiB, block size {alloc.block_size}, {engine.cfg.cache_dtype})")
-    if concurrency == 0:
+            f"tokens per request ({nbytes / 2**20:.2f} MiB = {nbytes} bytes, block size {alloc.block_size}, "
+            f"{engine.cfg.cache_dtype})")
+    if size.capped:
+        line += (f"; --max-running {engine.config.max_running} uses at most {size.usable} blocks, so the pool "
+                 f"takes those of the {size.budget} --kv-memory holds (--kv-memory-all takes them all)")
+    elif fit > concurrency:
+        line += f"; --max-running {engine.config.max_running} bounds the concurrency ({fit} would fit)"
+    if fit == 0:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")
     return line
@@ -177,6 +193,7 @@ def build_engine(args: argparse.Namespace):
                           max_queued=args.max_queued, max_batched_tokens=args.max_batched_tokens,
                           preemption=args.policy, max_decode_steps=args.max_decode_steps,
                           kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
+                          kv_memory_all=bool(getattr(args, "kv_memory_all", False)),
                           enable_prefix_caching=not args.no_prefix_caching)
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))
     if getattr(args, "mesh", None) is not None:  # docs/multi-device.md

@@ -50,22 +50,35 @@ def parse_mesh(text: str, flag: str = "--mesh") -> dict[str, int]:
     return sizes
 
 
-def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
-    """A (data, model) mesh over ``devices`` (default: every device of every process, ``jax.devices()``).
+FORCE_CPU_DEVICES = "XLA_FLAGS=--xla_force_host_platform_device_count"
 
-    data * model must equal the number of devices. Devices are laid out so that the ``model`` axis spans
-    neighbouring devices (on one host where possible: its collectives run every layer, ``data``'s only once
-    per training step). Raises MeshError naming the product and the device count, or a size below 1.
+
+def make_mesh(data: int = 1, model: int = 1, devices=None) -> Mesh:
+    """A (data, model) mesh over the first data * model of ``devices`` (default: every device of every
+    process, ``jax.devices()``).
+
+    A mesh smaller than the device count uses the first data * model devices and leaves the others idle (as
+    vLLM's ``tensor_parallel_size`` does); over several processes (``jax.distributed``) it must span every
+    device, since every process takes part in each step. Devices are laid out so that the ``model`` axis
+    spans neighbouring devices (on one host where possible: its collectives run every layer, ``data``'s only
+    once per training step). Raises MeshError naming the mesh, its product and the device count (with how to
+    force CPU devices) when the mesh needs more devices than there are, or a size below 1.
     """
     devices = list(jax.devices() if devices is None else devices)
     for name, size in (("data", data), ("model", model)):
         if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
             raise MeshError(f"mesh {name}={size!r} is not allowed: an integer >= 1")
-    if data * model != len(devices):
-        raise MeshError(f"mesh data={data} x model={model} = {data * model} devices, but {len(devices)} "
-                        f"device(s) are available ({devices[0].platform}); the product must equal the device "
-                        f"count")
-    grid = np.array(devices, dtype=object).reshape(data, model)
+    needed = int(data) * int(model)
+    if needed > len(devices):
+        raise MeshError(f"mesh data={data} x model={model} = {needed} devices, but {len(devices)} device(s) are "
+                        f"available ({devices[0].platform}); use a smaller mesh, or on a CPU host force more "
+                        f"devices before JAX starts: {FORCE_CPU_DEVICES}={needed}")
+    processes = {getattr(d, "process_index", 0) for d in devices}
+    if needed < len(devices) and len(processes) > 1:
+        raise MeshError(f"mesh data={data} x model={model} = {needed} devices, but the {len(processes)} "
+                        f"processes hold {len(devices)} devices: over several processes the mesh must span "
+                        f"every device")
+    grid = np.array(devices[:needed], dtype=object).reshape(data, model)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
 
 

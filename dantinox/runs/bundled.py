@@ -1,10 +1,15 @@
-"""The run directories shipped inside the package, and their short names.
+"""The run directories and the text slices shipped inside the package, and their short names.
 
 ``dantinox/bundled/<name>/`` holds a complete run directory (config.json, model.safetensors, tokenizer.json,
 model_summary.json). Wherever a run directory is asked for (``--run_dir``, ``Generator(...)``,
 ``load_run``), a path that does not exist but is a bundled name (``dante``, ``dante-diffusion``) means that
 model, so ``--run_dir dante-diffusion`` works from any directory after ``pip install``. An existing path
 always wins over a name. ``dantinox models`` lists them.
+
+``dantinox/bundled/slices/<name>.txt`` are the three quality slices (public domain; their README says what
+each is): ``it-heldout``, ``rare-latin-occitan``, ``en-shakespeare``. Wherever a slice file is asked for
+(``eval --slice``, ``plan --slice``, ``plan trace --rare-file``) the same rule holds: an existing path wins,
+otherwise a bundled slice name means that file (:func:`resolve_slice_file`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 from importlib import resources
 
 DEFAULT_BUNDLED = "dante"
+SLICES = "slices"  # the folder of bundled/ that holds the quality slices
 
 
 def bundled_root() -> str:
@@ -67,3 +73,24 @@ def describe_bundled() -> list[dict]:
     return rows
 
 
+
+
+def bundled_slice_names() -> list[str]:
+    """Names of the bundled quality slices, sorted (the ``<name>.txt`` files of ``bundled/slices/``)."""
+    folder = os.path.join(bundled_root(), SLICES)
+    if not os.path.isdir(folder):
+        return []
+    return sorted(n[:-len(".txt")] for n in os.listdir(folder) if n.endswith(".txt"))
+
+
+def resolve_slice_file(value: str | os.PathLike) -> str:
+    """The path a slice file argument means: an existing path -> itself; otherwise a bundled slice name
+    (:func:`bundled_slice_names`) -> that file's path. Raises FileNotFoundError, naming the value and the
+    bundled names, for anything else."""
+    path = os.fspath(value)
+    if os.path.exists(path):
+        return path
+    if path in bundled_slice_names():
+        return os.path.join(bundled_root(), SLICES, path + ".txt")
+    raise FileNotFoundError(f"{path}: no such file, and not a bundled slice (bundled: "
+                            f"{', '.join(bundled_slice_names()) or 'none'})")

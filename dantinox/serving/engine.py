@@ -39,7 +39,7 @@ from .request import Request, RequestError, RequestOutput, RequestStatus, Sampli
 from .runner import StepLogprobs, copy_blocks, decode_steps, forward_step, read_blocks, static_graph, write_blocks
 from .scheduler import Chunk, Schedule, Scheduler
 from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
-                        plan_decode_steps, pool_blocks)
+                        plan_decode_steps, pool_size)
 
 log = logging.getLogger("dantinox.serving")
 
@@ -84,8 +84,11 @@ class Engine(abc.ABC):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine sizes. Pool: num_blocks blocks of block_size tokens, or as many as fit in kv_memory_bytes, or
-    by default enough for max_running sequences of max_context tokens. See ContextPolicy for the bounds.
+    """Engine sizes. Pool: num_blocks blocks of block_size tokens; or with kv_memory_bytes (bytes) as many as
+    fit, but at most the max_running x ceil(max_context / block_size) blocks the running sequences can hold
+    (kv_memory_all=True takes every block that fits, e.g. to keep more finished prompts in the prefix
+    cache); or by default exactly those max_running full-context sequences (``step_plan.pool_size``). See
+    ContextPolicy for the bounds.
     max_decode_steps: when a step would only decode, run up to this many decode steps in one compiled call
     (multi-step decoding; 1 turns it off). With requests waiting, it runs only as many steps as the running
     request closest to its max_new_tokens needs, so no slot sits finished while a request waits.
@@ -96,6 +99,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
+    kv_memory_all: bool = False
     max_running: int = 16
     max_queued: int = 256
     max_batched_tokens: int = 64
@@ -128,7 +132,8 @@ class PagedEngine(Engine):
         graphdef, self.params = nnx.split(model)
         self.graph = static_graph(graphdef)
         P = config.block_size
-        num_blocks = pool_blocks(cfg, config)
+        self.pool_size = pool_size(cfg, config, self._budget_block_bytes(cfg))
+        num_blocks = self.pool_size.blocks
         self.pool = init_pool(cfg, num_blocks, P)
         self.allocator = BlockAllocator(num_blocks, P, config.enable_prefix_caching)
         self.policy = engine_policy(config, cfg.max_context)
@@ -211,6 +216,10 @@ class PagedEngine(Engine):
                     block_size=alloc.block_size, kv_cache_bytes=pool_nbytes(self.pool),
                     preemptions=sched.num_preemptions, prefix_cache_queries=alloc.prefix_queries,
                     prefix_cache_hits=alloc.prefix_hits, cow_copies=alloc.cow_copies, **self.counters)
+
+    def _budget_block_bytes(self, cfg) -> int | None:
+        """Bytes one block takes out of kv_memory_bytes (None: the whole block, on one device)."""
+        return None
 
     # Warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> CompileCounter:

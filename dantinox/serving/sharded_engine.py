@@ -14,8 +14,6 @@ The ``data`` axis replicates the pool and batches; serving gains nothing from it
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -48,13 +46,13 @@ class ShardedPagedEngine(PagedEngine):
     def __init__(self, model, config: EngineConfig, mesh):
         self.mesh = mesh
         shard_model(model, mesh)
-        if config.kv_memory_bytes is not None and config.num_blocks is None:
-            per_block = block_bytes(model.cfg, config.block_size) // kv_split(model.cfg, mesh)
-            config = dataclasses.replace(config, num_blocks=config.kv_memory_bytes // per_block,
-                                         kv_memory_bytes=None)
         with mesh_scope(mesh):
             super().__init__(model, config)
         self.pool = shard_pool(self.pool, self.cfg, mesh)
+
+    def _budget_block_bytes(self, cfg) -> int:
+        """One device's share of a block: kv_memory_bytes is a per-device budget."""
+        return block_bytes(cfg, self.config.block_size) // kv_split(cfg, self.mesh)
 
     def blocks_per_device(self) -> dict:
         """{"devices", "blocks", "heads_per_device", "bytes_per_device"}: each device holds every block, with

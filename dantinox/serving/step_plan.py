@@ -65,14 +65,51 @@ def engine_policy(config, max_context: int) -> ContextPolicy:
         swap_space_blocks=config.swap_space_blocks or 1 << 20)
 
 
-def pool_blocks(cfg, config) -> int:
-    """N, the blocks of the KV pool: config.num_blocks, or as many as fit in config.kv_memory_bytes, or
-    max_running sequences of max_context tokens. Raises ValueError if not even one block fits."""
+@dataclass(frozen=True)
+class PoolSize:
+    """How the KV pool was sized (blocks of ``block_size`` tokens).
+
+    blocks: N, the blocks allocated; usable: max_running x blocks per sequence at max_context, the most that
+    the running sequences can ever hold at once; budget: the blocks ``kv_memory_bytes`` would hold (None
+    without a byte budget); capped: True when the pool holds ``usable`` blocks although the budget holds more
+    (``kv_memory_all`` off); per_sequence: blocks of one max_context sequence."""
+
+    blocks: int
+    usable: int
+    budget: int | None
+    capped: bool
+    per_sequence: int
+
+
+def pool_size(cfg, config, block_bytes: int | None = None) -> PoolSize:
+    """The pool of an EngineConfig for model config ``cfg``: config.num_blocks when given; else with
+    config.kv_memory_bytes, as many blocks as fit, but no more than max_running sequences of max_context
+    tokens can use (all that fit with config.kv_memory_all); else exactly that usable count.
+
+    block_bytes: bytes one block takes out of kv_memory_bytes (default the whole block,
+    ``paged_cache.block_bytes``; the sharded engine passes one device's share). Raises ValueError if not even
+    one block fits in kv_memory_bytes."""
+    per_sequence = -(-cfg.max_context // config.block_size)
+    usable = config.max_running * per_sequence
     if config.num_blocks is not None:
-        return config.num_blocks
-    if config.kv_memory_bytes is not None:
-        return num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size)
-    return config.max_running * -(-cfg.max_context // config.block_size)
+        return PoolSize(config.num_blocks, usable, None, False, per_sequence)
+    if config.kv_memory_bytes is None:
+        return PoolSize(usable, usable, None, False, per_sequence)
+    if block_bytes is None:
+        budget = num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size)
+    else:
+        budget = int(config.kv_memory_bytes) // int(block_bytes)
+        if budget < 1:
+            raise ValueError(f"kv memory {int(config.kv_memory_bytes)} bytes holds no block: one block of "
+                             f"{config.block_size} tokens takes {int(block_bytes)} bytes per device for this model")
+    if config.kv_memory_all or budget <= usable:
+        return PoolSize(budget, usable, budget, False, per_sequence)
+    return PoolSize(usable, usable, budget, True, per_sequence)
+
+
+def pool_blocks(cfg, config) -> int:
+    """N, the blocks of the KV pool (:func:`pool_size`). Raises ValueError if not even one block fits."""
+    return pool_size(cfg, config).blocks
 
 
 def forward_calls(chunks: list, buckets: Buckets) -> list[tuple[list, int, int]]:

@@ -125,7 +125,11 @@ def bad_files(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--slice", "x={d}/missing.txt"], "--slice x={d}/missing.txt: cannot read the file"),
+    (["--slice", "x={d}/missing.txt"], "--slice x={d}/missing.txt: no such file, and not a bundled slice "
+                                       "(bundled: en-shakespeare, it-heldout, rare-latin-occitan)"),
+    (["--slice", "x={d}"], "--slice x={d}: cannot read the file"),                # a directory
+    (["--slice", "it-heldout", "--slice", "nope"], "--slice 'nope' is not a bundled slice (bundled: "
+                                                   "en-shakespeare, it-heldout, rare-latin-occitan)"),
     (["--slice", "x={d}/empty.txt"], "the file is empty"),
     (["--slice", "x={d}/latin1.txt"], "not UTF-8"),
     (["--slice", "x={d}/short.txt"], "shorter than --prefix 8"),

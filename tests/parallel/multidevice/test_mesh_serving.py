@@ -45,10 +45,15 @@ def test_engine_on_two_devices_matches_one(kind):
 def test_kv_memory_is_per_device():
     cfg = dx.ModelConfig.from_preset("tiny", num_blocks=1, max_context=32, attention="gqa", kv_heads=2)
     mesh = make_mesh(1, 2, devices=jax.devices()[:2])
-    one = make_engine(lively_model(cfg), kv_memory_bytes=64 * 1024)
-    two = ShardedPagedEngine(lively_model(cfg), EngineConfig(**SETTINGS, kv_memory_bytes=64 * 1024), mesh)
+    one = make_engine(lively_model(cfg), kv_memory_bytes=64 * 1024, kv_memory_all=True)
+    two = ShardedPagedEngine(lively_model(cfg), EngineConfig(**SETTINGS, kv_memory_bytes=64 * 1024,
+                                                             kv_memory_all=True), mesh)
     assert two.allocator.num_blocks == 2 * one.allocator.num_blocks
     assert two.blocks_per_device()["bytes_per_device"] <= 64 * 1024
+    # Without kv_memory_all both pools hold what max_running=4 sequences of 32 tokens can use: 4 x 8 blocks.
+    capped = ShardedPagedEngine(lively_model(cfg), EngineConfig(**SETTINGS, kv_memory_bytes=64 * 1024), mesh)
+    assert capped.allocator.num_blocks == 32 and capped.pool_size.budget == two.allocator.num_blocks
+    assert make_engine(lively_model(cfg), kv_memory_bytes=64 * 1024).allocator.num_blocks == 32
 
 
 def test_serve_cli_builds_a_sharded_engine_and_rejects_bad_meshes():
