@@ -4,7 +4,10 @@
   decode.py      prefill, the compiled decode loop over the static cache, streaming, the uncached path
   diffusion.py   masked diffusion (LLaDA) with a DualCache (Fast-dLLM)
   prompts.py     length buckets, padded prompt batches, the capacity check, stop ids
-  sampling.py    greedy, temperature, top-k, top-p
+  sampling.py    greedy, temperature, top-k, top-p; the token mask of structured outputs
+  grammar.py     structured outputs: JSON schema / regex / grammar / choice constraints and the per-row
+                 token matcher (llguidance), host side
+  constrained_decode.py  constrained decoding: a host-stepped loop over one compiled masked step
   generator.py   Generator: text in, text out, from a run directory
 """
 

@@ -35,7 +35,9 @@ from ..runs.run_dir import load_run
 from ..runs.stop_ids import read_stop_ids
 from ..runs.tokenizer import StreamDecoder
 from ..xla import CompileCounter
+from .constrained_decode import constrained_result
 from .decode import generate_result, stream_tokens
+from .grammar import Constraint, constraint_from, grammar_vocabulary
 from .paradigm import generate
 from .prompts import bucket_length
 
@@ -126,46 +128,76 @@ class Generator:
 
     def generate(self, text: str | list[str], max_new_tokens: int = 200, *, use_cache: bool = True,
                  temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 unknown: str = "error", ignore_eos: bool = False, **diffusion_options) -> str | list[str]:
+                 unknown: str = "error", ignore_eos: bool = False, json_schema=None, regex: str | None = None,
+                 grammar: str | None = None, **diffusion_options) -> str | list[str]:
         """Continue ``text`` (or each text of a list, batched) by up to max_new_tokens tokens; returns the new
         text only, which ends before the first stop id (``stop_ids``; ignore_eos=True: no stop ids). Sampling
         arguments as in :func:`dantinox.generate` (temperature 0 = greedy); a diffusion model generates exactly
         max_new_tokens (gen_len) tokens and takes diffusion_options (block_size, steps_per_block, threshold,
         refresh; see dantinox.generation.diffusion.diffusion_generate).
-        Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`."""
+        json_schema (a dict or its JSON text), regex, grammar (Lark or GBNF): at most one; the text is then
+        constrained to it (structured outputs, docs/structured-outputs.md; autoregressive models with the
+        cache only), through the host-stepped loop of ``dantinox.generation.constrained_decode``.
+        Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`; GrammarError (a
+        ValueError naming the argument) for an invalid or unsupported schema, regex or grammar."""
         if not isinstance(text, (str, list, tuple)) or (not isinstance(text, str) and not text):
             raise ValueError(f"text={text!r} is not allowed: a non-empty string or a non-empty list of strings")
+        constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
         texts = [text] if isinstance(text, str) else list(text)
         ids = [self.encode(t, unknown) for t in texts]
         if self.cfg.paradigm == "diffusion" or diffusion_options:
+            if constraint is not None:
+                raise ValueError("json_schema, regex and grammar need an autoregressive model; this one has "
+                                 f"paradigm={self.cfg.paradigm!r}")
             tokens = generate(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
                               top_k=top_k, top_p=top_p, seed=seed, **diffusion_options)
             out = [self.tokenizer.decode(row.tolist()) for row in tokens]
             return out[0] if isinstance(text, str) else out
         out = [c.text for c in self._complete(ids, max_new_tokens, use_cache, temperature, top_k, top_p, seed,
-                                              ignore_eos)]
+                                              ignore_eos, constraint)]
         return out[0] if isinstance(text, str) else out
 
     def complete(self, text: str, max_new_tokens: int = 200, *, use_cache: bool = True, temperature: float = 0.8,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, unknown: str = "error",
-                 ignore_eos: bool = False) -> "Completion":
+                 ignore_eos: bool = False, json_schema=None, regex: str | None = None,
+                 grammar: str | None = None) -> "Completion":
         """:meth:`generate` of one text by an autoregressive model, with how it ended: a :class:`Completion`
-        (text, tokens generated with the stop token counted, finish_reason "stop" or "length")."""
+        (text, tokens generated with the stop token counted, finish_reason "stop" or "length"; a constrained
+        text whose grammar is complete ends with "stop", one cut by max_new_tokens with "length")."""
         if self.cfg.paradigm != "ar":
             raise ValueError(f"complete() needs an autoregressive model; this one has paradigm="
                              f"{self.cfg.paradigm!r}: use generate()")
+        constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
         return self._complete([self.encode(text, unknown)], max_new_tokens, use_cache, temperature, top_k, top_p,
-                              seed, ignore_eos)[0]
+                              seed, ignore_eos, constraint)[0]
+
+    def constraint(self, json_schema=None, regex: str | None = None, grammar: str | None = None,
+                   choice: list | None = None) -> Constraint | None:
+        """The compiled constraint of at most one of the arguments for this run's tokenizer and stop ids (None
+        when none is given); see ``dantinox.generation.grammar``. Raises GrammarError naming the argument."""
+        if json_schema is None and regex is None and grammar is None and choice is None:
+            return None
+        vocabulary = grammar_vocabulary(self.tokenizer, self.stop_ids)
+        return constraint_from(vocabulary, json_schema=json_schema, regex=regex, grammar=grammar, choice=choice)
 
     def _eos(self, ignore_eos: bool):
         return None if ignore_eos or not self.stop_ids else list(self.stop_ids)
 
-    def _complete(self, ids, max_new_tokens, use_cache, temperature, top_k, top_p, seed, ignore_eos):
-        result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
+    def _complete(self, ids, max_new_tokens, use_cache, temperature, top_k, top_p, seed, ignore_eos,
+                  constraint: Constraint | None = None):
+        if constraint is None:
+            result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
+                                     top_k=top_k, top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
+        elif not use_cache:
+            raise ValueError("use_cache=False is not allowed with json_schema, regex or grammar: constrained "
+                             "decoding runs through the cache")
+        else:
+            result = constrained_result(self.model, ids, [constraint] * len(ids), max_new_tokens,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                        eos_id=self._eos(ignore_eos))
         out = []
         for row, n, reason in zip(result.tokens, result.lengths, result.finish_reasons):
-            shown = int(n) - (reason == "stop")  # the stop token is not part of the text
+            shown = int(n) - (reason == "stop" and int(row[int(n) - 1]) in set(self._eos(ignore_eos) or ()))
             out.append(Completion(self.tokenizer.decode(row[:shown].tolist()), int(n), reason))
         return out
 
@@ -209,7 +241,8 @@ class Generator:
 
     def chat(self, messages, max_new_tokens: int = 256, *, system: str | None = None, temperature: float = 0.8,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, unknown: str = "error",
-             ignore_eos: bool = False) -> str:
+             ignore_eos: bool = False, json_schema=None, regex: str | None = None,
+             grammar: str | None = None) -> str:
         """The assistant's answer to a conversation, rendered with the model's chat template.
 
         messages: a list of {"role": "system" | "user" | "assistant" | "tool", "content": str}, or one string
@@ -219,7 +252,8 @@ class Generator:
         max_new_tokens (cut to what is left of max_context); the answer excludes the stop token.
         Raises NoChatTemplateError (the run has no template), ChatTemplateError naming ``messages[i].role`` /
         ``.content``, CapacityError when the rendered conversation leaves no room in max_context for an answer,
-        ValueError as :meth:`generate` (also for a diffusion model).
+        ValueError as :meth:`generate` (also for a diffusion model). json_schema, regex, grammar: as
+        :meth:`generate` (the answer is constrained).
         """
         require_chat_format(self.chat_format, self.run_dir)
         if self.cfg.paradigm != "ar":
@@ -227,7 +261,9 @@ class Generator:
         ids = self.chat_prompt_ids(messages, system, unknown)
         if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
             max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
-        return self._complete([ids], max_new_tokens, True, temperature, top_k, top_p, seed, ignore_eos)[0].text
+        constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+        return self._complete([ids], max_new_tokens, True, temperature, top_k, top_p, seed, ignore_eos,
+                              constraint)[0].text
 
     def chat_prompt_ids(self, messages, system: str | None = None, unknown: str = "error") -> list[int]:
         """The prompt ids :meth:`chat` generates from. Raises as :meth:`chat` (CapacityError: the conversation

@@ -12,7 +12,11 @@ batch may use different settings. Rules:
     and the sum round in float32, so a mass that equals top_p exactly (probabilities 0.5, 0.4, 0.1 with
     top_p 0.5) may come out a few ulp below it and would otherwise keep a token outside the nucleus
     (case K09). The nucleus kept thus has mass >= top_p - TOP_P_TOLERANCE.
-Shape letters: B batch, V vocabulary.
+  - a token mask (``apply_token_mask``, structured outputs: ``dantinox.generation.grammar``) is applied to the
+    logits before any of this: a disallowed token's logit becomes -1e30, so it is never chosen while any
+    token is allowed; an all-ones row leaves its logits exactly as they were. The mask is a traced [B, W]
+    int32 input, so one compiled program serves every grammar and unconstrained rows alike.
+Shape letters: B batch, V vocabulary, W mask words (V // 32 + 1).
 """
 
 from __future__ import annotations
@@ -74,6 +78,16 @@ def _per_row(name: str, value, batch: int, dtype) -> np.ndarray:
     if arr.shape != (batch,):
         raise ValueError(f"{name} has {arr.size} values for a batch of {batch}: give one value or one per row")
     return arr.astype(dtype)
+
+
+def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """Logits with the disallowed tokens set to -1e30. logits: [B, V] float32; token_mask: [B, W] int32 packed
+    bits, W >= ceil(V / 32) (bit j of word w allows token 32 w + j; bits past V are ignored). Returns
+    [B, V] float32; rows whose bits are all set are returned unchanged, bit for bit."""
+    B, V = logits.shape
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1          # [B, W, 32]
+    allowed = bits.reshape(B, -1)[:, :V].astype(bool)
+    return jnp.where(allowed, logits, jnp.asarray(_MASKED, logits.dtype))
 
 
 def sample_next(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:

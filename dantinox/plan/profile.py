@@ -45,6 +45,7 @@ import numpy as np
 from .._version import __version__
 from ..budget.memory import kv_bytes_per_token, param_bytes
 from ..config import ModelConfig
+from ..generation.grammar import all_allowed_mask
 from ..generation.sampling import make_sampling_params
 from ..parallel.mesh import mesh_scope, mesh_shape
 from ..serving.engine import EngineConfig, PagedEngine
@@ -162,7 +163,8 @@ def _time_forward(engine, B: int, T: int, repeats: int) -> float:
 
     def call():
         out, _, engine.pool = forward_step(engine.graph, engine.params, engine.pool, ids, z, num_new, table,
-                                           np.zeros(B, np.uint32), z, sampling, np.bool_(False))
+                                           np.zeros(B, np.uint32), z, sampling, np.bool_(False),
+                                           all_allowed_mask(B, engine.vocab_size))
         return np.asarray(out)
     return _median_seconds(call, repeats)
 

@@ -24,6 +24,7 @@ from .protocol import CompletionRequest, LogprobsLog, StopChecker, choice_body, 
 from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
 from .request_limits import PromptLengthBound
 from .request_log import slice_from
+from .structured_request import constrained, request_constraint
 from .worker import EngineWorker
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions, cut to what is left of the context
@@ -64,6 +65,8 @@ class _Service:
                                    f"{self.model_name!r}")
             prompt_ids = await self.encode_prompt(body.prompt)
             options = self._options(body, len(prompt_ids))
+            # structured outputs: response_format / structured_outputs / guided_* (structured_request)
+            options = constrained(options, request_constraint(body.model_extra, self.tokenizer, self.stop_ids))
         except RequestError as err:
             self.metrics.rejected(err)
             return JSONResponse(error_body(str(err), err.field), status_code=400)

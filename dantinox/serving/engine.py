@@ -34,6 +34,7 @@ from ..generation.sampling import SamplingParams
 from ..runs.interrupts import deferred_interrupts
 from ..xla import CompileCounter
 from .allocator import BlockAllocator
+from .grammar_rows import grammar_finish, step_mask
 from .paged_cache import init_pool, pool_nbytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
 from .runner import StepLogprobs, copy_blocks, decode_steps, forward_step, read_blocks, static_graph, write_blocks
@@ -181,6 +182,8 @@ class PagedEngine(Engine):
     def step(self) -> list[RequestOutput]:
         self.step_calls = []
         sched = self.scheduler.schedule()
+        for req in sched.preempted:  # its matcher is rebuilt from its tokens when it samples again
+            req.matcher = None
         outputs, self._pending = self._pending, []
         try:
             self._move_blocks(sched)
@@ -314,9 +317,9 @@ class PagedEngine(Engine):
     def _plan_decode_steps(self, chunks: list[Chunk]) -> list[int] | None:
         """Decode steps per chunk for a multi-step call, or None for an ordinary step.
 
-        Only a step of decode chunks alone (no prefill, no logprobs asked) qualifies. Row b runs up to
-        min(max_decode_steps, tokens it may still generate); while requests wait, every row runs the fewest
-        any row may still generate. Blocks for the extra positions are taken now (copy-on-write copies
+        Only a step of decode chunks alone (no prefill, no logprobs asked, no constrained request) qualifies.
+        Row b runs up to min(max_decode_steps, tokens it may still generate); while requests wait, every row
+        runs the fewest any row may still generate. Blocks for the extra positions are taken now (copy-on-write copies
         done); a row that cannot get them runs only as far as the blocks it holds.
         """
         counts, copies = plan_decode_steps(chunks, self.allocator, self.config.max_decode_steps,
@@ -383,8 +386,9 @@ class PagedEngine(Engine):
             num_new[b] = chunk.num_tokens
         start, table, seeds, steps, sampling = self._row_inputs(part, B, self.table_width)
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
+        token_mask = step_mask(part, B, self.vocab_size)  # structured outputs (grammar_rows)
         out, logprobs, self.pool = forward_step(self.graph, self.params, self.pool, ids, start, num_new, table,
-                                                seeds, steps, sampling, with_logprobs)
+                                                seeds, steps, sampling, with_logprobs, token_mask)
         self.counters["forward_calls"] += bool(part)
         self.step_calls.append(("forward", B, T))
         return out, (logprobs if with_logprobs else None)  # nobody asked: three transfers of zeros skipped
@@ -397,12 +401,14 @@ class PagedEngine(Engine):
         if not advance(req, chunk.start, chunk.num_tokens, self.allocator):
             return []  # a prefill chunk that has not reached the last token yet
         now = time.perf_counter()
-        reason = finish_reason(req, token)
+        reason, error = finish_reason(req, token), None
+        if reason is None:
+            reason, error = grammar_finish(req, token)
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
         self.counters["generated_tokens"] += 1
         if reason is not None:
-            self._finish(req, reason)
+            self._finish(req, reason, error)
         return [self._output(req, [token], None if logprobs is None else [logprobs])]
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:

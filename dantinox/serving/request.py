@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..generation.grammar import Constraint
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_LOGPROBS = 5  # most alternatives per token a request may ask for (OpenAI's limit for completions)
 
@@ -48,6 +50,8 @@ class SamplingOptions:
     ``dantinox.generate`` with that seed).  stop_token_ids: generation ends after any of these ids
     (finish reason "stop"; the id is part of the output).  logprobs: None, or 0..MAX_LOGPROBS: each output
     token then carries its log-probability and that many most likely alternatives (``TokenLogprobs``).
+    constraint: None, or a ``dantinox.generation.grammar.Constraint`` (structured outputs): every token is
+    then drawn from the tokens its grammar allows (``dantinox.serving.grammar_rows``).
     """
 
     max_new_tokens: int = 16
@@ -57,6 +61,7 @@ class SamplingOptions:
     seed: int = 0
     stop_token_ids: tuple = ()
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError naming the field, the value and what is allowed."""
@@ -80,6 +85,10 @@ class SamplingOptions:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError("logprobs", f"logprobs={self.logprobs!r} is not allowed: null or an integer in "
                                f"[0, {MAX_LOGPROBS}]")
+        if self.constraint is not None and (not isinstance(self.constraint, Constraint)
+                                            or self.constraint.vocabulary.vocab_size != vocab_size):
+            raise RequestError("constraint", f"constraint={self.constraint!r} is not allowed: None or a Constraint "
+                               f"built for this model's vocabulary of {vocab_size} tokens")
 
 
 class RequestStatus(enum.Enum):
@@ -111,6 +120,8 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     events: list = field(default_factory=list)  # ("chunk", start, n), ("token", id), ("preempt", policy), ...
+    matcher: Any = None              # the TokenMatcher of options.constraint, advanced with output_ids; None
+                                     # until first needed and after a preemption (then rebuilt from them)
 
     @property
     def all_tokens(self) -> list:

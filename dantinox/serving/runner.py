@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, sample_next
+from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, apply_token_mask, sample_next
 from ..parallel.sharding import constrain_pool
 from .paged_cache import PagedPool, paged_views
 from .request import MAX_LOGPROBS
@@ -91,21 +91,23 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> StepLogprobs:
 
 @partial(jax.jit, static_argnames=("graph",), donate_argnames=("pool",))
 def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_new, block_table, seeds, steps,
-                 sampling: SamplingParams, with_logprobs):
+                 sampling: SamplingParams, with_logprobs, token_mask):
     """Run T new tokens per row through the model over the paged pool and sample each row's next token.
 
     ids: [B, T] int32 (row b's tokens in ids[b, :num_new[b]], the rest padding); start: [B] int32 tokens
     already cached per row (the RoPE position of ids[b, 0]); num_new: [B] int32 (0 for an unused row);
     block_table: [B, M] int32; seeds: [B] uint32; steps: [B] int32; sampling: per-row settings [B];
     with_logprobs: bool scalar (traced, so either value runs the same compiled step): compute the
-    log-probabilities (``token_logprobs``), else return zeros and skip the work.
+    log-probabilities (``token_logprobs``), else return zeros and skip the work; token_mask: [B, W] int32
+    packed bits of the tokens each row may sample (structured outputs; all ones for a free row, whose logits
+    it leaves unchanged): tokens and log-probabilities come from the masked logits.
     Returns (tokens [B] int32 sampled from each row's last valid position, StepLogprobs, the updated pool).
     """
     model = nnx.merge(graph.graphdef, params)
     views = paged_views(pool, block_table, num_new)
     logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start,
                              logits_at=jnp.maximum(num_new - 1, 0))
-    last = logits[:, 0]
+    last = apply_token_mask(logits[:, 0], token_mask)
     tokens = sample_rows(last, seeds, steps, sampling)
     B, k = tokens.shape[0], min(MAX_LOGPROBS, last.shape[-1])
     skipped = StepLogprobs(jnp.zeros(B, jnp.float32), jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k), jnp.float32))
