@@ -8,10 +8,9 @@
 """
 
 from .cache import (CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV,
-                    bytes_per_token_per_layer, cache_nbytes, init_cache, sink_bytes_per_layer)
+                    bytes_per_token_per_layer, cache_nbytes, init_cache)
 from .mla import MLAttention
 from .transformer import Transformer, build_model
 
 __all__ = ["CapacityError", "KVCache", "LatentKV", "LayerKV", "MLAttention", "QuantLatentKV", "QuantLayerKV",
-           "Transformer", "build_model", "bytes_per_token_per_layer", "cache_nbytes", "init_cache",
-           "sink_bytes_per_layer"]
+           "Transformer", "build_model", "bytes_per_token_per_layer", "cache_nbytes", "init_cache"]

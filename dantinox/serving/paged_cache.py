@@ -7,20 +7,15 @@ Layout per layer, the static cache's layout with the slot axis cut into blocks, 
   MHA / GQA / MQA   ``PagedLayerKV(k, v)``, each [N, P, K, D];
   MLA               ``PagedLatentKV(c_kv, k_rope)``: the latent [N, P, C] and the shared RoPE key [N, P, R]
                     (what ``dantinox.model.cache.LatentKV`` holds per slot; never per-head keys and values).
-  int8 (cache_dtype="int8") ``PagedQuantKV(k, v, k_scale, v_scale, k_sink, v_sink)``: int8 [N, P, K, D] plus
-                    float32 scales [N, P, K, 1] and float32 sink rows [N, A, K, D];
-                    ``PagedQuantLatentKV(c_kv, k_rope, c_scale, r_scale, c_sink, r_sink)``: int8 [N, P, C],
-                    [N, P, R] plus scales [N, P, 1] each and sinks [N, A, C], [N, A, R]. The scales and sinks
-                    live in blocks of their own arrays, indexed by the same block ids, so every block operation
-                    (copy-on-write, swap out/in, prefix sharing) that moves or shares a block moves or shares
-                    them with it. A block's sink rows are the full-precision copies of its first A tokens
-                    (``dantinox.quant.kv_sinks``); only a sequence's first block (table[0]) fills and reads them,
-                    so A <= P is required.
+  int8 (cache_dtype="int8") ``PagedQuantKV(k, v, k_scale, v_scale)``: int8 [N, P, K, D] plus float32 scales
+                    [N, P, K, 1]; ``PagedQuantLatentKV(c_kv, k_rope, c_scale, r_scale)``: int8 [N, P, C],
+                    [N, P, R] plus scales [N, P, 1] each. The scales live in blocks of their own arrays,
+                    indexed by the same block ids, so every block operation (copy-on-write, swap out/in,
+                    prefix sharing) that moves or shares a block moves or shares its scales with it.
 Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
 The pool is sized from a memory budget with ``dantinox.model.cache.bytes_per_token_per_layer``, the figure
-``dantinox.budget.memory`` sums (2 K D or C + R elements per token and layer), plus for int8 the sink rows of
-each block (``dantinox.model.cache.sink_bytes_per_layer``), so N x ``block_bytes`` equals the bytes allocated
-(``pool_nbytes``).
+``dantinox.budget.memory`` sums (2 K D or C + R elements per token and layer), so
+N x P x L x bytes_per_token_per_layer equals the bytes allocated (``pool_nbytes``).
 
 How the model reads it. Each attention kind accepts a layer cache object with its own hook (see
 ``dantinox.model.attention.Attention`` and ``dantinox.model.mla.MLAttention``); per call a view carries the layer's
@@ -49,8 +44,7 @@ import jax.numpy as jnp
 
 from ..config import ModelConfig
 from ..model.attention import attend
-from ..model.cache import (LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, bytes_per_token_per_layer,
-                           sink_bytes_per_layer, zero_arrays)
+from ..model.cache import LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, bytes_per_token_per_layer, zero_arrays
 
 
 class PagedLayerKV(NamedTuple):
@@ -69,26 +63,22 @@ class PagedLatentKV(NamedTuple):
 
 class PagedQuantKV(NamedTuple):
     """One MHA / GQA / MQA layer's int8 block pool. k, v: [N, P, K, D] int8; k_scale, v_scale: [N, P, K, 1]
-    float32; k_sink, v_sink: [N, A, K, D] float32 (the first A tokens of a sequence's first block, in full)."""
+    float32."""
 
     k: jax.Array
     v: jax.Array
     k_scale: jax.Array
     v_scale: jax.Array
-    k_sink: jax.Array
-    v_sink: jax.Array
 
 
 class PagedQuantLatentKV(NamedTuple):
     """One MLA layer's int8 block pool. c_kv: [N, P, C] int8; k_rope: [N, P, R] int8; c_scale, r_scale:
-    [N, P, 1] float32; c_sink [N, A, C], r_sink [N, A, R] float32 (a first block's first A tokens, in full)."""
+    [N, P, 1] float32."""
 
     c_kv: jax.Array
     k_rope: jax.Array
     c_scale: jax.Array
     r_scale: jax.Array
-    c_sink: jax.Array
-    r_sink: jax.Array
 
 
 # the static layer type each pool layer type gathers into
@@ -99,9 +89,8 @@ PagedPool = tuple  # tuple[PagedLayerKV, ...] (or tuple[PagedLatentKV, ...] for 
 
 
 def block_bytes(cfg: ModelConfig, block_size: int) -> int:
-    """Bytes one block takes over all layers: L x (P x bytes_per_token_per_layer(cfg) + its sink rows,
-    sink_bytes_per_layer(cfg), 0 for float caches)."""
-    return cfg.num_blocks * (int(block_size) * bytes_per_token_per_layer(cfg) + sink_bytes_per_layer(cfg))
+    """Bytes one block takes over all layers: P x L x bytes_per_token_per_layer(cfg)."""
+    return int(block_size) * cfg.num_blocks * bytes_per_token_per_layer(cfg)
 
 
 def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int) -> int:
@@ -120,28 +109,21 @@ def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int) 
 def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int) -> PagedPool:
     """Zeros in cfg.cache_dtype, one entry per layer: PagedLayerKV(k, v) of [N, P, K, D] each, or for
     attention="mla" PagedLatentKV(c_kv [N, P, C], k_rope [N, P, R]); for cache_dtype="int8" PagedQuantKV /
-    PagedQuantLatentKV, the same int8 arrays plus float32 zero scales ([N, P, K, 1] / [N, P, 1]) and zero
-    sinks ([N, A, K, D] / [N, A, C], [N, A, R]).
+    PagedQuantLatentKV, the same int8 arrays plus float32 zero scales ([N, P, K, 1] / [N, P, 1]).
 
-    Raises ValueError for a non-positive num_blocks or block_size, or an int8 cache whose sink tokens
-    (cfg.kv_sink_tokens) do not fit in one block.
+    Raises ValueError for a non-positive num_blocks or block_size.
     """
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
-    int8, A = cfg.cache_dtype == "int8", cfg.sink_slots
-    if A > block_size:
-        raise ValueError(f"block_size={block_size} is not allowed with kv_sink_tokens={cfg.kv_sink_tokens}: "
-                         "the int8 cache's sink tokens must fit in a sequence's first block (block_size >= "
-                         "kv_sink_tokens)")
+    int8 = cfg.cache_dtype == "int8"
     if cfg.attention == "mla":
         layer_type = PagedQuantLatentKV if int8 else PagedLatentKV
-        shapes = [(num_blocks, n, w) for n in (block_size, A) for w in (cfg.kv_latent_dim, cfg.rope_head_dim)]
+        shapes = ((num_blocks, block_size, cfg.kv_latent_dim), (num_blocks, block_size, cfg.rope_head_dim))
     else:
         layer_type = PagedQuantKV if int8 else PagedLayerKV
-        shapes = [(num_blocks, n, cfg.kv_heads, cfg.head_size) for n in (block_size, A) for _ in "kv"]
-    return tuple(layer_type(*zero_arrays(shapes[:2], cfg.jnp_cache_dtype, int8, shapes[2:]))
-                 for _ in range(cfg.num_blocks))
+        shapes = ((num_blocks, block_size, cfg.kv_heads, cfg.head_size),) * 2
+    return tuple(layer_type(*zero_arrays(shapes, cfg.jnp_cache_dtype, int8)) for _ in range(cfg.num_blocks))
 
 
 def pool_nbytes(pool: PagedPool) -> int:
@@ -151,28 +133,25 @@ def pool_nbytes(pool: PagedPool) -> int:
 
 def gather_rows(layer: PagedLayerKV | PagedQuantKV, block_table: jax.Array) -> LayerKV | QuantLayerKV:
     """Each row's blocks laid end to end. block_table: [B, M] int32 -> LayerKV of [B, K, M*P, D] (int8 pool:
-    QuantLayerKV, its scales [B, K, M*P, 1] and the sinks of its first block [B, K, A, D]; read back later,
-    inside ``attend``)."""
+    QuantLayerKV, its scales [B, K, M*P, 1]; read back later, inside ``attend``)."""
     B, M = block_table.shape
 
     def rows(pool):
         _, P, K, W = pool.shape
         return pool[block_table].reshape(B, M * P, K, W).transpose(0, 2, 1, 3)
 
-    arrays = [rows(a) for a in layer[:4]] + [a[block_table[:, 0]].transpose(0, 2, 1, 3) for a in layer[4:]]
-    return _GATHERED[type(layer)](*arrays)
+    return _GATHERED[type(layer)](*(rows(a) for a in layer))
 
 
 def gather_latents(layer: PagedLatentKV | PagedQuantLatentKV, block_table: jax.Array) -> LatentKV | QuantLatentKV:
     """Each row's blocks laid end to end. block_table: [B, M] int32 -> LatentKV(c_kv [B, M*P, C],
-    k_rope [B, M*P, R]) (int8 pool: QuantLatentKV, its scales [B, M*P, 1] and its first block's sinks
-    [B, A, C], [B, A, R])."""
+    k_rope [B, M*P, R]) (int8 pool: QuantLatentKV, its scales [B, M*P, 1])."""
     B, M = block_table.shape
 
     def rows(pool):
         return pool[block_table].reshape(B, M * pool.shape[1], pool.shape[2])
 
-    return _GATHERED[type(layer)](*([rows(a) for a in layer[:4]] + [a[block_table[:, 0]] for a in layer[4:]]))
+    return _GATHERED[type(layer)](*(rows(a) for a in layer))
 
 
 def _write_slots(block_table, cache_index, num_new, T: int, N: int, P: int):
@@ -186,15 +165,6 @@ def _write_slots(block_table, cache_index, num_new, T: int, N: int, P: int):
     return block, (pos % P).reshape(-1)
 
 
-def _sink_slots(block_table, cache_index, num_new, T: int, N: int, A: int):
-    """Sink coordinates of row b's new token j: (block [B*T], offset [B*T]) int32, the row's first block and
-    the token's position when that is below A; block N (dropped) for every other token and padding."""
-    pos = cache_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None]          # [B, T]
-    valid = (jnp.arange(T)[None] < num_new[:, None]) & (pos < A)
-    block = jnp.where(valid, block_table[:, :1], N).reshape(-1)
-    return block, jnp.clip(pos, 0, max(A - 1, 0)).reshape(-1)
-
-
 def _put(pool: jax.Array, rows: jax.Array, block, offset) -> jax.Array:
     """pool [N, P, ...] with rows [B, T, ...] written at (block, offset) [B*T]; block N is dropped."""
     flat = rows.reshape((-1,) + rows.shape[2:]).astype(pool.dtype)
@@ -205,41 +175,24 @@ def scatter_new(layer: PagedLayerKV | PagedQuantKV, stored: tuple, block_table, 
     """Write row b's first num_new[b] new keys/values at token positions cache_index[b] + j.
 
     stored: one array per pool field: (k_new, v_new) [B, K, T, D], or for an int8 pool (k_q, v_q [B, K, T, D]
-    int8, k_scale, v_scale [B, K, T, 1] float32, k_full, v_full [B, K, T, D], written to the first block's
-    sinks for positions below A); block_table: [B, M] int32; cache_index, num_new: [B] int32.
+    int8, k_scale, v_scale [B, K, T, 1] float32); block_table: [B, M] int32; cache_index, num_new: [B] int32.
     Padding positions (j >= num_new[b]) are dropped, never written. Returns the pool layer, same type.
     """
     N, P = layer.k.shape[:2]
-    T = stored[0].shape[2]
-    block, offset = _write_slots(block_table, cache_index, num_new, T, N, P)
-    out = [_put(a, new.transpose(0, 2, 1, 3), block, offset) for a, new in zip(layer[:4], stored[:4])]
-    if len(layer) > 4 and layer.k_sink.shape[1]:
-        sink_block, sink_offset = _sink_slots(block_table, cache_index, num_new, T, N, layer.k_sink.shape[1])
-        out += [_put(a, new.transpose(0, 2, 1, 3), sink_block, sink_offset)
-                for a, new in zip(layer[4:], stored[4:])]
-    else:
-        out += list(layer[4:])
-    return type(layer)(*out)
+    block, offset = _write_slots(block_table, cache_index, num_new, stored[0].shape[2], N, P)
+    return type(layer)(*(_put(a, new.transpose(0, 2, 1, 3), block, offset) for a, new in zip(layer, stored)))
 
 
 def scatter_latents(layer: PagedLatentKV | PagedQuantLatentKV, stored: tuple, block_table, cache_index, num_new):
     """Write row b's first num_new[b] new latents at token positions cache_index[b] + j.
 
     stored: one array per pool field: (c_new [B, T, C], kr_new [B, T, R]), or for an int8 pool (c_q, kr_q
-    int8, c_scale, r_scale [B, T, 1] float32, then the full c_new, kr_new for the first block's sinks);
-    block_table: [B, M] int32; cache_index, num_new: [B] int32.
+    int8, c_scale, r_scale [B, T, 1] float32); block_table: [B, M] int32; cache_index, num_new: [B] int32.
     Padding positions (j >= num_new[b]) are dropped, never written. Returns the pool layer, same type.
     """
     N, P = layer.c_kv.shape[:2]
-    T = stored[0].shape[1]
-    block, offset = _write_slots(block_table, cache_index, num_new, T, N, P)
-    out = [_put(a, new, block, offset) for a, new in zip(layer[:4], stored[:4])]
-    if len(layer) > 4 and layer.c_sink.shape[1]:
-        sink_block, sink_offset = _sink_slots(block_table, cache_index, num_new, T, N, layer.c_sink.shape[1])
-        out += [_put(a, new, sink_block, sink_offset) for a, new in zip(layer[4:], stored[4:])]
-    else:
-        out += list(layer[4:])
-    return type(layer)(*out)
+    block, offset = _write_slots(block_table, cache_index, num_new, stored[0].shape[1], N, P)
+    return type(layer)(*(_put(a, new, block, offset) for a, new in zip(layer, stored)))
 
 
 class PagedView(NamedTuple):
@@ -259,7 +212,7 @@ class PagedView(NamedTuple):
 
         q: [B, K, G, T, D] (scaled); k, v: [B, K, T, D]; cache_index: [B] int32 tokens already cached per
         row; key_start must be None (no left padding in a paged batch); stored: what to write, one array per
-        pool field (default (k, v); an int8 pool needs (k_q, v_q, k_scale, v_scale, k_full, v_full)). Returns (y [B, K, G, T,
+        pool field (default (k, v); an int8 pool needs (k_q, v_q, k_scale, v_scale)). Returns (y [B, K, G, T,
         D] float32, the PagedView with the new keys and values written). Raises ValueError for a key_start,
         or for an int8 pool without ``stored`` (cfg.cache_dtype and the pool disagree).
         """
