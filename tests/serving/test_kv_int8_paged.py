@@ -150,9 +150,6 @@ def float_run(tmp_path_factory):
 
 
 @pytest.mark.slow   # two engines built as `dantinox serve` builds them, 24 requests each (~11 s)
-@pytest.mark.xfail(reason="K13 keeps kv_sink_tokens=4 float32 rows in every block of the paged pool: at block size 4 "
-                          "an int8 block costs as much as a float32 one; per-sequence sink rows are the open fix",
-                   strict=False)
 def test_serve_kv_dtype_int8_logs_more_blocks_and_admits_more_sequences_in_the_same_memory(float_run):
     engines = {name: serve_engine(float_run, name) for name in (None, "int8")}
     fp32, int8 = engines[None], engines["int8"]
