@@ -161,7 +161,7 @@ def test_cli_generate_and_verify_on_a_mesh(capsys):
     assert main(["verify", "--new_tokens", "8", "--mesh", "model=2,data=4"]) == 0
     assert "PASS" in capsys.readouterr().out
     for mesh, words in (("data=2,model=4", "n_heads=6 is not divisible by mesh axis model=4"),
-                        ("data=3", "data=3 x model=1 = 3 devices, but 8"), ("rows=8", "axis 'rows'")):
+                        ("data=16", "data=16 x model=1 = 16 devices, but 8"), ("rows=8", "axis 'rows'")):
         assert main(args + ["--mesh", mesh]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err and "--mesh" in err, err
