@@ -36,7 +36,7 @@ from flax import nnx
 from ..model.cache import KVCache
 from .ngram import propose_ngram
 from .prompts import is_eos
-from .sampling import SamplingParams, filtered_probs, sample_next
+from .sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs, sample_next
 
 MAX_SPEC_TOKENS = 16
 
@@ -89,7 +89,7 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams) -> tuple[
     residual = jnp.where(jnp.arange(V)[None, :] == rejected[:, None], 0.0, at)
     greedy_like = jnp.argmax(residual, axis=-1).astype(jnp.int32)
     drawn = jax.random.categorical(key_r, jnp.where(residual > 0, jnp.log(residual), -1e30), axis=-1)
-    last = jnp.where(sampling.temperature <= 1e-5, greedy_like, drawn.astype(jnp.int32))
+    last = jnp.where(sampling.temperature <= GREEDY_TEMPERATURE, greedy_like, drawn.astype(jnp.int32))
     tokens = jnp.concatenate([proposals, jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(T)[None, :] == accepted[:, None], last[:, None], tokens)
     return tokens.astype(jnp.int32), accepted
@@ -101,7 +101,7 @@ def _emit(s: SpecState, tokens, count, stop_step, eos_id, fill) -> SpecState:
     B, n = tokens.shape
     j = jnp.arange(n)[None, :]
     count = jnp.where(_live(s, stop_step), jnp.minimum(count, stop_step - s.produced), 0)
-    hit = jnp.stack([is_eos(tokens[:, i], eos_id) for i in range(n)], axis=1) & (j < count[:, None])
+    hit = is_eos(tokens.reshape(-1), eos_id).reshape(B, n) & (j < count[:, None])
     first = jnp.argmax(hit, axis=1).astype(jnp.int32)
     stopped = jnp.any(hit, axis=1)
     count = jnp.where(stopped, first + 1, count)
