@@ -73,7 +73,7 @@ def beside_big(server: ServerThread, body: bytes, repeats: int) -> tuple[list[fl
         for _ in range(repeats):
             sent = threading.Event()
 
-            def big():
+            def big(sent=sent):
                 sent.set()
                 statuses.add(big_client.post(server.url + "/v1/completions", content=body,
                                              headers={"content-type": "application/json"}).status_code)

@@ -13,7 +13,7 @@
    docs/multi-device.md)
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
-  dantinox eval     [--run_dir R] --slice NAME=FILE ... [--kv-dtype D] [--quantize Q] [--gate GATE.yaml] [--json OUT]
+  dantinox eval     [--run_dir R] --slice NAME[=FILE] ... [--kv-dtype D] [--quantize Q] [--gate GATE.yaml] [--json OUT]
   dantinox plan     [trace|profile|simulate|replay|gate] ... (capacity plan; see docs/planning.md)
   dantinox models   (the bundled models; R may be one of their names, e.g. dante-diffusion, from any directory)
 
@@ -33,7 +33,7 @@ import sys
 from .._version import __version__
 from ..config import ConfigError
 from ..model.cache import CapacityError
-from ..runs.bundled import DEFAULT_BUNDLED, bundled_root, describe_bundled
+from ..runs.bundled import DEFAULT_BUNDLED, bundled_root, bundled_slice_names, describe_bundled
 from ..runs.interrupts import EXIT_STATUS as INTERRUPTED_STATUS
 from .flags import (
     _add_kv_dtype,
@@ -260,6 +260,8 @@ def run_models(_args=None) -> int:
     print(f"\nUse a name wherever a run directory is asked for, e.g. dantinox generate --run_dir "
           f"{rows[-1]['name'] if rows else DEFAULT_BUNDLED} --prompt \"Nel mezzo\" (from any directory). "
           f"Files: {bundled_root()}")
+    print(f"Bundled quality slices (usable by name: dantinox eval --slice NAME, plan trace --rare-file NAME): "
+          f"{', '.join(bundled_slice_names())}")
     return 0
 
 

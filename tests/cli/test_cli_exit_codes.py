@@ -9,6 +9,7 @@ from cli_util import start_cli
 from run_util import make_run
 
 from dantinox.cli import entrypoint as cli
+from dantinox.runs.bundled import bundled_slice_names, resolve_slice_file
 
 
 @pytest.mark.parametrize("flags,flag", [
@@ -63,3 +64,16 @@ def test_generate_stream_into_a_closed_pipe_exits_quietly(tmp_path):
                            "--max_new_tokens", "40"])
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert done.returncode == cli.SIGPIPE_STATUS
+
+
+def test_models_lists_the_bundled_models_and_slices_by_name(capsys):
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "dante" in out and "dante-diffusion" in out
+    names = bundled_slice_names()
+    assert set(names) == {"en-shakespeare", "it-heldout", "rare-latin-occitan"}
+    slices_line = next(line for line in out.splitlines() if line.startswith("Bundled quality slices"))
+    for name in names:  # every listed name resolves to a file that eval can read
+        assert name in slices_line
+        with open(resolve_slice_file(name), encoding="utf-8") as f:
+            assert len(f.read()) > 1000
