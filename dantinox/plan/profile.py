@@ -26,7 +26,8 @@ differs. The machine is recorded but not checked: a profile from another machine
 A profile is per-machine data, and with ``mesh`` per mesh shape too: the engine is then the
 ``ShardedPagedEngine`` over that mesh (parameters sharded after the variant's kv_dtype and quantize are
 applied), every call is timed with the mesh in scope, so the times include the collectives, and
-profile.json records ``"mesh": {"data": D, "model": M}`` and the device count under "machine". Like the
+profile.json records ``"mesh": {"data": D, "model": M}``, the machine's device count ("devices") and the
+devices the profile ran on ("devices_used": the mesh's first D x M, else 1) under "machine". Like the
 machine, the mesh is recorded, not checked: a profile is only meaningful for the mesh it names.
 """
 
@@ -415,7 +416,8 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
             "quantize": quantize, "block_size": 16,
             "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                         "device": str(jax.devices()[0].device_kind), "cpus": os.cpu_count(),
-                        "devices": jax.device_count()},
+                        "devices": jax.device_count(),
+                        "devices_used": 1 if mesh is None else int(mesh.devices.size)},
             "mesh": mesh_shape(mesh),
             "rates": rates, "points": points, "cost_model": fit_cost_model(points).to_dict(),
             "samples": [{"points": p, "cost_model": fit_cost_model(p).to_dict()} for p in all_points],

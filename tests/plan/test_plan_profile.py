@@ -102,6 +102,7 @@ def test_profile_fits_measured_calls_and_records_identity(tmp_path):
     save_run(tmp_path, model, cfg, tok)
     prof = take_profile(str(tmp_path), model, cfg, repeats=2)
     check_profile(prof, model_identity(str(tmp_path), cfg))          # its own model: accepted
+    assert prof["machine"]["devices_used"] == 1                       # no mesh: one device, whatever the host has
     cost = CostModel.from_dict(prof["cost_model"])
     forward = prof["points"]["forward"]
     assert {"1,1", "2,1", "4,1", "1,8", "4,64"} <= set(forward)     # every bucket the engine compiles

@@ -52,6 +52,7 @@ def test_plan_profile_on_a_mesh_records_it(run_dir, tmp_path):
                      "data=2,model=4", "--out", str(out)]) == 0
     prof = json.loads(out.read_text())
     assert prof["mesh"] == {"data": 2, "model": 4} and prof["machine"]["devices"] == 8
+    assert prof["machine"]["devices_used"] == 8
     assert all(s > 0 for s in prof["points"]["forward"].values()) and prof["points"]["decode"]
 
 
