@@ -101,22 +101,32 @@ def split_model(model):
 
 
 WINDOW_STEP = 128
+SINGLE_ROW_WINDOW = 512   # the smallest window of a one-row loop bounded by its request
 
 
-def decode_windows(cfg, batch_size: int) -> tuple[int, ...]:
-    """Attention windows (tokens) of the decode loop for a ModelConfig and batch size B.
+def decode_windows(cfg, batch_size: int, bound: int | None = None) -> tuple[int, ...]:
+    """Attention windows (tokens) of the decode loop for a ModelConfig, batch size B and the request's bound
+    (the largest prompt length + max_new_tokens, in slots; None: unknown).
 
-    Windowed: multiples of 128 up to 512, then doubling, ending at max_context, e.g. (128, 256, 384, 512) for
-    S = 512 (and (S,) for S <= 128). Each window's loop attends over the first L slots only, skipping the
-    empty tail of the cache; ``decode`` cuts the window's slots out once when it begins. Windows are used
-    for every attention kind at B >= 2 and for attention="mla" at any B; otherwise (B = 1) the loop has one
-    window (S,), because each window is one more loop body to compile and a single row gains little.
+    B >= 2, or attention="mla": multiples of 128 up to 512, then doubling, ending at max_context, e.g.
+    (128, 256, 384, 512) for S = 512 (and (S,) for S <= 128); one program serves every request. Each window's
+    loop attends over the first L slots only, skipping the empty tail of the cache; ``decode`` cuts the
+    window's slots out once when it begins.
+    B = 1 (not MLA): one window, because each window is one more loop body to compile and a single row gains
+    little from early windows: (S,) without a bound or for S <= 512, else the smallest of 512, 1024, 2048, ...
+    that holds ``bound`` slots, so a short request on a long-context model (SmolLM2: S = 8192) attends over
+    hundreds of slots, not S, at the cost of one program per window size used.
     The measurements behind the rule are in docs/performance.md ("Attention windows");
     ``benchmarks/bench_decode.py --windows-ab`` repeats them on the reference shape.
     """
     S = cfg.max_context
     if cfg.attention != "mla" and batch_size < 2:
-        return (S,)
+        if bound is None or S <= SINGLE_ROW_WINDOW:
+            return (S,)
+        width = SINGLE_ROW_WINDOW
+        while width < min(bound, S):
+            width *= 2
+        return (min(width, S),)
     windows, width = [], WINDOW_STEP
     while width < S:
         windows.append(width)
@@ -130,20 +140,22 @@ def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: Sampl
     """Run decode steps until ``state.step == stop_step`` or every row is done; one compiled program.
 
     stop_step, eos_id, fill: [] int32 (traced). windows: static attention windows (default
-    ``decode_windows(cfg, B)``; ValueError unless increasing and ending at max_context): the program is one
+    ``decode_windows(cfg, B)``; ValueError unless increasing and at most max_context): the program is one
     ``lax.while_loop`` per window L, in increasing order, each running while every row's next slot is < L
     (<= S for the last) over a cache of the first L slots only, so early steps do not read the empty tail of
     the cache (../shared/PERFORMANCE.md, item 3). The window's slots are cut out of the full cache once when
     the window begins and written back once when it ends (every row's written slots are below L while it
     runs), not every step: a per-step cut would copy every layer's keys and values each step (what that cost
-    is in docs/performance.md, "Attention windows").
+    is in docs/performance.md, "Attention windows"). When the last window is below max_context the loop also
+    stops when a row's next slot reaches it: the caller bounds the request (``decode_windows(cfg, B, bound)``
+    with bound >= every row's prompt length + stop_step).
     Returns the advanced DecodeState (the input is donated).
     """
     model = nnx.merge(graphdef, params)
     windows = windows or decode_windows(model.cfg, state.token.shape[0])
     S = model.cfg.max_context
-    if list(windows) != sorted(set(windows)) or windows[-1] != S:
-        raise ValueError(f"windows={windows!r} is not allowed: increasing slot counts ending at max_context={S}")
+    if list(windows) != sorted(set(windows)) or windows[-1] > S or windows[0] < 1:
+        raise ValueError(f"windows={windows!r} is not allowed: increasing slot counts, at most max_context={S}")
 
     def step(s: DecodeState):
         logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index)
@@ -233,17 +245,22 @@ def place_on_mesh(model, mesh) -> None:
 def _run(req: _Request, model, use_cache: bool) -> GenerationResult:
     graphdef, params = split_model(model)
     with mesh_scope(mesh_of(params)):  # parameters on a mesh: run there (dantinox.parallel.mesh)
-        return _run_split(req, graphdef, params, model.cfg.max_context, use_cache)
+        return _run_split(req, graphdef, params, model.cfg, use_cache)
 
 
-def _run_split(req: _Request, graphdef, params, max_context: int, use_cache: bool) -> GenerationResult:
+def _run_split(req: _Request, graphdef, params, cfg, use_cache: bool) -> GenerationResult:
     if not use_cache:
-        return _finish(_recompute_all(graphdef, params, req, max_context), req)
+        return _finish(_recompute_all(graphdef, params, req, cfg.max_context), req)
     state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
     if req.max_new_tokens > 1:  # prefill already sampled the first token
         state = decode(graphdef, params, state, jnp.int32(req.max_new_tokens), req.key, req.sampling,
-                       req.eos_id, req.fill)
+                       req.eos_id, req.fill, windows=_windows(req, cfg))
     return _finish(to_host(state.out), req)  # gathers across processes (dantinox.parallel.distributed)
+
+
+def _windows(req: _Request, cfg) -> tuple[int, ...]:
+    """decode_windows for this request: every row's slots stay below its prompt length + max_new_tokens."""
+    return decode_windows(cfg, len(req.ids), int(req.lengths.max()) + req.max_new_tokens)
 
 
 def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: int = 8, temperature=0.0,
@@ -264,13 +281,15 @@ def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: in
         stop = min(sent + chunk_size, req.max_new_tokens)
         with mesh_scope(on):
             state = decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id,
-                           req.fill)
+                           req.fill, windows=_windows(req, model.cfg))
         step, done = int(state.step), bool(np.all(np.asarray(state.done)))
-        if step > sent:
-            yield np.asarray(state.out)[:, sent:step]
-            sent = step
         if done or step >= req.max_new_tokens:
+            yield from ([np.asarray(state.out)[:, sent:step]] if step > sent else [])
             return
+        if step < stop:   # cannot happen while _windows bounds the request; never loop without progress
+            raise RuntimeError(f"decode stopped at step {step} of {stop}: its attention window is too small")
+        yield np.asarray(state.out)[:, sent:step]
+        sent = step
 
 
 class RecomputeState(NamedTuple):

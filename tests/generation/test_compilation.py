@@ -39,6 +39,34 @@ def test_compile_count_across_prompts_sampling_and_lengths():
     assert bucket.compilations == 1, bucket  # only the prefill for the new bucket
 
 
+
+def test_one_row_on_a_long_context_attends_over_a_window_its_request_needs():
+    """Issue 23 item 6: at B = 1 with S = 1024 a short request decodes in a 512-slot window, not over S: the
+    same tokens as the uncached forward (greedy and sampled), one decode program per window size used."""
+    gen = sys.modules["dantinox.generation.decode"]
+    cfg = tiny_config(max_context=1024)
+    assert gen.decode_windows(cfg, 1) == (1024,)                   # no bound known: the whole cache
+    assert gen.decode_windows(cfg, 1, 300) == (512,)
+    assert gen.decode_windows(cfg, 1, 513) == (1024,)
+    assert gen.decode_windows(tiny_config(max_context=384), 1, 10) == (384,)   # short contexts: unchanged
+    assert gen.decode_windows(cfg, 2, 10) == (128, 256, 384, 512, 1024)       # batches: the ladder, as before
+    model = dx.build_model(cfg)
+    prompt = [[5, 9, 2, 7, 1]]
+    with dx.CompileCounter() as first:
+        cached = dx.generate(model, prompt, 40)
+    with dx.CompileCounter() as same_window:
+        sampled = dx.generate(model, prompt, 60, temperature=0.8, top_k=7, seed=3)
+        streamed = np.concatenate(list(dx.stream_tokens(model, prompt, 40, chunk_size=16)), axis=1)
+    with dx.CompileCounter() as longer:
+        tail = dx.generate(model, prompt, 600)                      # bound 605: the 1024 window, one more program
+    assert first.compilations >= 2 and same_window.compilations == 0 and longer.compilations == 1, (first, longer)
+    np.testing.assert_array_equal(cached, dx.generate(model, prompt, 40, use_cache=False))
+    np.testing.assert_array_equal(streamed, cached)
+    np.testing.assert_array_equal(sampled, dx.generate(model, prompt, 60, temperature=0.8, top_k=7, seed=3,
+                                                       use_cache=False))
+    np.testing.assert_array_equal(tail[:, :40], cached)
+
+
 def decode_hlo(cfg: dx.ModelConfig, batch: int) -> str:
     """Optimised HLO text of the compiled decode loop."""
     gen = sys.modules["dantinox.generation.decode"]

@@ -409,10 +409,15 @@ def test_windowed_mla_decode_equals_one_window_and_the_uncached_path_across_wind
     one = gen.decode(graphdef, params, state, jnp.int32(190), req.key, req.sampling, req.eos_id, req.fill,
                      windows=(300,))
     np.testing.assert_array_equal(np.asarray(one.out)[:, :190], windowed)
-    for bad in ((128,), (256, 128, 300)):   # must cover max_context, in increasing order
+    for bad in ((400,), (256, 128, 300), (0, 300)):   # increasing, within max_context
         with pytest.raises(ValueError, match="windows="):
             gen.decode(graphdef, params, state, jnp.int32(190), req.key, req.sampling, req.eos_id, req.fill,
                        windows=bad)
+    state = gen.prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+    short = gen.decode(graphdef, params, state, jnp.int32(190), req.key, req.sampling, req.eos_id, req.fill,
+                       windows=(128,))   # a window below the request's bound: the loop stops at its end
+    assert int(np.max(np.asarray(short.index))) == 128 and int(short.step) == 29
+    np.testing.assert_array_equal(np.asarray(short.out)[:, :29], windowed[:, :29])
     with dx.CompileCounter() as warm:  # all windows live in one compiled decode program
         dx.generate(model, [rng.integers(0, 128, 99).tolist(), [3, 4]], 20, temperature=0.8, seed=5)
         dx.generate(model, [rng.integers(0, 128, 120).tolist(), [3]], 170)
