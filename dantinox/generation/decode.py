@@ -134,6 +134,27 @@ def decode_windows(cfg, batch_size: int, bound: int | None = None) -> tuple[int,
     return (*windows, S)
 
 
+
+def one_row_windows(cfg) -> list[tuple[int, ...]]:
+    """Every window tuple ``decode_windows(cfg, 1, bound)`` can return, smallest first: what a warm-up
+    compiles so that no one-row request compiles a decode program afterwards."""
+    bounds, width = [None], SINGLE_ROW_WINDOW
+    while width < cfg.max_context:
+        bounds.append(width)
+        width *= 2
+    return sorted({decode_windows(cfg, 1, bound) for bound in bounds}, key=lambda w: w[-1])
+
+
+def warm_decode(model, windows: tuple[int, ...]) -> None:
+    """Compile (by running) the one-row decode loop over ``windows``: a prefill of one token and one decode
+    step, sampled, so every later one-row request of that window compiles nothing (sampling settings, seed and
+    step bound are traced)."""
+    req = _prepare(model, [0], 2, 1.0, 0, 1.0, 0, None)
+    graphdef, params = split_model(model)
+    with mesh_scope(mesh_of(params)):
+        state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+        decode(graphdef, params, state, jnp.int32(2), req.key, req.sampling, req.eos_id, req.fill, windows=windows)
+
 @partial(jax.jit, static_argnames=("graphdef", "windows"), donate_argnames=("state",))
 def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: SamplingParams, eos_id, fill,
            windows: tuple[int, ...] | None = None):

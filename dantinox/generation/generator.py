@@ -36,7 +36,7 @@ from ..runs.stop_ids import read_stop_ids
 from ..runs.tokenizer import StreamDecoder
 from ..xla import CompileCounter
 from .constrained_decode import constrained_result
-from .decode import generate_result, stream_tokens
+from .decode import decode_windows, generate_result, one_row_windows, stream_tokens, warm_decode
 from .grammar import Constraint, constraint_from, grammar_vocabulary
 from .paradigm import generate
 from .prompts import bucket_length
@@ -55,18 +55,24 @@ def prompt_buckets(max_context: int) -> list[int]:
     return buckets
 
 
-def warm_up(model, prompt_lengths: list[int] | None = None) -> None:
+def warm_up(model, prompt_lengths: list[int] | None = None, max_new_tokens: int | None = None) -> None:
     """Compile prefill and the decode loop (batch 1) of an AR model by running them on token 0: one 1-token
-    generation per prompt bucket (prefill only) and one 2-token generation (it enters the decode loop, which
-    a 1-token generation never does). prompt_lengths: the prompt lengths (tokens) to prepare for; None =
-    every bucket up to max_context. The step bound, seed and sampling settings are traced, so later calls
-    with any of them compile nothing."""
+    generation per prompt bucket (prefill only) and one decode step in each attention window a request can
+    use (``decode.one_row_windows``: one window up to max_context 512, then 512, 1024, ... slots).
+    prompt_lengths: the prompt lengths (tokens) to prepare for; None = every bucket up to max_context and
+    every window. With prompt_lengths, the window of the longest prompt + max_new_tokens (None: + 1). The step
+    bound, seed and sampling settings are traced, so later calls with any of them compile nothing."""
     S = model.cfg.max_context
     lengths = prompt_buckets(S) if prompt_lengths is None else sorted(
         {min(bucket_length(n, S), S - 1) for n in prompt_lengths})
     for length in lengths:
         generate_result(model, [0] * length, 1)
-    generate_result(model, [0], 2, temperature=1.0)
+    if prompt_lengths is None:
+        windows = one_row_windows(model.cfg)
+    else:
+        windows = [decode_windows(model.cfg, 1, min(max(prompt_lengths) + (max_new_tokens or 1), S))]
+    for window in windows:
+        warm_decode(model, window)
 
 
 class Generator:
@@ -111,13 +117,14 @@ class Generator:
             self.warm_up()
         self.load_seconds = time.perf_counter() - start
 
-    def warm_up(self, prompt_lengths: list[int] | None = None) -> CompileCounter:
+    def warm_up(self, prompt_lengths: list[int] | None = None, max_new_tokens: int | None = None) -> CompileCounter:
         """Compile what generate / stream will run (see :func:`warm_up`; prompt_lengths None = every prompt
-        bucket). Returns and keeps (``self.warmup``) the CompileCounter. Nothing to do for a diffusion
+        bucket and attention window; max_new_tokens picks the window for the given prompt lengths).
+        Returns and keeps (``self.warmup``) the CompileCounter. Nothing to do for a diffusion
         model (it compiles per (bucket, gen_len, block_size))."""
         if self.cfg.paradigm == "ar":
             with self.warmup:
-                warm_up(self.model, prompt_lengths)
+                warm_up(self.model, prompt_lengths, max_new_tokens)
         return self.warmup
 
     def encode(self, text: str, unknown: str = "error") -> list[int]:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from paths import REPO
 from run_util import make_run
 
@@ -33,8 +34,9 @@ print(json.dumps({"warmup": gen.warmup.compilations, "after": counts, "after_hit
 """
 
 
-def test_generator_warmup_covers_prefill_buckets_and_the_decode_loop(tmp_path):
-    run_dir = make_run(tmp_path / "tiny", attention="gqa", kv_heads=2)  # max_context 64, char tokenizer
+@pytest.mark.parametrize("max_context", [64, 1024])   # 1024: one-row requests decode in 512 or 1024 slots
+def test_generator_warmup_covers_prefill_buckets_and_the_decode_loop(tmp_path, max_context):
+    run_dir = make_run(tmp_path / "tiny", attention="gqa", kv_heads=2, max_context=max_context)  # char tokenizer
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", CHILD, run_dir], env=env, capture_output=True, text=True,
                           timeout=300, cwd=REPO)
