@@ -18,9 +18,11 @@
      alone. Those work with any template (the "grammar-only mode": the tools are rendered when the template
      can, and the grammar does the rest).
   4. "none": the tools are not rendered and the answer is plain content.
-Tool-call ids are "call_" and 24 hex digits. The text of tools, tool calls and tool results the template
-writes counts as template text, so a request whose tools or tool-call arguments hold a special-token text
-("<|im_end|>") is refused with 400 (case K12).
+Each call's ``arguments`` is the model's own text of the arguments object (checked with ``json.loads``, not
+rewritten), so the streamed argument pieces (``ToolParser.partial``, ``partial_forced``: the ``PartialCall``s
+the text so far shows) add up to exactly the whole answer's. Tool-call ids are "call_" and 24 hex digits. The
+text of tools, tool calls and tool results the template writes counts as template text, so a request whose
+tools or tool-call arguments hold a special-token text ("<|im_end|>") is refused with 400 (case K12).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import secrets
 from dataclasses import dataclass
 
 from ..generation.grammar import Constraint, GrammarError, json_schema_constraint
+from .partial_json import PartialObject, scan_objects
 from .request import RequestError
 
 TOOL_PARSERS = ("hermes", "llama3_json")
@@ -176,16 +179,55 @@ def call_body(name: str, arguments, call_id: str | None = None) -> dict:
     return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
+@dataclass(frozen=True)
+class PartialCall:
+    """One tool call as far as the text shows it: name (None until its string is finished), arguments (the raw
+    text of the arguments value so far, None until it starts), done (the arguments value is finished)."""
+
+    name: str | None
+    arguments: str | None
+    done: bool
+
+    def body(self) -> dict:
+        """The OpenAI call of a finished call (arguments "{}" when the model wrote none)."""
+        return call_body(self.name, self.arguments if self.arguments is not None else "{}")
+
+
+def _partial(obj: PartialObject, text: str, keys: tuple) -> PartialCall:
+    """The PartialCall of a scanned call object whose arguments are under the first of ``keys`` it has."""
+    name = None
+    if obj.done("name"):
+        try:
+            value = json.loads(obj.raw(text, "name"))
+        except json.JSONDecodeError:
+            value = None
+        name = value if isinstance(value, str) else None
+    key = next((k for k in keys if k in obj.fields), None)
+    done = obj.done(key) if key is not None else obj.closed
+    return PartialCall(name, obj.raw(text, key) if key is not None else None, done)
+
+
+def partial_forced(text: str, tools: ToolRequest) -> list[PartialCall]:
+    """The calls a grammar-forced answer shows so far: a named function's answer is its arguments object, a
+    "required" answer a JSON array of {"name", "parameters"} objects (``tool_constraint``)."""
+    if tools.choice != "required":
+        body = text.lstrip()
+        objects = scan_objects(body, limit=1)
+        return [PartialCall(tools.choice, body or None, bool(objects) and objects[0].closed)]
+    start = text.find("[")
+    if start < 0:
+        return []
+    return [_partial(obj, text, ("parameters",)) for obj in scan_objects(text, start + 1)]
+
+
 def parse_forced(text: str, tools: ToolRequest) -> list[dict]:
     """The calls of a grammar-forced answer (see ``tool_constraint``); [] when the text is not complete JSON
     (the answer was cut by max_tokens)."""
     try:
-        value = json.loads(text)
+        json.loads(text)
     except json.JSONDecodeError:
         return []
-    if tools.choice != "required":
-        return [call_body(tools.choice, value)]
-    return [call_body(c["name"], c["parameters"]) for c in value]
+    return [call.body() for call in partial_forced(text, tools)]
 
 
 class ToolParser:
@@ -202,6 +244,10 @@ class ToolParser:
         that is or may become a tool call is held back until the answer ends (final)."""
         raise NotImplementedError
 
+    def partial(self, text: str) -> list[PartialCall]:
+        """The calls the answer so far shows, the last possibly unfinished (for streaming)."""
+        raise NotImplementedError
+
 
 class HermesParser(ToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after optional content (Hermes 2 Pro,
@@ -215,7 +261,6 @@ class HermesParser(ToolParser):
         start = text.find(self.START)
         if start < 0:
             return text, []
-        calls = []
         for block in self.BLOCK.findall(text[start:]):
             try:
                 value = json.loads(block)
@@ -223,9 +268,18 @@ class HermesParser(ToolParser):
                 return text, []
             if not isinstance(value, dict) or not isinstance(value.get("name"), str):
                 return text, []
-            calls.append(call_body(value["name"], value.get("arguments", value.get("parameters", {}))))
         content = text[:start]
-        return (content if content.strip() else None), calls
+        return (content if content.strip() else None), [call.body() for call in self.partial(text)]
+
+    def partial(self, text: str) -> list[PartialCall]:
+        calls, at = [], text.find(self.START)
+        while at >= 0:
+            objects = scan_objects(text, at + len(self.START), limit=1)
+            if not objects:
+                break
+            calls.append(_partial(objects[0], text, ("arguments", "parameters")))
+            at = text.find(self.START, at + len(self.START))
+        return calls
 
     def content_end(self, text: str, final: bool) -> int:
         start = text.find(self.START)
@@ -251,7 +305,7 @@ class Llama3JsonParser(ToolParser):
             body = body[len(self.TAG):].strip()
         if not body.startswith("{"):
             return text, []
-        calls, decoder, at = [], json.JSONDecoder(), 0
+        decoder, at = json.JSONDecoder(), 0
         while at < len(body):
             try:
                 value, at = decoder.raw_decode(body, at)
@@ -259,14 +313,22 @@ class Llama3JsonParser(ToolParser):
                 return text, []
             if not isinstance(value, dict) or not isinstance(value.get("name"), str):
                 return text, []
-            calls.append(call_body(value["name"], value.get("parameters", value.get("arguments", {}))))
             rest = body[at:].lstrip()
             if rest and not rest.startswith(";"):
                 return text, []
             at = len(body) - len(rest) + (1 if rest else 0)
             while at < len(body) and body[at].isspace():
                 at += 1
-        return None, calls
+        return None, [call.body() for call in self.partial(text)]
+
+    def partial(self, text: str) -> list[PartialCall]:
+        at = len(text) - len(text.lstrip())
+        if text.startswith(self.TAG, at):
+            at += len(self.TAG)
+            at += len(text[at:]) - len(text[at:].lstrip())
+        if not text.startswith("{", at):
+            return []
+        return [_partial(obj, text, ("parameters", "arguments")) for obj in scan_objects(text, at)]
 
     def content_end(self, text: str, final: bool) -> int:
         head = text.lstrip()

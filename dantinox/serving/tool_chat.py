@@ -5,10 +5,15 @@ becomes the answer, whole or streamed (``dantinox.serving.tool_calls`` has the p
 forces a call ("required" or a named function) and the ``ToolAnswer`` that turns a choice's text into an
 assistant message: {"role": "assistant", "content": text before the calls or None, "tool_calls": [...]} with
 finish_reason "tool_calls" when calls were found, else the plain content with the engine's finish reason.
-``tool_events`` is the streamed form (``chat.completion.chunk`` events): content deltas as the text comes,
-holding back text that is or may become a call; once a choice ends, one ``tool_calls`` delta per call with its
-index, id, type and name (arguments ""), then one with its whole arguments text, then the finish chunk. An
-answer cut by max_tokens ("length") is returned as content: a partial call is not a call.
+``tool_events`` is the streamed form (``chat.completion.chunk`` events), as the OpenAI API sends it: content
+deltas as the text comes, holding back text that is or may become a call; for each call, once its name is
+written, a ``tool_calls`` delta with its index, id, type and name (arguments ""), then ``tool_calls`` deltas
+with the pieces of its arguments text as they are generated (index and arguments only); then the finish chunk
+("tool_calls" when the finished answer holds calls). The pieces add up to the whole answer's arguments (the
+model's raw text, ``tool_calls``). An answer cut by max_tokens ("length") is returned whole as content, since a
+partial call is not a call; streamed, the call's text is sent as far as it was written and the finish_reason
+is "length" (OpenAI's behaviour). Likewise a streamed call that turns out malformed when an "auto" answer
+ends stays sent (finish_reason "stop"), and the held-back text is not sent again as content.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from dataclasses import dataclass
 
 from ..generation.grammar import grammar_vocabulary
 from .request import RequestError
-from .tool_calls import ToolParser, ToolRequest, check_no_special_text, parse_forced, parser_for, tool_constraint
+from .tool_calls import (PartialCall, ToolParser, ToolRequest, check_no_special_text, new_call_id, parse_forced,
+                         parser_for, partial_forced, tool_constraint)
 
 
 @dataclass
@@ -44,6 +50,10 @@ class ToolAnswer:
         if not calls:
             return {"role": "assistant", "content": text}, finish_reason
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    def partial(self, text: str) -> list[PartialCall]:
+        """The calls the text so far shows (for streaming)."""
+        return partial_forced(text, self.tools) if self.parser is None else self.parser.partial(text)
 
     def content_end(self, text: str, final: bool) -> int:
         """Characters of the text so far that can be streamed as content now."""
@@ -90,37 +100,72 @@ async def tool_events(session, request):
 
 
 async def _tool_events(session, request):
-    answer: ToolAnswer = session.tool_answer
-    texts = {c.index: "" for c in session.choices}
-    sent = dict.fromkeys(texts, 0)
+    streams = {c.index: CallStream(session.tool_answer) for c in session.choices}
     for choice in session.choices:
         yield session._chunk(choice.index, {"role": "assistant", "content": ""}, None)
     async for choice, text in session.pieces(request):
         i = choice.index
-        texts[i] += text
         if choice.done and choice.finish_reason == "error":
             yield _event({"error": {"message": choice.error or "generation failed", "type": "server_error",
                                     "param": None, "code": None}})
             continue
-        content, calls = answer.calls(texts[i], choice.finish_reason) if choice.done else (None, [])
-        end = answer.content_end(texts[i], final=choice.done)
-        if calls:  # the text after the content is the calls
-            end = max(sent[i], len(content or ""))
-        if end > sent[i]:
-            yield session._chunk(i, {"content": texts[i][sent[i]:end]}, None)
-            sent[i] = end
-        if not choice.done:
-            continue
-        for k, call in enumerate(calls):
-            head = {"index": k, "id": call["id"], "type": "function",
-                    "function": {"name": call["function"]["name"], "arguments": ""}}
-            yield session._chunk(i, {"tool_calls": [head]}, None)
-            yield session._chunk(i, {"tool_calls": [{"index": k, "function": {
-                "arguments": call["function"]["arguments"]}}]}, None)
-        yield session._chunk(i, {}, "tool_calls" if calls else choice.finish_reason)
+        for delta in streams[i].feed(text, choice.finish_reason if choice.done else None):
+            yield session._chunk(i, delta, None)
+        if choice.done:
+            yield session._chunk(i, {}, "tool_calls" if streams[i].called else choice.finish_reason)
     if session.body.include_usage():
         yield _event(session._object("chat.completion.chunk", [], session._usage()))
     yield "data: [DONE]\n\n"
+
+
+class CallStream:
+    """One choice's streamed answer with tools: its text so far, the content characters sent, and per call
+    streamed its id and the characters of its arguments sent (see the module docstring)."""
+
+    def __init__(self, answer: ToolAnswer):
+        self.answer, self.text, self.sent = answer, "", 0
+        self.ids: list[str] = []
+        self.args_sent: list[str] = []
+        self.called = False  # the finished answer holds calls
+
+    def feed(self, piece: str, finish_reason: str | None) -> list[dict]:
+        """The deltas to send after ``piece`` (finish_reason: None while the choice goes on, else its reason)."""
+        self.text += piece
+        if finish_reason is None:
+            partial, end = self.answer.partial(self.text), self.answer.content_end(self.text, final=False)
+        else:
+            content, calls = self.answer.calls(self.text, finish_reason)
+            self.called = bool(calls)
+            partial = [PartialCall(c["function"]["name"], c["function"]["arguments"], True) for c in calls]
+            if calls:
+                end = len(content or "")
+            elif self.ids:  # a call already streamed, then cut (or malformed): its last piece, no content
+                partial, end = self.answer.partial(self.text), self.sent
+            else:  # no call after all: the held-back text is content
+                end = self.answer.content_end(self.text, final=True)
+        deltas = []
+        if end > self.sent:
+            deltas.append({"content": self.text[self.sent:end]})
+            self.sent = end
+        return deltas + self._call_deltas(partial)
+
+    def _call_deltas(self, partial: list[PartialCall]) -> list[dict]:
+        """A head delta (index, id, type, name, arguments "") when a call's name is known, then each new piece
+        of its arguments text."""
+        deltas = []
+        for k, call in enumerate(partial):
+            if k == len(self.ids):
+                if call.name is None:
+                    break
+                self.ids.append(new_call_id())
+                self.args_sent.append("")
+                deltas.append({"tool_calls": [{"index": k, "id": self.ids[k], "type": "function",
+                                               "function": {"name": call.name, "arguments": ""}}]})
+            args, sent = call.arguments or "", self.args_sent[k]
+            if len(args) > len(sent) and args.startswith(sent):
+                deltas.append({"tool_calls": [{"index": k, "function": {"arguments": args[len(sent):]}}]})
+                self.args_sent[k] = args
+        return deltas
 
 
 def _event(body: dict) -> str:

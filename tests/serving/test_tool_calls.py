@@ -19,6 +19,7 @@ from dantinox.serving.engine import EngineConfig, PagedEngine
 from dantinox.serving.request import RequestError
 from dantinox.serving.server import ServerThread, create_app
 from dantinox.serving.tool_calls import HermesParser, Llama3JsonParser, parse_tool_request, parser_for
+from dantinox.serving.tool_chat import CallStream, ToolAnswer
 
 # A small Hermes / Qwen style template: the tools in a system turn (by name only, to keep the prompt within the
 # tiny model's context), assistant tool calls in <tool_call> tags, tool results as <tool_response> in a user turn.
@@ -103,18 +104,21 @@ def test_streamed_tool_calls_equal_the_whole_answer(client):
     kwargs = dict(model="tiny-tools", messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0,
                   seed=7, max_tokens=120, parallel_tool_calls=False)
     whole = client.chat.completions.create(**kwargs).choices[0]
-    calls, reasons = {}, []
+    calls, reasons, pieces = {}, [], 0
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         delta = chunk.choices[0].delta
         reasons.append(chunk.choices[0].finish_reason)
         for part in delta.tool_calls or []:
             entry = calls.setdefault(part.index, {"name": "", "arguments": "", "id": None})
+            assert (part.id is None) == (entry["id"] is not None)  # the id and name come once, first
             entry["id"] = part.id or entry["id"]
             entry["name"] += (part.function.name or "") if part.function else ""
             entry["arguments"] += (part.function.arguments or "") if part.function else ""
+            pieces += bool(part.function and part.function.arguments)
     assert reasons[-1] == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]  # same seed: the same text
+    assert pieces > len(calls)  # the arguments came in pieces as they were generated, not whole at the end
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
@@ -214,3 +218,74 @@ def test_parser_choice_template_support_and_request_checks():
     with pytest.raises(RequestError) as err:
         parse_tool_request({"tools": TOOLS + TOOLS[:1]})
     assert err.value.field == "tools"
+
+
+def stream_by_characters(answer, text, finish_reason="stop"):
+    """(content, [(id, name, arguments)], number of argument pieces) of ``text`` fed to a CallStream one
+    character at a time, as the OpenAI client's stream helper would add the deltas up."""
+    stream, content, calls, pieces = CallStream(answer), "", {}, 0
+    for i, ch in enumerate(text):
+        for delta in stream.feed(ch, finish_reason if i == len(text) - 1 else None):
+            content += delta.get("content", "")
+            for part in delta.get("tool_calls", []):
+                entry = calls.setdefault(part["index"], ["", "", ""])
+                if "id" in part:
+                    assert entry == ["", "", ""]  # the head comes first and once
+                    entry[0], entry[1] = part["id"], part["function"]["name"]
+                else:
+                    pieces += 1
+                entry[2] += part["function"]["arguments"]
+    return content, [tuple(calls[k]) for k in sorted(calls)], pieces, stream.called
+
+
+@pytest.mark.parametrize("choice, parser, text, want_content, want", [
+    ("auto", HermesParser(), 'Vediamo.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Roma", '
+     '"unit": "C"}}\n</tool_call><tool_call>{"arguments": {"zone": -3}, "name": "get_time"}</tool_call>',
+     "Vediamo.\n", [("get_weather", '{"city": "Roma", "unit": "C"}'), ("get_time", '{"zone": -3}')]),
+    ("auto", Llama3JsonParser(), '<|python_tag|>{"name": "get_time", "parameters": {"zone": 12}}; {"name": '
+     '"get_weather", "parameters": {"unit": "F", "city": "Roma"}}', "",
+     [("get_time", '{"zone": 12}'), ("get_weather", '{"unit": "F", "city": "Roma"}')]),
+    ("required", None, '[{"name": "get_weather", "parameters": {"city": "Firenze", "unit": "C"}}, {"name": '
+     '"get_time", "parameters": {"zone": 0}}]', "",
+     [("get_weather", '{"city": "Firenze", "unit": "C"}'), ("get_time", '{"zone": 0}')]),
+    ("get_time", None, '{"zone": 14}', "", [("get_time", '{"zone": 14}')]),
+])
+def test_streamed_deltas_add_up_to_the_parsed_calls(choice, parser, text, want_content, want):
+    answer = ToolAnswer(parse_tool_request({"tools": TOOLS, "tool_choice": choice if choice in ("auto", "required")
+                                            else {"type": "function", "function": {"name": choice}}}), parser)
+    content, calls, pieces, called = stream_by_characters(answer, text)
+    assert called and content == want_content
+    assert [(name, args) for _, name, args in calls] == want  # the raw argument text, exactly
+    assert all(i.startswith("call_") for i, _, _ in calls) and len({i for i, _, _ in calls}) == len(calls)
+    assert pieces > len(want)  # pieces as the text comes (arguments written before the name come at once)
+    whole, parsed = answer.calls(text, "stop")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parsed] == want
+    for _, name, args in calls:
+        jsonschema.validate(json.loads(args), SCHEMAS[name])
+
+
+def test_streamed_content_without_calls_and_a_cut_call():
+    auto = ToolAnswer(parse_tool_request({"tools": TOOLS}), HermesParser())
+    assert stream_by_characters(auto, "Fa bel tempo <tool") == ("Fa bel tempo <tool", [], 0, False)
+    forced = ToolAnswer(parse_tool_request({"tools": TOOLS, "tool_choice": "required"}), None)
+    content, calls, _, called = stream_by_characters(forced, '[{"name": "get_time", "parameters": {"zo', "length")
+    assert content == "" and not called  # the part already streamed stays: OpenAI's finish_reason "length"
+    assert calls[0][1:] == ("get_time", '{"zo')
+    assert forced.message('[{"name": "get_time", "parameters": {"zo', "length") == (
+        {"role": "assistant", "content": '[{"name": "get_time", "parameters": {"zo'}, "length")
+
+
+def test_partial_json_spans_against_json_loads():
+    from dantinox.serving.partial_json import scan_objects
+    calls = [{"name": "f.x", "parameters": {"s": "a\"}{,]", "n": [1, {"k": None}], "e": "\u00e8\\"}},
+             {"parameters": {}, "name": "g"}]
+    text = "[" + ", ".join(json.dumps(c, ensure_ascii=False) for c in calls) + "]"
+    final = scan_objects(text, 1)
+    assert [json.loads(o.raw(text, "parameters")) for o in final] == [c["parameters"] for c in calls]
+    assert [json.loads(o.raw(text, "name")) for o in final] == ["f.x", "g"] and all(o.closed for o in final)
+    for cut in range(1, len(text)):  # every prefix: each span so far is a prefix of its final text
+        for obj, whole in zip(scan_objects(text[:cut], 1), final):
+            for key in obj.fields:
+                assert whole.raw(text, key).startswith(obj.raw(text[:cut], key))
+                assert obj.done(key) == (whole.fields[key][1] <= cut)
+    assert scan_objects('{"a" 1}')[0].broken and scan_objects('{1: 2}')[0].broken
