@@ -16,11 +16,11 @@ stream_options.include_usage, n, ignore_eos (vLLM's extension), user (ignored), 
 fields (response_format, structured_outputs, guided_*: ``dantinox.serving.structured_request``), tools,
 tool_choice and parallel_tool_calls (``dantinox.serving.tool_calls``, ``tool_chat``), with ``role: tool``
 messages and assistant messages that carry ``tool_calls``. Fields this server does not implement (logprobs,
-top_logprobs, penalties, logit_bias) are rejected
-with 400 naming the field unless they hold their no-op value. A model without a template answers 400
-(param "model"), a message with an unknown role 400 naming ``messages[i].role``. The conversation is rendered
-and encoded in a worker thread, and a rendered prompt too long for the context by its characters alone is
-refused (400 on "messages") before it is encoded (``dantinox.serving.request_limits``).
+top_logprobs, penalties, logit_bias) are rejected with 400 naming the field unless they hold their no-op
+value. A model without a template answers 400 (param "model"), a message with an unknown role 400 naming
+``messages[i].role``. The conversation is rendered and encoded in a worker thread, and a rendered prompt too
+long for the context by its characters alone is refused (400 on "messages") before it is encoded
+(``dantinox.serving.request_limits``).
 """
 
 from __future__ import annotations
