@@ -19,6 +19,7 @@ from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize
 from ..runs.chat import require_chat_format
+from .structured import constraint_kwargs
 
 DEFAULT_CHAT_TOKENS = 256
 
@@ -63,6 +64,7 @@ def run_chat(args) -> int:
     except CapacityError as err:
         given = "--chat and --system" if args.system is not None else "--chat"
         raise CapacityError(f"{given}: {err}") from None
+    constraint = constraint_kwargs(args, gen)  # --json-schema / --regex / --grammar (cli/structured.py)
     started = time.perf_counter()
     gen.warm_up([len(ids)])
     gen.load_seconds += time.perf_counter() - started
@@ -70,7 +72,7 @@ def run_chat(args) -> int:
     start = time.perf_counter()
     answer = gen.chat(messages, args.max_new_tokens or DEFAULT_CHAT_TOKENS, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, unknown=args.unknown,
-                      ignore_eos=args.ignore_eos)
+                      ignore_eos=args.ignore_eos, **constraint)
     print(answer)
     print(f"[dantinox] prompt {len(ids)} tokens after the chat template, answered in "
           f"{time.perf_counter() - start:.2f} s", file=sys.stderr)

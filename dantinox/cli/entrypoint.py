@@ -43,6 +43,7 @@ from .flags import (
     initialize_from_args,
 )
 from .generate import _add_diffusion, _add_sampling, cmd_generate
+from .structured import add_constraint_arguments
 from .verify import cmd_verify
 
 USER_ERRORS = (ValueError, ConfigError, CapacityError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantize_argument(gen)
     _add_sampling(gen)
     _add_diffusion(gen)
+    add_constraint_arguments(gen)
     add_mesh_argument(gen)
     add_distributed_arguments(gen)
     gen.set_defaults(func=cmd_generate)

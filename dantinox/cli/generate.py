@@ -6,7 +6,8 @@ runs the command through ``dantinox.generation.generator.Generator``, and ``--ch
 ``dantinox.cli.chat``. Every flag is checked before the prompt is printed (bad values, options of the other
 paradigm, --stream with --no_cache, a prompt plus --max_new_tokens beyond the context): one line, exit 2.
 Without --max_new_tokens an autoregressive model generates DEFAULT_NEW_TOKENS, or what is left of the
-context if less; a diffusion model generates --gen_len (default DEFAULT_GEN_LEN). An autoregressive model stops
+context if less; a diffusion model generates --gen_len (default DEFAULT_GEN_LEN). --json-schema, --regex and
+--grammar constrain the text (``dantinox.cli.structured``). An autoregressive model stops
 early at the run's stop ids (its end-of-turn / end-of-text tokens, not printed; case K11) unless --ignore_eos.
 The text goes to stdout, the load, warm-up and speed lines to stderr.
 """
@@ -24,6 +25,7 @@ from ..generation.sampling import make_sampling_params
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize
+from .structured import constraint_kwargs
 
 DEFAULT_NEW_TOKENS = 200
 
@@ -78,6 +80,7 @@ def cmd_generate(args) -> int:
         gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
                         quantize=check_quantize(args.quantize, "--quantize"))
     ids = gen.encode(args.prompt, args.unknown)
+    constraint = constraint_kwargs(args, gen)  # --json-schema / --regex / --grammar (cli/structured.py)
     if gen.cfg.paradigm == "diffusion":
         return _generate_diffusion(args, gen, ids)
     given = [f"--{k}" for k in DIFFUSION_ARGS if getattr(args, k, None) is not None]
@@ -104,7 +107,7 @@ def cmd_generate(args) -> int:
         for piece, tokens, reason in gen.stream_completion(args.prompt, args.max_new_tokens, **kwargs):  # noqa: B007
             print(piece, end="", flush=True)  # the last item's count and finish reason are reported below
     else:
-        done = gen.complete(args.prompt, args.max_new_tokens, use_cache=not args.no_cache, **kwargs)
+        done = gen.complete(args.prompt, args.max_new_tokens, use_cache=not args.no_cache, **kwargs, **constraint)
         print(done.text, end="")
         tokens, reason = done.tokens, done.finish_reason
     print()

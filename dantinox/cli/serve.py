@@ -92,6 +92,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-log", default=None,
                    help="append one JSONL line per finished request (a trace for dantinox plan --trace)")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: run dir name)")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="the tool-call syntax chat answers are read in (default: the one the chat template shows; "
+                        "docs/structured-outputs.md)")
     p.add_argument("--config", default=None, help="YAML/JSON file of serve flags (e.g. a plan's serve.yaml); "
                    "flags given on the command line win")
     add_quantize_argument(p)
@@ -299,7 +302,8 @@ def run_serve(args: argparse.Namespace) -> int:
         counted = engine.warmup()
         log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,
                  counted.cache_hits, counted.seconds)
-    app = create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args), max_request_bytes(args))
+    app = create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args), max_request_bytes(args),
+                     tool_parser=args.tool_call_parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=uvicorn_log_config(),
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     log.info("listening on http://%s:%d (Ctrl-C to stop)", args.host, args.port)

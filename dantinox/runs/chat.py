@@ -44,15 +44,17 @@ class ChatFormat:
     template: ChatTemplate
     stop_ids: tuple
 
-    def prompt_ids(self, messages, tokenizer, unknown: str = "error", before_encoding=None) -> list[int]:
+    def prompt_ids(self, messages, tokenizer, unknown: str = "error", before_encoding=None,
+                   tools: list | None = None) -> list[int]:
         """Render ``messages`` with add_generation_prompt and encode the text with ``tokenizer`` (a dantinox
         TextTokenizer): special tokens in the template's own text become their ids, text inside a message's
         content stays text (see the module docstring). unknown: as ``TextTokenizer.encode``.
         before_encoding: called with the rendered prompt's length in characters before it is encoded (the
         server refuses there a prompt that cannot fit the context); it may raise.
         Raises ChatTemplateError naming the message field, or for an empty rendering; ValueError for unknown
-        characters of a char tokenizer."""
-        pieces = self.template.render_segments(messages, add_generation_prompt=True)
+        characters of a char tokenizer. tools: tool definitions for the template's ``tools`` variable (their text
+        counts as the template's: callers refuse special-token text in them)."""
+        pieces = self.template.render_segments(messages, add_generation_prompt=True, tools=tools)
         if not pieces:
             raise ChatTemplateError("the chat template rendered an empty prompt")
         if before_encoding is not None:

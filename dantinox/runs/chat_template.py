@@ -4,9 +4,10 @@ A model's chat template is a Jinja2 template (tokenizer_config.json's ``chat_tem
 ``tokenizer.chat_template``), rendered the way Hugging Face transformers' ``apply_chat_template`` does:
   - a sandboxed, immutable Jinja2 environment with ``trim_blocks`` and ``lstrip_blocks`` on and the
     ``loopcontrols`` extension ({% break %}, {% continue %});
-  - the context holds ``messages`` (a list of {"role", "content"} dicts), ``add_generation_prompt``, the
-    special tokens as text (``bos_token``, ``eos_token``, ``unk_token``, ``pad_token``), ``tools`` and
-    ``documents`` (None here);
+  - the context holds ``messages`` (a list of {"role", "content"} dicts; an assistant turn may carry
+    ``tool_calls`` with its arguments as a dict, a tool turn ``tool_call_id`` and ``name``),
+    ``add_generation_prompt``, the special tokens as text (``bos_token``, ``eos_token``, ``unk_token``,
+    ``pad_token``), ``tools`` (the request's tool definitions, or None) and ``documents`` (None here);
   - helpers ``raise_exception(message)`` (raises :class:`ChatTemplateError`), ``strftime_now(format)``, and a
     ``tojson`` filter that keeps non-ASCII text (``ensure_ascii=False``).
 Messages are checked before rendering: every role must be one of ROLES and every content a string (or a list
@@ -68,7 +69,45 @@ def normalize_messages(messages, field_name: str = "messages") -> list[dict]:
         role = message.get("role")
         if role not in ROLES:
             raise ChatTemplateError(f"{where}.role={role!r} is not allowed: one of {list(ROLES)}", f"{where}.role")
-        out.append({"role": role, "content": _content_text(message.get("content"), f"{where}.content")})
+        content = message.get("content")
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if content is None and calls:  # an assistant turn that only called tools
+            content = ""
+        checked = {"role": role, "content": _content_text(content, f"{where}.content")}
+        if calls:
+            checked["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        for key in ("tool_call_id", "name") if role == "tool" else ():
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise ChatTemplateError(f"{where}.{key}={message[key]!r} is not allowed: a string",
+                                            f"{where}.{key}")
+                checked[key] = message[key]
+        out.append(checked)
+    return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's OpenAI ``tool_calls`` as chat templates read them (transformers' convention):
+    [{"id", "type": "function", "function": {"name", "arguments": a dict}}], the arguments JSON text parsed."""
+    if not isinstance(calls, list):
+        raise ChatTemplateError(f"{where}={calls!r} is not allowed: a list of tool calls", where)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatTemplateError(f"{where}[{j}]={call!r} is not allowed: {{'type': 'function', 'function': "
+                                    "{'name': ..., 'arguments': ...}}", f"{where}[{j}]")
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ChatTemplateError(f"{where}[{j}].function.arguments is not valid JSON: {err}",
+                                        f"{where}[{j}].function.arguments") from None
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
     return out
 
 
@@ -119,15 +158,25 @@ class ChatTemplate:
         except TemplateError as err:
             raise ChatTemplateError(f"the chat template does not parse: {err}") from None
 
-    def render(self, messages, add_generation_prompt: bool = True) -> str:
+    def render(self, messages, add_generation_prompt: bool = True, tools: list | None = None) -> str:
         """The prompt text of ``messages`` (see :func:`normalize_messages`); with add_generation_prompt the
-        text ends where the assistant's answer begins (for ChatML: "<|im_start|>assistant\\n").
+        text ends where the assistant's answer begins (for ChatML: "<|im_start|>assistant\\n"). tools: the
+        OpenAI tool definitions ([{"type": "function", "function": {...}}]) the template's ``tools`` variable
+        gets (None: no tools).
 
         Raises ChatTemplateError for bad messages or a template error (message included).
         """
-        return self._render(normalize_messages(messages), add_generation_prompt)
+        return self._render(normalize_messages(messages), add_generation_prompt, tools)
 
-    def render_segments(self, messages, add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+    @property
+    def supports_tools(self) -> bool:
+        """True when the template reads the ``tools`` variable (it can show tool definitions to the model)."""
+        from jinja2 import meta
+
+        return "tools" in meta.find_undeclared_variables(self._template.environment.parse(self.source))
+
+    def render_segments(self, messages, add_generation_prompt: bool = True,
+                        tools: list | None = None) -> list[tuple[str, bool]]:
         """The rendering of ``messages`` as pieces [(text, from_content)] whose texts joined equal
         :meth:`render`'s; from_content is True for the template's rendering of a message's content (see the
         module docstring for how the pieces are found, exactly). Empty pieces are left out.
@@ -136,12 +185,13 @@ class ChatTemplate:
         the contents (naming the message).
         """
         checked = normalize_messages(messages)
-        real = self._render(checked, add_generation_prompt)
+        real = self._render(checked, add_generation_prompt, tools)
         nonce = secrets.randbelow(10**12)
         while any(f"\ue000{nonce}:" in text for text in [self.source] + [m["content"] for m in checked]):
             nonce = secrets.randbelow(10**12)  # a placeholder must be a text that nothing else holds
         marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(checked))]
-        masked = self._render([dict(m, content=mark) for m, mark in zip(checked, marks)], add_generation_prompt)
+        masked = self._render([dict(m, content=mark) for m, mark in zip(checked, marks)], add_generation_prompt,
+                              tools)
         parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", masked)  # template text, message index, template text...
         pieces = [p if n % 2 == 0 else int(p) for n, p in enumerate(parts)]
         segments = _assemble(pieces, [m["content"] for m in checked])
@@ -149,7 +199,7 @@ class ChatTemplate:
             return segments
         rendered = {}
         for i in sorted({p for p in pieces if isinstance(p, int)}):
-            rendered[i] = self._rendered_content(checked, marks, i, masked, add_generation_prompt)
+            rendered[i] = self._rendered_content(checked, marks, i, masked, add_generation_prompt, tools)
         segments = _assemble(pieces, rendered)
         if "".join(text for text, _ in segments) != real:
             raise ChatTemplateError("the chat template's text around the message contents depends on the "
@@ -157,7 +207,8 @@ class ChatTemplate:
                                     "special tokens; this template is not supported")
         return segments
 
-    def _rendered_content(self, checked: list, marks: list, i: int, masked: str, add_generation_prompt) -> str:
+    def _rendered_content(self, checked: list, marks: list, i: int, masked: str, add_generation_prompt,
+                          tools: list | None = None) -> str:
         """What the template makes of message i's content: the rendering with that content real and the others
         as placeholders, less the template text around placeholder i (ChatTemplateError when that text is not
         there, or the content is rendered more than once)."""
@@ -168,21 +219,21 @@ class ChatTemplate:
                                     "special tokens; this template is not supported", where)
         before, after = masked.split(marks[i])
         one = self._render([m if j == i else dict(m, content=marks[j]) for j, m in enumerate(checked)],
-                           add_generation_prompt)
+                           add_generation_prompt, tools)
         if not (one.startswith(before) and one.endswith(after) and len(one) >= len(before) + len(after)):
             raise ChatTemplateError(f"{where}: the chat template's text around this content depends on the "
                                     "content, so text in a message cannot be kept apart from the template's "
                                     "special tokens; this template is not supported", where)
         return one[len(before):len(one) - len(after)]
 
-    def _render(self, checked: list, add_generation_prompt: bool) -> str:
+    def _render(self, checked: list, add_generation_prompt: bool, tools: list | None = None) -> str:
         from jinja2 import TemplateError
 
         context = {"bos_token": None, "eos_token": None, "unk_token": None, "pad_token": None,
                    **self.special_tokens}
         try:
             return self._template.render(messages=checked, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **context)
+                                         tools=tools, documents=None, **context)
         except ChatTemplateError:
             raise
         except TemplateError as err:

@@ -12,6 +12,10 @@
   completions.py                 /v1/completions: validation, choices, stop strings, disconnects
   chat_endpoint.py               /v1/chat/completions
   request_limits.py              the request body limit (413); a prompt over the context by its characters
+  grammar_rows.py                structured outputs in the engine: matchers, the step's token mask
+  structured_request.py          response_format / structured_outputs / guided_* -> a constraint
+  tool_calls.py / tool_chat.py   tools, tool_choice, tool-call parsers and the forcing grammar; the
+                                 chat answer with tool_calls, whole or streamed
   metrics.py / protocol.py       Prometheus metrics; the completions request/response format
 
 ``dantinox serve`` lives in ``dantinox/cli/serve.py``. The HTTP modules (server, completions, chat_endpoint,

@@ -12,12 +12,15 @@ completions``): stop strings, n choices with seeds seed + i, streaming, client d
 Like a completion, each choice stops at the model's stop ids (counted in usage, not shown; finish_reason
 "stop"), unless the request sets ignore_eos. Supported fields: model, messages, max_tokens,
 max_completion_tokens, temperature (default 1.0), top_p, top_k (an extension), seed, stop, stream,
-stream_options.include_usage, n, ignore_eos (vLLM's extension), user (ignored). Fields this server does
-not implement (tools, tool_choice, response_format, logprobs, top_logprobs, penalties, logit_bias) are rejected
-with 400 naming the field unless they hold their no-op value. A model without a template answers 400
-(param "model"), a message with an unknown role 400 naming ``messages[i].role``. The conversation is rendered
-and encoded in a worker thread, and a rendered prompt too long for the context by its characters alone is
-refused (400 on "messages") before it is encoded (``dantinox.serving.request_limits``).
+stream_options.include_usage, n, ignore_eos (vLLM's extension), user (ignored), and the structured-output
+fields (response_format, structured_outputs, guided_*: ``dantinox.serving.structured_request``), tools,
+tool_choice and parallel_tool_calls (``dantinox.serving.tool_calls``, ``tool_chat``), with ``role: tool``
+messages and assistant messages that carry ``tool_calls``. Fields this server does not implement (logprobs,
+top_logprobs, penalties, logit_bias) are rejected with 400 naming the field unless they hold their no-op
+value. A model without a template answers 400 (param "model"), a message with an unknown role 400 naming
+``messages[i].role``. The conversation is rendered and encoded in a worker thread, and a rendered prompt too
+long for the context by its characters alone is refused (400 on "messages") before it is encoded
+(``dantinox.serving.request_limits``).
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from .completions import _Completion
 from .protocol import MAX_CHOICES, MAX_STOP_STRINGS, SamplingRequest, error_body
 from .request import RequestError, SamplingOptions
 from .request_log import slice_from
+from .structured_request import request_constraint
+from .tool_calls import parse_tool_request
+from .tool_chat import prepare_tools, tool_events
 
 # fields this endpoint does not implement -> the values that change nothing
-UNSUPPORTED_CHAT_FIELDS = {"tools": (None, []), "tool_choice": (None, "none"), "response_format": (None,),
-                           "logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0),
+UNSUPPORTED_CHAT_FIELDS = {"logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0),
                            "presence_penalty": (None, 0), "logit_bias": (None, {}), "functions": (None, []),
                            "audio": (None,), "modalities": (None, ["text"])}
 
@@ -91,9 +96,15 @@ class _ChatCompletion(_Completion):
             body["usage"] = usage
         return body
 
+    tool_answer = None  # a tool_chat.ToolAnswer when the request has tools (set by the route)
+
     def _final_body(self, texts: dict[int, str]) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": texts[c.index]},
-                    "logprobs": None, "finish_reason": c.finish_reason} for c in self.choices]
+        if self.tool_answer is not None:  # tool calls parsed from the text (tool_chat)
+            answers = [self.tool_answer.message(texts[c.index], c.finish_reason) for c in self.choices]
+        else:
+            answers = [({"role": "assistant", "content": texts[c.index]}, c.finish_reason) for c in self.choices]
+        choices = [{"index": c.index, "message": message, "logprobs": None, "finish_reason": reason}
+                   for c, (message, reason) in zip(self.choices, answers)]
         return self._object("chat.completion", choices, self._usage())
 
     def _chunk(self, index: int, delta: dict, finish_reason: str | None) -> str:
@@ -101,6 +112,10 @@ class _ChatCompletion(_Completion):
         return _event(self._object("chat.completion.chunk", [choice], None))
 
     async def sse(self, request: HttpRequest | None = None):
+        if self.tool_answer is not None:  # content and tool_calls deltas (tool_chat)
+            async for event in tool_events(self, request):
+                yield event
+            return
         try:
             for choice in self.choices:
                 yield self._chunk(choice.index, {"role": "assistant", "content": ""}, None)
@@ -125,10 +140,11 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def add_chat_route(app, service, chat_format) -> None:
+def add_chat_route(app, service, chat_format, tool_parser: str | None = None) -> None:
     """Register ``POST /v1/chat/completions`` on ``app``. service: the app's completions service (worker,
     tokenizer, model name, max_context); chat_format: a ``dantinox.runs.chat.ChatFormat`` or None (then every chat
-    request answers 400 naming the reason)."""
+    request answers 400 naming the reason); tool_parser: the tool-call syntax to read (one of
+    ``tool_calls.TOOL_PARSERS``), None: the one the template shows."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: HttpRequest):
@@ -136,7 +152,8 @@ def add_chat_route(app, service, chat_format) -> None:
             service.metrics.rejected(reason="unavailable")
             return JSONResponse(error_body("the engine is not running", None, "server_error"), status_code=503)
         try:  # rendering and tokenizing in a worker thread: the event loop keeps serving (request_limits)
-            prompt_ids, options = await asyncio.to_thread(_prepare, service, chat_format, body)
+            prompt_ids, options, tool_answer = await asyncio.to_thread(_prepare, service, chat_format, body,
+                                                                       tool_parser)
         except RequestError as err:
             service.metrics.rejected(err)
             return JSONResponse(error_body(str(err), err.field), status_code=400)
@@ -145,6 +162,7 @@ def add_chat_route(app, service, chat_format) -> None:
         if refused is not None:
             return refused
         session = _ChatCompletion(service, cid, rids, len(prompt_ids), body, events)
+        session.tool_answer = tool_answer
         if body.stream:
             return StreamingResponse(session.sse(request), media_type="text/event-stream")
         return await session.respond(request)
@@ -158,8 +176,9 @@ def _as_messages_error(err: Exception) -> Exception:
     return err
 
 
-def _prepare(service, chat_format, body: ChatCompletionRequest) -> tuple[list[int], list[SamplingOptions]]:
-    """(prompt ids, one SamplingOptions per choice). Raises RequestError naming the field."""
+def _prepare(service, chat_format, body: ChatCompletionRequest, tool_parser: str | None = None) -> tuple:
+    """(prompt ids, one SamplingOptions per choice, the ToolAnswer or None). Raises RequestError naming the
+    field."""
     if chat_format is None:
         raise RequestError("model", f"model {service.model_name!r} has no chat template, so it cannot answer "
                            "chat requests: use /v1/completions with a plain prompt")
@@ -167,11 +186,14 @@ def _prepare(service, chat_format, body: ChatCompletionRequest) -> tuple[list[in
     if body.model is not None and body.model != service.model_name:
         raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
                            f"{service.model_name!r}")
+    tools = parse_tool_request(body.model_extra)  # tools, tool_choice, parallel_tool_calls (tool_calls)
+    rendered, tool_grammar, tool_answer = prepare_tools(tools, chat_format, service, body.messages, tool_parser)
+
     def fits(num_chars: int) -> None:
         service.length_bound.check(num_chars, "messages", "the prompt rendered from messages")
 
     try:
-        prompt_ids = chat_format.prompt_ids(body.messages, service.tokenizer, before_encoding=fits)
+        prompt_ids = chat_format.prompt_ids(body.messages, service.tokenizer, before_encoding=fits, tools=rendered)
     except ChatTemplateError as err:
         raise RequestError(err.field, str(err)) from None
     field, limit = body.token_limit()
@@ -180,6 +202,12 @@ def _prepare(service, chat_format, body: ChatCompletionRequest) -> tuple[list[in
     elif limit < 1:
         raise RequestError(field, f"{field}={limit} is not allowed: an integer >= 1")
     seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
+    constraint = request_constraint(body.model_extra, service.tokenizer, service.stop_ids)  # structured outputs
+    if tool_grammar is not None and constraint is not None:
+        raise RequestError("tool_choice", "tool_choice 'required' or a named function forces a tool call, which "
+                           "cannot also follow response_format / structured_outputs: give one of them")
+    constraint = constraint or tool_grammar
     return prompt_ids, [SamplingOptions(max_new_tokens=limit, temperature=body.temperature, top_k=body.top_k,
                                         top_p=body.top_p, seed=(seed + i) % 2**32,
-                                        stop_token_ids=service.stops_for(body)) for i in range(body.n)]
+                                        stop_token_ids=service.stops_for(body), constraint=constraint)
+                        for i in range(body.n)], tool_answer

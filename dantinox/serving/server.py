@@ -60,7 +60,8 @@ log = logging.getLogger("dantinox.serving")
 
 
 def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None,
-               stop_ids=None, request_log=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               stop_ids=None, request_log=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               tool_parser: str | None = None) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
     engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
@@ -69,6 +70,8 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     read_stop_ids``); None: chat_format's stop_ids, or none without a chat format.
     request_log: a ``request_log.RequestLog`` (one line per finished request; closed with the app) or None.
     max_request_bytes: the largest request body accepted (bytes); a larger one is answered 413.
+    tool_parser: the tool-call syntax chat answers are read in ("hermes" or "llama3_json",
+    ``dantinox.serving.tool_calls``); None: the one the chat template shows.
     Raises ValueError for a max_request_bytes below 1.
     """
     check_max_bytes(max_request_bytes, "max_request_bytes")
@@ -109,7 +112,7 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     async def completions(body: CompletionRequest, request: HttpRequest):
         return await service.complete(body, request)
 
-    add_chat_route(app, service, chat_format)
+    add_chat_route(app, service, chat_format, tool_parser)
 
     @app.get("/v1/models")
     async def models():

@@ -154,7 +154,6 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.mark.xfail(reason="chat structured outputs are in a later commit of the s21 branch, not merged", strict=False)
 def test_chat_response_format_json_schema_plain_streamed_and_n(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "birth", "schema": SCHEMA, "strict": True}}
     done = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, response_format=fmt,
@@ -180,7 +179,6 @@ class Birth(BaseModel):
     sure: bool
 
 
-@pytest.mark.xfail(reason="chat structured outputs are in a later commit of the s21 branch, not merged", strict=False)
 def test_openai_parse_with_a_pydantic_model(client):
     parsed = client.chat.completions.parse(model="tiny-chat", messages=MESSAGES, response_format=Birth,
                                            temperature=1.0, seed=11, max_tokens=60)
@@ -223,8 +221,6 @@ def test_completions_guided_fields_and_structured_outputs(client):
     ("completions", {"structured_outputs": {}}, "structured_outputs"),
 ])
 def test_bad_constraints_answer_400_naming_the_field(server, path, extra, field):
-    if path == "chat":
-        pytest.xfail("chat structured outputs are in a later commit of the s21 branch, not merged")
     body = {"model": "tiny-chat", "max_tokens": 4, **extra}
     body.update({"messages": MESSAGES} if path == "chat" else {"prompt": "Nel"})
     url = server.url + ("/v1/chat/completions" if path == "chat" else "/v1/completions")
