@@ -12,6 +12,7 @@ from serving_util import chunked_paged_run, drain, greedy, lively_model, make_en
 from test_serving_engine import check_resumed_requests_reprefilled, run_k08_schedule
 
 import dantinox as dx
+from dantinox.budget import kv_sink_bytes
 from dantinox.cli import entrypoint as cli
 from dantinox.cli.serve import build_engine, kv_summary
 from dantinox.runs.run_dir import save_run
@@ -63,14 +64,16 @@ def test_int8_paged_logits_equal_the_int8_static_cache_ragged_chunked(kind):
 def test_int8_pool_bytes_include_the_scale_blocks(kind):
     cfg = tiny_config(cache_dtype="int8", **KINDS[kind])
     pool = init_pool(cfg, 7, P)
-    assert pool_nbytes(pool) == 7 * block_bytes(cfg, P) == 7 * P * dx.kv_bytes_per_token(cfg)
+    sinks = kv_sink_bytes(cfg)                    # each block's float32 sink rows (K13)
+    assert sinks > 0
+    assert pool_nbytes(pool) == 7 * block_bytes(cfg, P) == 7 * (P * dx.kv_bytes_per_token(cfg) + sinks)
     layer = pool[0]
     assert layer[0].dtype == jnp.int8 and layer[2].dtype == jnp.float32 and layer[2].shape[:2] == (7, P)
     assert layer[2].shape[-1] == 1
 
 
 def filled_pool(cfg, n):
-    """An int8 pool whose every array holds distinct nonzero values (rows and scales)."""
+    """An int8 pool whose every array holds distinct nonzero values (rows, scales and sink rows)."""
     pool = init_pool(cfg, n, P)
     rng = np.random.default_rng(0)
     return tuple(type(layer)(*(jnp.asarray(rng.integers(1, 100, a.shape).astype(a.dtype)) for a in layer))
@@ -83,7 +86,7 @@ def test_swap_out_and_in_moves_the_scales_with_their_blocks():
     host = read_blocks(pool, jnp.asarray([1, 2], jnp.int32))                   # swap out blocks 1, 2
     pool = write_blocks(pool, jnp.asarray([5, 6], jnp.int32), host)            # swap in as blocks 5, 6
     for layer, old in zip(pool, before):
-        for a, b in zip(layer, old):                                           # k, v, k_scale, v_scale
+        for a, b in zip(layer, old):                       # k, v, k_scale, v_scale, k_sink, v_sink
             np.testing.assert_array_equal(np.asarray(a)[[5, 6]], b[[1, 2]])
 
 
