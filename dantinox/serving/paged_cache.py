@@ -203,8 +203,8 @@ def gather_latents(layer: PagedLatentKV | PagedQuantLatentKV, block_table: jax.A
 
 
 def _slots(sink_slot, B: int) -> jax.Array:
-    """Each row's sink slot, [B] int32 (slot 0 for every row when not given)."""
-    return jnp.zeros(B, jnp.int32) if sink_slot is None else sink_slot
+    """Each row's sink slot, [B] int32 (when not given, row b's is slot b: the pool needs R >= B slots)."""
+    return jnp.arange(B, dtype=jnp.int32) if sink_slot is None else sink_slot
 
 
 def _write_slots(block_table, cache_index, num_new, T: int, N: int, P: int):
@@ -283,7 +283,7 @@ class PagedView(NamedTuple):
     cache.
 
     pool: PagedLayerKV [N, P, K, D] or PagedQuantKV; block_table: [B, M] int32; num_new: [B] int32 valid new
-    tokens per row; sink_slot: [B] int32, each row's sink slot in an int8 pool (R: none; None: slot 0).
+    tokens per row; sink_slot: [B] int32, each row's sink slot in an int8 pool (R: none; None: row b's is b).
     """
 
     pool: PagedLayerKV | PagedQuantKV
@@ -315,7 +315,7 @@ class PagedLatentView(NamedTuple):
     """An MLA layer's latent pool plus the batch's paging metadata, handed to the model as its layer cache.
 
     pool: PagedLatentKV (c_kv [N, P, C], k_rope [N, P, R]) or PagedQuantLatentKV; block_table: [B, M] int32;
-    num_new: [B] int32; sink_slot: [B] int32 each row's sink slot (int8 pool; None: slot 0).
+    num_new: [B] int32; sink_slot: [B] int32 each row's sink slot (int8 pool; None: row b's is b).
     """
 
     pool: PagedLatentKV | PagedQuantLatentKV
@@ -344,6 +344,7 @@ class PagedLatentView(NamedTuple):
 
 def paged_views(pool: PagedPool, block_table, num_new, sink_slot=None) -> tuple:
     """One view per layer (PagedView, or PagedLatentView for an MLA pool), sharing the batch's block
-    tables [B, M] int32, valid-token counts [B] int32 and sink slots [B] int32 (int8 pools; None: slot 0)."""
+    tables [B, M] int32, valid-token counts [B] int32 and sink slots [B] int32 (int8 pools; None: row b's is
+    slot b, so the pool needs R >= B)."""
     view = PagedLatentView if pool and isinstance(pool[0], (PagedLatentKV, PagedQuantLatentKV)) else PagedView
     return tuple(view(layer, block_table, num_new, sink_slot) for layer in pool)
