@@ -273,6 +273,10 @@ class PagedEngine(Engine):
             self.step_calls.append(("swap_out",))
         for req in sched.preempted:
             self._release_sinks(req)
+        if self.sinks is not None:  # copies of first blocks first: a hit may read its sinks through the copy
+            for src, dst in sched.copies:
+                self.sinks.copied(src, dst)
+        self._assign_sinks(skip={req.request_id for req, _ in sched.swap_in})
         for req, blocks in sched.swap_in:
             data, sinks = req.swap_data
             self._write_host(blocks, data)
@@ -282,7 +286,6 @@ class PagedEngine(Engine):
             req.swap_data = None
             self.step_calls.append(("swap_in",))
         self._copy_blocks(sched.copies)
-        self._assign_sinks()
 
     def _read_sinks(self, req: Request):
         """The host copy of ``req``'s sink rows (None without int8 sinks)."""
@@ -293,14 +296,15 @@ class PagedEngine(Engine):
         if self.sinks is not None:
             self.sinks.release(req.request_id)
 
-    def _assign_sinks(self) -> None:
-        """Give every running request without a sink slot one: the slot of its first block when its first
-        tokens are computed (a prefix-cache hit), else a fresh one. Hits go first, so a fresh slot never
-        takes the sinks a hit of the same step is about to read."""
+    def _assign_sinks(self, skip=frozenset()) -> None:
+        """Give every running request without a sink slot (but those in ``skip``: swapped in, their sinks come
+        from host memory) one: the slot of its first block when its first tokens are computed (a prefix-cache
+        hit), else a fresh one. Hits go first, so a fresh slot never takes the sinks a hit of the same step is
+        about to read."""
         if self.sinks is None:
             return
-        waiting = [r for r in self.scheduler.running
-                   if self.sinks.slot(r.request_id) is None and self.allocator.table(r.request_id)]
+        waiting = [r for r in self.scheduler.running if r.request_id not in skip
+                   and self.sinks.slot(r.request_id) is None and self.allocator.table(r.request_id)]
         for req in sorted(waiting, key=lambda r: r.num_computed == 0):
             first = self.allocator.table(req.request_id)[0]
             if req.num_computed > 0:

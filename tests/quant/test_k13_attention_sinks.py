@@ -243,10 +243,12 @@ def test_k13_engine_with_prefix_hits_and_preemption_equals_the_static_int8_cache
     rng = np.random.default_rng(5)
     shared = rng.integers(1, cfg.vocab_size, 8).tolist()
     prompts = [shared + rng.integers(1, cfg.vocab_size, n).tolist() for n in (3, 5, 2, 6)]
-    prompts += [rng.integers(1, cfg.vocab_size, 9).tolist(), shared + [3]]
+    prompts += [rng.integers(1, cfg.vocab_size, 9).tolist(), shared + [3], shared[:4], shared]  # the last two:
+    # wholly cached prompts, their last token recomputed into a copy of the shared block (copy-on-write)
     want = [solo(model, p, 10) for p in prompts]
     engine = make_engine(model, max_running=3, num_blocks=12, preemption=preemption, max_decode_steps=4)
     ids = [engine.add_request(p, greedy(10)) for p in prompts]
     got = drain(engine)
     assert [got[i][0] for i in ids] == want
-    assert engine.allocator.prefix_hits > 0 and engine.stats()["preemptions"] > 0
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["preemptions"] > 0 and stats["cow_copies"] > 0, stats
