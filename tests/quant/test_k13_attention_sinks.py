@@ -251,4 +251,5 @@ def test_k13_engine_with_prefix_hits_and_preemption_equals_the_static_int8_cache
     got = drain(engine)
     assert [got[i][0] for i in ids] == want
     stats = engine.stats()
-    assert stats["prefix_cache_hits"] > 0 and stats["preemptions"] > 0 and stats["cow_copies"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0 and stats["preemptions"] > 0, stats
+    assert stats["cow_copies"] > 0 or preemption == "swap", stats    # this schedule copies only under recompute
