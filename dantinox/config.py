@@ -79,6 +79,11 @@ class ModelConfig:
       cache_dtype: "float32", "bfloat16" or "int8" (dtype of the stored keys and values; int8 stores symmetric
         absmax int8 with one float32 scale per token and KV head, see dantinox.quant.kv_rows; not with
         paradigm="diffusion").
+      kv_sink_tokens: int8 cache only: the first kv_sink_tokens positions of every sequence (its attention
+        sinks) are also kept in float32 and attention reads them from there, so one outlier token does not
+        move every later score (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks",
+        section 3; see dantinox.quant.kv_sinks and docs/quantization.md, "Attention sinks"). 0 turns it off.
+        An integer >= 0 (at most max_context are kept: ``sink_slots``); no effect on float caches.
       sliding_window: if set, a query attends only to the last `sliding_window` positions (itself included).
         The static cache still holds max_context slots.
       kv_latent_dim: MLA only (required there, None otherwise): d_c, the width C of the per-token latent c_kv
@@ -128,6 +133,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     compute_dtype: str = "float32"
     cache_dtype: str = "float32"
+    kv_sink_tokens: int = 4
     sliding_window: int | None = None
     kv_latent_dim: int | None = None
     rope_head_dim: int | None = None
@@ -165,6 +171,8 @@ class ModelConfig:
             _fail("norm_eps", self.norm_eps, "a positive number")
         set_("compute_dtype", canonical_dtype("compute_dtype", self.compute_dtype))
         set_("cache_dtype", canonical_dtype("cache_dtype", self.cache_dtype, CACHE_DTYPES))
+        if not _is_int(self.kv_sink_tokens) or self.kv_sink_tokens < 0:
+            _fail("kv_sink_tokens", self.kv_sink_tokens, "an integer >= 0 (0: no float32 sink tokens)")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window <= 0):
             _fail("sliding_window", self.sliding_window, "a positive integer or None")
@@ -261,6 +269,12 @@ class ModelConfig:
         1 for MLA, where every query head has its own (up-projected) key and value.
         """
         return 1 if self.kv_heads is None else self.n_heads // self.kv_heads
+
+    @property
+    def sink_slots(self) -> int:
+        """A, the tokens at the start of each sequence the int8 cache also keeps in float32: min(kv_sink_tokens,
+        max_context) for cache_dtype="int8", 0 for float caches (they hold every token in full)."""
+        return min(self.kv_sink_tokens, self.max_context) if self.cache_dtype == "int8" else 0
 
     @property
     def rope_dim(self) -> int:

@@ -115,10 +115,18 @@ def qdq_rows(t: np.ndarray) -> np.ndarray:
     return (q.astype(np.float32) * scale).astype(np.float64)
 
 
+def qdq_after_sinks(t: np.ndarray, sinks: int) -> np.ndarray:
+    """The int8 cache's values for rows t [B, T, ...] (token axis 1): the first ``sinks`` tokens as they are
+    (the float32 attention sinks, ``ModelConfig.sink_slots``), every later row through ``qdq_rows``."""
+    t = np.asarray(t, np.float64)
+    return np.concatenate([t[:, :sinks], qdq_rows(t[:, sinks:])], 1)
+
+
 def reference_logits(model, ids: np.ndarray) -> np.ndarray:
     """Independent reference: numpy forward with an explicit causal mask and naive per-head GQA mapping
     (query head h reads KV head h // (H / K)). ids: [B, T] -> logits [B, T, V] float64. With
-    cache_dtype="int8" every key and value row (per token and KV head) goes through ``qdq_rows``."""
+    cache_dtype="int8" every key and value row (per token and KV head) after the first cfg.sink_slots tokens
+    goes through ``qdq_rows`` (``qdq_after_sinks``)."""
     cfg = model.cfg
     p = lambda x: np.asarray(x[...], np.float64)  # noqa: E731
     emb = p(model.embed.embedding)
@@ -144,7 +152,7 @@ def reference_logits(model, ids: np.ndarray) -> np.ndarray:
         k = rope(qkv[..., H * D:(H + K) * D].reshape(B, T, K, D))
         v = qkv[..., (H + K) * D:].reshape(B, T, K, D)
         if cfg.cache_dtype == "int8":
-            k, v = qdq_rows(k), qdq_rows(v)
+            k, v = qdq_after_sinks(k, cfg.sink_slots), qdq_after_sinks(v, cfg.sink_slots)
         out = np.zeros((B, T, H, D))
         mask = np.tril(np.ones((T, T), bool))
         for head in range(H):

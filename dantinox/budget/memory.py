@@ -6,6 +6,9 @@ allocator's shapes give, so ``kv_cache_bytes(cfg, B, cfg.max_context)`` equals, 
 
   MHA / GQA / MQA   L x 2 x S x K x D x bytes_per_element        per sequence of S tokens
   MLA               L x S x (C + R) x bytes_per_element          (latent plus shared RoPE key)
+  int8              adds one float32 scale per row (``kv_bytes_per_token``) and, once per sequence, the
+                    float32 rows of its A attention-sink tokens: L x A x 2 K D x 4 (MLA L x A x (C + R) x 4),
+                    ``kv_sink_bytes`` (``dantinox.quant.kv_sinks``)
 
 Device memory is split as  device_bytes = reserve + weights + B x bytes_per_sequence, where
 reserve = ceil(reserve_fraction x device_bytes) is explicit headroom for activations, XLA workspaces and
@@ -33,7 +36,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..generation.diffusion import dual_cache_bytes
-from ..model.cache import bytes_per_token_per_layer
+from ..model.cache import bytes_per_token_per_layer, sink_bytes_per_layer
 from ..model.transformer import Transformer
 from ..quant.weights import check_quantize, quantize_weights
 from .per_device import _sizes, kv_split, weights_bytes_per_device
@@ -66,9 +69,19 @@ def kv_bytes_per_token(cfg: ModelConfig | Mapping[str, Any], dtype: str | None =
     return cfg.num_blocks * bytes_per_token_per_layer(cfg, dtype)
 
 
+def kv_sink_bytes(cfg: ModelConfig | Mapping[str, Any], dtype: str | None = None) -> int:
+    """Bytes of one sequence's float32 attention-sink rows across all layers (int8 caches only, else 0):
+    L x sink_bytes_per_layer(cfg, dtype). The paged pool holds one such set per sink slot
+    (``dantinox.serving.sink_slots``).
+    Raises ConfigError for an unknown dtype name."""
+    cfg = _as_config(cfg)
+    return cfg.num_blocks * sink_bytes_per_layer(cfg, dtype)
+
+
 def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: int,
                    dtype: str | None = None) -> int:
-    """Exact bytes of the KV cache for `batch` sequences of `seq_len` tokens each.
+    """Exact bytes of the KV cache for `batch` sequences of `seq_len` tokens each:
+    batch x (seq_len x kv_bytes_per_token + kv_sink_bytes).
 
     seq_len may exceed cfg.max_context (to budget a longer context for the same shape); init_cache itself
     always allocates cfg.max_context slots, so kv_cache_bytes(cfg, B, cfg.max_context) is its size.
@@ -76,7 +89,7 @@ def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: in
     """
     batch = _positive_int("batch", batch)
     seq_len = _positive_int("seq_len", seq_len)
-    return batch * seq_len * kv_bytes_per_token(cfg, dtype)
+    return batch * (seq_len * kv_bytes_per_token(cfg, dtype) + kv_sink_bytes(cfg, dtype))
 
 
 def param_bytes(source: ModelConfig | Mapping[str, Any] | nnx.Module, quantize: str | None = None) -> int:
@@ -212,22 +225,23 @@ def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
         if prompt + new > cfg.max_context:
             raise ValueError(f"request (prompt {prompt}, max_new_tokens {new}) needs {prompt + new} cache "
                              f"slots, more than max_context={cfg.max_context}")
-    per_token, replicas = kv_bytes_per_token(cfg, dtype), 1
+    per_token, per_sequence, replicas = kv_bytes_per_token(cfg, dtype), kv_sink_bytes(cfg, dtype), 1
     if mesh is not None:  # per device (docs/multi-device.md)
 
         replicas = _sizes(mesh)["data"]
         per_token /= kv_split(cfg, mesh)
+        per_sequence /= kv_split(cfg, mesh)
         weights_bytes = weights_bytes_per_device(cfg, mesh) if weights_bytes is None else weights_bytes
     split = memory_split(cfg, device_bytes, weights_bytes, reserve_fraction)
     requests = sum(c for _, _, c in entries)
     used = sum((p + n) * c for p, n, c in entries)
     reserved = cfg.max_context * requests if admission == "max_context" else used
-    bytes_per_request = reserved * per_token / requests
+    mix_bytes = reserved * per_token + requests * per_sequence   # the whole mix, its sink rows included
     return CapacityPlan(
         admission=admission, split=split, requests=requests, tokens_per_request=reserved / requests,
-        bytes_per_request=bytes_per_request,
-        max_concurrent=replicas * int(split.kv_budget_bytes * requests // (reserved * per_token)),
-        mix_copies=replicas * int(split.kv_budget_bytes // (reserved * per_token)), utilization=used / reserved)
+        bytes_per_request=mix_bytes / requests,
+        max_concurrent=replicas * int(split.kv_budget_bytes * requests // mix_bytes),
+        mix_copies=replicas * int(split.kv_budget_bytes // mix_bytes), utilization=used / reserved)
 
 
 def diffusion_cache_bytes(cfg: ModelConfig | Mapping[str, Any], prompt_len: int, gen_len: int,

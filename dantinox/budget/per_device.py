@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import ModelConfig
-from ..model.cache import bytes_per_token_per_layer
+from ..model.cache import bytes_per_token_per_layer, sink_bytes_per_layer
 from ..model.transformer import Transformer
 from ..parallel.mesh import mesh_shape
 from ..parallel.sharding import cache_layout, cache_specs, check_model_fits, param_spec
@@ -66,9 +66,11 @@ def kv_split(cfg: ModelConfig, mesh) -> int:
 def kv_bytes_per_sequence_per_device(cfg: ModelConfig, mesh, seq_len: int | None = None,
                                      dtype: str | None = None) -> int:
     """Cache bytes one sequence of seq_len tokens (default max_context) puts on each device that holds it:
-    L x bytes_per_token_per_layer x seq_len / kv_split."""
+    L x (bytes_per_token_per_layer x seq_len + sink_bytes_per_layer) / kv_split (the int8 cache's float32
+    sink rows split over model like its keys and values)."""
     seq_len = cfg.max_context if seq_len is None else int(seq_len)
-    return cfg.num_blocks * bytes_per_token_per_layer(cfg, dtype) * seq_len // kv_split(cfg, mesh)
+    per_layer = bytes_per_token_per_layer(cfg, dtype) * seq_len + sink_bytes_per_layer(cfg, dtype)
+    return cfg.num_blocks * per_layer // kv_split(cfg, mesh)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@
 """
 
 from .cache import (CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV,
-                    bytes_per_token_per_layer, cache_nbytes, init_cache)
+                    bytes_per_token_per_layer, cache_nbytes, init_cache, sink_bytes_per_layer)
 from .mla import MLAttention
 from .transformer import Transformer, build_model
 
 __all__ = ["CapacityError", "KVCache", "LatentKV", "LayerKV", "MLAttention", "QuantLatentKV", "QuantLayerKV",
-           "Transformer", "build_model", "bytes_per_token_per_layer", "cache_nbytes", "init_cache"]
+           "Transformer", "build_model", "bytes_per_token_per_layer", "cache_nbytes", "init_cache",
+           "sink_bytes_per_layer"]

@@ -5,6 +5,7 @@ Shape legend (used throughout the package; no letter is reused):
   H query heads      K KV heads                      G = H // K query heads per KV head
   D head size        E model width (dim)             V vocabulary
   C MLA latent width (kv_latent_dim)   R MLA RoPE width (rope_head_dim)   Q MLA query latent (q_latent_dim)
+  A attention-sink tokens an int8 cache keeps in float32 (cfg.sink_slots)
 
 Multi-head latent attention (attention="mla") lives in ``dantinox.model.mla`` and shares the masks below.
 
@@ -20,6 +21,9 @@ int8 cache (cfg.cache_dtype="int8"). The new keys and values are quantized once 
 one scale per token and KV head); the new tokens attend over their read-back values and the int8 rows and
 scales are what gets stored, and old slots are read back (dequantized) inside ``attend``. So a cached call
 and the uncached forward (which round-trips its keys and values the same way) see identical keys and values.
+The first A tokens of each row (its attention sinks, ``dantinox.quant.kv_sinks``) are the exception: they
+attend, and are attended to, with their float values, stored in the cache's float32 sink arrays; ``attend``
+reads those instead of the int8 rows of the sink slots.
 
 Masks. For row b with ``cache_index[b] = c`` and ``key_start[b] = p`` (left-padding slots, default 0),
 the query in new position i sits in slot c + i and may see
@@ -37,6 +41,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..quant.kv_rows import roundtrip_for
+from ..quant.kv_sinks import keep_sinks, sink_flags
 from .cache import LayerCacheView, LayerKV, write_layer, write_rows
 from .layers import RMSNorm, apply_rope
 
@@ -74,8 +79,9 @@ class Attention(nnx.Module):
         A layer cache with an ``attend_and_write(q, k, v, cache_index, key_start, window) -> (y, new cache)``
         method (the paged cache's PagedView) does its own attention and write; q, k, v are passed as
         [B, K, G, T, D] (scaled) and [B, K, T, D]; with cache_dtype="int8" also ``stored=(k_q, v_q, k_scale,
-        v_scale)``, the int8 rows [B, K, T, D] and float32 scales [B, K, T, 1] to write (k, v are then the
-        read-back values).
+        v_scale, k_full, v_full)``, the int8 rows [B, K, T, D], float32 scales [B, K, T, 1] and the
+        full-precision rows [B, K, T, D] for the sink arrays (k, v are then the read-back values, except at the
+        row's first A positions, which keep their full values).
 
         Returns (y [B, T, E], the updated layer cache (LayerKV, QuantLayerKV for cache_dtype="int8", or the
         hook's view) or None).
@@ -93,9 +99,11 @@ class Attention(nnx.Module):
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, D]
         stored = None
         if cfg.cache_dtype == "int8":  # quantize once: attend over the read-back values, store the int8 rows
-            (k, (k_q, k_s)), (v, (v_q, v_s)) = (roundtrip_for(layer_cache, k, "k"),
-                                                 roundtrip_for(layer_cache, v, "v"))
-            stored = (k_q, v_q, k_s, v_s)
+            (k_back, (k_q, k_s)), (v_back, (v_q, v_s)) = (roundtrip_for(layer_cache, k, "k"),
+                                                           roundtrip_for(layer_cache, v, "v"))
+            stored = (k_q, v_q, k_s, v_s, k, v)          # k, v in full for the sink arrays
+            sinks = sink_flags(cache_index, key_start, T, cfg.sink_slots)
+            k, v = keep_sinks(k_back, k, sinks), keep_sinks(v_back, v, sinks)
         if isinstance(layer_cache, LayerCacheView):  # another cache layout, e.g. dantinox.serving.paged_cache
             extra = {} if stored is None else {"stored": stored}
             y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window,
@@ -105,7 +113,7 @@ class Attention(nnx.Module):
                        causal=cfg.paradigm != "diffusion")
             new_cache = None if layer_cache is None else (
                 write_layer(layer_cache, k, v, cache_index) if stored is None
-                else write_rows(layer_cache, stored, cache_index))
+                else write_rows(layer_cache, stored, cache_index, key_start))
         y = y.transpose(0, 3, 1, 2, 4).reshape(B, T, H * D).astype(x.dtype)
         return self.out(y), new_cache
 
@@ -137,13 +145,32 @@ def new_token_mask(T: int, cache_index, key_start, window: int | None, causal: b
     return mask
 
 
-def old_slot_mask(S: int, T: int, cache_index, key_start, window: int | None) -> jax.Array:
+def old_slot_mask(S: int, T: int, cache_index, key_start, window: int | None, sinks: int = 0) -> jax.Array:
     """May new query i see cache slot s (written by an earlier call)? [B, 1 or T, S] bool.
 
-    cache_index: [B] int32; key_start: [B] int32 or None.
+    cache_index: [B] int32; key_start: [B] int32 or None; sinks: A, the row's first A slots (from key_start)
+    are read from the float32 sink arrays instead (``sink_mask``), so they are masked here.
     """
     s = jnp.arange(S)[None, None, :]                                   # [1, 1, S]
-    mask = s < cache_index[:, None, None]                              # [B, 1, S]
+    mask = _slot_mask(s, T, cache_index, key_start, window)
+    return mask & (s >= _start(key_start) + sinks) if sinks else mask
+
+
+def sink_mask(A: int, T: int, cache_index, key_start, window: int | None) -> jax.Array:
+    """May new query i see sink n, the row's token at slot key_start + n (written by an earlier call)?
+    [B, 1 or T, A] bool. cache_index: [B] int32; key_start: [B] int32 or None."""
+    slots = _start(key_start) + jnp.arange(A)[None, None, :]           # [B or 1, 1, A]
+    return _slot_mask(slots, T, cache_index, key_start, window)
+
+
+def _start(key_start):
+    """key_start as [B, 1, 1] (0 when None)."""
+    return 0 if key_start is None else key_start[:, None, None]
+
+
+def _slot_mask(s, T: int, cache_index, key_start, window: int | None) -> jax.Array:
+    """Old slots s ([B or 1, 1, S']) visible to each new query: written, past the padding, in the window."""
+    mask = s < cache_index[:, None, None]                              # [B, 1, S']
     if key_start is not None:
         mask = mask & (s >= key_start[:, None, None])
     if window is not None:
@@ -152,16 +179,19 @@ def old_slot_mask(S: int, T: int, cache_index, key_start, window: int | None) ->
     return mask
 
 
-def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None, causal: bool = True):
-    """Softmax attention of q over [old cache slots ; new keys], computed jointly in float32.
+def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None, causal: bool = True,
+           sinks: LayerKV | None = None):
+    """Softmax attention of q over [sink slots ; old cache slots ; new keys], computed jointly in float32.
 
     q: [B, K, G, T, D] (already scaled by 1/sqrt(D)); k, v: [B, K, T, D]; old: LayerKV [B, K, S, D], an int8
-    QuantLayerKV (read back here, in q's dtype) or None; cache_index: [B] int32; key_start: [B] int32 or None;
-    causal: see new_token_mask. Returns [B, K, G, T, D] float32.
+    QuantLayerKV (read back here, in q's dtype; its float32 sinks are read instead of its first A slots) or
+    None; cache_index: [B] int32; key_start: [B] int32 or None; causal: see new_token_mask; sinks: float
+    keys and values of the first A slots, LayerKV [B, K, A, D], for an old cache given already read back
+    (MLA's naive form). Returns [B, K, G, T, D] float32.
     """
     T = q.shape[3]
     if hasattr(old, "dequantized"):
-        old = old.dequantized(q.dtype)
+        old, sinks = old.dequantized(q.dtype), old.sinks()
     f32 = jnp.float32
     new_scores = grouped_scores(q, k)
     new_mask = new_token_mask(T, cache_index, key_start, window, causal)
@@ -169,13 +199,19 @@ def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | N
     if old is None:
         probs = jax.nn.softmax(new_scores, axis=-1)
         return grouped_values(probs, v.astype(f32))
-    S = old.k.shape[2]
-    old_mask = old_slot_mask(S, T, cache_index, key_start, window)
+    S, A = old.k.shape[2], 0 if sinks is None else sinks.k.shape[2]
+    old_mask = old_slot_mask(S, T, cache_index, key_start, window, A)
     old_scores = grouped_scores(q, old.k.astype(q.dtype))
-    old_scores = jnp.where(old_mask[:, None, None], old_scores, NEG_INF)
-    probs = jax.nn.softmax(jnp.concatenate([old_scores, new_scores], axis=-1), axis=-1)
-    old_probs, new_probs = probs[..., :S], probs[..., S:]
+    scores = [jnp.where(old_mask[:, None, None], old_scores, NEG_INF), new_scores]
+    if A:
+        sink_scores = grouped_scores(q, sinks.k.astype(q.dtype))
+        scores.insert(0, jnp.where(sink_mask(A, T, cache_index, key_start, window)[:, None, None], sink_scores,
+                                   NEG_INF))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    sink_probs, old_probs, new_probs = probs[..., :A], probs[..., A:A + S], probs[..., A + S:]
     y = grouped_values(old_probs.astype(q.dtype), old.v.astype(q.dtype))
+    if A:
+        y = y + grouped_values(sink_probs.astype(q.dtype), sinks.v.astype(q.dtype))
     return y + grouped_values(new_probs, v.astype(f32))
 
 

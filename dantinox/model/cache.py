@@ -3,10 +3,11 @@
 Layout per layer: k and v of shape [B, K, S, D] (batch, KV heads, max_context slots, head size), in
 ``cfg.cache_dtype``; for attention="mla" a ``LatentKV`` of c_kv [B, S, C] and k_rope [B, S, R]
 instead (the latent and the shared RoPE key, never per-head keys and values). With cache_dtype="int8" the
-layers are ``QuantLayerKV`` (int8 k, v plus float32 scales [B, K, S, 1]) and ``QuantLatentKV``
-(int8 c_kv, k_rope plus scales [B, S, 1]); see ``dantinox.quant.kv_rows``. The cache holds no write index
-of its own: the caller passes ``cache_index`` (a scalar or one slot per row, [B] int32) so rows of different
-lengths share a batch.
+layers are ``QuantLayerKV`` (int8 k, v plus float32 scales [B, K, S, 1] and the float32 rows of the first
+A = cfg.sink_slots tokens, [B, K, A, D]) and ``QuantLatentKV`` (int8 c_kv, k_rope plus scales [B, S, 1] and
+float32 sinks [B, A, C], [B, A, R]); see ``dantinox.quant.kv_rows`` and ``dantinox.quant.kv_sinks``. The cache
+holds no write index of its own: the caller passes ``cache_index`` (a scalar or one slot per row, [B] int32) so
+rows of different lengths share a batch.
 
 Writes go through :func:`write_layer`, which uses ``lax.dynamic_update_slice``. That primitive clamps an
 out-of-range start index silently (a write at slot S would overwrite slot S-1), so every public entry point
@@ -23,6 +24,7 @@ import numpy as np
 
 from ..config import CACHE_DTYPES, ModelConfig, canonical_dtype
 from ..quant.kv_rows import SCALE_BYTES, SCALE_DTYPE, dequantize_rows
+from ..quant.kv_sinks import SINK_BYTES, SINK_DTYPE, write_sinks
 
 
 class CapacityError(ValueError):
@@ -38,16 +40,24 @@ class LayerKV(NamedTuple):
 
 class QuantLayerKV(NamedTuple):
     """One layer's int8 cache. k, v: [B, K, S, D] int8; k_scale, v_scale: [B, K, S, 1] float32 (one scale per
-    token and KV head; ``dantinox.quant.kv_rows``)."""
+    token and KV head; ``dantinox.quant.kv_rows``); k_sink, v_sink: [B, K, A, D] float32, the keys and values
+    of the row's first A tokens in full (slots key_start .. key_start + A - 1; ``dantinox.quant.kv_sinks``),
+    which attention reads instead of their int8 rows."""
 
     k: jax.Array
     v: jax.Array
     k_scale: jax.Array
     v_scale: jax.Array
+    k_sink: jax.Array
+    v_sink: jax.Array
 
     def dequantized(self, dtype) -> LayerKV:
         """The float keys and values the int8 rows stand for: LayerKV of [B, K, S, D] in ``dtype``."""
         return LayerKV(dequantize_rows(self.k, self.k_scale, dtype), dequantize_rows(self.v, self.v_scale, dtype))
+
+    def sinks(self) -> LayerKV | None:
+        """The float32 sink keys and values, LayerKV of [B, K, A, D]; None when A = 0."""
+        return LayerKV(self.k_sink, self.v_sink) if self.k_sink.shape[-2] else None
 
 
 KVCache = tuple  # tuple[LayerKV, ...] (or tuple[LatentKV, ...] for MLA), one entry per decoder block
@@ -59,7 +69,8 @@ def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int
     MHA / GQA / MQA: 2 * K * D * bytes_per_element (keys and values).
     MLA: (C + R) * bytes_per_element (the latent c_kv and the shared RoPE key).
     int8 adds one float32 scale per row: 2 * K * (D + 4) bytes, or for MLA C + R + 2 * 4 (one scale for the
-    latent and one for the RoPE key, kept even when R = 0 so every field has its scale).
+    latent and one for the RoPE key, kept even when R = 0 so every field has its scale). The float32 sink
+    rows of an int8 cache are per sequence, not per token: ``sink_bytes_per_layer``.
     dtype: cache dtype name (default cfg.cache_dtype). Raises ConfigError for an unknown dtype name.
     """
     name = canonical_dtype("cache_dtype", dtype or cfg.cache_dtype, CACHE_DTYPES)
@@ -68,6 +79,29 @@ def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int
     if cfg.attention == "mla":
         return (cfg.kv_latent_dim + cfg.rope_head_dim) * itemsize + 2 * scale
     return 2 * cfg.kv_heads * (cfg.head_size * itemsize + scale)
+
+
+def sink_bytes_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int:
+    """Bytes of the float32 sink rows (``dantinox.quant.kv_sinks``) in one layer: A x 2 K D x 4 (MLA:
+    A x (C + R) x 4), A = the sink tokens of an int8 cache, 0 for float caches. The static cache holds one set
+    per sequence, the paged pool one per sink slot (``dantinox.serving.sink_slots``). dtype: cache dtype name
+    (default cfg.cache_dtype). Raises ConfigError for an unknown dtype name."""
+    name = canonical_dtype("cache_dtype", dtype or cfg.cache_dtype, CACHE_DTYPES)
+    sinks = min(cfg.kv_sink_tokens, cfg.max_context) if name == "int8" else 0
+    if cfg.attention == "mla":
+        return sinks * (cfg.kv_latent_dim + cfg.rope_head_dim) * SINK_BYTES
+    return sinks * 2 * cfg.kv_heads * cfg.head_size * SINK_BYTES
+
+
+def sink_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of one layer's float32 sink arrays: (k_sink, v_sink) [B, K, A, D] each, or for MLA (c_sink
+    [B, A, C], r_sink [B, A, R]); () for float caches."""
+    B, A = int(batch_size), cfg.sink_slots
+    if cfg.cache_dtype != "int8":
+        return ()
+    if cfg.attention == "mla":
+        return (B, A, cfg.kv_latent_dim), (B, A, cfg.rope_head_dim)
+    return ((B, cfg.kv_heads, A, cfg.head_size),) * 2
 
 
 def layer_cache_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -82,18 +116,19 @@ def layer_cache_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ..
 
 def cache_field_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], ...]:
     """Shapes of every array of one layer's cache, in field order: ``layer_cache_shapes`` and, for
-    cache_dtype="int8", one scale shape per row shape with the last axis 1 ([B, K, S, 1] or [B, S, 1])."""
+    cache_dtype="int8", one scale shape per row shape with the last axis 1 ([B, K, S, 1] or [B, S, 1]), then
+    the sink shapes (``sink_shapes``)."""
     shapes = layer_cache_shapes(cfg, batch_size)
     if cfg.cache_dtype != "int8":
         return shapes
-    return shapes + tuple(tuple(s[:-1]) + (1,) for s in shapes)
+    return shapes + tuple(tuple(s[:-1]) + (1,) for s in shapes) + sink_shapes(cfg, batch_size)
 
 
 def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
     """Allocate the whole cache up front, zeros in cfg.cache_dtype, one entry per layer:
     LayerKV(k, v) of [B, K, S, D] each, or for attention="mla" LatentKV(c_kv [B, S, C], k_rope [B, S, R]);
     for cache_dtype="int8" QuantLayerKV / QuantLatentKV, the same int8 arrays plus float32 zero scales of the
-    same shape with a last axis of 1.
+    same shape with a last axis of 1 and float32 zero sinks (``sink_shapes``).
 
     Raises ValueError if batch_size is not a positive integer.
     """
@@ -105,15 +140,19 @@ def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
     else:
         layer_type = QuantLayerKV if int8 else LayerKV
     shapes = layer_cache_shapes(cfg, batch_size)
-    return tuple(layer_type(*zero_arrays(shapes, cfg.jnp_cache_dtype, int8)) for _ in range(cfg.num_blocks))
+    sinks = sink_shapes(cfg, batch_size)
+    return tuple(layer_type(*zero_arrays(shapes, cfg.jnp_cache_dtype, int8, sinks))
+                 for _ in range(cfg.num_blocks))
 
 
-def zero_arrays(shapes, dtype, int8: bool) -> list:
+def zero_arrays(shapes, dtype, int8: bool, sinks=()) -> list:
     """Zeros of each shape in ``dtype``; with int8 also one float32 zero scale array per shape, the shape's
-    last axis set to 1 (rows first, then their scales, the field order of the Quant* layer types)."""
+    last axis set to 1, and float32 zeros of each of the ``sinks`` shapes (rows first, then their scales,
+    then the sinks: the field order of the Quant* layer types)."""
     arrays = [jnp.zeros(shape, dtype) for shape in shapes]
     if int8:
         arrays += [jnp.zeros(tuple(shape[:-1]) + (1,), SCALE_DTYPE) for shape in shapes]
+        arrays += [jnp.zeros(shape, SINK_DTYPE) for shape in sinks]
     return arrays
 
 
@@ -157,13 +196,17 @@ def write_layer(layer: LayerKV, k_new: jax.Array, v_new: jax.Array, cache_index:
     return LayerKV(row_write(layer.k, k_new, cache_index), row_write(layer.v, v_new, cache_index))
 
 
-def write_rows(layer: tuple, new: tuple, cache_index: jax.Array) -> tuple:
+def write_rows(layer: tuple, new: tuple, cache_index: jax.Array, key_start=None) -> tuple:
     """Write T new rows into every array of a layer cache along its slot axis (the second to last).
 
-    layer: a layer cache NamedTuple (e.g. QuantLayerKV [B, K, S, D] / [B, K, S, 1], QuantLatentKV
-    [B, S, C] / [B, S, 1]); new: one array per field, the same shapes with T in place of S;
-    cache_index: scalar or [B] int32. Returns the layer of the same type with the rows written.
+    layer: a layer cache NamedTuple (e.g. LatentKV, QuantLayerKV [B, K, S, D] / [B, K, S, 1], QuantLatentKV
+    [B, S, C] / [B, S, 1]); new: one array per field, the same shapes with T in place of S (for the sink
+    fields of QuantLayerKV / QuantLatentKV: the new tokens' full-precision rows, copied into the sinks they
+    cover, ``dantinox.quant.kv_sinks.write_sinks``); cache_index: scalar or [B] int32; key_start: [B] int32
+    or None, where each row's sinks start. Returns the layer of the same type with the rows written.
     """
+    rows = len(layer) - 2 if isinstance(layer, (QuantLayerKV, QuantLatentKV)) else len(layer)
+
     def one(cache, rows):
         rows = rows.astype(cache.dtype)
         if jnp.ndim(cache_index) == 0:
@@ -173,7 +216,8 @@ def write_rows(layer: tuple, new: tuple, cache_index: jax.Array) -> tuple:
         return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice(c, n, row_start(i)))(cache, rows,
                                                                                            cache_index)
 
-    return type(layer)(*(one(c, r) for c, r in zip(layer, new)))
+    sinks = (write_sinks(c, r, cache_index, key_start) for c, r in zip(layer[rows:], new[rows:]))
+    return type(layer)(*(one(c, r) for c, r in zip(layer[:rows], new[:rows])), *sinks)
 
 
 class LatentKV(NamedTuple):
@@ -185,12 +229,20 @@ class LatentKV(NamedTuple):
 
 class QuantLatentKV(NamedTuple):
     """One MLA layer's int8 cache. c_kv: [B, S, C] int8; k_rope: [B, S, R] int8; c_scale, r_scale: [B, S, 1]
-    float32 (one scale per token for the latent and one for the RoPE key; ``dantinox.quant.kv_rows``)."""
+    float32 (one scale per token for the latent and one for the RoPE key; ``dantinox.quant.kv_rows``);
+    c_sink [B, A, C], r_sink [B, A, R] float32: the first A tokens' latents and RoPE keys in full
+    (``dantinox.quant.kv_sinks``)."""
 
     c_kv: jax.Array
     k_rope: jax.Array
     c_scale: jax.Array
     r_scale: jax.Array
+    c_sink: jax.Array
+    r_sink: jax.Array
+
+    def sinks(self) -> LatentKV | None:
+        """The float32 sink latents, LatentKV(c_kv [B, A, C], k_rope [B, A, R]); None when A = 0."""
+        return LatentKV(self.c_sink, self.r_sink) if self.c_sink.shape[-2] else None
 
     def dequantized(self, dtype) -> LatentKV:
         """The float latents the int8 rows stand for: LatentKV(c_kv [B, S, C], k_rope [B, S, R]) in dtype."""

@@ -27,7 +27,9 @@ with it, calls of many tokens still run naive where that is cheaper, see ``MLAtt
 
 int8 cache (cfg.cache_dtype="int8", ``QuantLatentKV``): the new latent and RoPE key are quantized once per
 token (one scale each, ``dantinox.quant.kv_rows``); attention uses their read-back values, the int8 rows and scales
-are stored, and both forms read the old slots back (``_float_latents``) before attending.
+are stored, and both forms read the old slots back (``_float_latents``) before attending. The first A tokens of
+each row (attention sinks, ``dantinox.quant.kv_sinks``) keep their float latents, stored in the cache's float32
+sink arrays and read from there instead of their int8 rows.
 
 Both attend over the old cache slots plus the new tokens' own latents jointly and write afterwards (see
 ``dantinox.model.attention`` for why), with the same masks (causal, sliding window, left padding).
@@ -43,14 +45,16 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..quant.kv_rows import roundtrip_for
-from .attention import NEG_INF, attend, new_token_mask, old_slot_mask, old_slots
+from ..quant.kv_sinks import keep_sinks, sink_flags
+from .attention import NEG_INF, attend, new_token_mask, old_slot_mask, old_slots, sink_mask
 from .cache import LatentCacheView, LatentKV, LayerCacheView, LayerKV, write_rows
 from .layers import RMSNorm, apply_rope
 
 
 def _float_latents(old, dtype):
-    """The old slots as float latents: a QuantLatentKV read back in ``dtype``; LatentKV or None unchanged."""
-    return old.dequantized(dtype) if hasattr(old, "dequantized") else old
+    """The old slots as float latents and the float32 sinks: (a QuantLatentKV read back in ``dtype``, its
+    sinks LatentKV [B, A, C] / [B, A, R] or None when A = 0); (LatentKV or None, None) for a float cache."""
+    return (old.dequantized(dtype), old.sinks()) if hasattr(old, "dequantized") else (old, None)
 
 
 class MLAttention(nnx.Module):
@@ -64,7 +68,8 @@ class MLAttention(nnx.Module):
     an ``attend_and_write_latent(attend_over, stored, cache_index, key_start) -> (o, new cache)`` method (the
     paged serving cache, ``dantinox.serving.paged_cache.PagedLatentView``) that gathers its old latents as a
     LatentKV (or QuantLatentKV), calls ``attend_over`` on them and writes ``stored`` itself: (c_new [B, T, C],
-    kr_new [B, T, R]), or for cache_dtype="int8" (c_q, kr_q int8, c_scale, r_scale [B, T, 1] float32).
+    kr_new [B, T, R]), or for cache_dtype="int8" (c_q, kr_q int8, c_scale, r_scale [B, T, 1] float32, then
+    the full-precision c_new, kr_new for the sink arrays).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -109,9 +114,11 @@ class MLAttention(nnx.Module):
         kr_new = apply_rope(kr_new[:, :, None, :], *rope)[:, :, 0, :]            # [B, T, R]
         stored = (c_new, kr_new)
         if cfg.cache_dtype == "int8":  # quantize once: attend over the read-back values, store the int8 rows
-            (c_new, (c_q, c_s)), (kr_new, (r_q, r_s)) = (roundtrip_for(layer_cache, c_new, "c_kv"),
-                                                         roundtrip_for(layer_cache, kr_new, "k_rope"))
-            stored = (c_q, r_q, c_s, r_s)
+            (c_back, (c_q, c_s)), (kr_back, (r_q, r_s)) = (roundtrip_for(layer_cache, c_new, "c_kv"),
+                                                           roundtrip_for(layer_cache, kr_new, "k_rope"))
+            stored = (c_q, r_q, c_s, r_s, c_new, kr_new)   # the full latents for the sink arrays
+            sinks = sink_flags(cache_index, key_start, T, cfg.sink_slots)
+            c_new, kr_new = keep_sinks(c_back, c_new, sinks), keep_sinks(kr_back, kr_new, sinks)
         attention = self._path(T)
         if isinstance(layer_cache, LatentCacheView):  # the paged pool (dantinox.serving.paged_cache)
             o, new_cache = layer_cache.attend_and_write_latent(
@@ -121,7 +128,7 @@ class MLAttention(nnx.Module):
         old = old_slots(layer_cache, read_slots)
         o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, Dv] float32
         y = self.out(o.reshape(B, T, -1).astype(x.dtype))
-        new_cache = None if layer_cache is None else write_rows(layer_cache, stored, cache_index)
+        new_cache = None if layer_cache is None else write_rows(layer_cache, stored, cache_index, key_start)
         return y, new_cache
 
     def _path(self, T: int):
@@ -154,7 +161,7 @@ class MLAttention(nnx.Module):
         parameters' dtype; XLA on CPU has no bf16 x bf16 -> f32 kernel for these head-batched products).
         """
         f32, dt = jnp.float32, q_nope.dtype
-        old = _float_latents(old, dt)
+        old, sinks = _float_latents(old, dt)
         B, T, H, _ = q_nope.shape
         q_lat = jnp.einsum("bthd,hdc->bthc", q_nope.astype(f32), self.w_uk[...].astype(f32))
         q_lat = q_lat.astype(dt).reshape(B, T * H, -1).transpose(0, 2, 1)             # [B, C, N]
@@ -172,14 +179,23 @@ class MLAttention(nnx.Module):
             probs = jax.nn.softmax(new_scores, axis=-1).reshape(B, T * H, T)
             o_lat = jnp.einsum("bnj,bjc->bnc", probs, c_new.astype(f32), preferred_element_type=f32)
         else:
-            S = old.c_kv.shape[1]
-            c_old = old.c_kv.astype(dt)
-            old_mask = old_slot_mask(S, T, cache_index, key_start, window)             # [B, 1|T, S]
-            old_scores = jnp.where(old_mask[:, :, None, :], scores(c_old, old.k_rope.astype(dt)), NEG_INF)
-            probs = jax.nn.softmax(jnp.concatenate([old_scores, new_scores], axis=-1), axis=-1)
-            probs = probs.reshape(B, T * H, S + T)
-            o_lat = jnp.einsum("bns,bsc->bnc", probs[..., :S].astype(dt), c_old, preferred_element_type=f32)
-            o_lat = o_lat + jnp.einsum("bnj,bjc->bnc", probs[..., S:], c_new.astype(f32),
+            # keys: [sinks (A, float32) ; old slots (S, read back) ; new tokens (T)]
+            A = 0 if sinks is None else sinks.c_kv.shape[1]
+            keys = [(old.c_kv.astype(dt), old.k_rope.astype(dt),
+                     old_slot_mask(old.c_kv.shape[1], T, cache_index, key_start, window, A))]
+            if A:
+                keys.insert(0, (sinks.c_kv.astype(dt), sinks.k_rope.astype(dt),
+                                sink_mask(A, T, cache_index, key_start, window)))
+            part = [jnp.where(mask[:, :, None, :], scores(c, kr), NEG_INF) for c, kr, mask in keys]
+            probs = jax.nn.softmax(jnp.concatenate(part + [new_scores], axis=-1), axis=-1)
+            probs = probs.reshape(B, T * H, -1)
+            o_lat, first = 0.0, 0
+            for c, _, _ in keys:
+                width = c.shape[1]
+                o_lat = o_lat + jnp.einsum("bns,bsc->bnc", probs[..., first:first + width].astype(dt), c,
+                                           preferred_element_type=f32)
+                first += width
+            o_lat = o_lat + jnp.einsum("bnj,bjc->bnc", probs[..., first:], c_new.astype(f32),
                                        preferred_element_type=f32)
         return jnp.einsum("bthc,hcd->bthd", o_lat.reshape(B, T, H, -1), self.w_uv[...].astype(f32))
 
@@ -189,12 +205,15 @@ class MLAttention(nnx.Module):
         Same arguments and result as ``_absorbed``.
         """
         B, T, H, _ = q_nope.shape
-        old = _float_latents(old, q_nope.dtype)
+        old, sinks = _float_latents(old, q_nope.dtype)
         q = jnp.concatenate([q_nope, q_rope], axis=-1).transpose(0, 2, 1, 3)[:, :, None]  # [B, H, 1, T, D+R]
         k, v = self._expand(c_new, kr_new)
-        old_kv = None if old is None else LayerKV(*self._expand(old.c_kv.astype(q.dtype),
-                                                                old.k_rope.astype(q.dtype)))
-        y = attend(q, k, v, old_kv, cache_index, key_start, self.cfg.sliding_window)  # [B, H, 1, T, D]
+        def expand(lat):  # LatentKV or None -> per-head LayerKV [B, H, S', D + R] / [B, H, S', Dv] or None
+            return None if lat is None else LayerKV(*self._expand(lat.c_kv.astype(q.dtype),
+                                                                  lat.k_rope.astype(q.dtype)))
+
+        y = attend(q, k, v, expand(old), cache_index, key_start, self.cfg.sliding_window,
+                   sinks=expand(sinks))                                               # [B, H, 1, T, D]
         return y[:, :, 0].transpose(0, 2, 1, 3)
 
     def _expand(self, c, kr):

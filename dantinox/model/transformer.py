@@ -21,7 +21,7 @@ from flax import nnx
 from ..config import ModelConfig
 from ..parallel.sharding import constrain_cache, shard_model
 from .attention import Attention
-from .cache import KVCache, LatentCacheView, LayerCacheView, cache_field_shapes, check_cache_capacity
+from .cache import KVCache, LatentCacheView, LayerCacheView, cache_field_shapes, check_cache_capacity, sink_shapes
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .mla import MLAttention
 
@@ -204,11 +204,13 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
     want = cache_field_shapes(cfg, batch)
     got = tuple(tuple(a.shape) for a in kv_caches[0])
     window = got[0][-2] if got and len(got[0]) >= 2 else None   # a cache may be cut to its first slots
-    if window is not None and 1 <= window <= cfg.max_context:
-        want = tuple(w[:-2] + (window,) + w[-1:] for w in want)
+    if window is not None and 1 <= window <= cfg.max_context:   # a cut keeps at most `window` sink rows
+        sinks = len(sink_shapes(cfg, batch))
+        want = tuple(w[:-2] + (window if i < len(want) - sinks else min(w[-2], window),) + w[-1:]
+                     for i, w in enumerate(want))
     if got != want:
         layout = "c_kv [B, S, C], k_rope [B, S, R]" if cfg.attention == "mla" else "k, v [B, K, S, D]"
         if cfg.cache_dtype == "int8":
-            layout += " and their scales [..., 1] (cache_dtype='int8')"
+            layout += " and their scales [..., 1] and sinks (cache_dtype='int8')"
         raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}; allocate them with "
                          "dantinox.init_cache(cfg, batch_size)")

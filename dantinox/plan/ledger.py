@@ -1,17 +1,19 @@
 """The memory ledger of a candidate on one device: weights + KV pool + reserve against device memory.
 
 Reuses dantinox.budget.memory: ``memory_split`` for the reserve (ceil(reserve_fraction x device bytes)) and
-``kv_bytes_per_token`` for the pool (N blocks x P tokens x bytes per token, N = max_running x ceil(max_context
-/ P), the engine's default pool). Weights are counted by ``param_bytes(cfg, quantize)``
-(variants.quantized_weight_bytes), the int8 cache's scales included by ``kv_bytes_per_token``: every figure
-is counted, none estimated (the ledger's ``estimated`` field stays in the plan format and is False).
-"""
+``kv_bytes_per_token`` for the pool (N blocks x P tokens x bytes per token, N = max_running x ceil(max_context / P),
+the engine's default pool). Weights are counted by ``param_bytes(cfg, quantize)`` (variants.quantized_weight_bytes),
+the int8 cache's scales included by ``kv_bytes_per_token`` and its float32 attention-sink rows, one set per sink
+slot of the pool (R = ``dantinox.serving.sink_slots.slots_for(max_running)`` slots of ``kv_sink_bytes`` each, as the
+engine allocates them): every figure is counted, none estimated (the ledger's ``estimated`` field stays in the plan
+format and is False)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..budget.memory import kv_bytes_per_token, memory_split
+from ..budget.memory import kv_bytes_per_token, kv_sink_bytes, memory_split
+from ..serving.sink_slots import slots_for
 from .variants import quantized_weight_bytes
 
 
@@ -59,5 +61,6 @@ def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,
         reserve = memory_split(cfg, device_bytes, 0, reserve_fraction).reserve_bytes
     per_token, estimated = kv_bytes_per_token_for(cfg, candidate.kv_dtype)
     blocks = candidate.max_running * -(-cfg.max_context // candidate.block_size)
-    return Ledger(device_bytes, weights, blocks * candidate.block_size * per_token, reserve, blocks,
-                  estimated or w_estimated)
+    sinks = kv_sink_bytes(cfg, candidate.kv_dtype)
+    kv = blocks * candidate.block_size * per_token + (slots_for(candidate.max_running) * sinks if sinks else 0)
+    return Ledger(device_bytes, weights, kv, reserve, blocks, estimated or w_estimated)

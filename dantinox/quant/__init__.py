@@ -1,6 +1,7 @@
 """Numerics of the quantized path: the int8 rows of the KV cache, low-precision weights, the cache dtype.
 
   kv_rows.py    symmetric absmax int8 per cache row (one float32 scale per token and KV head)
+  kv_sinks.py   the int8 cache's attention sinks: the first tokens of each sequence also kept in float32
   weights.py    bf16 weights and weight-only int8 (one scale per output channel), float32 accumulation
   kv_dtype.py   ``--kv-dtype``: the cache dtype of a loaded model
 """

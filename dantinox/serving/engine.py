@@ -35,10 +35,12 @@ from ..runs.interrupts import deferred_interrupts
 from ..xla import CompileCounter
 from .allocator import BlockAllocator
 from .grammar_rows import grammar_finish, step_mask
-from .paged_cache import init_pool, pool_nbytes
+from .paged_cache import init_pool, pool_nbytes, sink_set_bytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
-from .runner import StepLogprobs, copy_blocks, decode_steps, forward_step, read_blocks, static_graph, write_blocks
+from .runner import (StepLogprobs, copy_blocks, copy_sinks, decode_steps, forward_step, read_blocks, read_sinks,
+                     static_graph, write_blocks, write_sinks)
 from .scheduler import Chunk, Schedule, Scheduler
+from .sink_slots import SinkSlots
 from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
                         plan_decode_steps, pool_size)
 
@@ -133,10 +135,13 @@ class PagedEngine(Engine):
         graphdef, self.params = nnx.split(model)
         self.graph = static_graph(graphdef)
         P = config.block_size
-        self.pool_size = pool_size(cfg, config, self._budget_block_bytes(cfg))
+        self.pool_size = pool_size(cfg, config, self._budget_block_bytes(cfg), self._budget_sink_bytes(cfg))
         num_blocks = self.pool_size.blocks
-        self.pool = init_pool(cfg, num_blocks, P)
+        self.pool = init_pool(cfg, num_blocks, P, self.pool_size.sink_slots)
         self.allocator = BlockAllocator(num_blocks, P, config.enable_prefix_caching)
+        # int8 sinks: each running sequence's slot of the pool's float32 sink rows (sink_slots.py)
+        self.sinks = (SinkSlots(self.pool_size.sink_slots, self.allocator.pool.uncache)
+                      if sink_set_bytes(cfg) else None)
         self.policy = engine_policy(config, cfg.max_context)
         self.scheduler = Scheduler(self.policy, self.allocator)
         self.table_width = -(-cfg.max_context // P)  # M
@@ -224,6 +229,10 @@ class PagedEngine(Engine):
         """Bytes one block takes out of kv_memory_bytes (None: the whole block, on one device)."""
         return None
 
+    def _budget_sink_bytes(self, cfg) -> int | None:
+        """Bytes one int8 sink slot takes out of kv_memory_bytes (None: the whole slot, on one device)."""
+        return None
+
     # Warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> CompileCounter:
         """Compile every bucket (decode, prefill x chunk) and the block moves with empty batches (nothing is
@@ -252,17 +261,56 @@ class PagedEngine(Engine):
         self.pool = copy_blocks(self.pool, *self._pad_copies([]))
         data = self._read_host([0])
         self._write_host([], data)
+        if self.sinks is not None:  # slot R - 1 copied onto itself and rewritten as it is: nothing changes
+            last = np.int32(self.sinks.num_slots - 1)
+            self.pool = copy_sinks(self.pool, last, last)
+            self.pool = write_sinks(self.pool, last, jax.device_get(read_sinks(self.pool, last)))
 
     # Internals ------------------------------------------------------------------------------------
     def _move_blocks(self, sched: Schedule) -> None:
         for req, blocks in sched.swap_out:
-            req.swap_data = self._read_host(blocks)
+            req.swap_data = self._read_host(blocks), self._read_sinks(req)
             self.step_calls.append(("swap_out",))
+        for req in sched.preempted:
+            self._release_sinks(req)
+        if self.sinks is not None:  # copies of first blocks first: a hit may read its sinks through the copy
+            for src, dst in sched.copies:
+                self.sinks.copied(src, dst)
+        self._assign_sinks(skip={req.request_id for req, _ in sched.swap_in})
         for req, blocks in sched.swap_in:
-            self._write_host(blocks, req.swap_data)
+            data, sinks = req.swap_data
+            self._write_host(blocks, data)
+            if self.sinks is not None:   # the sinks come back in a slot of their own, mapped to the new block
+                slot = self.sinks.fresh(req.request_id, blocks[0])
+                self.pool = write_sinks(self.pool, np.int32(slot), sinks)
             req.swap_data = None
             self.step_calls.append(("swap_in",))
         self._copy_blocks(sched.copies)
+
+    def _read_sinks(self, req: Request):
+        """The host copy of ``req``'s sink rows (None without int8 sinks)."""
+        slot = None if self.sinks is None else self.sinks.slot(req.request_id)
+        return None if slot is None else jax.device_get(read_sinks(self.pool, np.int32(slot)))
+
+    def _release_sinks(self, req: Request) -> None:
+        if self.sinks is not None:
+            self.sinks.release(req.request_id)
+
+    def _assign_sinks(self, skip=frozenset()) -> None:
+        """Give every running request without a sink slot (but those in ``skip``: swapped in, their sinks come
+        from host memory) one: the slot of its first block when its first tokens are computed (a prefix-cache
+        hit), else a fresh one. Hits go first, so a fresh slot never takes the sinks a hit of the same step is
+        about to read."""
+        if self.sinks is None:
+            return
+        waiting = [r for r in self.scheduler.running if r.request_id not in skip
+                   and self.sinks.slot(r.request_id) is None and self.allocator.table(r.request_id)]
+        for req in sorted(waiting, key=lambda r: r.num_computed == 0):
+            first = self.allocator.table(req.request_id)[0]
+            if req.num_computed > 0:
+                self.sinks.share(req.request_id, first)
+            else:
+                self.sinks.fresh(req.request_id, first)
 
     def _copy_blocks(self, pairs: list) -> None:
         """Perform copy-on-write block copies [(source, destination)], max_running per compiled call."""
@@ -270,6 +318,9 @@ class PagedEngine(Engine):
         for i in range(0, len(pairs), C):
             self.pool = copy_blocks(self.pool, *self._pad_copies(pairs[i:i + C]))
             self.step_calls.append(("copy",))
+        if self.sinks is not None:
+            for src, dst in pairs:  # a copy of a first block stands for the same sinks
+                self.sinks.copied(src, dst)
 
     def _pad_copies(self, pairs: list) -> tuple[np.ndarray, np.ndarray]:
         C = self.policy.max_running
@@ -284,7 +335,7 @@ class PagedEngine(Engine):
         ids[:len(blocks)] = blocks
         data = jax.device_get(read_blocks(self.pool, ids))
         n = len(blocks)
-        return tuple(type(layer)(*(a[:n].copy() for a in layer)) for layer in data)
+        return tuple(tuple(a[:n].copy() for a in layer) for layer in data)
 
     def _write_host(self, blocks: list, data: tuple) -> None:
         M = self.table_width
@@ -294,7 +345,7 @@ class PagedEngine(Engine):
         def pad(a):
             return np.concatenate([a, np.zeros((M - len(a),) + a.shape[1:], a.dtype)])
 
-        padded = tuple(type(layer)(*(pad(a) for a in layer)) for layer in data)
+        padded = tuple(tuple(pad(a) for a in layer) for layer in data)
         self.pool = write_blocks(self.pool, ids, padded)
 
     def _run(self, chunks: list[Chunk]) -> list[tuple[list[int], TokenLogprobs | None]]:
@@ -344,7 +395,8 @@ class PagedEngine(Engine):
         table = np.full((B, M), self.allocator.num_blocks, np.int32)
         sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
         out, self.pool = decode_steps(self.graph, self.params, self.pool, z, z, np.ones(B, np.int32), table,
-                                      np.zeros(B, np.uint32), z, sampling, max_steps=self.config.max_decode_steps)
+                                      np.zeros(B, np.uint32), z, sampling, self._sink_rows([], B),
+                                      max_steps=self.config.max_decode_steps)
         jax.block_until_ready(out)
 
     def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int, M: int) -> np.ndarray:
@@ -354,7 +406,8 @@ class PagedEngine(Engine):
             tokens[b], num_steps[b] = chunk.request.all_tokens[chunk.start], count
         start, table, seeds, steps, sampling = self._row_inputs(part, B, M)
         out, self.pool = decode_steps(self.graph, self.params, self.pool, tokens, start, num_steps, table, seeds,
-                                      steps, sampling, max_steps=self.config.max_decode_steps)
+                                      steps, sampling, self._sink_rows(part, B),
+                                      max_steps=self.config.max_decode_steps)
         self.counters["forward_calls"] += bool(part)
         self.counters["multi_step_calls"] += bool(part)
         self.step_calls.append(("decode", B, M * self.allocator.block_size, int(num_steps.max())))
@@ -377,6 +430,17 @@ class PagedEngine(Engine):
             top_k[b] = min(opts.top_k, self.vocab_size)
         return start, table, seeds, steps, SamplingParams(temperature, top_k, top_p)
 
+    def _sink_rows(self, part: list[Chunk], B: int) -> np.ndarray:
+        """Each row's sink slot, [B] int32: the slot its request holds, R (written nowhere) for padding rows
+        and pools without int8 sinks."""
+        R = 1 if self.sinks is None else self.sinks.num_slots
+        slots = np.full(B, R, np.int32)
+        for b, chunk in enumerate(part):
+            slot = None if self.sinks is None else self.sinks.slot(chunk.request.request_id)
+            if slot is not None:
+                slots[b] = slot
+        return slots
+
     def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[jax.Array, StepLogprobs | None]:
         """Dispatch one forward_step for ``part`` padded to B rows of T tokens; returns the device arrays
         (tokens [B], and the StepLogprobs when a row asked for them, else None) without waiting for them."""
@@ -388,7 +452,8 @@ class PagedEngine(Engine):
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
         token_mask = step_mask(part, B, self.vocab_size)  # structured outputs (grammar_rows)
         out, logprobs, self.pool = forward_step(self.graph, self.params, self.pool, ids, start, num_new, table,
-                                                seeds, steps, sampling, with_logprobs, token_mask)
+                                                seeds, steps, sampling, with_logprobs, token_mask,
+                                                self._sink_rows(part, B))
         self.counters["forward_calls"] += bool(part)
         self.step_calls.append(("forward", B, T))
         return out, (logprobs if with_logprobs else None)  # nobody asked: three transfers of zeros skipped
@@ -413,6 +478,7 @@ class PagedEngine(Engine):
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.remove(req)
+        self._release_sinks(req)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         del self.requests[req.request_id]
         self.finished.append(req)
@@ -430,8 +496,11 @@ class PagedEngine(Engine):
         failed = list(self.scheduler.running) + lost
         for req in failed:
             self._finish(req, "error", message)
-        self.pool = init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size)
+        self.pool = init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size,
+                              self.pool_size.sink_slots)
         self.allocator.pool.forget_all_hashes()  # cached prefixes pointed into the old pool
+        if self.sinks is not None:
+            self.sinks.reset()
         return [self._output(req, []) for req in failed]
 
 

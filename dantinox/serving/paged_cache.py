@@ -7,15 +7,22 @@ Layout per layer, the static cache's layout with the slot axis cut into blocks, 
   MHA / GQA / MQA   ``PagedLayerKV(k, v)``, each [N, P, K, D];
   MLA               ``PagedLatentKV(c_kv, k_rope)``: the latent [N, P, C] and the shared RoPE key [N, P, R]
                     (what ``dantinox.model.cache.LatentKV`` holds per slot; never per-head keys and values).
-  int8 (cache_dtype="int8") ``PagedQuantKV(k, v, k_scale, v_scale)``: int8 [N, P, K, D] plus float32 scales
-                    [N, P, K, 1]; ``PagedQuantLatentKV(c_kv, k_rope, c_scale, r_scale)``: int8 [N, P, C],
-                    [N, P, R] plus scales [N, P, 1] each. The scales live in blocks of their own arrays,
-                    indexed by the same block ids, so every block operation (copy-on-write, swap out/in,
-                    prefix sharing) that moves or shares a block moves or shares its scales with it.
+  int8 (cache_dtype="int8") ``PagedQuantKV(k, v, k_scale, v_scale, k_sink, v_sink)``: int8 [N, P, K, D] plus
+                    float32 scales [N, P, K, 1], and float32 sink rows [R, A, K, D];
+                    ``PagedQuantLatentKV(c_kv, k_rope, c_scale, r_scale, c_sink, r_sink)``: int8 [N, P, C],
+                    [N, P, R] plus scales [N, P, 1] each, and sinks [R, A, C], [R, A, R]. The scales live in
+                    blocks of their own arrays, indexed by the same block ids, so every block operation
+                    (copy-on-write, swap out/in, prefix sharing) that moves or shares a block moves or shares
+                    its scales with it (the first ``BLOCK_FIELDS`` fields of a layer have the block axis).
+                    The sinks are per SEQUENCE, not per block: R sink slots (``dantinox.serving.sink_slots``),
+                    each the full-precision rows of one sequence's first A tokens (``dantinox.quant.kv_sinks``);
+                    each batch row names its slot (``sink_slot`` [B] int32, R = padding: never written).
+                    Sinks live in a sequence's first block, so A <= P is required.
 Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
 The pool is sized from a memory budget with ``dantinox.model.cache.bytes_per_token_per_layer``, the figure
-``dantinox.budget.memory`` sums (2 K D or C + R elements per token and layer), so
-N x P x L x bytes_per_token_per_layer equals the bytes allocated (``pool_nbytes``).
+``dantinox.budget.memory`` sums (2 K D or C + R elements per token and layer), so N x ``block_bytes`` plus,
+for int8, R x ``sink_set_bytes`` (L x ``dantinox.model.cache.sink_bytes_per_layer``) equals the bytes
+allocated (``pool_nbytes``).
 
 How the model reads it. Each attention kind accepts a layer cache object with its own hook (see
 ``dantinox.model.attention.Attention`` and ``dantinox.model.mla.MLAttention``); per call a view carries the layer's
@@ -44,7 +51,8 @@ import jax.numpy as jnp
 
 from ..config import ModelConfig
 from ..model.attention import attend
-from ..model.cache import LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, bytes_per_token_per_layer, zero_arrays
+from ..model.cache import (LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, bytes_per_token_per_layer,
+                           sink_bytes_per_layer, zero_arrays)
 
 
 class PagedLayerKV(NamedTuple):
@@ -63,22 +71,27 @@ class PagedLatentKV(NamedTuple):
 
 class PagedQuantKV(NamedTuple):
     """One MHA / GQA / MQA layer's int8 block pool. k, v: [N, P, K, D] int8; k_scale, v_scale: [N, P, K, 1]
-    float32."""
+    float32; k_sink, v_sink: [R, A, K, D] float32 (per sink slot: one sequence's first A tokens, in full)."""
 
     k: jax.Array
     v: jax.Array
     k_scale: jax.Array
     v_scale: jax.Array
+    k_sink: jax.Array
+    v_sink: jax.Array
 
 
 class PagedQuantLatentKV(NamedTuple):
     """One MLA layer's int8 block pool. c_kv: [N, P, C] int8; k_rope: [N, P, R] int8; c_scale, r_scale:
-    [N, P, 1] float32."""
+    [N, P, 1] float32; c_sink [R, A, C], r_sink [R, A, R] float32 (per sink slot: a sequence's first A tokens,
+    in full)."""
 
     c_kv: jax.Array
     k_rope: jax.Array
     c_scale: jax.Array
     r_scale: jax.Array
+    c_sink: jax.Array
+    r_sink: jax.Array
 
 
 # the static layer type each pool layer type gathers into
@@ -88,42 +101,70 @@ _GATHERED = {PagedLayerKV: LayerKV, PagedQuantKV: QuantLayerKV, PagedLatentKV: L
 PagedPool = tuple  # tuple[PagedLayerKV, ...] (or tuple[PagedLatentKV, ...] for MLA), one entry per block
 
 
+BLOCK_FIELDS = 4  # fields of a pool layer with the block axis first (rows, then int8 scales); the rest: sinks
+
+
+def block_fields(layer) -> tuple:
+    """The arrays of a pool layer indexed by block id ([N, P, ...]): every field but the int8 sinks."""
+    return tuple(layer[:BLOCK_FIELDS])
+
+
 def block_bytes(cfg: ModelConfig, block_size: int) -> int:
-    """Bytes one block takes over all layers: P x L x bytes_per_token_per_layer(cfg)."""
+    """Bytes one block takes over all layers: P x L x bytes_per_token_per_layer(cfg) (the int8 sinks are per
+    sequence, ``sink_set_bytes``)."""
     return int(block_size) * cfg.num_blocks * bytes_per_token_per_layer(cfg)
 
 
-def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int) -> int:
-    """How many blocks of ``block_size`` tokens fit in ``memory_bytes`` of KV memory (floor).
+def sink_set_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one sink slot over all layers (one sequence's float32 attention sinks, int8 cache only, else 0):
+    L x ``dantinox.model.cache.sink_bytes_per_layer``."""
+    return cfg.num_blocks * sink_bytes_per_layer(cfg)
+
+
+def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int, sink_slots: int = 0) -> int:
+    """How many blocks of ``block_size`` tokens fit in ``memory_bytes`` of KV memory (floor), after
+    ``sink_slots`` sink slots (``sink_set_bytes`` each).
 
     Raises ValueError if not even one block fits.
     """
     per_block = block_bytes(cfg, block_size)
-    count = int(memory_bytes) // per_block
+    left = int(memory_bytes) - int(sink_slots) * sink_set_bytes(cfg)
+    count = max(left, 0) // per_block
     if count < 1:
         raise ValueError(f"kv memory {int(memory_bytes)} bytes holds no block: one block of {block_size} "
-                         f"tokens takes {per_block} bytes for this model")
+                         f"tokens takes {per_block} bytes for this model"
+                         + (f", after {int(sink_slots)} sink slots of {sink_set_bytes(cfg)} bytes" if sink_slots
+                            and sink_set_bytes(cfg) else ""))
     return count
 
 
-def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int) -> PagedPool:
+def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int = 1) -> PagedPool:
     """Zeros in cfg.cache_dtype, one entry per layer: PagedLayerKV(k, v) of [N, P, K, D] each, or for
     attention="mla" PagedLatentKV(c_kv [N, P, C], k_rope [N, P, R]); for cache_dtype="int8" PagedQuantKV /
-    PagedQuantLatentKV, the same int8 arrays plus float32 zero scales ([N, P, K, 1] / [N, P, 1]).
+    PagedQuantLatentKV, the same int8 arrays plus float32 zero scales ([N, P, K, 1] / [N, P, 1]) and zero
+    sinks for ``sink_slots`` sequences ([R, A, K, D] / [R, A, C], [R, A, R]; the engine uses max_running plus
+    as many kept for the prefix cache, ``dantinox.serving.sink_slots``).
 
-    Raises ValueError for a non-positive num_blocks or block_size.
+    Raises ValueError for a non-positive num_blocks, block_size or sink_slots, or an int8 cache whose sink
+    tokens (cfg.kv_sink_tokens) do not fit in one block.
     """
-    for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("sink_slots", sink_slots)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
-    int8 = cfg.cache_dtype == "int8"
+    int8, A, R = cfg.cache_dtype == "int8", cfg.sink_slots, sink_slots
+    if A > block_size:
+        raise ValueError(f"block_size={block_size} is not allowed with kv_sink_tokens={cfg.kv_sink_tokens}: "
+                         "the int8 cache's sink tokens must fit in a sequence's first block (block_size >= "
+                         "kv_sink_tokens)")
     if cfg.attention == "mla":
         layer_type = PagedQuantLatentKV if int8 else PagedLatentKV
-        shapes = ((num_blocks, block_size, cfg.kv_latent_dim), (num_blocks, block_size, cfg.rope_head_dim))
+        shapes = [(n, m, w) for n, m in ((num_blocks, block_size), (R, A))
+                  for w in (cfg.kv_latent_dim, cfg.rope_head_dim)]
     else:
         layer_type = PagedQuantKV if int8 else PagedLayerKV
-        shapes = ((num_blocks, block_size, cfg.kv_heads, cfg.head_size),) * 2
-    return tuple(layer_type(*zero_arrays(shapes, cfg.jnp_cache_dtype, int8)) for _ in range(cfg.num_blocks))
+        shapes = [(n, m, cfg.kv_heads, cfg.head_size) for n, m in ((num_blocks, block_size), (R, A)) for _ in "kv"]
+    return tuple(layer_type(*zero_arrays(shapes[:2], cfg.jnp_cache_dtype, int8, shapes[2:]))
+                 for _ in range(cfg.num_blocks))
 
 
 def pool_nbytes(pool: PagedPool) -> int:
@@ -131,27 +172,39 @@ def pool_nbytes(pool: PagedPool) -> int:
     return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(pool)))
 
 
-def gather_rows(layer: PagedLayerKV | PagedQuantKV, block_table: jax.Array) -> LayerKV | QuantLayerKV:
+def gather_rows(layer: PagedLayerKV | PagedQuantKV, block_table: jax.Array,
+                sink_slot: jax.Array | None = None) -> LayerKV | QuantLayerKV:
     """Each row's blocks laid end to end. block_table: [B, M] int32 -> LayerKV of [B, K, M*P, D] (int8 pool:
-    QuantLayerKV, its scales [B, K, M*P, 1]; read back later, inside ``attend``)."""
+    QuantLayerKV, its scales [B, K, M*P, 1] and the sinks of row b's slot sink_slot[b] ([B] int32), [B, K, A,
+    D]; read back later, inside ``attend``)."""
     B, M = block_table.shape
 
     def rows(pool):
         _, P, K, W = pool.shape
         return pool[block_table].reshape(B, M * P, K, W).transpose(0, 2, 1, 3)
 
-    return _GATHERED[type(layer)](*(rows(a) for a in layer))
+    arrays = [rows(a) for a in block_fields(layer)] + [a[_slots(sink_slot, B)].transpose(0, 2, 1, 3)
+                                                       for a in layer[BLOCK_FIELDS:]]
+    return _GATHERED[type(layer)](*arrays)
 
 
-def gather_latents(layer: PagedLatentKV | PagedQuantLatentKV, block_table: jax.Array) -> LatentKV | QuantLatentKV:
+def gather_latents(layer: PagedLatentKV | PagedQuantLatentKV, block_table: jax.Array,
+                   sink_slot: jax.Array | None = None) -> LatentKV | QuantLatentKV:
     """Each row's blocks laid end to end. block_table: [B, M] int32 -> LatentKV(c_kv [B, M*P, C],
-    k_rope [B, M*P, R]) (int8 pool: QuantLatentKV, its scales [B, M*P, 1])."""
+    k_rope [B, M*P, R]) (int8 pool: QuantLatentKV, its scales [B, M*P, 1] and the sinks of row b's slot
+    sink_slot[b] ([B] int32), [B, A, C], [B, A, R])."""
     B, M = block_table.shape
 
     def rows(pool):
         return pool[block_table].reshape(B, M * pool.shape[1], pool.shape[2])
 
-    return _GATHERED[type(layer)](*(rows(a) for a in layer))
+    return _GATHERED[type(layer)](*([rows(a) for a in block_fields(layer)]
+                                    + [a[_slots(sink_slot, B)] for a in layer[BLOCK_FIELDS:]]))
+
+
+def _slots(sink_slot, B: int) -> jax.Array:
+    """Each row's sink slot, [B] int32 (when not given, row b's is slot b: the pool needs R >= B slots)."""
+    return jnp.arange(B, dtype=jnp.int32) if sink_slot is None else sink_slot
 
 
 def _write_slots(block_table, cache_index, num_new, T: int, N: int, P: int):
@@ -165,34 +218,64 @@ def _write_slots(block_table, cache_index, num_new, T: int, N: int, P: int):
     return block, (pos % P).reshape(-1)
 
 
+def _sink_coords(sink_slot, cache_index, num_new, T: int, R: int, A: int):
+    """Sink coordinates of row b's new token j: (slot [B*T], offset [B*T]) int32, the row's sink slot and the
+    token's position when that is below A; slot R (dropped) for every other token and padding."""
+    pos = cache_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None]          # [B, T]
+    valid = (jnp.arange(T)[None] < num_new[:, None]) & (pos < A)
+    block = jnp.where(valid, _slots(sink_slot, pos.shape[0])[:, None], R).reshape(-1)
+    return block, jnp.clip(pos, 0, max(A - 1, 0)).reshape(-1)
+
+
 def _put(pool: jax.Array, rows: jax.Array, block, offset) -> jax.Array:
     """pool [N, P, ...] with rows [B, T, ...] written at (block, offset) [B*T]; block N is dropped."""
     flat = rows.reshape((-1,) + rows.shape[2:]).astype(pool.dtype)
     return pool.at[block, offset].set(flat, mode="drop")
 
 
-def scatter_new(layer: PagedLayerKV | PagedQuantKV, stored: tuple, block_table, cache_index, num_new):
+def scatter_new(layer: PagedLayerKV | PagedQuantKV, stored: tuple, block_table, cache_index, num_new,
+                sink_slot=None):
     """Write row b's first num_new[b] new keys/values at token positions cache_index[b] + j.
 
     stored: one array per pool field: (k_new, v_new) [B, K, T, D], or for an int8 pool (k_q, v_q [B, K, T, D]
-    int8, k_scale, v_scale [B, K, T, 1] float32); block_table: [B, M] int32; cache_index, num_new: [B] int32.
-    Padding positions (j >= num_new[b]) are dropped, never written. Returns the pool layer, same type.
+    int8, k_scale, v_scale [B, K, T, 1] float32, k_full, v_full [B, K, T, D], written to row b's sink slot
+    sink_slot[b] ([B] int32, R = none) for positions below A); block_table: [B, M] int32; cache_index,
+    num_new: [B] int32. Padding positions (j >= num_new[b]) are dropped, never written. Returns the pool
+    layer, same type.
     """
     N, P = layer.k.shape[:2]
-    block, offset = _write_slots(block_table, cache_index, num_new, stored[0].shape[2], N, P)
-    return type(layer)(*(_put(a, new.transpose(0, 2, 1, 3), block, offset) for a, new in zip(layer, stored)))
+    T = stored[0].shape[2]
+    block, offset = _write_slots(block_table, cache_index, num_new, T, N, P)
+    out = [_put(a, new.transpose(0, 2, 1, 3), block, offset) for a, new in zip(block_fields(layer), stored)]
+    return type(layer)(*out, *_scatter_sinks(layer, stored, sink_slot, cache_index, num_new, T, True))
 
 
-def scatter_latents(layer: PagedLatentKV | PagedQuantLatentKV, stored: tuple, block_table, cache_index, num_new):
+def scatter_latents(layer: PagedLatentKV | PagedQuantLatentKV, stored: tuple, block_table, cache_index, num_new,
+                    sink_slot=None):
     """Write row b's first num_new[b] new latents at token positions cache_index[b] + j.
 
     stored: one array per pool field: (c_new [B, T, C], kr_new [B, T, R]), or for an int8 pool (c_q, kr_q
-    int8, c_scale, r_scale [B, T, 1] float32); block_table: [B, M] int32; cache_index, num_new: [B] int32.
+    int8, c_scale, r_scale [B, T, 1] float32, then the full c_new, kr_new for row b's sink slot sink_slot[b]);
+    block_table: [B, M] int32; cache_index, num_new: [B] int32; sink_slot: [B] int32 (R = none).
     Padding positions (j >= num_new[b]) are dropped, never written. Returns the pool layer, same type.
     """
     N, P = layer.c_kv.shape[:2]
-    block, offset = _write_slots(block_table, cache_index, num_new, stored[0].shape[1], N, P)
-    return type(layer)(*(_put(a, new, block, offset) for a, new in zip(layer, stored)))
+    T = stored[0].shape[1]
+    block, offset = _write_slots(block_table, cache_index, num_new, T, N, P)
+    out = [_put(a, new, block, offset) for a, new in zip(block_fields(layer), stored)]
+    return type(layer)(*out, *_scatter_sinks(layer, stored, sink_slot, cache_index, num_new, T, False))
+
+
+def _scatter_sinks(layer, stored, sink_slot, cache_index, num_new, T: int, per_head: bool) -> list:
+    """The layer's sink arrays with the new tokens at positions below A written into their rows' sink slots
+    (stored[BLOCK_FIELDS:], [B, K, T, D] when per_head, else [B, T, W]); unchanged when there are none."""
+    sinks = list(layer[BLOCK_FIELDS:])
+    if not sinks or not sinks[0].shape[1]:
+        return sinks
+    R, A = sinks[0].shape[:2]
+    slot, offset = _sink_coords(sink_slot, cache_index, num_new, T, R, A)
+    return [_put(a, new.transpose(0, 2, 1, 3) if per_head else new, slot, offset)
+            for a, new in zip(sinks, stored[BLOCK_FIELDS:])]
 
 
 class PagedView(NamedTuple):
@@ -200,21 +283,22 @@ class PagedView(NamedTuple):
     cache.
 
     pool: PagedLayerKV [N, P, K, D] or PagedQuantKV; block_table: [B, M] int32; num_new: [B] int32 valid new
-    tokens per row.
+    tokens per row; sink_slot: [B] int32, each row's sink slot in an int8 pool (R: none; None: row b's is b).
     """
 
     pool: PagedLayerKV | PagedQuantKV
     block_table: jax.Array
     num_new: jax.Array
+    sink_slot: jax.Array | None = None
 
     def attend_and_write(self, q, k, v, cache_index, key_start, window, stored=None):
         """Attention hook called by ``dantinox.model.attention.Attention``.
 
         q: [B, K, G, T, D] (scaled); k, v: [B, K, T, D]; cache_index: [B] int32 tokens already cached per
         row; key_start must be None (no left padding in a paged batch); stored: what to write, one array per
-        pool field (default (k, v); an int8 pool needs (k_q, v_q, k_scale, v_scale)). Returns (y [B, K, G, T,
-        D] float32, the PagedView with the new keys and values written). Raises ValueError for a key_start,
-        or for an int8 pool without ``stored`` (cfg.cache_dtype and the pool disagree).
+        pool field (default (k, v); an int8 pool needs (k_q, v_q, k_scale, v_scale, k_full, v_full)).
+        Returns (y [B, K, G, T, D] float32, the PagedView with the new keys and values written). Raises ValueError for
+        a key_start, or for an int8 pool without ``stored`` (cfg.cache_dtype and the pool disagree).
         """
         if key_start is not None:
             raise ValueError("key_start (left padding) is not used with a paged cache: pass key_start=None")
@@ -222,8 +306,8 @@ class PagedView(NamedTuple):
         if len(stored) != len(self.pool):
             raise ValueError(f"the pool holds {type(self.pool).__name__} but the model writes {len(stored)} "
                              "arrays: build the pool from the model's config (cache_dtype)")
-        y = attend(q, k, v, gather_rows(self.pool, self.block_table), cache_index, None, window)
-        pool = scatter_new(self.pool, stored, self.block_table, cache_index, self.num_new)
+        y = attend(q, k, v, gather_rows(self.pool, self.block_table, self.sink_slot), cache_index, None, window)
+        pool = scatter_new(self.pool, stored, self.block_table, cache_index, self.num_new, self.sink_slot)
         return y, self._replace(pool=pool)
 
 
@@ -231,12 +315,13 @@ class PagedLatentView(NamedTuple):
     """An MLA layer's latent pool plus the batch's paging metadata, handed to the model as its layer cache.
 
     pool: PagedLatentKV (c_kv [N, P, C], k_rope [N, P, R]) or PagedQuantLatentKV; block_table: [B, M] int32;
-    num_new: [B] int32.
+    num_new: [B] int32; sink_slot: [B] int32 each row's sink slot (int8 pool; None: row b's is b).
     """
 
     pool: PagedLatentKV | PagedQuantLatentKV
     block_table: jax.Array
     num_new: jax.Array
+    sink_slot: jax.Array | None = None
 
     def attend_and_write_latent(self, attend_over, stored, cache_index, key_start):
         """Attention hook called by ``dantinox.model.mla.MLAttention``.
@@ -252,13 +337,14 @@ class PagedLatentView(NamedTuple):
         if len(stored) != len(self.pool):
             raise ValueError(f"the pool holds {type(self.pool).__name__} but the model writes {len(stored)} "
                              "arrays: build the pool from the model's config (cache_dtype)")
-        o = attend_over(gather_latents(self.pool, self.block_table))
-        pool = scatter_latents(self.pool, stored, self.block_table, cache_index, self.num_new)
+        o = attend_over(gather_latents(self.pool, self.block_table, self.sink_slot))
+        pool = scatter_latents(self.pool, stored, self.block_table, cache_index, self.num_new, self.sink_slot)
         return o, self._replace(pool=pool)
 
 
-def paged_views(pool: PagedPool, block_table, num_new) -> tuple:
+def paged_views(pool: PagedPool, block_table, num_new, sink_slot=None) -> tuple:
     """One view per layer (PagedView, or PagedLatentView for an MLA pool), sharing the batch's block
-    tables [B, M] int32 and valid-token counts [B] int32."""
+    tables [B, M] int32, valid-token counts [B] int32 and sink slots [B] int32 (int8 pools; None: row b's is
+    slot b, so the pool needs R >= B)."""
     view = PagedLatentView if pool and isinstance(pool[0], (PagedLatentKV, PagedQuantLatentKV)) else PagedView
-    return tuple(view(layer, block_table, num_new) for layer in pool)
+    return tuple(view(layer, block_table, num_new, sink_slot) for layer in pool)

@@ -113,8 +113,8 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0       # prompt tokens served by the prefix cache at the last admission
-    swap_data: Any = None            # host copy of the blocks while SWAPPED: per layer PagedLayerKV or
-                                     # PagedLatentKV of numpy arrays
+    swap_data: Any = None            # host copy while SWAPPED: (per layer a tuple of its block arrays, numpy;
+                                     # the int8 sink slot's rows per layer, or None)
     prompt_parent: "Request | None" = None  # a request with the same prompt whose prompt blocks this one
                                      # waits for and reuses from the prefix cache (n > 1 choices)
     first_token_time: float | None = None

@@ -22,7 +22,7 @@ from ..budget.per_device import kv_split
 from ..parallel.mesh import mesh_scope, mesh_shape
 from ..parallel.sharding import shard_model
 from .engine import EngineConfig, PagedEngine
-from .paged_cache import block_bytes, init_pool
+from .paged_cache import block_bytes, init_pool, sink_set_bytes
 
 
 def pool_spec(cfg, mesh) -> P:
@@ -54,6 +54,10 @@ class ShardedPagedEngine(PagedEngine):
         """One device's share of a block: kv_memory_bytes is a per-device budget."""
         return block_bytes(cfg, self.config.block_size) // kv_split(cfg, self.mesh)
 
+    def _budget_sink_bytes(self, cfg) -> int:
+        """One device's share of an int8 sink slot (split over model like the keys and values)."""
+        return sink_set_bytes(cfg) // kv_split(cfg, self.mesh)
+
     def blocks_per_device(self) -> dict:
         """{"devices", "blocks", "heads_per_device", "bytes_per_device"}: each device holds every block, with
         K / kv_split of its KV heads (the whole latent for MLA)."""
@@ -74,6 +78,6 @@ class ShardedPagedEngine(PagedEngine):
 
     def _fail_running(self, message: str):
         outputs = super()._fail_running(message)
-        self.pool = shard_pool(init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size),
-                               self.cfg, self.mesh)
+        self.pool = shard_pool(init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size,
+                                         self.pool_size.sink_slots), self.cfg, self.mesh)
         return outputs

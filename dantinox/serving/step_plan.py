@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .allocator import BlockAllocator
-from .paged_cache import num_blocks_for_memory
+from .paged_cache import num_blocks_for_memory, sink_set_bytes
 from .request import Request
 from .scheduler import ContextPolicy
+from .sink_slots import slots_for
 
 
 def powers_of_two(first: int, last: int) -> tuple:
@@ -72,39 +73,46 @@ class PoolSize:
     blocks: N, the blocks allocated; usable: max_running x blocks per sequence at max_context, the most that
     the running sequences can ever hold at once; budget: the blocks ``kv_memory_bytes`` would hold (None
     without a byte budget); capped: True when the pool holds ``usable`` blocks although the budget holds more
-    (``kv_memory_all`` off); per_sequence: blocks of one max_context sequence."""
+    (``kv_memory_all`` off); per_sequence: blocks of one max_context sequence; sink_slots: R, the int8 pool's
+    per-sequence sink slots (``sink_slots.slots_for(max_running)``; their bytes come out of kv_memory_bytes
+    before the blocks; 1, unused, for a float pool)."""
 
     blocks: int
     usable: int
     budget: int | None
     capped: bool
     per_sequence: int
+    sink_slots: int = 1
 
 
-def pool_size(cfg, config, block_bytes: int | None = None) -> PoolSize:
+def pool_size(cfg, config, block_bytes: int | None = None, sink_bytes: int | None = None) -> PoolSize:
     """The pool of an EngineConfig for model config ``cfg``: config.num_blocks when given; else with
-    config.kv_memory_bytes, as many blocks as fit, but no more than max_running sequences of max_context
-    tokens can use (all that fit with config.kv_memory_all); else exactly that usable count.
+    config.kv_memory_bytes, as many blocks as fit beside the int8 sink slots, but no more than max_running
+    sequences of max_context tokens can use (all that fit with config.kv_memory_all); else exactly that usable
+    count.
 
-    block_bytes: bytes one block takes out of kv_memory_bytes (default the whole block,
-    ``paged_cache.block_bytes``; the sharded engine passes one device's share). Raises ValueError if not even
-    one block fits in kv_memory_bytes."""
+    block_bytes / sink_bytes: bytes one block / one sink slot takes out of kv_memory_bytes (default the whole
+    block, ``paged_cache.block_bytes``, and slot, ``paged_cache.sink_set_bytes``; the sharded engine passes one
+    device's share). Raises ValueError if not even one block fits in kv_memory_bytes."""
     per_sequence = -(-cfg.max_context // config.block_size)
     usable = config.max_running * per_sequence
+    slot_bytes = sink_set_bytes(cfg) if sink_bytes is None else int(sink_bytes)
+    slots = slots_for(config.max_running) if slot_bytes else 1
+    sized = dict(per_sequence=per_sequence, sink_slots=slots)
     if config.num_blocks is not None:
-        return PoolSize(config.num_blocks, usable, None, False, per_sequence)
+        return PoolSize(config.num_blocks, usable, None, False, **sized)
     if config.kv_memory_bytes is None:
-        return PoolSize(usable, usable, None, False, per_sequence)
+        return PoolSize(usable, usable, None, False, **sized)
     if block_bytes is None:
-        budget = num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size)
+        budget = num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size, slots if slot_bytes else 0)
     else:
-        budget = int(config.kv_memory_bytes) // int(block_bytes)
+        budget = (int(config.kv_memory_bytes) - (slots * slot_bytes if slot_bytes else 0)) // int(block_bytes)
         if budget < 1:
             raise ValueError(f"kv memory {int(config.kv_memory_bytes)} bytes holds no block: one block of "
                              f"{config.block_size} tokens takes {int(block_bytes)} bytes per device for this model")
     if config.kv_memory_all or budget <= usable:
-        return PoolSize(budget, usable, budget, False, per_sequence)
-    return PoolSize(usable, usable, budget, True, per_sequence)
+        return PoolSize(budget, usable, budget, False, **sized)
+    return PoolSize(usable, usable, budget, True, **sized)
 
 
 def pool_blocks(cfg, config) -> int:

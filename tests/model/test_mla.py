@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import KV_DTYPES, forward, qdq_rows, spiky_mla
+from conftest import KV_DTYPES, forward, qdq_after_sinks, spiky_mla
 from flax import nnx
 
 import dantinox as dx
@@ -34,7 +34,7 @@ def twin(model):
 def mla_reference_logits(model, ids: np.ndarray) -> np.ndarray:
     """Independent float64 numpy forward (DeepSeek-V2 section 2.1 written out per head, explicit causal mask,
     no cache, no absorption). ids: [B, T] -> logits [B, T, V]. With cache_dtype="int8" the latent and the
-    RoPE key rows of every token go through ``qdq_rows``."""
+    RoPE key rows of every token after the first cfg.sink_slots (the float32 sinks) go through ``qdq_rows``."""
     cfg = model.cfg
     p = lambda x: np.asarray(x[...], np.float64)  # noqa: E731
     B, T = ids.shape
@@ -60,7 +60,7 @@ def mla_reference_logits(model, ids: np.ndarray) -> np.ndarray:
         q = ((rms(c_q, p(a.q_norm.scale)) if Q else h) @ p(a.q_up.kernel)).reshape(B, T, H, D + R)
         c_kv = rms(c_kv, p(a.kv_norm.scale))
         if cfg.cache_dtype == "int8":
-            c_kv, k_r = qdq_rows(c_kv), qdq_rows(k_r)
+            c_kv, k_r = qdq_after_sinks(c_kv, cfg.sink_slots), qdq_after_sinks(k_r, cfg.sink_slots)
         out = np.zeros((B, T, H, D))
         for head in range(H):
             k = np.concatenate([c_kv @ p(a.w_uk)[head].T, k_r], -1)      # [B, T, D + R]

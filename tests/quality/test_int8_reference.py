@@ -177,12 +177,16 @@ def test_a_real_boundary_flip_fails_the_plain_reference_and_is_adopted_by_verify
 # A genuine fault is still caught
 
 
+CORRUPT_SLOT = 5  # the prompt's last slot: past the 4 attention sinks, whose int8 rows attention never reads
+#                  (it reads their float32 copies, K13), so a fault there could not move the logits
+
+
 def _corrupt(cache, how: str):
-    """The cache with slot 2 of the first layer corrupted: one code +2 or +1 (the element at head 0, index 1;
-    the latent's for MLA), or that row's scale by 1 %."""
+    """The cache with slot CORRUPT_SLOT of the first layer corrupted: one code +2 or +1 (the element at head 0,
+    index 1; the latent's for MLA), or that row's scale by 1 %."""
     layer = cache[0]
     codes, scale_field = ("c_kv", "c_scale") if hasattr(layer, "c_kv") else ("k", "k_scale")
-    at = (0, 2, 1) if codes == "c_kv" else (0, 0, 2, 1)
+    at = (0, CORRUPT_SLOT, 1) if codes == "c_kv" else (0, 0, CORRUPT_SLOT, 1)
     if how == "scale":
         scale = getattr(layer, scale_field)
         layer = layer._replace(**{scale_field: scale.at[at[:-1] + (0,)].multiply(1.01)})
@@ -209,6 +213,7 @@ def test_a_corrupted_int8_code_or_scale_in_the_cached_run_fails_verify(kind, how
 
     monkeypatch.setattr(verify, "_step", faulty_step)
     model = _model(kind, 0, max_context=32)
+    assert model.cfg.sink_slots < CORRUPT_SLOT < len(_prompt(0))
     report = dx.verify_cache(model, _prompt(0), new_tokens=12, tolerance=EQ)
     assert not report.passed
     assert report.rounding_flips.faults >= 1 and report.max_diff.max() > EQ, report.rounding_flips

@@ -12,6 +12,7 @@ from serving_util import chunked_paged_run, drain, greedy, lively_model, make_en
 from test_serving_engine import check_resumed_requests_reprefilled, run_k08_schedule
 
 import dantinox as dx
+from dantinox.budget import kv_sink_bytes
 from dantinox.cli import entrypoint as cli
 from dantinox.cli.serve import build_engine, kv_summary
 from dantinox.runs.run_dir import save_run
@@ -45,7 +46,7 @@ def test_int8_paged_logits_equal_the_int8_static_cache_ragged_chunked(kind):
     perm = 1 + rng.permutation(16)
     tables = np.zeros((3, M), np.int32)
     tables[0, :2], tables[1, :3], tables[2, :5] = perm[:2], perm[2:5], perm[5:10]
-    pool = init_pool(cfg, 17, P)
+    pool = init_pool(cfg, 17, P, sink_slots=3)          # row b's sinks in slot b (K13)
     assert isinstance(pool[0], PagedQuantLatentKV if kind == "mla" else PagedQuantKV)
     got, pool = chunked_paged_run(model, pool, seqs, tables)
     for b in range(3):
@@ -55,7 +56,8 @@ def test_int8_paged_logits_equal_the_int8_static_cache_ragged_chunked(kind):
     untouched = np.concatenate([[0], perm[10:]])
     for layer in pool:
         host = [np.asarray(a) for a in layer]                                    # on the host: no eager compiles
-        assert all(float(np.abs(a[untouched]).max()) == 0.0 for a in host)       # rows and scales
+        assert all(float(np.abs(a[untouched]).max()) == 0.0 for a in host[:4])   # rows and scales
+        assert all(float(np.abs(a[b]).max()) > 0.0 for a in host[4:] for b in range(3))  # each row's sinks
         assert float(host[2][perm[0]].max()) > 0.0                               # written blocks have scales
 
 
@@ -63,14 +65,16 @@ def test_int8_paged_logits_equal_the_int8_static_cache_ragged_chunked(kind):
 def test_int8_pool_bytes_include_the_scale_blocks(kind):
     cfg = tiny_config(cache_dtype="int8", **KINDS[kind])
     pool = init_pool(cfg, 7, P)
-    assert pool_nbytes(pool) == 7 * block_bytes(cfg, P) == 7 * P * dx.kv_bytes_per_token(cfg)
+    sinks = kv_sink_bytes(cfg)                    # one sink slot: a sequence's float32 sink rows (K13)
+    assert sinks > 0 and block_bytes(cfg, P) == P * dx.kv_bytes_per_token(cfg)
+    assert pool_nbytes(pool) == 7 * block_bytes(cfg, P) + sinks == 7 * P * dx.kv_bytes_per_token(cfg) + sinks
     layer = pool[0]
     assert layer[0].dtype == jnp.int8 and layer[2].dtype == jnp.float32 and layer[2].shape[:2] == (7, P)
     assert layer[2].shape[-1] == 1
 
 
 def filled_pool(cfg, n):
-    """An int8 pool whose every array holds distinct nonzero values (rows and scales)."""
+    """An int8 pool whose every array holds distinct nonzero values (rows, scales and sink rows)."""
     pool = init_pool(cfg, n, P)
     rng = np.random.default_rng(0)
     return tuple(type(layer)(*(jnp.asarray(rng.integers(1, 100, a.shape).astype(a.dtype)) for a in layer))
@@ -83,7 +87,7 @@ def test_swap_out_and_in_moves_the_scales_with_their_blocks():
     host = read_blocks(pool, jnp.asarray([1, 2], jnp.int32))                   # swap out blocks 1, 2
     pool = write_blocks(pool, jnp.asarray([5, 6], jnp.int32), host)            # swap in as blocks 5, 6
     for layer, old in zip(pool, before):
-        for a, b in zip(layer, old):                                           # k, v, k_scale, v_scale
+        for a, b in zip(layer[:4], old):                   # k, v, k_scale, v_scale (sinks: per sequence)
             np.testing.assert_array_equal(np.asarray(a)[[5, 6]], b[[1, 2]])
 
 
@@ -92,7 +96,7 @@ def test_copy_on_write_copies_the_scales():
     before = [[np.asarray(a) for a in layer] for layer in pool]
     pool = copy_blocks(pool, jnp.asarray([3, 0], jnp.int32), jnp.asarray([7, 8], jnp.int32))   # 8: padding
     for layer, old in zip(pool, before):
-        for a, b in zip(layer, old):
+        for a, b in zip(layer[:4], old):                   # the block arrays; the sinks are per sequence
             np.testing.assert_array_equal(np.asarray(a)[7], b[3])
             np.testing.assert_array_equal(np.asarray(a)[:7], b[:7])
 

@@ -31,14 +31,22 @@ def block_bytes_by_hand(cfg: ModelConfig, block_size: int) -> int:
     return block_size * cfg.num_blocks * 2 * cfg.kv_heads * per_head
 
 
+def sink_bytes_by_hand(cfg: ModelConfig, max_running: int) -> int:
+    """Bytes of an int8 pool's attention sinks (K13), independently: 2 slots per running sequence x L layers x
+    4 sink tokens x k and v x K heads x D float32 values; 0 for a float cache."""
+    if cfg.cache_dtype != "int8":
+        return 0
+    return 2 * max_running * cfg.num_blocks * 4 * 2 * cfg.kv_heads * cfg.head_size * 4
+
+
 @pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
 def test_budget_larger_than_max_running_can_use_is_capped(cache_dtype):
     cfg = bundled_cfg(cache_dtype)                                  # 4 layers, 2 KV heads of 32, context 256
     config = EngineConfig(kv_memory_bytes=2 * 10**9, max_running=16, block_size=16)
     size = pool_size(cfg, config)
-    budget = 2 * 10**9 // block_bytes_by_hand(cfg, 16)
+    budget = (2 * 10**9 - sink_bytes_by_hand(cfg, 16)) // block_bytes_by_hand(cfg, 16)
     assert size.per_sequence == 256 // 16 and size.usable == 16 * 16
-    assert size.budget == budget and budget > 50 * size.usable     # int8: 217013 blocks, 13563 requests
+    assert size.budget == budget and budget > 50 * size.usable     # int8: 216985 blocks, 13561 requests
     assert size.capped and size.blocks == 256 == pool_blocks(cfg, config)
     everything = pool_size(cfg, EngineConfig(kv_memory_bytes=2 * 10**9, max_running=16, kv_memory_all=True))
     assert not everything.capped and everything.blocks == budget
@@ -58,15 +66,15 @@ def test_serve_on_the_bundled_model_allocates_and_logs_what_it_can_use():
     """`dantinox serve --kv-memory 2GB --kv-dtype int8` as README writes it, without the HTTP part."""
     args = cli.build_parser().parse_args(["serve", "--kv-memory", "2GB", "--kv-dtype", "int8"])
     engine, _, _ = build_engine(args)
-    per_block = block_bytes_by_hand(bundled_cfg("int8"), 16)
+    per_block, sinks = block_bytes_by_hand(bundled_cfg("int8"), 16), sink_bytes_by_hand(bundled_cfg("int8"), 16)
     assert engine.allocator.num_blocks == 256
-    assert engine.stats()["kv_cache_bytes"] == 256 * per_block          # 2.25 MiB, not 2 GB
+    assert engine.stats()["kv_cache_bytes"] == 256 * per_block + sinks  # 2.50 MiB (0.25 of sinks), not 2 GB
     line = kv_summary(engine)
     assert line.startswith(f"KV cache: 256 blocks = 4096 tokens, max concurrency 16 at 256 tokens per request "
-                           f"(2.25 MiB = {256 * per_block} bytes, block size 16, int8)"), line
-    assert f"takes those of the {2 * 10**9 // per_block} --kv-memory holds (--kv-memory-all" in line
+                           f"(2.50 MiB = {256 * per_block + sinks} bytes, block size 16, int8)"), line
+    assert f"takes those of the {(2 * 10**9 - sinks) // per_block} --kv-memory holds (--kv-memory-all" in line
     args = cli.build_parser().parse_args(["serve", "--kv-memory", "4MiB", "--kv-dtype", "int8", "--kv-memory-all"])
     engine, _, _ = build_engine(args)
-    assert engine.allocator.num_blocks == 4 * 2**20 // per_block == 455
+    assert engine.allocator.num_blocks == (4 * 2**20 - sinks) // per_block == 426
     line = kv_summary(engine)
-    assert "max concurrency 16 at 256" in line and "--max-running 16 bounds the concurrency (28 would fit)" in line
+    assert "max concurrency 16 at 256" in line and "--max-running 16 bounds the concurrency (26 would fit)" in line
