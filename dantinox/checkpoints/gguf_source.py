@@ -16,6 +16,13 @@ Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K; whatever that package can de
 logical shape [in, out] (ggml order, fastest dimension first) is the row-major array [out, in], which is
 already the HF / torch ``nn.Linear`` layout.
 
+With ``keep_blocks=True`` (what ``dantinox import FILE.gguf`` does unless --dtype is given) the matrices in a
+block format dantinox's kernel runs (``dantinox.quant.block_formats``: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
+stay as stored: a :class:`~dantinox.quant.block_formats.BlockMatrix` of the raw uint8 rows (q/k rows
+reordered as whole rows, which does not touch a block). F32 / F16 / BF16 tensors are widened to float32 as
+before. A matrix in another format (Q5_0, Q5_1, Q2_K, Q3_K, ...) is refused naming the tensor and format, and
+a block whose float16 scale is NaN or inf is refused naming the tensor.
+
 RoPE layout. llama.cpp applies rotary embeddings to adjacent pairs (x[2i], x[2i+1]); HF Llama rotates halves
 (x[i], x[i + D/2]). Its converter (convert_hf_to_gguf.py, ``LlamaModel.permute``) therefore reorders the
 rows of q_proj and k_proj inside each head: HF row (h, j, r) with j in {0, 1} (which half), r < D/2 becomes
@@ -35,6 +42,7 @@ import re
 
 import numpy as np
 
+from ..quant.block_formats import BLOCK_FORMATS, BlockMatrix, check_blocks, row_bytes
 from .errors import CheckpointError
 from .gguf_tokenizer import GGUFTokenizerError, tokenizer_json
 from .hf_dir import HFCheckpoint
@@ -174,6 +182,31 @@ def dequantize(tensor, path: str) -> np.ndarray:
     return array
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def raw_blocks(tensor, path: str) -> BlockMatrix | None:
+    """The tensor as stored (a BlockMatrix of its uint8 rows [out, row bytes]) when it is a matrix in one of
+    the kernel's block formats; None for F32 / F16 / BF16 and vectors (dequantize those). Raises GGUFError
+    naming the tensor for another block format, or for blocks with a NaN / inf scale."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    if qtype.name in FLOAT_TYPES or len(tensor.shape) != 2:
+        return None
+    if qtype.name not in BLOCK_FORMATS:
+        raise GGUFError(f"{path}: tensor {tensor.name} is in block format {qtype.name}, which dantinox's block "
+                        f"kernel does not run (it runs {', '.join(BLOCK_FORMATS)}); import with --dtype float32 "
+                        f"to dequantize it")
+    n_in, n_out = (int(d) for d in tensor.shape)
+    data = np.asarray(tensor.data).reshape(n_out, row_bytes(qtype.name, n_in))
+    bad = check_blocks(data, qtype.name)
+    if bad:
+        raise GGUFError(f"{path}: tensor {tensor.name} ({qtype.name}) has {bad} block(s) whose scale is NaN or "
+                        f"inf; the file is damaged")
+    return BlockMatrix(qtype.name, data, n_out, n_in)
+
+
 def llama_config(meta: dict, path: str, tied: bool) -> dict:
     """The HF LlamaForCausalLM config.json of a GGUF file's ``llama.*`` metadata.
 
@@ -210,10 +243,11 @@ def llama_config(meta: dict, path: str, tied: bool) -> dict:
     return config
 
 
-def read_gguf(path: str | os.PathLike) -> HFCheckpoint:
+def read_gguf(path: str | os.PathLike, keep_blocks: bool = False) -> HFCheckpoint:
     """Read ``path`` (a .gguf file of a Llama-architecture model) as an HFCheckpoint.
 
-    Returns float32 tensors in HF layout and names (q/k rows un-permuted, see the module docstring).
+    Returns float32 tensors in HF layout and names (q/k rows un-permuted, see the module docstring); with
+    keep_blocks, the matrices in the kernel's block formats as BlockMatrix (see the module docstring).
     Raises GGUFError / GGUFTokenizerError (both ValueError) with one line naming the problem.
     """
     path = os.fspath(path)
@@ -235,18 +269,27 @@ def read_gguf(path: str | os.PathLike) -> HFCheckpoint:
         hf_name = hf_tensor_name(tensor.name)
         if hf_name is None:
             raise GGUFError(f"{path}: unknown tensor {tensor.name!r} for a llama model")
-        array = dequantize(tensor, path)
-        if hf_name.endswith("q_proj.weight"):
-            array = unpermute_rope_rows(array, config["num_attention_heads"])
-        elif hf_name.endswith("k_proj.weight"):
-            array = unpermute_rope_rows(array, config["num_key_value_heads"])
-        tensors[hf_name] = array
+        array = (raw_blocks(tensor, path) if keep_blocks else None)
+        if array is None:
+            array = dequantize(tensor, path)
+        tensors[hf_name] = _rows_reordered(array, hf_name, config)
     try:
         tok_json = tokenizer_json(meta)
     except GGUFTokenizerError as err:
         raise GGUFTokenizerError(f"{path}: {err}") from None
     generation, special = stop_tokens(meta)
     return HFCheckpoint(config, tensors, tok_json, meta.get("tokenizer.chat_template"), generation, special)
+
+
+def _rows_reordered(array, hf_name: str, config: dict):
+    """q_proj / k_proj rows back in HF order (unpermute_rope_rows), a BlockMatrix's stored rows included."""
+    heads = {"q_proj.weight": config["num_attention_heads"], "k_proj.weight": config["num_key_value_heads"]}
+    for suffix, n in heads.items():
+        if hf_name.endswith(suffix):
+            if isinstance(array, BlockMatrix):
+                return BlockMatrix(array.fmt, unpermute_rope_rows(array.data, n), array.n_out, array.n_in)
+            return unpermute_rope_rows(array, n)
+    return array
 
 
 EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")

@@ -23,14 +23,52 @@ same rotation (scores are dot products, so the order of the rotary dims does not
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 
+from ..quant.block_formats import BlockMatrix
 from .errors import CheckpointError
 from .hf_config import ImportSpec
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)   # buffers some old checkpoints saved; recomputed from the config
+
+
+@dataclass(frozen=True, eq=False)
+class BlockParts:
+    """A parameter kept as stored blocks (a GGUF import): the matrix W [N, M] of one projection or of the
+    embedding as row-wise parts (``BlockMatrix``, "F32" for float rows); ``shape`` is the float parameter's
+    shape it stands for ([M, N] for a kernel, [V, E] for the embedding), checked against the model."""
+
+    parts: tuple[BlockMatrix, ...]
+    shape: tuple[int, int]
+
+    @property
+    def size(self) -> int:
+        """Weights the matrix holds (its logical element count, as a float parameter's ``size``)."""
+        return int(self.shape[0] * self.shape[1])
+
+
+def _as_part(array) -> BlockMatrix:
+    """A float kernel [M, N] as one "F32" BlockMatrix of rows [N, M]."""
+    a = np.ascontiguousarray(np.asarray(array, np.float32).T)
+    return BlockMatrix("F32", a, a.shape[0], a.shape[1])
+
+
+def concat_columns(kernels: list) -> np.ndarray | BlockParts:
+    """Kernels [M, N_i] side by side -> [M, sum N_i]; when any is a BlockParts, a BlockParts of all the parts
+    (float kernels become "F32" parts) in the same order, neighbouring parts of one format merged into one
+    (their rows stacked: one kernel call instead of several)."""
+    if not any(isinstance(k, BlockParts) for k in kernels):
+        return np.concatenate(kernels, axis=1)
+    parts: list[BlockMatrix] = []
+    for part in (p for k in kernels for p in (k.parts if isinstance(k, BlockParts) else (_as_part(k),))):
+        if parts and parts[-1].fmt == part.fmt:  # neighbours of one format: one matrix (its rows stacked)
+            last = parts.pop()
+            part = BlockMatrix(part.fmt, np.concatenate([last.data, part.data]), last.n_out + part.n_out, part.n_in)
+        parts.append(part)
+    return BlockParts(tuple(parts), (kernels[0].shape[0], sum(p.n_out for p in parts)))
 
 
 class _Tensors:
@@ -42,16 +80,23 @@ class _Tensors:
     def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.tensors:
             raise CheckpointError(f"tensor {name} is missing (expected shape {list(shape)})")
-        found = np.asarray(self.tensors[name])
-        if tuple(found.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name} has shape {list(found.shape)}; the config expects "
+        found = self.tensors[name]
+        found_shape = (found.n_out, found.n_in) if isinstance(found, BlockMatrix) else np.shape(found)
+        if tuple(found_shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name} has shape {list(found_shape)}; the config expects "
                                   f"{list(shape)}")
         self.used.add(name)
-        return found.astype(np.float32)
+        if isinstance(found, BlockMatrix):
+            return BlockParts((found,), tuple(shape))
+        return np.asarray(found).astype(np.float32)
 
-    def linear(self, name: str, n_out: int, n_in: int) -> np.ndarray:
-        """A torch Linear weight [out, in] as an nnx kernel [in, out]."""
-        return np.ascontiguousarray(self.take(f"{name}.weight", (n_out, n_in)).T)
+    def linear(self, name: str, n_out: int, n_in: int) -> np.ndarray | BlockParts:
+        """A torch Linear weight [out, in] as an nnx kernel [in, out] (a BlockParts of shape [in, out] when
+        the tensor is a BlockMatrix: the blocks keep their [out, in] rows)."""
+        weight = self.take(f"{name}.weight", (n_out, n_in))
+        if isinstance(weight, BlockParts):
+            return BlockParts(weight.parts, (n_in, n_out))
+        return np.ascontiguousarray(weight.T)
 
     def leftover(self) -> list[str]:
         return sorted(n for n in self.tensors if n not in self.used and not n.endswith(IGNORED_SUFFIXES))
@@ -60,7 +105,9 @@ class _Tensors:
 def convert_weights(tensors: Mapping[str, np.ndarray], spec: ImportSpec) -> dict[str, np.ndarray]:
     """The dantinox parameter arrays (float32, run-directory names) for ``spec.cfg`` from HF-named tensors.
 
-    tensors: name -> array in any float dtype numpy can cast to float32 (bfloat16 through ml_dtypes).
+    tensors: name -> array in any float dtype numpy can cast to float32 (bfloat16 through ml_dtypes), or a
+      ``BlockMatrix`` (a GGUF import keeping its blocks): the embedding, the output head and the Llama family's
+      projections then become ``BlockParts`` values (fused q | k | v and gate | up as several parts).
     Raises CheckpointError naming the tensor: missing, a shape that disagrees with the config (expected and
     found), a tensor dantinox has no parameter for (for example a mixture-of-experts weight), or an lm_head
     that differs from the embedding in a checkpoint whose config ties them.
@@ -72,7 +119,14 @@ def convert_weights(tensors: Mapping[str, np.ndarray], spec: ImportSpec) -> dict
     if not cfg.tie_embeddings:
         out["lm_head.kernel"] = src.linear("lm_head", V, E)
     elif "lm_head.weight" in tensors:
-        if not np.array_equal(np.asarray(tensors["lm_head.weight"], np.float32), out["embed.embedding"]):
+        head, table = tensors["lm_head.weight"], out["embed.embedding"]
+        if isinstance(head, BlockMatrix) or isinstance(table, BlockParts):
+            first = table.parts[0] if isinstance(table, BlockParts) else None
+            same = (isinstance(head, BlockMatrix) and first is not None and head.fmt == first.fmt
+                    and np.array_equal(head.data, first.data))
+        else:
+            same = np.array_equal(np.asarray(head, np.float32), table)
+        if not same:
             raise CheckpointError("tensor lm_head.weight differs from model.embed_tokens.weight but config.json "
                                   "has tie_word_embeddings=true")
         src.used.add("lm_head.weight")
@@ -81,8 +135,8 @@ def convert_weights(tensors: Mapping[str, np.ndarray], spec: ImportSpec) -> dict
         out[q + "attn_norm.scale"] = src.take(p + "input_layernorm.weight", (E,))
         out[q + "mlp_norm.scale"] = src.take(p + "post_attention_layernorm.weight", (E,))
         F = cfg.mlp_hidden
-        out[q + "mlp.gate_up.kernel"] = np.concatenate(
-            [src.linear(p + "mlp.gate_proj", F, E), src.linear(p + "mlp.up_proj", F, E)], axis=1)
+        out[q + "mlp.gate_up.kernel"] = concat_columns(
+            [src.linear(p + "mlp.gate_proj", F, E), src.linear(p + "mlp.up_proj", F, E)])
         out[q + "mlp.down.kernel"] = src.linear(p + "mlp.down_proj", E, F)
         attention = _mla_block if cfg.attention == "mla" else _gqa_block
         out.update({q + k: v for k, v in attention(src, p + "self_attn.", spec).items()})
@@ -98,7 +152,7 @@ def _gqa_block(src: _Tensors, p: str, spec: ImportSpec) -> dict[str, np.ndarray]
     cfg = spec.cfg
     E, H, K, D = cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_size
     parts = [("q_proj", H * D), ("k_proj", K * D), ("v_proj", K * D)]
-    out = {"attn.qkv.kernel": np.concatenate([src.linear(p + name, w, E) for name, w in parts], axis=1),
+    out = {"attn.qkv.kernel": concat_columns([src.linear(p + name, w, E) for name, w in parts]),
            "attn.out.kernel": src.linear(p + "o_proj", E, H * D)}
     if cfg.qkv_bias:
         out["attn.qkv.bias"] = np.concatenate([src.take(f"{p}{name}.bias", (w,)) for name, w in parts])
@@ -116,6 +170,8 @@ def deinterleave(R: int) -> np.ndarray:
 def _mla_block(src: _Tensors, p: str, spec: ImportSpec) -> dict[str, np.ndarray]:
     """One DeepSeek-V2/V3 multi-head latent attention (see the module docstring for the mapping)."""
     cfg = spec.cfg
+    if any(isinstance(t, BlockMatrix) for n, t in src.tensors.items() if n.startswith(p)):
+        raise CheckpointError(f"{p}*: block-quantized weights are not supported for multi-head latent attention")
     E, H, D, R, C, Dv = cfg.dim, cfg.n_heads, cfg.head_size, cfg.rope_head_dim, cfg.kv_latent_dim, cfg.value_size
     Q = cfg.q_latent_dim or 0
     order = deinterleave(R) if spec.rope_interleaved else np.arange(R)

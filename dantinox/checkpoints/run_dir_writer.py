@@ -4,7 +4,10 @@ The directory holds what ``dantinox.runs.run_dir.load_run`` reads (so generate, 
 plan and ``dx.Generator`` work unchanged) plus three files of imported models:
 
   config.json             ModelConfig.to_dict()
-  model.safetensors       float32 parameters under run-directory names (see ``hf_weights``)
+  model.safetensors       float32 parameters under run-directory names (see ``hf_weights``); a GGUF import
+                          that keeps its blocks stores each block module's parts as ``<module>.parts.<i>.data``
+                          (uint8 block rows, or float32 rows for "F32" parts) and their layout ({module: [[format,
+                          N, M], ...]}) as JSON in the file's metadata (``dantinox.quant.block_linear``)
   tokenizer.json          the checkpoint's ``tokenizers`` file (padded with unused special tokens
                           ``<|dantinox_unused_N|>`` when the embedding has more rows than the tokenizer has ids)
   model_summary.json      parameters, KV bytes per token, tokenizer kind, ``imported_from``, ``architecture``,
@@ -42,7 +45,8 @@ from ..runs.stop_ids import TOKENIZER_CONFIG, merge_stop_ids
 from ..runs.tokenizer import TextTokenizer
 from .errors import CheckpointError
 from .hf_config import ImportSpec, import_spec
-from .hf_weights import convert_weights
+from ..quant.block_linear import LAYOUT_KEY
+from .hf_weights import BlockParts, convert_weights
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_FILE = "generation_config.json"
@@ -67,7 +71,8 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
       chat_template: the Jinja chat template text, or None.
       generation: generation defaults (HF generation_config.json keys), or None; ``eos_token_id`` (int or list)
         becomes ``eos_token_ids``, with the id of special_tokens["eos_token"] added.
-      dtype: "float32" or "bfloat16": the run's compute and cache dtype (weights are stored float32).
+      dtype: "float32" or "bfloat16": the run's compute and cache dtype (weights are stored float32, or as the
+        blocks of ``BlockMatrix`` tensors, see the module docstring).
       max_context: static cache slots S; default the checkpoint's, at most hf_config.DEFAULT_MAX_CONTEXT.
       source: where the checkpoint came from (recorded in model_summary.json).
       special_tokens: {"bos_token", "eos_token", "unk_token", "pad_token"} -> text, as the checkpoint's
@@ -169,14 +174,41 @@ def _generation(generation: Mapping[str, Any] | None, tokenizer: TextTokenizer, 
     return gen
 
 
+def stored_arrays(params: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict]:
+    """(the arrays model.safetensors holds, the block layout for its metadata): a BlockParts parameter
+    ``<module>.kernel`` / ``embed.embedding`` becomes ``<module>.parts.<i>.data`` per part. Raises CheckpointError
+    for block weights on a projection with a bias (BlockLinear has none)."""
+    arrays, layout = {}, {}
+    for name, value in params.items():
+        if not isinstance(value, BlockParts):
+            arrays[name] = value
+            continue
+        module = name.rpartition(".")[0]
+        if f"{module}.bias" in params:
+            raise CheckpointError(f"{module}: block-quantized weights with a bias are not supported; import with "
+                                  "--dtype float32")
+        layout[module] = [[p.fmt, p.n_out, p.n_in] for p in value.parts]
+        for i, part in enumerate(value.parts):
+            arrays[f"{module}.parts.{i}.data"] = np.ascontiguousarray(part.data)
+    return arrays, layout
+
+
+def weight_format(layout: dict) -> str:
+    """'float32', or 'GGUF blocks Q4_1+Q8_0' (the formats of a block layout; "F32" parts not named)."""
+    formats = sorted({fmt for parts in layout.values() for fmt, _, _ in parts if fmt != "F32"})
+    return f"GGUF blocks {'+'.join(formats)}" if formats else "float32"
+
+
 def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, chat_template: str | None,
                  gen: dict, hf_config: Mapping[str, Any], source: str, special: dict) -> None:
     cfg = spec.cfg
     atomic_write_json(os.path.join(tmp, "config.json"), cfg.to_dict())
-    atomic_write_bytes(os.path.join(tmp, "model.safetensors"),
-                       safetensors.numpy.save(dict(params), {"format": "np"}))
+    arrays, layout = stored_arrays(params)
+    metadata = {"format": "np", **({LAYOUT_KEY: json.dumps(layout)} if layout else {})}
+    atomic_write_bytes(os.path.join(tmp, "model.safetensors"), safetensors.numpy.save(arrays, metadata))
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     summary = {"dantinox_version": __version__, "parameters": int(sum(a.size for a in params.values())),
+               "weight_format": weight_format(layout),
                "kv_bytes_per_token": int(bytes_per_token_per_layer(cfg) * cfg.num_blocks),
                "tokenizer": tokenizer.kind, "imported_from": source, "architecture": spec.architecture,
                "stop_token_ids": gen["eos_token_ids"],

@@ -17,7 +17,7 @@ from ..generation.sampling import make_sampling_params
 from ..model.cache import CapacityError
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
-from ..quant.weights import check_quantize
+from ..quant.weights import check_quantize, describe_weights
 from ..runs.chat import require_chat_format
 from .structured import constraint_kwargs
 
@@ -68,7 +68,8 @@ def run_chat(args) -> int:
     started = time.perf_counter()
     gen.warm_up([len(ids)])
     gen.load_seconds += time.perf_counter() - started
-    print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s", file=sys.stderr)
+    print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
+          f"(weights {describe_weights(gen.model)})", file=sys.stderr)
     start = time.perf_counter()
     answer = gen.chat(messages, args.max_new_tokens or DEFAULT_CHAT_TOKENS, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, unknown=args.unknown,

@@ -34,7 +34,7 @@ import tempfile
 from ..parallel.mesh import mesh_from_flag, mesh_shape, naming_flag
 from ..quality.gate import GATE_METRICS, check_gate, gate_passes, gate_value, load_gate
 from ..quant.kv_dtype import parse_kv_dtype
-from ..quant.weights import check_quantize, quantize_weights
+from ..quant.weights import check_quantize, describe_weights, quantize_weights
 from ..runs.bundled import bundled_slice_names, resolve_slice_file
 from .flags import add_distributed_arguments, add_mesh_argument, add_quantize_argument
 
@@ -215,14 +215,15 @@ def run_eval(args) -> int:
         shard_model(baseline, mesh)
         shard_model(candidate, mesh)
     rows = measure(args, texts, baseline, candidate, tokenizer)
-    print(f"{run_dir}: baseline {args.baseline} (weights float32, cache {cfg.cache_dtype}); candidate weights "
-          f"{args.quantize or 'float32'}, cache {candidate.cfg.cache_dtype}"
+    print(f"{run_dir}: baseline {args.baseline} (weights {describe_weights(baseline)}, cache {cfg.cache_dtype}); "
+          f"candidate weights {describe_weights(candidate)}, cache {candidate.cfg.cache_dtype}"
           f"{'' if mesh is None else f'; on the mesh {args.mesh}'}")
     print(format_table(rows, gate))
     failures = check_gate(gate, rows)
     if args.json:
         write_json_atomic(args.json, dict(run_dir=run_dir, baseline=args.baseline, kv_dtype=candidate.cfg.cache_dtype,
-                                          quantize=args.quantize, mesh=mesh_shape(mesh), slices=rows, gate=gate,
+                                          quantize=args.quantize, weights=describe_weights(candidate),
+                                          mesh=mesh_shape(mesh), slices=rows, gate=gate,
                                           failures=failures, gate_metrics=list(GATE_METRICS)))
     for failure in failures:
         print(f"dantinox eval: gate failed: {failure}", file=sys.stderr)

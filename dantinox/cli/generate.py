@@ -24,7 +24,7 @@ from ..generation.prompts import check_request
 from ..generation.sampling import make_sampling_params
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
-from ..quant.weights import check_quantize
+from ..quant.weights import check_quantize, describe_weights
 from .structured import constraint_kwargs
 
 DEFAULT_NEW_TOKENS = 200
@@ -97,7 +97,8 @@ def cmd_generate(args) -> int:
     gen.warm_up([len(ids)])
     gen.load_seconds += time.perf_counter() - started
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
-          f"({gen.warmup.compilations} compilations, {gen.warmup.cache_hits} from the persistent cache)",
+          f"({gen.warmup.compilations} compilations, {gen.warmup.cache_hits} from the persistent cache; "
+          f"weights {describe_weights(gen.model)})",
           file=sys.stderr)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   unknown=args.unknown, ignore_eos=args.ignore_eos)

@@ -1,7 +1,10 @@
 """``dantinox import SOURCE --out runs/NAME [--dtype float32|bfloat16] [--max_context S]``.
 
 SOURCE is a Hugging Face model directory (``dantinox.checkpoints.hf_dir``) or a ``.gguf`` file
-(``dantinox.checkpoints.gguf_source.read_gguf``, which returns the same ``HFCheckpoint``). Both end in
+(``dantinox.checkpoints.gguf_source.read_gguf``, which returns the same ``HFCheckpoint``). Without --dtype a
+GGUF file's quantized matrices are kept in their block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; float32
+compute; another block format is refused naming the tensor); ``--dtype float32`` (or bfloat16) dequantizes
+every tensor to float32 as before, with one warning line naming the formats the block kernel would not run. Both end in
 ``dantinox.checkpoints.write_run_dir``, which writes an ordinary run directory atomically. Bad input (a
 directory without config.json or weights, a missing shard, a tensor whose shape disagrees with the config, an
 unsupported architecture or field) raises CheckpointError: one line, exit 2. It also prints the
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -19,14 +23,16 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``dantinox import``."""
     p.add_argument("source", metavar="SOURCE", help="a Hugging Face model directory or a .gguf file")
     p.add_argument("--out", required=True, help="the new run directory (must not exist)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="compute and KV-cache dtype of the run (weights are stored float32); default float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="compute and KV-cache dtype of the run, weights stored float32 (a GGUF file dequantized); "
+                        "default float32, and a GGUF file's quantized weights kept in their block formats")
     p.add_argument("--max_context", type=int, default=None,
                    help="static cache slots (default: the checkpoint's context, at most 8192)")
 
 
-def read_source(source: str):
-    """The HFCheckpoint of SOURCE: a .gguf file through gguf_source, anything else as a HF directory."""
+def read_source(source: str, keep_blocks: bool = False):
+    """The HFCheckpoint of SOURCE: a .gguf file through gguf_source (its blocks kept with keep_blocks),
+    anything else as a HF directory."""
     from ..checkpoints.errors import CheckpointError
 
     if source.lower().endswith(".gguf"):
@@ -36,7 +42,7 @@ def read_source(source: str):
             raise CheckpointError(f"SOURCE {source}: GGUF import is not available in this build ({err})") from err
         if not os.path.isfile(source):
             raise CheckpointError(f"SOURCE {source} does not exist")
-        return read_gguf(source)
+        return read_gguf(source, keep_blocks=keep_blocks)
     from ..checkpoints.hf_dir import read_hf_dir
 
     if not os.path.exists(source):
@@ -53,6 +59,26 @@ def _stop_ids_line(run_dir: str) -> str:
     return describe_stop_ids(read_stop_ids(run_dir, tokenizer), tokenizer)
 
 
+def _weight_format(run_dir: str) -> str:
+    """The run's weight format as model_summary.json records it ('float32', 'GGUF blocks Q4_1+Q8_0')."""
+    from ..runs.run_dir import read_summary
+
+    return read_summary(run_dir).get("weight_format", "float32")
+
+
+def _dequantized_warning(source: str) -> str | None:
+    """One warning line when a GGUF file dequantized for --dtype holds block formats the kernel lacks."""
+    from ..checkpoints.gguf_source import open_reader
+    from ..quant.block_formats import BLOCK_FORMATS
+
+    lacking = sorted({t.tensor_type.name for t in open_reader(source).tensors}
+                     - set(BLOCK_FORMATS) - {"F32", "F16", "BF16"})
+    if not lacking:
+        return None
+    return (f"warning: {source} holds {', '.join(lacking)} blocks, which dantinox's block kernel does not run; "
+            f"they are dequantized to float32 with the rest (--dtype given)")
+
+
 def run_import(args) -> int:
     """Import SOURCE into --out; prints what was written. Raises CheckpointError / ValueError (exit 2)."""
     from ..checkpoints import write_run_dir
@@ -62,15 +88,19 @@ def run_import(args) -> int:
     if os.path.exists(args.out):
         raise ValueError(f"--out {args.out} already exists; choose a new run directory")
     start = time.perf_counter()
-    ckpt = read_source(args.source)
+    ckpt = read_source(args.source, keep_blocks=args.dtype is None)
+    if args.dtype is not None and args.source.lower().endswith(".gguf"):
+        warning = _dequantized_warning(args.source)
+        if warning:
+            print(warning, file=sys.stderr)
     spec = write_run_dir(args.out, ckpt.config, ckpt.tensors, ckpt.tokenizer_json, ckpt.chat_template,
-                         ckpt.generation, dtype=args.dtype, max_context=args.max_context,
+                         ckpt.generation, dtype=args.dtype or "float32", max_context=args.max_context,
                          source=os.path.abspath(args.source), special_tokens=ckpt.special_tokens)
     cfg = spec.cfg
     print(f"imported {spec.architecture} from {args.source} into {args.out} in "
           f"{time.perf_counter() - start:.1f} s: {cfg.num_blocks} blocks, dim {cfg.dim}, "
           f"attention {cfg.attention}, vocab {cfg.vocab_size}, dtype {cfg.compute_dtype}, "
-          f"chat template {'yes' if ckpt.chat_template else 'no'}")
+          f"chat template {'yes' if ckpt.chat_template else 'no'}, weights {_weight_format(args.out)}")
     print(f"stops at token ids: {_stop_ids_line(args.out)}")
     if spec.context_note:
         print(spec.context_note)

@@ -16,7 +16,7 @@ from ..model.cache import CapacityError
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..parallel.sharding import shard_model
 from ..quant.kv_dtype import parse_kv_dtype, with_kv_dtype
-from ..quant.weights import check_quantize, quantize_weights
+from ..quant.weights import check_quantize, describe_weights, quantize_weights
 
 
 def cmd_verify(args) -> int:
@@ -56,7 +56,7 @@ def cmd_verify(args) -> int:
     new_tokens = args.new_tokens or cfg.max_context - len(prompt)
     report = verify_cache(model, prompt, new_tokens, args.tolerance, args.relative_tolerance)
     print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype} "
-          f"weights={args.quantize or 'float32'}; "
+          f"weights={describe_weights(model)}; "
           f"prompt {len(prompt)} tokens, {new_tokens} greedy tokens decoded")
     print(f"{'positions':>12}  max |cached - uncached|")
     for first, last, diff in report.ranges(args.range):

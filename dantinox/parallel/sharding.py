@@ -37,6 +37,7 @@ latent cache [B, S, C] is replicated over ``model``. Rows (B) go over ``data`` w
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -114,12 +115,17 @@ def unmatched_params(model: nnx.Module) -> list[tuple]:
 def shard_model(model: nnx.Module, mesh: Mesh | None, fsdp: bool = False) -> nnx.Module:
     """Place every parameter of ``model`` on ``mesh`` (in place; returns the model). None is a no-op.
 
-    Raises MeshError (see :func:`check_model_fits`). Later calls to generate, verify or the trainer then run
+    Raises MeshError (see :func:`check_model_fits`), and for a model with GGUF block weights (uint8
+    parameters, ``dantinox.quant.block_linear``): their kernel runs on one device, so such a run is refused on
+    a mesh rather than silently computed another way. Later calls to generate, verify or the trainer then run
     on the mesh (they read it from the parameters, ``dantinox.parallel.mesh.mesh_of``).
     """
     if mesh is None:
         return model
     check_model_fits(model.cfg, mesh)
+    if any(isinstance(n, nnx.Param) and n.get_value().dtype == jnp.uint8 for _, n in nnx.iter_graph(model)):
+        raise MeshError("--mesh: this run's weights are GGUF blocks, which run on one device only; import the "
+                        "file with --dtype float32 to run it on a mesh")
     shardings = param_shardings(model, mesh, fsdp)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from flax import nnx
 
 from ..config import CACHE_DTYPES, DTYPE_ALIASES, ConfigError, ModelConfig, canonical_dtype
+from .block_linear import apply_block_layout, block_layout
 from .weights import quantize_weights, weights_setting
 
 KV_DTYPE_CHOICES = tuple(sorted(CACHE_DTYPES)) + tuple(sorted(DTYPE_ALIASES))
@@ -49,7 +50,13 @@ def with_kv_dtype(model, value: str | None, flag: str = "--kv-dtype"):
     cfg = config_with_kv_dtype(model.cfg, value, flag)
     if cfg == model.cfg:
         return model
-    weights = weights_setting(model)  # a model with quantized weights gets a twin with the same modules
-    twin = nnx.eval_shape(lambda: quantize_weights(type(model)(cfg, rngs=nnx.Rngs(0)), weights))
+    weights, layout = weights_setting(model), block_layout(model)  # quantized weights: a twin with the same modules
+    twin = nnx.eval_shape(lambda: _with_weights(type(model)(cfg, rngs=nnx.Rngs(0)), weights, layout))
     nnx.update(twin, nnx.state(model))
     return twin
+
+
+def _with_weights(model, weights: str | None, layout: dict):
+    """``model`` with its weights rewritten as ``weights`` (quantize_weights) or into the block ``layout``."""
+    apply_block_layout(model, layout)
+    return quantize_weights(model, weights)

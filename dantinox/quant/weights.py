@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .block_linear import BlockEmbed, BlockLinear, describe_blocks
+
 QUANTIZE_CHOICES = ("bf16", "int8")
 INT8_MAX = 127.0
 
@@ -144,18 +146,27 @@ def weights_setting(model) -> str | None:
     return None
 
 
+def describe_weights(model) -> str:
+    """How ``model``'s weights are stored, for a report line: "float32", "bf16", "int8", or for an imported
+    GGUF's blocks "GGUF blocks Q4_1+Q8_0, compiled kernel (avx512)" (or the pure-JAX path and why)."""
+    return describe_blocks(model) or weights_setting(model) or "float32"
+
+
 def quantize_weights(model, quantize: str | None):
     """Rewrite ``model``'s weights for ``quantize`` ("bf16", "int8" or None = leave float32); returns model.
 
     Every bias-free nnx.Linear becomes a Bf16Linear / Int8Linear, the embedding a LowPrecisionEmbed; for
     "bf16" any other matrix parameter (MLA's W_UK / W_UV) is stored bfloat16 as well. Works on a real model and
     under ``nnx.eval_shape`` (for byte counts). Raises ValueError for another quantize value or a model
-    already quantized.
+    already quantized (GGUF block weights included: ``dantinox.quant.block_linear``).
     """
     check_quantize(quantize)
     if quantize is None:
         return model
     nodes = list(nnx.iter_graph(model))
+    if any(isinstance(n, (BlockLinear, BlockEmbed)) for _, n in nodes):
+        raise ValueError(f"quantize={quantize!r}: this model's weights are GGUF blocks, already quantized; import "
+                         "the file with --dtype float32 to quantize its dequantized weights instead")
     if any(isinstance(n, (Bf16Linear, Int8Linear, LowPrecisionEmbed)) for _, n in nodes):
         raise ValueError("this model's weights are already quantized; load it again to choose another setting")
     for path, node in nodes:

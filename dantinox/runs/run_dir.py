@@ -2,7 +2,9 @@
 
   config.json          ``ModelConfig.to_dict()``; loadable with ``ModelConfig.from_dict`` (nothing else in it)
   model.safetensors    float32 parameters; keys are the nnx parameter paths joined by "."
-                       (for example ``blocks.0.attn.qkv.kernel``)
+                       (for example ``blocks.0.attn.qkv.kernel``); an imported GGUF's block weights are uint8
+                       ``<module>.parts.<i>.data`` with their layout in the file's metadata
+                       (``dantinox.quant.block_linear``), rebuilt as BlockLinear / BlockEmbed modules on load
   tokenizer.json       the Hugging Face ``tokenizers`` file (see ``dantinox.runs.tokenizer``)
   model_summary.json   parameter count, KV-cache bytes per token, validation loss, training time, tokens
                        seen, steps, tokenizer kind, data file name and SHA-256, dantinox version
@@ -22,6 +24,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+import safetensors
 import safetensors.numpy
 from flax import nnx
 
@@ -33,6 +36,8 @@ from .tokenizer import TextTokenizer
 from .._version import __version__
 from ..model.cache import bytes_per_token_per_layer
 from .bundled import bundled_names, resolve_run_dir
+from ..quant.block_formats import check_blocks
+from ..quant.block_linear import LAYOUT_KEY, apply_block_layout
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -136,6 +141,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, Text
     tokenizer = _load_tokenizer(os.path.join(run_dir, TOKENIZER_FILE), cfg)
     arrays = _load_weights(os.path.join(run_dir, WEIGHTS_FILE))
     model = Transformer(cfg, rngs=nnx.Rngs(0))
+    _apply_layout(model, os.path.join(run_dir, WEIGHTS_FILE), arrays)
     _fill_params(model, arrays, os.path.join(run_dir, WEIGHTS_FILE))
     summary_path = os.path.join(run_dir, SUMMARY_FILE)
     summary = _read_json(summary_path) if os.path.isfile(summary_path) else {}
@@ -192,6 +198,24 @@ def _load_weights(path: str) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _apply_layout(model: nnx.Module, path: str, arrays: dict[str, np.ndarray]) -> None:
+    """Rebuild the block modules the file's metadata names (none for a float run); RunDirError for a layout
+    that does not fit the model, or blocks with a NaN / inf scale."""
+    try:
+        with safetensors.safe_open(path, "np") as f:
+            text = (f.metadata() or {}).get(LAYOUT_KEY)
+        layout = json.loads(text) if text else {}
+        apply_block_layout(model, layout)
+    except (ValueError, TypeError) as err:
+        raise RunDirError(f"{path}: block layout in the metadata does not fit the model ({err})") from err
+    for module, parts in layout.items():
+        for i, (fmt, _, _) in enumerate(parts):
+            key = f"{module}.parts.{i}.data"
+            if fmt != "F32" and key in arrays and arrays[key].dtype == np.uint8 and check_blocks(arrays[key], fmt):
+                raise RunDirError(f"{path}: parameter {key} ({fmt}) has blocks whose scale is NaN or inf; the "
+                                  f"weights are corrupted")
+
+
 def _fill_params(model: nnx.Module, arrays: dict[str, np.ndarray], source: str) -> None:
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
     filled, seen = [], set()
@@ -201,10 +225,10 @@ def _fill_params(model: nnx.Module, arrays: dict[str, np.ndarray], source: str) 
         if key not in arrays:
             raise RunDirError(f"{source}: missing parameter {key!r} (expected shape {want}); the weights do "
                               f"not match {CONFIG_FILE}")
-        found = arrays[key]
-        if tuple(found.shape) != want or found.dtype != np.float32:
+        found, dtype = arrays[key], np.dtype(var.get_value().dtype)
+        if tuple(found.shape) != want or found.dtype != dtype:
             raise RunDirError(f"{source}: parameter {key!r} has shape {tuple(found.shape)} {found.dtype}; "
-                              f"{CONFIG_FILE} expects {want} float32")
+                              f"{CONFIG_FILE} expects {want} {dtype}")
         filled.append((path, var.replace(jnp.asarray(found))))
         seen.add(key)
     extra = sorted(set(arrays) - seen)

@@ -1,0 +1,105 @@
+"""The product of activations with block-quantized weights: the compiled kernel or the pure-JAX path.
+
+``block_matmul(x, data, fmt, n_in)`` computes x [..., M] . W^T -> [..., N] float32 for a weight matrix W [N, M]
+kept as ggml blocks (``data`` uint8 [N, row bytes], see ``dantinox.quant.block_formats``). Two paths, chosen
+when the call is traced (the choice is static, so the decode loop still compiles once):
+
+  kernel    R = prod(x.shape[:-1]) <= KERNEL_MAX_ROWS (decode steps, small batches) on the CPU backend with the
+            extension built: an XLA FFI custom call (``jax.ffi.ffi_call`` of ``dantinox_block_matmul``, C++ in
+            ``dantinox/quant/csrc/block_matmul.cc``) that streams the blocks once for all R rows, dequantizes
+            each block in registers and accumulates in float32; rows of W are split over XLA's intra-op thread
+            pool; AVX-512, AVX2 or portable loops picked by CPUID.
+  pure JAX  larger R (prefill), another backend, no extension, or ``DANTINOX_BLOCK_KERNEL=off``: the blocks are
+            dequantized inside the jitted function (``dequantize_blocks``, exact) and XLA's dot runs in float32.
+
+Both paths compute each output as a float32 sum of the same float32 products (the dequantized weights equal
+``gguf.quants.dequantize``'s); only the order of the additions differs, so results agree to float32 rounding.
+The path in use is logged once (logger ``dantinox.quant``; a fallback at WARNING) and reported by
+``kernel_status()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .block_formats import block_format, dequantize_blocks
+
+KERNEL_MAX_ROWS = 16
+TARGET = "dantinox_block_matmul"
+ISA_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+ENV = "DANTINOX_BLOCK_KERNEL"
+log = logging.getLogger("dantinox.quant")
+_state: dict = {}
+
+
+def _load() -> tuple[object | None, str]:
+    """(the extension module or None, why not), registering the FFI target the first time."""
+    if "module" not in _state:
+        try:
+            module = importlib.import_module("dantinox.quant._block_matmul")
+            jax.ffi.register_ffi_target(TARGET, module.handler(), platform="cpu")
+            _state["module"], _state["why"] = module, ""
+        except ImportError as err:
+            _state["module"], _state["why"] = None, f"the compiled extension is not installed ({err})"
+    return _state["module"], _state["why"]
+
+
+def kernel_status() -> tuple[bool, str]:
+    """(True, "compiled kernel (avx512)") when block weights use the kernel in this process; else (False,
+    the reason and "pure-JAX path"). Reads ``DANTINOX_BLOCK_KERNEL`` ("off" forces the pure-JAX path)."""
+    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        return False, f"pure-JAX path ({ENV}=off)"
+    if jax.default_backend() != "cpu":
+        return False, f"pure-JAX path (backend {jax.default_backend()}, the kernel is CPU-only)"
+    module, why = _load()
+    if module is None:
+        return False, f"pure-JAX path ({why})"
+    return True, f"compiled kernel ({module.isa()})"
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the kernel runs on this CPU ("avx512", "avx2" or "scalar"), None without it."""
+    module, _ = _load()
+    return None if module is None else module.isa()
+
+
+def _announce(use: bool, text: str) -> None:
+    if _state.get("announced") != text:
+        _state["announced"] = text
+        (log.info if use else log.warning)("block-quantized weights: %s", text)
+
+
+def kernel_matmul(x2: jax.Array, data: jax.Array, fmt: str, isa: str = "auto") -> jax.Array:
+    """The custom call itself: x2 [R, M] float32, data uint8 [N, row bytes] -> [R, N] float32 (any R; the
+    kernel passes over the weights once per 16 rows). isa: "auto" (CPUID) or force "scalar" / "avx2" /
+    "avx512" (tests; the CPU must have it). RuntimeError when the extension is not installed."""
+    module, why = _load()
+    if module is None:
+        raise RuntimeError(f"the block kernel is unavailable: {why}")
+    out = jax.ShapeDtypeStruct((x2.shape[0], data.shape[0]), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")
+    return call(x2.astype(jnp.float32), data, format=np.int64(block_format(fmt).code),
+                isa=np.int64(ISA_CODES[isa]))
+
+
+def block_matmul(x: jax.Array, data: jax.Array, fmt: str, n_in: int) -> jax.Array:
+    """x [..., M] (M = n_in) . W^T with W [N, M] stored as blocks ``data`` uint8 [N, row bytes] -> [..., N]
+    float32. The kernel for R = prod(x.shape[:-1]) <= 16 where available, else the pure-JAX path (module
+    docstring). ValueError if x's last axis is not n_in."""
+    if x.shape[-1] != n_in:
+        raise ValueError(f"x has {x.shape[-1]} input channels; the weights have {n_in}")
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    use, text = kernel_status()
+    _announce(use, text)
+    if use and rows <= KERNEL_MAX_ROWS:
+        out = kernel_matmul(x.reshape(rows, n_in), data, fmt)
+        return out.reshape(*x.shape[:-1], data.shape[0])
+    w = dequantize_blocks(data, fmt, n_in)
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    return jax.lax.dot_general(x.astype(jnp.float32), w, dims, preferred_element_type=jnp.float32)

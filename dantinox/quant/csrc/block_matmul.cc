@@ -1,0 +1,286 @@
+// dantinox's block matrix product as an XLA FFI custom call (CPU): y [R, N] = x [R, M] . W^T for float32
+// activations x and a weight matrix W [N, M] kept in one of ggml's block formats (Q8_0, Q4_0, Q4_1, Q4_K,
+// Q5_K, Q6_K), each block dequantized in registers right before its multiply, float32 accumulation.
+//
+// One pass over the weights serves up to MAX_ROWS activation rows (decode steps and small batches; the
+// Python side sends larger batches to XLA's dot on the dequantized weights). The output rows are cut into
+// chunks that the calling thread and tasks on XLA's intra-op thread pool (ffi::ThreadPool) take from one
+// atomic counter, so the call never waits for a task that has not started. The loops are compiled three
+// times (AVX-512, AVX2 + FMA, and portable) and the CPU picks one at run time (__builtin_cpu_supports); the
+// 32-value formats (Q8_0, Q4_0, Q4_1) have hand-vectorised AVX2 / AVX-512 loops that keep each block in
+// registers (block_simd32.inc), the K-quants the compiler-vectorised loops of block_formats.inc.
+//
+// The Python module _block_matmul exposes handler() (a PyCapsule of the FFI handler for
+// jax.ffi.register_ffi_target) and isa() (the instruction set chosen on this CPU).
+
+#include <Python.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int MAX_ROWS = 16;
+enum Format { FORMAT_Q8_0 = 0, FORMAT_Q4_0 = 1, FORMAT_Q4_1 = 2, FORMAT_Q4_K = 3, FORMAT_Q5_K = 4, FORMAT_Q6_K = 5 };
+constexpr int64_t BLOCK_SIZE[] = {32, 32, 32, 256, 256, 256};
+constexpr int64_t BLOCK_BYTES[] = {34, 18, 20, 144, 176, 210};
+enum Isa { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX512 = 3 };
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// IEEE half -> float, exact (subnormals, infinities and NaN included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalise
+    int e = -1;
+    do {
+      mant <<= 1;
+      ++e;
+    } while ((mant & 0x400) == 0);
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+}  // namespace
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define DANTINOX_X86 1
+#endif
+
+namespace scalar {
+#include "block_formats.inc"
+static void run_rows(int format, const uint8_t* W, int64_t row_bytes, int64_t M, const float* x, int B, float* y,
+                     int64_t N, int64_t r0, int64_t r1, float* w) {
+  generic_rows(format, W, row_bytes, M, x, B, y, N, r0, r1, w);
+}
+}  // namespace scalar
+
+#ifdef DANTINOX_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+#include "block_formats.inc"
+using VEC = __m256;
+constexpr int VEC_LANES = 8;
+inline VEC vzero() { return _mm256_setzero_ps(); }
+inline VEC vset1(float v) { return _mm256_set1_ps(v); }
+inline VEC vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VEC vmul(VEC a, VEC b) { return _mm256_mul_ps(a, b); }
+inline VEC vadd(VEC a, VEC b) { return _mm256_add_ps(a, b); }
+inline VEC vfma(VEC a, VEC b, VEC c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(VEC v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// 32 int8 -> 4 x 8 floats
+inline void load_q8(const uint8_t* p, VEC* q) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+}
+// 16 bytes of nibbles -> 4 x 8 floats (low nibbles are values 0..15, high nibbles 16..31), minus `offset`
+inline void load_q4(const uint8_t* p, VEC* q, int offset) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  const __m256i off = _mm256_set1_epi32(offset);
+  q[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), off));
+  q[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), off));
+  q[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), off));
+  q[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), off));
+}
+#include "block_simd32.inc"
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), \
+                             apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+#endif
+namespace avx512 {
+#include "block_formats.inc"
+using VEC = __m512;
+constexpr int VEC_LANES = 16;
+inline VEC vzero() { return _mm512_setzero_ps(); }
+inline VEC vset1(float v) { return _mm512_set1_ps(v); }
+inline VEC vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VEC vmul(VEC a, VEC b) { return _mm512_mul_ps(a, b); }
+inline VEC vadd(VEC a, VEC b) { return _mm512_add_ps(a, b); }
+inline VEC vfma(VEC a, VEC b, VEC c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(VEC v) { return _mm512_reduce_add_ps(v); }
+// 32 int8 -> 2 x 16 floats
+inline void load_q8(const uint8_t* p, VEC* q) {
+  q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+}
+// 16 bytes of nibbles -> 2 x 16 floats (low nibbles are values 0..15, high nibbles 16..31), minus `offset`
+inline void load_q4(const uint8_t* p, VEC* q, int offset) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m512i off = _mm512_set1_epi32(offset);
+  q[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)), off));
+  q[1] = _mm512_cvtepi32_ps(
+      _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)), off));
+}
+#include "block_simd32.inc"
+}  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+namespace {
+
+int detected_isa() {
+#ifdef DANTINOX_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return ISA_AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return ISA_AVX2;
+#endif
+  return ISA_SCALAR;
+}
+
+using RowsFn = void (*)(int, const uint8_t*, int64_t, int64_t, const float*, int, float*, int64_t, int64_t,
+                        int64_t, float*);
+
+RowsFn rows_for(int isa) {
+#ifdef DANTINOX_X86
+  if (isa == ISA_AVX512) return avx512::run_rows;
+  if (isa == ISA_AVX2) return avx2::run_rows;
+#endif
+  return scalar::run_rows;
+}
+
+struct Job {
+  RowsFn fn;
+  int format;
+  const uint8_t* w;
+  int64_t row_bytes, M, N;
+  const float* x;
+  float* y;
+  int64_t R, chunk, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  // Take chunks until none is left; a chunk covers `chunk` output rows for every group of MAX_ROWS inputs.
+  void work() {
+    std::vector<float> row(static_cast<size_t>(M));  // one dequantized weight row
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const int64_t r0 = c * chunk, r1 = r0 + chunk < N ? r0 + chunk : N;
+      for (int64_t b0 = 0; b0 < R; b0 += MAX_ROWS) {
+        const int B = static_cast<int>(R - b0 < MAX_ROWS ? R - b0 : MAX_ROWS);
+        fn(format, w, row_bytes, M, x + b0 * M, B, y + b0 * N, N, r0, r1, row.data());
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                           ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t isa) {
+  if (format < 0 || format > FORMAT_Q6_K) return ffi::Error::InvalidArgument("unknown block format code");
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("block_matmul expects x [R, M], blocks [N, row bytes], y [R, N]");
+  const int64_t R = xd[0], M = xd[1], N = wd[0];
+  if (M % BLOCK_SIZE[format] != 0 || wd[1] != M / BLOCK_SIZE[format] * BLOCK_BYTES[format] || yd[0] != R ||
+      yd[1] != N)
+    return ffi::Error::InvalidArgument("block_matmul: shapes of x, blocks and y disagree with the format");
+  if (R == 0 || N == 0) return ffi::Error::Success();
+  const int chosen = isa == ISA_AUTO ? detected_isa() : static_cast<int>(isa);
+  auto job = std::make_shared<Job>();
+  job->fn = rows_for(chosen);
+  job->format = static_cast<int>(format);
+  job->w = w.typed_data();
+  job->row_bytes = wd[1];
+  job->M = M;
+  job->N = N;
+  job->x = x.typed_data();
+  job->y = y->typed_data();
+  job->R = R;
+  const int64_t threads = pool.num_threads() > 0 ? pool.num_threads() : 1;
+  const int64_t parts = threads * 4;
+  job->chunk = (N + parts - 1) / parts < 8 ? 8 : (N + parts - 1) / parts;
+  job->chunks = (N + job->chunk - 1) / job->chunk;
+  const int64_t helpers = threads - 1 < job->chunks - 1 ? threads - 1 : job->chunks - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < job->chunks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxBlockMatmul, BlockMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("format")
+                                  .Attr<int64_t>("isa"));
+
+namespace {
+
+PyObject* py_handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DantinoxBlockMatmul), nullptr, nullptr);
+}
+
+PyObject* py_isa(PyObject*, PyObject*) {
+  static const char* names[] = {"auto", "scalar", "avx2", "avx512"};
+  return PyUnicode_FromString(names[detected_isa()]);
+}
+
+PyMethodDef methods[] = {
+    {"handler", py_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler dantinox_block_matmul."},
+    {"isa", py_isa, METH_NOARGS, "The instruction set this CPU runs: 'avx512', 'avx2' or 'scalar'."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_matmul", "dantinox's block matrix product (XLA FFI).", -1,
+                      methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__block_matmul() { return PyModule_Create(&module); }
