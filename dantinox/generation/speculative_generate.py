@@ -3,13 +3,17 @@ the acceptance.
 
 ``speculative_generate(model, prompt_ids, max_new_tokens, spec_tokens=k, ngram_max=n, ...)`` takes the same
 arguments as ``decode.generate_result`` and returns the same GenerationResult (greedy: the same tokens) with a
-SpecStats. Errors: ValueError naming ``spec_tokens`` / ``ngram_max`` / ``ngram_min`` out of bounds, or a
-diffusion model; CapacityError as plain generation.
+SpecStats. ``speculative_stream`` is ``decode.stream_tokens`` with speculation: the same compiled loop called
+with a step bound a chunk further each time (greedy: the same tokens; sampling: the same distribution, not the
+same draws as the unchunked call, since the loop's PRNG stream is per iteration). ``SpecSettings`` /
+``spec_settings`` carry and check what a caller (``Generator``, the CLI) asks for; ``warm_up_speculative``
+compiles the loop ahead. Errors: ValueError naming ``speculative`` / ``spec_tokens`` / ``ngram_max`` /
+``ngram_min`` out of bounds, or a diffusion model; CapacityError as plain generation.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +44,34 @@ class SpecStats(NamedTuple):
         return float(sum(self.accepted) / (self.verify_calls * len(self.proposed)) + 1) if self.verify_calls else 0.0
 
 
+PROPOSERS = ("ngram",)
+
+
+class SpecSettings(NamedTuple):
+    """One request's speculation: the proposer ("ngram": prompt lookup), spec_tokens k proposed per verify
+    call, and the n-gram lengths tried (ngram_max down to ngram_min)."""
+
+    proposer: str = "ngram"
+    spec_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+
+DEFAULT_SETTINGS = SpecSettings()
+
+
+def spec_settings(speculative, spec_tokens=4, ngram_max=4, ngram_min=1) -> SpecSettings | None:
+    """The checked SpecSettings, or None when ``speculative`` is None (plain decoding). ValueError naming
+    ``speculative`` (not one of PROPOSERS) or the bound it breaks (``check_spec_settings``)."""
+    if speculative is None:
+        return None
+    if speculative not in PROPOSERS:
+        raise ValueError(f"speculative={speculative!r} is not allowed: one of {', '.join(map(repr, PROPOSERS))} "
+                         "or None")
+    check_spec_settings(spec_tokens, ngram_max, ngram_min)
+    return SpecSettings(speculative, int(spec_tokens), int(ngram_max), int(ngram_min))
+
+
 def check_spec_settings(spec_tokens, ngram_max, ngram_min) -> None:
     """ValueError naming the setting: spec_tokens in 1..MAX_SPEC_TOKENS, 1 <= ngram_min <= ngram_max <= 16."""
     for name, value in (("spec_tokens", spec_tokens), ("ngram_max", ngram_max), ("ngram_min", ngram_min)):
@@ -56,16 +88,64 @@ def speculative_generate(model, prompt_ids, max_new_tokens: int = 64, *, spec_to
                          ngram_min: int = 1, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
                          mesh=None):
     """Generate with n-gram speculation. Returns (GenerationResult, SpecStats); see the module docstring."""
-    check_spec_settings(spec_tokens, ngram_max, ngram_min)
+    settings = spec_settings("ngram", spec_tokens, ngram_max, ngram_min)
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
-    stop = jnp.int32(req.max_new_tokens)
     with mesh_scope(mesh_of(params)):
-        state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
-        state = spec_state(state, jnp.asarray(req.ids))
-        state = speculative_decode(graphdef, params, state, stop, req.key, req.sampling, req.eos_id, req.fill,
-                                   k=int(spec_tokens), ngram_max=int(ngram_max), ngram_min=int(ngram_min))
-    stats = SpecStats([int(x) for x in np.asarray(state.proposed)], [int(x) for x in np.asarray(state.accepted)],
-                      int(state.verify_calls), int(state.iteration))
-    return _finish(to_host(state.out), req), stats
+        state = _start(graphdef, params, req)
+        state = _advance(graphdef, params, state, req, req.max_new_tokens, settings)
+    return _finish(to_host(state.out), req), _stats(state)
+
+
+def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings: SpecSettings = DEFAULT_SETTINGS,
+                       chunk_size: int = 8, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
+                       mesh=None) -> Iterator[tuple[np.ndarray, SpecStats]]:
+    """Yield (new tokens [B, n] int32, SpecStats so far) as ``decode.stream_tokens`` yields its chunks: up to
+    chunk_size tokens per device call (the first chunk holds the prefill token too; a verify call that would
+    pass the chunk's bound keeps only the tokens up to it). Rows past their stop id yield the fill id.
+    ValueError for chunk_size < 1 and as :func:`speculative_generate`."""
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
+    settings = spec_settings(*settings)
+    req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
+    place_on_mesh(model, mesh)
+    graphdef, params = split_model(model)
+    on, sent = mesh_of(params), 0
+    with mesh_scope(on):
+        state = _start(graphdef, params, req)
+    while True:
+        with mesh_scope(on):
+            state = _advance(graphdef, params, state, req, min(sent + chunk_size, req.max_new_tokens), settings)
+        produced, done = np.asarray(state.produced), np.asarray(state.done)
+        reached = int(produced.max())
+        if reached > sent:
+            yield np.asarray(state.out)[:, sent:reached], _stats(state)
+            sent = reached
+        if bool(np.all(done | (produced >= req.max_new_tokens))):
+            return
+
+
+def warm_up_speculative(model, settings: SpecSettings) -> None:
+    """Compile the speculative loop of ``settings`` at batch 1 (one 2-token generation from token 0; prefill
+    is ``generator.warm_up``'s). Sampling settings, seed, stop ids and budget are traced: later calls with the
+    same settings and batch compile nothing."""
+    speculative_generate(model, [0], 2, spec_tokens=settings.spec_tokens, ngram_max=settings.ngram_max,
+                         ngram_min=settings.ngram_min, temperature=1.0)
+
+
+def _start(graphdef, params, req):
+    """Prefill ``req`` and return the SpecState after it."""
+    state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+    return spec_state(state, jnp.asarray(req.ids))
+
+
+def _advance(graphdef, params, state, req, stop: int, settings: SpecSettings):
+    """Run the compiled speculative loop on ``state`` until every row has ``stop`` tokens or met a stop id."""
+    return speculative_decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill,
+                              k=settings.spec_tokens, ngram_max=settings.ngram_max, ngram_min=settings.ngram_min)
+
+
+def _stats(state) -> SpecStats:
+    return SpecStats([int(x) for x in np.asarray(state.proposed)], [int(x) for x in np.asarray(state.accepted)],
+                     int(state.verify_calls), int(state.iteration))
