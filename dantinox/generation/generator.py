@@ -130,7 +130,9 @@ class Generator:
             with self.warmup:
                 warm_up(self.model, prompt_lengths)
                 if speculative is not None:
-                    warm_up_speculative(self.model, speculative)
+                    S = self.cfg.max_context
+                    warm_up_speculative(self.model, speculative, prompt_buckets(S) if prompt_lengths is None
+                                        else sorted({min(bucket_length(n, S), S - 1) for n in prompt_lengths}))
         return self.warmup
 
     def speculation(self, speculative, spec_tokens=4, spec_ngram_max=4, spec_ngram_min=1, use_cache=True,

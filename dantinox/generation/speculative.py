@@ -57,8 +57,10 @@ class SpecState(NamedTuple):
     verify_calls: jax.Array  # [] int32: iterations that verified (the rest were plain steps)
 
 
+@partial(jax.jit, donate_argnames=("state",))
 def spec_state(state, ids) -> SpecState:
-    """The SpecState after ``decode.prefill``'s DecodeState ``state``; ids: [B, T] padded prompts."""
+    """The SpecState after ``decode.prefill``'s DecodeState ``state`` (donated: its cache moves in, not copied);
+    ids: [B, T] padded prompts. One small program per (B, T)."""
     B, S = state.out.shape
     seq = jnp.zeros((B, S), jnp.int32).at[:, : ids.shape[1]].set(ids)
     seq = seq.at[jnp.arange(B), state.index].set(state.token)

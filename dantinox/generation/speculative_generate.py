@@ -126,12 +126,14 @@ def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings:
             return
 
 
-def warm_up_speculative(model, settings: SpecSettings) -> None:
-    """Compile the speculative loop of ``settings`` at batch 1 (one 2-token generation from token 0; prefill
-    is ``generator.warm_up``'s). Sampling settings, seed, stop ids and budget are traced: later calls with the
-    same settings and batch compile nothing."""
-    speculative_generate(model, [0], 2, spec_tokens=settings.spec_tokens, ngram_max=settings.ngram_max,
-                         ngram_min=settings.ngram_min, temperature=1.0)
+def warm_up_speculative(model, settings: SpecSettings, prompt_lengths: list[int]) -> None:
+    """Compile the speculative loop of ``settings`` at batch 1 and its start for each prompt length's bucket
+    (one 2-token generation from token 0 per length; prefill itself is ``generator.warm_up``'s). Sampling
+    settings, seed, stop ids and budget are traced: later calls with the same settings, batch and prompt
+    buckets compile nothing."""
+    for length in prompt_lengths:
+        speculative_generate(model, [0] * length, 2, spec_tokens=settings.spec_tokens,
+                             ngram_max=settings.ngram_max, ngram_min=settings.ngram_min, temperature=1.0)
 
 
 def _start(graphdef, params, req):
