@@ -78,5 +78,5 @@ def run_chat(args) -> int:
     print(f"[dantinox] prompt {len(ids)} tokens after the chat template, answered in "
           f"{time.perf_counter() - start:.2f} s", file=sys.stderr)
     if spec is not None:
-        print(f"[dantinox] {describe_spec_stats(spec, gen.spec_stats)}", file=sys.stderr)
+        print(f"[dantinox] {describe_spec_stats(gen.speculation(*spec[:4]), gen.spec_stats)}", file=sys.stderr)
     return 0

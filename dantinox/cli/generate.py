@@ -120,7 +120,7 @@ def cmd_generate(args) -> int:
     print(f"[dantinox] prompt {len(ids)} tokens, {tokens} new tokens in {seconds:.2f} s "
           f"({tokens / seconds:.1f} tokens/s, cache {'off' if args.no_cache else 'on'}{ended})", file=sys.stderr)
     if spec is not None:
-        print(f"[dantinox] {describe_spec_stats(spec, gen.spec_stats)}", file=sys.stderr)
+        print(f"[dantinox] {describe_spec_stats(gen.speculation(*spec[:4]), gen.spec_stats)}", file=sys.stderr)
     return 0
 
 

@@ -17,8 +17,10 @@ its whole canvas and ignores them.
 
 ``speculative="ngram"`` (generate, complete, stream, chat; with ``spec_tokens`` k, ``spec_ngram_max`` /
 ``spec_ngram_min``) decodes through ``dantinox.generation.speculative``: prompt-lookup proposals verified k at a
-time in one forward; greedy text is the same as without it, sampled text has the same distribution. Each such
-call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``); docs/generation.md says when it pays.
+time in one forward; greedy text is the same as without it, sampled text has the same distribution. A request
+whose measured acceptance makes verification a loss stops speculating (``switch_off_threshold``: measured once
+per k on this model). Each such call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``);
+docs/generation.md says when it pays.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from .decode import generate_result, stream_tokens
 from .grammar import Constraint, constraint_from, grammar_vocabulary
 from .paradigm import generate
 from .prompts import bucket_length
-from .speculative_generate import (SpecSettings, SpecStats, spec_settings, speculative_generate, speculative_stream,
-                                   warm_up_speculative)
+from .speculative_generate import (SpecSettings, SpecStats, break_even, spec_settings, speculative_generate,
+                                   speculative_stream, verify_cost, warm_up_speculative)
 
 BUNDLED_RUN = DEFAULT_BUNDLED
 
@@ -116,6 +118,7 @@ class Generator:
         self.stop_ids = read_stop_ids(self.run_dir, self.tokenizer)
         self.warmup = CompileCounter()
         self.spec_stats: SpecStats | None = None
+        self._min_accept: dict[int, float] = {}
         if warmup:
             self.warm_up()
         self.load_seconds = time.perf_counter() - start
@@ -130,16 +133,25 @@ class Generator:
             with self.warmup:
                 warm_up(self.model, prompt_lengths)
                 if speculative is not None:
+                    self.switch_off_threshold(speculative.spec_tokens)
                     S = self.cfg.max_context
                     warm_up_speculative(self.model, speculative, prompt_buckets(S) if prompt_lengths is None
                                         else sorted({min(bucket_length(n, S), S - 1) for n in prompt_lengths}))
         return self.warmup
 
+    def switch_off_threshold(self, k: int) -> float:
+        """min_accept for k proposed tokens on this model: ``break_even(verify_cost(model, k), k)``, measured on
+        first use (two small compiles and a dozen forwards) and kept."""
+        if k not in self._min_accept:
+            self._min_accept[k] = break_even(verify_cost(self.model, k), k)
+        return self._min_accept[k]
+
     def speculation(self, speculative, spec_tokens=4, spec_ngram_max=4, spec_ngram_min=1, use_cache=True,
                     constraint=None) -> SpecSettings | None:
         """The checked SpecSettings of a call's speculative arguments (None: plain decoding). ValueError naming
         the argument: an unknown proposer or a bound (``spec_settings``), a diffusion model, use_cache=False,
-        or a json_schema / regex / grammar constraint (speculation needs the cached autoregressive loop)."""
+        or a json_schema / regex / grammar constraint (speculation needs the cached autoregressive loop).
+        The settings carry this model's switch-off threshold (``switch_off_threshold``)."""
         settings = spec_settings(speculative, spec_tokens, spec_ngram_max, spec_ngram_min)
         if settings is None:
             return None
@@ -150,7 +162,7 @@ class Generator:
             raise ValueError(f"speculative={speculative!r} is not allowed with "
                              f"{'use_cache=False' if not use_cache else 'json_schema, regex or grammar'}: "
                              "speculation runs through the cached decode loop")
-        return settings
+        return settings._replace(min_accept=self.switch_off_threshold(settings.spec_tokens))
 
     def encode(self, text: str, unknown: str = "error") -> list[int]:
         """Token ids of a prompt. Raises ValueError for an empty prompt or unknown characters (see module doc)."""
@@ -227,8 +239,8 @@ class Generator:
         if spec is not None:
             result, stats = speculative_generate(self.model, ids, max_new_tokens, spec_tokens=spec.spec_tokens,
                                                  ngram_max=spec.ngram_max, ngram_min=spec.ngram_min,
-                                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                                 eos_id=self._eos(ignore_eos))
+                                                 min_accept=spec.min_accept, temperature=temperature, top_k=top_k,
+                                                 top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
             self.spec_stats = stats
         elif constraint is None:
             result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,

@@ -7,19 +7,28 @@ SpecStats. ``speculative_stream`` is ``decode.stream_tokens`` with speculation: 
 with a step bound a chunk further each time (greedy: the same tokens; sampling: the same distribution, not the
 same draws as the unchunked call, since the loop's PRNG stream is per iteration). ``SpecSettings`` /
 ``spec_settings`` carry and check what a caller (``Generator``, the CLI) asks for; ``warm_up_speculative``
-compiles the loop ahead. Errors: ValueError naming ``speculative`` / ``spec_tokens`` / ``ngram_max`` /
-``ngram_min`` out of bounds, or a diffusion model; CapacityError as plain generation.
+compiles the loop ahead; ``verify_cost`` measures what a verify call costs against a plain step, from which
+``break_even`` gives the switch-off threshold min_accept (``speculative``'s module docstring).
+Errors: ValueError naming ``speculative`` / ``spec_tokens`` / ``ngram_max`` / ``ngram_min`` / ``min_accept`` out
+of bounds, or a diffusion model; CapacityError as plain generation.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+import time
+from functools import partial
 from typing import Iterator, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
+from ..model.cache import init_cache
 from .decode import _finish, _prepare, place_on_mesh, prefill, split_model
 from .speculative import MAX_SPEC_TOKENS, spec_state, speculative_decode
 
@@ -49,27 +58,33 @@ PROPOSERS = ("ngram",)
 
 class SpecSettings(NamedTuple):
     """One request's speculation: the proposer ("ngram": prompt lookup), spec_tokens k proposed per verify
-    call, and the n-gram lengths tried (ngram_max down to ngram_min)."""
+    call, the n-gram lengths tried (ngram_max down to ngram_min), and min_accept, the accepted proposals per
+    verify call below which a row stops speculating (0.0: never; ``break_even``)."""
 
     proposer: str = "ngram"
     spec_tokens: int = 4
     ngram_max: int = 4
     ngram_min: int = 1
+    min_accept: float = 0.0
 
 
 DEFAULT_SETTINGS = SpecSettings()
 
 
-def spec_settings(speculative, spec_tokens=4, ngram_max=4, ngram_min=1) -> SpecSettings | None:
+def spec_settings(speculative, spec_tokens=4, ngram_max=4, ngram_min=1, min_accept=0.0) -> SpecSettings | None:
     """The checked SpecSettings, or None when ``speculative`` is None (plain decoding). ValueError naming
-    ``speculative`` (not one of PROPOSERS) or the bound it breaks (``check_spec_settings``)."""
+    ``speculative`` (not one of PROPOSERS), the bound it breaks (``check_spec_settings``) or ``min_accept``
+    (a finite number in [0, spec_tokens])."""
     if speculative is None:
         return None
     if speculative not in PROPOSERS:
         raise ValueError(f"speculative={speculative!r} is not allowed: one of {', '.join(map(repr, PROPOSERS))} "
                          "or None")
     check_spec_settings(spec_tokens, ngram_max, ngram_min)
-    return SpecSettings(speculative, int(spec_tokens), int(ngram_max), int(ngram_min))
+    if (not isinstance(min_accept, (int, float, np.floating, np.integer)) or isinstance(min_accept, bool)
+            or not math.isfinite(min_accept) or not 0 <= min_accept <= spec_tokens):
+        raise ValueError(f"min_accept={min_accept!r} is not allowed: a number in [0, spec_tokens={spec_tokens}]")
+    return SpecSettings(speculative, int(spec_tokens), int(ngram_max), int(ngram_min), float(min_accept))
 
 
 def check_spec_settings(spec_tokens, ngram_max, ngram_min) -> None:
@@ -85,10 +100,11 @@ def check_spec_settings(spec_tokens, ngram_max, ngram_min) -> None:
 
 
 def speculative_generate(model, prompt_ids, max_new_tokens: int = 64, *, spec_tokens: int = 4, ngram_max: int = 4,
-                         ngram_min: int = 1, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
-                         mesh=None):
-    """Generate with n-gram speculation. Returns (GenerationResult, SpecStats); see the module docstring."""
-    settings = spec_settings("ngram", spec_tokens, ngram_max, ngram_min)
+                         ngram_min: int = 1, min_accept: float = 0.0, temperature=0.0, top_k=0, top_p=1.0,
+                         seed: int = 0, eos_id=None, mesh=None):
+    """Generate with n-gram speculation. Returns (GenerationResult, SpecStats); see the module docstring.
+    min_accept: the switch-off threshold (SpecSettings; 0.0 never switches off)."""
+    settings = spec_settings("ngram", spec_tokens, ngram_max, ngram_min, min_accept)
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
@@ -145,9 +161,45 @@ def _start(graphdef, params, req):
 def _advance(graphdef, params, state, req, stop: int, settings: SpecSettings):
     """Run the compiled speculative loop on ``state`` until every row has ``stop`` tokens or met a stop id."""
     return speculative_decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill,
-                              k=settings.spec_tokens, ngram_max=settings.ngram_max, ngram_min=settings.ngram_min)
+                              k=settings.spec_tokens, ngram_max=settings.ngram_max, ngram_min=settings.ngram_min,
+                              min_accept=jnp.float32(settings.min_accept))
 
 
 def _stats(state) -> SpecStats:
     return SpecStats([int(x) for x in np.asarray(state.proposed)], [int(x) for x in np.asarray(state.accepted)],
                      int(state.verify_calls), int(state.iteration))
+
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _forward_logits(graphdef, params, tokens, cache, index):
+    """The cached forward of ``tokens`` [1, T] at slot ``index`` [1]: logits [1, T, V] (the cache is dropped)."""
+    logits, _, _ = nnx.merge(graphdef, params)(tokens, use_cache=True, kv_caches=cache, cache_index=index)
+    return logits
+
+
+def verify_cost(model, k: int, repeats: int = 5) -> float:
+    """c: the time of one cached forward over k + 1 new tokens (a verify call) divided by the time of one over
+    1 token (a plain step), at batch 1 over the whole static cache at slot max_context // 2; medians of
+    ``repeats`` timed calls each, after one untimed call that compiles. Wall time, so a loaded host moves it."""
+    graphdef, params = split_model(model)
+    cache = init_cache(model.cfg, 1)
+    index = jnp.full((1,), (model.cfg.max_context - k - 1) // 2, jnp.int32)
+    medians = []
+    with mesh_scope(mesh_of(params)):
+        for width in (1, k + 1):
+            tokens = jnp.zeros((1, width), jnp.int32)
+            _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
+                samples.append(time.perf_counter() - start)
+            medians.append(statistics.median(samples))
+    return medians[1] / medians[0]
+
+
+def break_even(cost: float, k: int) -> float:
+    """min_accept for a verify call that costs ``cost`` plain steps: it emits 1 + a tokens for a accepted
+    proposals and pays while 1 + a > cost, so a row switches off below a = cost - 1 (clipped to [0, k])."""
+    return float(min(max(cost - 1.0, 0.0), k))

@@ -22,8 +22,9 @@ from dantinox.generation.decode import generate_result, prefill, split_model
 from dantinox.generation.ngram import propose_ngram
 from dantinox.generation.prompts import eos_array
 from dantinox.generation.sampling import filtered_probs, make_sampling_params
-from dantinox.generation.speculative import spec_state, speculative_decode
-from dantinox.generation.speculative_generate import check_spec_settings, speculative_generate
+from dantinox.generation.speculative import PROBE_VERIFIES, spec_state, speculative_decode
+from dantinox.generation.speculative_generate import (break_even, check_spec_settings, spec_settings,
+                                                      speculative_generate)
 from dantinox.xla import CompileCounter
 
 ATTENTION = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
@@ -94,6 +95,28 @@ def test_stop_id_inside_a_verified_chunk_ends_the_row_as_plain_decoding_does(gqa
     assert spec.lengths.tolist() == plain.lengths.tolist() and spec.finish_reasons == ["stop"]
 
 
+def test_switch_off_rule_stops_verifying_a_losing_request_and_keeps_the_tokens(gqa_model):
+    """min_accept = k (every proposal must be accepted to pay): after PROBE_VERIFIES verify calls with a rejection
+    among them, the request decodes plainly to the end, with plain greedy's tokens; min_accept 0 keeps verifying."""
+    prompt = repetitive_prompt(np.random.default_rng(2), GQA_CFG.vocab_size)
+    plain = generate_result(gqa_model, [prompt], 60)
+    keep, kept = speculative_generate(gqa_model, [prompt], 60, spec_tokens=4, min_accept=0.0)
+    off, stopped = speculative_generate(gqa_model, [prompt], 60, spec_tokens=4, min_accept=4.0)
+    np.testing.assert_array_equal(keep.tokens, plain.tokens)
+    np.testing.assert_array_equal(off.tokens, plain.tokens)
+    assert sum(kept.accepted) < sum(kept.proposed) and kept.verify_calls > PROBE_VERIFIES, kept
+    assert stopped.verify_calls == PROBE_VERIFIES and sum(stopped.accepted) < sum(stopped.proposed), stopped
+    assert stopped.iterations - stopped.verify_calls > kept.iterations - kept.verify_calls   # more plain steps
+
+
+def test_break_even_and_min_accept_bounds():
+    assert break_even(1.3, 4) == pytest.approx(0.3) and break_even(0.9, 4) == 0.0 and break_even(9.0, 4) == 4.0
+    assert spec_settings("ngram", 4, 4, 1, 0.5).min_accept == 0.5
+    for bad in (-0.1, 5.0, float("nan"), "1"):
+        with pytest.raises(ValueError, match="min_accept=.* is not allowed"):
+            spec_settings("ngram", 4, 4, 1, bad)
+
+
 def test_cache_after_rejections_equals_a_plain_runs_cache(gqa_model):
     """Every slot below each row's final index holds the keys and values a token-by-token run writes."""
     cfg, model = GQA_CFG, gqa_model
@@ -108,7 +131,7 @@ def test_cache_after_rejections_equals_a_plain_runs_cache(gqa_model):
     eos, fill = jnp.asarray(eos_array(None, cfg.vocab_size)), jnp.int32(0)
     state = prefill(graphdef, params, ids, lengths, key, sampling, eos, fill)
     state = speculative_decode(graphdef, params, spec_state(state, jnp.asarray(ids)), jnp.int32(30), key, sampling,
-                               eos, fill, k=4, ngram_max=3, ngram_min=1)
+                               eos, fill, k=4, ngram_max=3, ngram_min=1, min_accept=jnp.float32(0.0))
     assert int(state.verify_calls) > 0 and int(jnp.sum(state.accepted)) < int(jnp.sum(state.proposed))
     tokens = np.asarray(state.out)[:, :30]
     for b, p in enumerate(prompts):

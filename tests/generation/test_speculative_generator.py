@@ -35,6 +35,8 @@ def test_speculative_generate_complete_and_stream_equal_plain_greedy(gen):
     assert plain.spec is None and isinstance(spec.spec, SpecStats) and gen.spec_stats is spec.spec
     assert spec.spec.verify_calls > 0 and sum(spec.spec.proposed) > 0
     assert 0.0 <= spec.spec.acceptance_rate <= 1.0 and 1.0 <= spec.spec.mean_accepted_length <= 4.0
+    assert 0.0 <= gen.switch_off_threshold(3) <= 3.0 and gen.speculation("ngram", 3).min_accept == \
+        gen.switch_off_threshold(3)
     assert gen.generate(PROMPT, 40, temperature=0, ignore_eos=True, **SPEC) == plain.text
     streamed = "".join(gen.stream(PROMPT, 40, temperature=0, ignore_eos=True, chunk_size=5, **SPEC))
     assert streamed == plain.text
