@@ -21,7 +21,8 @@ speculation switches itself off where lookup finds nothing. It also switches off
 verify call costs c times a plain step (c > 1, measured by ``speculative_generate.verify_cost``) and emits
 1 + a tokens for a accepted proposals, so it pays only while a > c - 1 = ``min_accept``. After PROBE_VERIFIES
 verify calls a row whose accepted proposals per verify call fall below min_accept stops proposing for the rest
-of the request (min_accept 0: never; the iteration verifies while any live row still has a proposal and pays).
+of the request (min_accept 0: never; the iteration verifies while any live row still has a proposal and pays);
+once no live row pays, the loop leaves the speculative body (its ``lax.cond``) for the plain loop.
 Near the end of the cache (fewer than k + 1 free slots) the loop finishes with plain steps. k, the n-gram bounds
 and the batch size are static; the step bound, sampling settings, seed, stop ids and min_accept are traced, so
 one program serves every request of that shape.
@@ -170,8 +171,8 @@ def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampl
         return jax.lax.cond(verifying, lambda: verify(s, proposals), lambda: plain(s))
 
     def room(s: SpecState):   # every live row has k + 1 free slots (a finished row's writes are never read)
-        live = _live(s, stop_step)
-        return jnp.any(live) & (jnp.max(jnp.where(live, s.index, 0)) + k + 1 <= S)
+        live = _live(s, stop_step)   # and speculation still pays for one of them: else the plain loop below
+        return jnp.any(live & _pays(s, k, min_accept)) & (jnp.max(jnp.where(live, s.index, 0)) + k + 1 <= S)
 
     state = jax.lax.while_loop(room, body, state)
     return jax.lax.while_loop(lambda s: jnp.any(_live(s, stop_step)), plain, state)
