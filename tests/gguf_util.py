@@ -78,10 +78,11 @@ def gguf_name(hf: str) -> str:
 def write_tiny_gguf(path, qtype=gguf.GGMLQuantizationType.F32, arch: str = "llama", raw_override=None,
                     tied: bool = False, wide: bool = False, tensor_types=None) -> dict:
     """Write the tiny model to ``path``; matrices in ``qtype`` (norms stay F32; K-quants as random valid
-    blocks; F16 as float16), or the type ``tensor_types`` gives their GGUF name ({"token_embd.weight": Q8_0}). raw_override: (GGUF tensor name, raw qtype) whose
-    bytes are written as that type unchanged (zeros), or (name, qtype, bytes) written as given. tied: no
-    output.weight (the head is the embedding). wide: the WIDE widths. Returns the HF tensors it started from
-    (what F32 / gguf-quantized matrices were made from; K-quant blocks are random instead)."""
+    blocks; F16 as float16), or the type ``tensor_types`` gives their GGUF name ({"token_embd.weight": Q8_0}).
+    raw_override: (GGUF tensor name, raw qtype) whose bytes are written as that type unchanged (zeros), or
+    (name, qtype, bytes) written as given. tied: no output.weight (the head is the embedding). wide: the WIDE
+    widths. Returns the HF tensors it started from (what F32 / gguf-quantized matrices were made from; K-quant
+    blocks are random instead)."""
     tokens, merges, types = tiny_tokenizer_meta()
     dims = WIDE if wide else dict(dim=DIM, head=HEAD, ffn=FFN)
     tensors = hf_tensors(len(tokens), **dims)

@@ -3,7 +3,8 @@
 Prints the assistant's answer (the text before the model's end-of-turn token; --ignore_eos generates past it);
 timings go to stderr. The model flags of ``generate`` work here as they do with --prompt: --kv-dtype,
 --quantize, --mesh (and the distributed group), --unknown; those that cannot apply to one chat turn
-(--no_cache, --stream, the diffusion group) are refused naming the flag. Errors (no template, empty message,
+(--no_cache, --stream, the diffusion group) are refused naming the flag; --speculative ngram works as with
+--prompt (its acceptance line goes to stderr). Errors (no template, empty message,
 bad sampling or model flags, a mesh that cannot be made, a conversation that fills the context) exit 2 with
 one line.
 """
@@ -19,6 +20,7 @@ from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights
 from ..runs.chat import require_chat_format
+from .flags import describe_spec_stats, spec_kwargs, speculative_from_args
 from .structured import constraint_kwargs
 
 DEFAULT_CHAT_TOKENS = 256
@@ -53,6 +55,7 @@ def run_chat(args) -> int:
     from ..generation.generator import Generator
 
     check_chat_args(args)
+    spec = speculative_from_args(args)
     with naming_flag(args.mesh):  # warmed up below, for this conversation's prompt bucket only
         gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
                         quantize=args.quantize)
@@ -66,15 +69,17 @@ def run_chat(args) -> int:
         raise CapacityError(f"{given}: {err}") from None
     constraint = constraint_kwargs(args, gen)  # --json-schema / --regex / --grammar (cli/structured.py)
     started = time.perf_counter()
-    gen.warm_up([len(ids)])
+    gen.warm_up([len(ids)], args.max_new_tokens or DEFAULT_CHAT_TOKENS, speculative=spec)
     gen.load_seconds += time.perf_counter() - started
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
           f"(weights {describe_weights(gen.model)})", file=sys.stderr)
     start = time.perf_counter()
     answer = gen.chat(messages, args.max_new_tokens or DEFAULT_CHAT_TOKENS, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, unknown=args.unknown,
-                      ignore_eos=args.ignore_eos, **constraint)
+                      ignore_eos=args.ignore_eos, **constraint, **spec_kwargs(spec))
     print(answer)
     print(f"[dantinox] prompt {len(ids)} tokens after the chat template, answered in "
           f"{time.perf_counter() - start:.2f} s", file=sys.stderr)
+    if spec is not None:
+        print(f"[dantinox] {describe_spec_stats(gen.speculation(*spec[:4]), gen.spec_stats)}", file=sys.stderr)
     return 0

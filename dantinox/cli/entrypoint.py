@@ -4,6 +4,7 @@
   dantinox generate [--run_dir R] (--prompt P | --chat MESSAGE [--system TEXT]) [--no_cache] [--stream]
                     [--max_new_tokens N] [--ignore_eos] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
+                    [--speculative ngram [--spec-tokens K] [--spec-ngram-max N] [--spec-ngram-min M]]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step] [--kv-dtype int8] [--quantize bf16|int8]
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--relative_tolerance F]
@@ -40,6 +41,7 @@ from .flags import (
     add_distributed_arguments,
     add_mesh_argument,
     add_quantize_argument,
+    add_speculative_arguments,
     initialize_from_args,
 )
 from .generate import _add_diffusion, _add_sampling, cmd_generate
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="characters outside the vocabulary: error (default) or replace with <unk>")
     add_quantize_argument(gen)
     _add_sampling(gen)
+    add_speculative_arguments(gen)
     _add_diffusion(gen)
     add_constraint_arguments(gen)
     add_mesh_argument(gen)

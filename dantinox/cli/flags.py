@@ -99,3 +99,56 @@ def initialize_from_args(args) -> bool:
 def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype: float32, bfloat16 or int8 (symmetric absmax "
                    "per token and head, float32 scales; default: the run's cache_dtype)")
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """Add --speculative, --spec-tokens, --spec-ngram-max and --spec-ngram-min (read them with
+    :func:`speculative_from_args`). The destinations are the library's argument names (spec_tokens, ngram_max,
+    ngram_min), so its bound errors come out naming the flags (``in_flags``)."""
+    g = p.add_argument_group("speculative decoding (autoregressive models)")
+    g.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="ngram: propose the tokens that followed the latest earlier match of the last n tokens "
+                        "(prompt lookup) and verify them in one forward; greedy output is unchanged")
+    g.add_argument("--spec-tokens", dest="spec_tokens", type=int, default=None,
+                   help="tokens proposed per verify call, 1..16 (default 4)")
+    g.add_argument("--spec-ngram-max", dest="ngram_max", type=int, default=None,
+                   help="longest n-gram looked up (default 4)")
+    g.add_argument("--spec-ngram-min", dest="ngram_min", type=int, default=None,
+                   help="shortest n-gram looked up (default 1)")
+
+
+SPEC_FLAGS = {"spec_tokens": "--spec-tokens", "ngram_max": "--spec-ngram-max", "ngram_min": "--spec-ngram-min"}
+
+
+def speculative_from_args(args):
+    """The checked SpecSettings of the speculative flags, or None without --speculative. ValueError naming the
+    flag: --spec-* without --speculative, or a value out of bounds (``spec_settings``)."""
+    from ..generation.speculative_generate import DEFAULT_SETTINGS, spec_settings
+
+    given = {name: getattr(args, name, None) for name in SPEC_FLAGS}
+    if getattr(args, "speculative", None) is None:
+        flags = [SPEC_FLAGS[name] for name, v in given.items() if v is not None]
+        if flags:
+            raise ValueError(f"{flags[0]} needs --speculative ngram")
+        return None
+    return spec_settings(args.speculative, *(getattr(DEFAULT_SETTINGS, name) if v is None else v
+                                             for name, v in given.items()))
+
+
+def spec_kwargs(spec) -> dict:
+    """The Generator keyword arguments of SpecSettings ``spec`` ({} for None)."""
+    if spec is None:
+        return {}
+    return dict(speculative=spec.proposer, spec_tokens=spec.spec_tokens, spec_ngram_max=spec.ngram_max,
+                spec_ngram_min=spec.ngram_min)
+
+
+def describe_spec_stats(settings, stats) -> str:
+    """The report line of a speculative generation, e.g. "speculative ngram (k=4, n-gram 4..1): 120 of 200
+    proposed tokens accepted (60.0%), 3.40 tokens per verify call, 50 verify calls and 10 plain steps", with the
+    switch-off threshold when settings carry one."""
+    off = f" (switch-off below {settings.min_accept:.2f} accepted per verify call)" if settings.min_accept else ""
+    return (f"speculative {settings.proposer} (k={settings.spec_tokens}, n-gram {settings.ngram_max}.."
+            f"{settings.ngram_min}): {sum(stats.accepted)} of {sum(stats.proposed)} proposed tokens accepted "
+            f"({100 * stats.acceptance_rate:.1f}%), {stats.mean_accepted_length:.2f} tokens per verify call, "
+            f"{stats.verify_calls} verify calls and {stats.iterations - stats.verify_calls} plain steps{off}")

@@ -9,7 +9,10 @@ Without --max_new_tokens an autoregressive model generates DEFAULT_NEW_TOKENS, o
 context if less; a diffusion model generates --gen_len (default DEFAULT_GEN_LEN). --json-schema, --regex and
 --grammar constrain the text (``dantinox.cli.structured``). An autoregressive model stops
 early at the run's stop ids (its end-of-turn / end-of-text tokens, not printed; case K11) unless --ignore_eos.
-The text goes to stdout, the load, warm-up and speed lines to stderr.
+--speculative ngram (with --spec-tokens, --spec-ngram-max, --spec-ngram-min; ``dantinox.cli.flags``) decodes with
+prompt-lookup speculation and adds a line with its acceptance rate and mean accepted length; refused naming the
+flag with --no_cache, out of bounds or for a diffusion model.
+The text goes to stdout, the load, warm-up, speed and acceptance lines to stderr.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ..generation.sampling import make_sampling_params
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights
+from .flags import describe_spec_stats, spec_kwargs, speculative_from_args
 from .structured import constraint_kwargs
 
 DEFAULT_NEW_TOKENS = 200
@@ -76,6 +80,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--seed {args.seed} is not allowed: an integer in [0, 2**32)")
     if args.kv_dtype is not None:
         parse_kv_dtype(args.kv_dtype)
+    spec = speculative_from_args(args)
     with naming_flag(args.mesh):  # warmed up below, for this prompt's bucket only
         gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
                         quantize=check_quantize(args.quantize, "--quantize"))
@@ -93,15 +98,17 @@ def cmd_generate(args) -> int:
     make_sampling_params(1, args.temperature, args.top_k, args.top_p)
     if args.stream and args.no_cache:
         raise ValueError("--stream needs the cache: drop --no_cache to stream")
+    if spec is not None and args.no_cache:
+        raise ValueError("--speculative needs the cache: drop --no_cache to speculate")
     started = time.perf_counter()
-    gen.warm_up([len(ids)])
+    gen.warm_up([len(ids)], args.max_new_tokens, speculative=spec)
     gen.load_seconds += time.perf_counter() - started
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
           f"({gen.warmup.compilations} compilations, {gen.warmup.cache_hits} from the persistent cache; "
           f"weights {describe_weights(gen.model)})",
           file=sys.stderr)
     kwargs = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  unknown=args.unknown, ignore_eos=args.ignore_eos)
+                  unknown=args.unknown, ignore_eos=args.ignore_eos, **spec_kwargs(spec))
     start = time.perf_counter()
     print(args.prompt, end="", flush=True)
     if args.stream:
@@ -116,7 +123,10 @@ def cmd_generate(args) -> int:
     ended = f", ended by stop id {_stop_texts(gen)}" if reason == "stop" else ""
     print(f"[dantinox] prompt {len(ids)} tokens, {tokens} new tokens in {seconds:.2f} s "
           f"({tokens / seconds:.1f} tokens/s, cache {'off' if args.no_cache else 'on'}{ended})", file=sys.stderr)
+    if spec is not None:
+        print(f"[dantinox] {describe_spec_stats(gen.speculation(*spec[:4]), gen.spec_stats)}", file=sys.stderr)
     return 0
+
 
 
 def _stop_texts(gen) -> str:
@@ -150,7 +160,8 @@ def _generate_diffusion(args, gen, ids) -> int:
     from ..generation.diffusion import check_diffusion_request
 
     given = [flag for flag, used in (("--stream", args.stream), ("--top_k", args.top_k != 0),
-                                     ("--top_p", args.top_p != 1.0), ("--ignore_eos", args.ignore_eos)) if used]
+                                     ("--top_p", args.top_p != 1.0), ("--ignore_eos", args.ignore_eos),
+                                     ("--speculative", args.speculative is not None)) if used]
     if given:
         raise ValueError(f"{_listed(given)} only for autoregressive models; {gen.run_dir} holds a "
                          "paradigm='diffusion' model")

@@ -14,6 +14,13 @@ Every autoregressive path (generate, stream, chat) stops at the run's stop ids (
 and end-of-text tokens, ``dantinox.runs.stop_ids``; case K11) and leaves that token out of the text;
 ``ignore_eos=True`` generates past them to max_new_tokens (as vLLM's ``ignore_eos``). A diffusion model fills
 its whole canvas and ignores them.
+
+``speculative="ngram"`` (generate, complete, stream, chat; with ``spec_tokens`` k, ``spec_ngram_max`` /
+``spec_ngram_min``) decodes through ``dantinox.generation.speculative``: prompt-lookup proposals verified k at a
+time in one forward; greedy text is the same as without it, sampled text has the same distribution. A request
+whose measured acceptance makes verification a loss stops speculating (``switch_off_threshold``: measured once
+per k on this model). Each such call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``);
+docs/generation.md says when it pays.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from .decode import decode_windows, generate_result, one_row_windows, stream_tok
 from .grammar import Constraint, constraint_from, grammar_vocabulary
 from .paradigm import generate
 from .prompts import bucket_length
+from .speculative_generate import (SpecSettings, SpecStats, break_even, spec_settings, speculative_generate,
+                                   speculative_stream, verify_cost, warm_up_speculative)
 
 BUNDLED_RUN = DEFAULT_BUNDLED
 
@@ -93,7 +102,8 @@ class Generator:
         ``dantinox.quant.weights``.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter),
       chat_format (``dantinox.runs.chat.ChatFormat``, or None when the run has no chat template), stop_ids
-      (the token ids generation stops at, ``dantinox.runs.stop_ids.read_stop_ids``; () for a trained run).
+      (the token ids generation stops at, ``dantinox.runs.stop_ids.read_stop_ids``; () for a trained run),
+      spec_stats (the SpecStats of the latest speculative call, None before one).
     Raises: RunDirError for a missing or inconsistent run directory; MeshError when n_heads or mlp_hidden
     does not divide by the mesh's model axis; KVDtypeError for a kv_dtype outside the allowed set or one the
     model cannot hold (int8 for a diffusion model); ValueError for another quantize value.
@@ -113,19 +123,53 @@ class Generator:
         self.chat_format = load_chat_format(self.run_dir, self.tokenizer)
         self.stop_ids = read_stop_ids(self.run_dir, self.tokenizer)
         self.warmup = CompileCounter()
+        self.spec_stats: SpecStats | None = None
+        self._min_accept: dict[int, float] = {}
         if warmup:
             self.warm_up()
         self.load_seconds = time.perf_counter() - start
 
-    def warm_up(self, prompt_lengths: list[int] | None = None, max_new_tokens: int | None = None) -> CompileCounter:
+    def warm_up(self, prompt_lengths: list[int] | None = None, max_new_tokens: int | None = None,
+                speculative: SpecSettings | None = None) -> CompileCounter:
         """Compile what generate / stream will run (see :func:`warm_up`; prompt_lengths None = every prompt
-        bucket and attention window; max_new_tokens picks the window for the given prompt lengths).
-        Returns and keeps (``self.warmup``) the CompileCounter. Nothing to do for a diffusion
-        model (it compiles per (bucket, gen_len, block_size))."""
+        bucket and attention window; max_new_tokens picks the window for the given prompt lengths), and the
+        speculative loop of ``speculative`` when given (``spec_settings``). Returns and keeps
+        (``self.warmup``) the CompileCounter. Nothing to do for a diffusion model (it compiles per (bucket,
+        gen_len, block_size))."""
         if self.cfg.paradigm == "ar":
             with self.warmup:
                 warm_up(self.model, prompt_lengths, max_new_tokens)
+                if speculative is not None:
+                    self.switch_off_threshold(speculative.spec_tokens)
+                    S = self.cfg.max_context
+                    warm_up_speculative(self.model, speculative, prompt_buckets(S) if prompt_lengths is None
+                                        else sorted({min(bucket_length(n, S), S - 1) for n in prompt_lengths}))
         return self.warmup
+
+    def switch_off_threshold(self, k: int) -> float:
+        """min_accept for k proposed tokens on this model: ``break_even(verify_cost(model, k), k)``, measured on
+        first use (two small compiles and a dozen forwards) and kept."""
+        if k not in self._min_accept:
+            self._min_accept[k] = break_even(verify_cost(self.model, k), k)
+        return self._min_accept[k]
+
+    def speculation(self, speculative, spec_tokens=4, spec_ngram_max=4, spec_ngram_min=1, use_cache=True,
+                    constraint=None) -> SpecSettings | None:
+        """The checked SpecSettings of a call's speculative arguments (None: plain decoding). ValueError naming
+        the argument: an unknown proposer or a bound (``spec_settings``), a diffusion model, use_cache=False,
+        or a json_schema / regex / grammar constraint (speculation needs the cached autoregressive loop).
+        The settings carry this model's switch-off threshold (``switch_off_threshold``)."""
+        settings = spec_settings(speculative, spec_tokens, spec_ngram_max, spec_ngram_min)
+        if settings is None:
+            return None
+        if self.cfg.paradigm != "ar":
+            raise ValueError(f"speculative={speculative!r} needs an autoregressive model; this one has "
+                             f"paradigm={self.cfg.paradigm!r}")
+        if not use_cache or constraint is not None:
+            raise ValueError(f"speculative={speculative!r} is not allowed with "
+                             f"{'use_cache=False' if not use_cache else 'json_schema, regex or grammar'}: "
+                             "speculation runs through the cached decode loop")
+        return settings._replace(min_accept=self.switch_off_threshold(settings.spec_tokens))
 
     def encode(self, text: str, unknown: str = "error") -> list[int]:
         """Token ids of a prompt. Raises ValueError for an empty prompt or unknown characters (see module doc)."""
@@ -136,7 +180,8 @@ class Generator:
     def generate(self, text: str | list[str], max_new_tokens: int = 200, *, use_cache: bool = True,
                  temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  unknown: str = "error", ignore_eos: bool = False, json_schema=None, regex: str | None = None,
-                 grammar: str | None = None, **diffusion_options) -> str | list[str]:
+                 grammar: str | None = None, speculative: str | None = None, spec_tokens: int = 4,
+                 spec_ngram_max: int = 4, spec_ngram_min: int = 1, **diffusion_options) -> str | list[str]:
         """Continue ``text`` (or each text of a list, batched) by up to max_new_tokens tokens; returns the new
         text only, which ends before the first stop id (``stop_ids``; ignore_eos=True: no stop ids). Sampling
         arguments as in :func:`dantinox.generate` (temperature 0 = greedy); a diffusion model generates exactly
@@ -145,11 +190,13 @@ class Generator:
         json_schema (a dict or its JSON text), regex, grammar (Lark or GBNF): at most one; the text is then
         constrained to it (structured outputs, docs/structured-outputs.md; autoregressive models with the
         cache only), through the host-stepped loop of ``dantinox.generation.constrained_decode``.
+        speculative: None or "ngram" (module docstring; ``speculation`` checks the arguments).
         Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`; GrammarError (a
         ValueError naming the argument) for an invalid or unsupported schema, regex or grammar."""
         if not isinstance(text, (str, list, tuple)) or (not isinstance(text, str) and not text):
             raise ValueError(f"text={text!r} is not allowed: a non-empty string or a non-empty list of strings")
         constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, use_cache, constraint)
         texts = [text] if isinstance(text, str) else list(text)
         ids = [self.encode(t, unknown) for t in texts]
         if self.cfg.paradigm == "diffusion" or diffusion_options:
@@ -161,22 +208,25 @@ class Generator:
             out = [self.tokenizer.decode(row.tolist()) for row in tokens]
             return out[0] if isinstance(text, str) else out
         out = [c.text for c in self._complete(ids, max_new_tokens, use_cache, temperature, top_k, top_p, seed,
-                                              ignore_eos, constraint)]
+                                              ignore_eos, constraint, spec)]
         return out[0] if isinstance(text, str) else out
 
     def complete(self, text: str, max_new_tokens: int = 200, *, use_cache: bool = True, temperature: float = 0.8,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, unknown: str = "error",
                  ignore_eos: bool = False, json_schema=None, regex: str | None = None,
-                 grammar: str | None = None) -> "Completion":
+                 grammar: str | None = None, speculative: str | None = None, spec_tokens: int = 4,
+                 spec_ngram_max: int = 4, spec_ngram_min: int = 1) -> "Completion":
         """:meth:`generate` of one text by an autoregressive model, with how it ended: a :class:`Completion`
         (text, tokens generated with the stop token counted, finish_reason "stop" or "length"; a constrained
-        text whose grammar is complete ends with "stop", one cut by max_new_tokens with "length")."""
+        text whose grammar is complete ends with "stop", one cut by max_new_tokens with "length"; spec: the
+        SpecStats of a speculative call)."""
         if self.cfg.paradigm != "ar":
             raise ValueError(f"complete() needs an autoregressive model; this one has paradigm="
                              f"{self.cfg.paradigm!r}: use generate()")
         constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, use_cache, constraint)
         return self._complete([self.encode(text, unknown)], max_new_tokens, use_cache, temperature, top_k, top_p,
-                              seed, ignore_eos, constraint)[0]
+                              seed, ignore_eos, constraint, spec)[0]
 
     def constraint(self, json_schema=None, regex: str | None = None, grammar: str | None = None,
                    choice: list | None = None) -> Constraint | None:
@@ -191,8 +241,15 @@ class Generator:
         return None if ignore_eos or not self.stop_ids else list(self.stop_ids)
 
     def _complete(self, ids, max_new_tokens, use_cache, temperature, top_k, top_p, seed, ignore_eos,
-                  constraint: Constraint | None = None):
-        if constraint is None:
+                  constraint: Constraint | None = None, spec: SpecSettings | None = None):
+        stats = None
+        if spec is not None:
+            result, stats = speculative_generate(self.model, ids, max_new_tokens, spec_tokens=spec.spec_tokens,
+                                                 ngram_max=spec.ngram_max, ngram_min=spec.ngram_min,
+                                                 min_accept=spec.min_accept, temperature=temperature, top_k=top_k,
+                                                 top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
+            self.spec_stats = stats
+        elif constraint is None:
             result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
                                      top_k=top_k, top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
         elif not use_cache:
@@ -205,35 +262,41 @@ class Generator:
         out = []
         for row, n, reason in zip(result.tokens, result.lengths, result.finish_reasons):
             shown = int(n) - (reason == "stop" and int(row[int(n) - 1]) in set(self._eos(ignore_eos) or ()))
-            out.append(Completion(self.tokenizer.decode(row[:shown].tolist()), int(n), reason))
+            out.append(Completion(self.tokenizer.decode(row[:shown].tolist()), int(n), reason, stats))
         return out
 
     def stream(self, text: str, max_new_tokens: int = 200, *, temperature: float = 0.8, top_k: int = 0,
                top_p: float = 1.0, seed: int = 0, chunk_size: int = 8, unknown: str = "error",
-               ignore_eos: bool = False) -> Iterator[str]:
+               ignore_eos: bool = False, speculative: str | None = None, spec_tokens: int = 4,
+               spec_ngram_max: int = 4, spec_ngram_min: int = 1) -> Iterator[str]:
         """Yield the new text piece by piece as it is generated (chunk_size decode steps per device call),
         ending before the first stop id (ignore_eos=True: no stop ids). Pieces never split a character; their
-        concatenation equals :meth:`generate`'s text for the same seed. Autoregressive models only (raises
+        concatenation equals :meth:`generate`'s text for the same seed (with speculative="ngram": for greedy
+        decoding; sampled streams draw from the same distribution). Autoregressive models only (raises
         ValueError for a diffusion model)."""
         for piece, _, _ in self.stream_completion(text, max_new_tokens, temperature=temperature, top_k=top_k,
                                                   top_p=top_p, seed=seed, chunk_size=chunk_size, unknown=unknown,
-                                                  ignore_eos=ignore_eos):
+                                                  ignore_eos=ignore_eos, speculative=speculative,
+                                                  spec_tokens=spec_tokens, spec_ngram_max=spec_ngram_max,
+                                                  spec_ngram_min=spec_ngram_min):
             if piece:
                 yield piece
 
     def stream_completion(self, text: str, max_new_tokens: int = 200, *, temperature: float = 0.8,
                           top_k: int = 0, top_p: float = 1.0, seed: int = 0, chunk_size: int = 8,
-                          unknown: str = "error", ignore_eos: bool = False) -> Iterator[tuple[str, int, str | None]]:
+                          unknown: str = "error", ignore_eos: bool = False, speculative: str | None = None,
+                          spec_tokens: int = 4, spec_ngram_max: int = 4,
+                          spec_ngram_min: int = 1) -> Iterator[tuple[str, int, str | None]]:
         """:meth:`stream` with the count so far: yields (piece, tokens generated so far, None) and last
-        ("", tokens generated, finish_reason "stop" or "length"); pieces may be empty."""
+        ("", tokens generated, finish_reason "stop" or "length"); pieces may be empty. A speculative stream
+        updates ``spec_stats`` with every chunk."""
         if self.cfg.paradigm != "ar":
             raise ValueError("streaming needs an autoregressive model; this one has paradigm="
                              f"{self.cfg.paradigm!r}: use generate()")
+        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min)
         decoder, stops, count = StreamDecoder(self.tokenizer), set(self._eos(ignore_eos) or ()), 0
-        chunks = stream_tokens(self.model, self.encode(text, unknown), max_new_tokens, chunk_size=chunk_size,
-                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                               eos_id=self._eos(ignore_eos))
-        for chunk in chunks:
+        for chunk in self._chunks(self.encode(text, unknown), max_new_tokens, chunk_size, temperature, top_k, top_p,
+                                  seed, ignore_eos, spec):
             piece = ""
             for token in np.asarray(chunk)[0].tolist():
                 count += 1
@@ -246,10 +309,23 @@ class Generator:
         yield decoder.flush(), count, None
         yield "", count, "length"
 
+    def _chunks(self, ids, max_new_tokens, chunk_size, temperature, top_k, top_p, seed, ignore_eos, spec):
+        """The token chunks ([1, n] int32) of one stream: ``stream_tokens``, or ``speculative_stream`` (which
+        keeps its latest SpecStats in ``spec_stats``) when spec is given."""
+        sampling = dict(chunk_size=chunk_size, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        eos_id=self._eos(ignore_eos))
+        if spec is None:
+            yield from stream_tokens(self.model, ids, max_new_tokens, **sampling)
+            return
+        for chunk, stats in speculative_stream(self.model, ids, max_new_tokens, settings=spec, **sampling):
+            self.spec_stats = stats
+            yield chunk
+
     def chat(self, messages, max_new_tokens: int = 256, *, system: str | None = None, temperature: float = 0.8,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, unknown: str = "error",
              ignore_eos: bool = False, json_schema=None, regex: str | None = None,
-             grammar: str | None = None) -> str:
+             grammar: str | None = None, speculative: str | None = None, spec_tokens: int = 4,
+             spec_ngram_max: int = 4, spec_ngram_min: int = 1) -> str:
         """The assistant's answer to a conversation, rendered with the model's chat template.
 
         messages: a list of {"role": "system" | "user" | "assistant" | "tool", "content": str}, or one string
@@ -260,7 +336,8 @@ class Generator:
         Raises NoChatTemplateError (the run has no template), ChatTemplateError naming ``messages[i].role`` /
         ``.content``, CapacityError when the rendered conversation leaves no room in max_context for an answer,
         ValueError as :meth:`generate` (also for a diffusion model). json_schema, regex, grammar: as
-        :meth:`generate` (the answer is constrained).
+        :meth:`generate` (the answer is constrained). speculative, spec_tokens, spec_ngram_max, spec_ngram_min:
+        as :meth:`generate`.
         """
         require_chat_format(self.chat_format, self.run_dir)
         if self.cfg.paradigm != "ar":
@@ -269,8 +346,9 @@ class Generator:
         if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
             max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
         constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, True, constraint)
         return self._complete([ids], max_new_tokens, True, temperature, top_k, top_p, seed, ignore_eos,
-                              constraint)[0].text
+                              constraint, spec)[0].text
 
     def chat_prompt_ids(self, messages, system: str | None = None, unknown: str = "error") -> list[int]:
         """The prompt ids :meth:`chat` generates from. Raises as :meth:`chat` (CapacityError: the conversation
@@ -286,11 +364,13 @@ class Generator:
 
 class Completion(NamedTuple):
     """One generated text: text (without the stop token), tokens (generated, the stop token counted),
-    finish_reason ("stop": a stop id ended it; "length": max_new_tokens did)."""
+    finish_reason ("stop": a stop id ended it; "length": max_new_tokens did), spec (the request batch's
+    SpecStats when it was decoded speculatively, else None)."""
 
     text: str
     tokens: int
     finish_reason: str
+    spec: SpecStats | None = None
 
 
 def chat_messages(messages, system: str | None = None) -> list:

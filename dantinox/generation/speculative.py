@@ -17,9 +17,15 @@ The cache needs no rollback: after a emitted tokens the row's index moves by a, 
 of rejected proposals that no query reads (attention sees only slots below a query's own position) and the
 next call overwrites them. A row emits at most its remaining budget and stops at its first stop id.
 When no row has a proposal (no n-gram match), the iteration is one plain decode step instead (``lax.cond``):
-speculation switches itself off where lookup finds nothing. Near the end of the cache (fewer than k + 1 free
-slots) the loop finishes with plain steps. k, the n-gram bounds and the batch size are static; the step bound,
-sampling settings, seed and stop ids are traced, so one program serves every request of that shape.
+speculation switches itself off where lookup finds nothing. It also switches off where it measurably loses: a
+verify call costs c times a plain step (c > 1, measured by ``speculative_generate.verify_cost``) and emits
+1 + a tokens for a accepted proposals, so it pays only while a > c - 1 = ``min_accept``. After PROBE_VERIFIES
+verify calls a row whose accepted proposals per verify call fall below min_accept stops proposing for the rest
+of the request (min_accept 0: never; the iteration verifies while any live row still has a proposal and pays);
+once no live row pays, the loop leaves the speculative body (its ``lax.cond``) for the plain loop.
+Near the end of the cache (fewer than k + 1 free slots) the loop finishes with plain steps. k, the n-gram bounds
+and the batch size are static; the step bound, sampling settings, seed, stop ids and min_accept are traced, so
+one program serves every request of that shape.
 
 Shapes: B batch, S max_context, V vocabulary, k proposed tokens.
 """
@@ -39,6 +45,7 @@ from .prompts import is_eos
 from .sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs, sample_next
 
 MAX_SPEC_TOKENS = 16
+PROBE_VERIFIES = 8   # verify calls a row makes before its measured acceptance can switch speculation off
 
 
 class SpecState(NamedTuple):
@@ -57,8 +64,10 @@ class SpecState(NamedTuple):
     verify_calls: jax.Array  # [] int32: iterations that verified (the rest were plain steps)
 
 
+@partial(jax.jit, donate_argnames=("state",))
 def spec_state(state, ids) -> SpecState:
-    """The SpecState after ``decode.prefill``'s DecodeState ``state``; ids: [B, T] padded prompts."""
+    """The SpecState after ``decode.prefill``'s DecodeState ``state`` (donated: its cache moves in, not copied);
+    ids: [B, T] padded prompts. One small program per (B, T)."""
     B, S = state.out.shape
     seq = jnp.zeros((B, S), jnp.int32).at[:, : ids.shape[1]].set(ids)
     seq = seq.at[jnp.arange(B), state.index].set(state.token)
@@ -115,6 +124,13 @@ def _emit(s: SpecState, tokens, count, stop_step, eos_id, fill) -> SpecState:
                       done=s.done | stopped, out=out, seq=seq)
 
 
+def _pays(s: SpecState, k: int, min_accept) -> jax.Array:
+    """[B] bool: rows for which verifying still pays: fewer than PROBE_VERIFIES verify calls so far, or at least
+    min_accept ([] float32) accepted proposals per verify call (module docstring)."""
+    calls = s.proposed // k
+    return (calls < PROBE_VERIFIES) | (s.accepted.astype(jnp.float32) >= min_accept * calls.astype(jnp.float32))
+
+
 def _live(s: SpecState, stop_step) -> jax.Array:
     """[B] bool: rows still generating (no stop id yet, fewer than stop_step tokens)."""
     return ~s.done & (s.produced < stop_step)
@@ -122,11 +138,13 @@ def _live(s: SpecState, stop_step) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("graphdef", "k", "ngram_max", "ngram_min"), donate_argnames=("state",))
 def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampling: SamplingParams, eos_id, fill,
-                       k: int, ngram_max: int, ngram_min: int) -> SpecState:
+                       k: int, ngram_max: int, ngram_min: int, min_accept=None) -> SpecState:
     """Run the speculative loop until every row met a stop id or has ``stop_step`` tokens; one compiled program
     (a later call with a larger stop_step continues the same state: streaming).
-    stop_step, eos_id, fill: [] int32 (eos_id may be [E]); k, ngram_max, ngram_min: static. Returns the
+    stop_step, eos_id, fill: [] int32 (eos_id may be [E]); k, ngram_max, ngram_min: static; min_accept: []
+    float32, the switch-off threshold (accepted proposals per verify call; None = 0.0, never off). Returns the
     advanced SpecState (the input is donated)."""
+    min_accept = jnp.float32(0.0) if min_accept is None else min_accept
     model = nnx.merge(graphdef, params)
     S = model.cfg.max_context
 
@@ -149,11 +167,12 @@ def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampl
 
     def body(s: SpecState) -> SpecState:
         proposals, found = propose_ngram(s.seq, s.index, k, ngram_max, ngram_min)
-        return jax.lax.cond(jnp.any(found & _live(s, stop_step)), lambda: verify(s, proposals), lambda: plain(s))
+        verifying = jnp.any(found & _live(s, stop_step) & _pays(s, k, min_accept))
+        return jax.lax.cond(verifying, lambda: verify(s, proposals), lambda: plain(s))
 
     def room(s: SpecState):   # every live row has k + 1 free slots (a finished row's writes are never read)
-        live = _live(s, stop_step)
-        return jnp.any(live) & (jnp.max(jnp.where(live, s.index, 0)) + k + 1 <= S)
+        live = _live(s, stop_step)   # and speculation still pays for one of them: else the plain loop below
+        return jnp.any(live & _pays(s, k, min_accept)) & (jnp.max(jnp.where(live, s.index, 0)) + k + 1 <= S)
 
     state = jax.lax.while_loop(room, body, state)
     return jax.lax.while_loop(lambda s: jnp.any(_live(s, stop_step)), plain, state)

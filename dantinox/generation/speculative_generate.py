@@ -3,19 +3,32 @@ the acceptance.
 
 ``speculative_generate(model, prompt_ids, max_new_tokens, spec_tokens=k, ngram_max=n, ...)`` takes the same
 arguments as ``decode.generate_result`` and returns the same GenerationResult (greedy: the same tokens) with a
-SpecStats. Errors: ValueError naming ``spec_tokens`` / ``ngram_max`` / ``ngram_min`` out of bounds, or a
-diffusion model; CapacityError as plain generation.
+SpecStats. ``speculative_stream`` is ``decode.stream_tokens`` with speculation: the same compiled loop called
+with a step bound a chunk further each time (greedy: the same tokens; sampling: the same distribution, not the
+same draws as the unchunked call, since the loop's PRNG stream is per iteration). ``SpecSettings`` /
+``spec_settings`` carry and check what a caller (``Generator``, the CLI) asks for; ``warm_up_speculative``
+compiles the loop ahead; ``verify_cost`` measures what a verify call costs against a plain step, from which
+``break_even`` gives the switch-off threshold min_accept (``speculative``'s module docstring).
+Errors: ValueError naming ``speculative`` / ``spec_tokens`` / ``ngram_max`` / ``ngram_min`` / ``min_accept`` out
+of bounds, or a diffusion model; CapacityError as plain generation.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+import statistics
+import time
+from functools import partial
+from typing import Iterator, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
+from ..model.cache import init_cache
 from .decode import _finish, _prepare, place_on_mesh, prefill, split_model
 from .speculative import MAX_SPEC_TOKENS, spec_state, speculative_decode
 
@@ -40,6 +53,40 @@ class SpecStats(NamedTuple):
         return float(sum(self.accepted) / (self.verify_calls * len(self.proposed)) + 1) if self.verify_calls else 0.0
 
 
+PROPOSERS = ("ngram",)
+
+
+class SpecSettings(NamedTuple):
+    """One request's speculation: the proposer ("ngram": prompt lookup), spec_tokens k proposed per verify
+    call, the n-gram lengths tried (ngram_max down to ngram_min), and min_accept, the accepted proposals per
+    verify call below which a row stops speculating (0.0: never; ``break_even``)."""
+
+    proposer: str = "ngram"
+    spec_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 1
+    min_accept: float = 0.0
+
+
+DEFAULT_SETTINGS = SpecSettings()
+
+
+def spec_settings(speculative, spec_tokens=4, ngram_max=4, ngram_min=1, min_accept=0.0) -> SpecSettings | None:
+    """The checked SpecSettings, or None when ``speculative`` is None (plain decoding). ValueError naming
+    ``speculative`` (not one of PROPOSERS), the bound it breaks (``check_spec_settings``) or ``min_accept``
+    (a finite number in [0, spec_tokens])."""
+    if speculative is None:
+        return None
+    if speculative not in PROPOSERS:
+        raise ValueError(f"speculative={speculative!r} is not allowed: one of {', '.join(map(repr, PROPOSERS))} "
+                         "or None")
+    check_spec_settings(spec_tokens, ngram_max, ngram_min)
+    if (not isinstance(min_accept, (int, float, np.floating, np.integer)) or isinstance(min_accept, bool)
+            or not math.isfinite(min_accept) or not 0 <= min_accept <= spec_tokens):
+        raise ValueError(f"min_accept={min_accept!r} is not allowed: a number in [0, spec_tokens={spec_tokens}]")
+    return SpecSettings(speculative, int(spec_tokens), int(ngram_max), int(ngram_min), float(min_accept))
+
+
 def check_spec_settings(spec_tokens, ngram_max, ngram_min) -> None:
     """ValueError naming the setting: spec_tokens in 1..MAX_SPEC_TOKENS, 1 <= ngram_min <= ngram_max <= 16."""
     for name, value in (("spec_tokens", spec_tokens), ("ngram_max", ngram_max), ("ngram_min", ngram_min)):
@@ -53,19 +100,106 @@ def check_spec_settings(spec_tokens, ngram_max, ngram_min) -> None:
 
 
 def speculative_generate(model, prompt_ids, max_new_tokens: int = 64, *, spec_tokens: int = 4, ngram_max: int = 4,
-                         ngram_min: int = 1, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
-                         mesh=None):
-    """Generate with n-gram speculation. Returns (GenerationResult, SpecStats); see the module docstring."""
-    check_spec_settings(spec_tokens, ngram_max, ngram_min)
+                         ngram_min: int = 1, min_accept: float = 0.0, temperature=0.0, top_k=0, top_p=1.0,
+                         seed: int = 0, eos_id=None, mesh=None):
+    """Generate with n-gram speculation. Returns (GenerationResult, SpecStats); see the module docstring.
+    min_accept: the switch-off threshold (SpecSettings; 0.0 never switches off)."""
+    settings = spec_settings("ngram", spec_tokens, ngram_max, ngram_min, min_accept)
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
-    stop = jnp.int32(req.max_new_tokens)
     with mesh_scope(mesh_of(params)):
-        state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
-        state = spec_state(state, jnp.asarray(req.ids))
-        state = speculative_decode(graphdef, params, state, stop, req.key, req.sampling, req.eos_id, req.fill,
-                                   k=int(spec_tokens), ngram_max=int(ngram_max), ngram_min=int(ngram_min))
-    stats = SpecStats([int(x) for x in np.asarray(state.proposed)], [int(x) for x in np.asarray(state.accepted)],
-                      int(state.verify_calls), int(state.iteration))
-    return _finish(to_host(state.out), req), stats
+        state = _start(graphdef, params, req)
+        state = _advance(graphdef, params, state, req, req.max_new_tokens, settings)
+    return _finish(to_host(state.out), req), _stats(state)
+
+
+def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings: SpecSettings = DEFAULT_SETTINGS,
+                       chunk_size: int = 8, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
+                       mesh=None) -> Iterator[tuple[np.ndarray, SpecStats]]:
+    """Yield (new tokens [B, n] int32, SpecStats so far) as ``decode.stream_tokens`` yields its chunks: up to
+    chunk_size tokens per device call (the first chunk holds the prefill token too; a verify call that would
+    pass the chunk's bound keeps only the tokens up to it). Rows past their stop id yield the fill id.
+    ValueError for chunk_size < 1 and as :func:`speculative_generate`."""
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
+    settings = spec_settings(*settings)
+    req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
+    place_on_mesh(model, mesh)
+    graphdef, params = split_model(model)
+    on, sent = mesh_of(params), 0
+    with mesh_scope(on):
+        state = _start(graphdef, params, req)
+    while True:
+        with mesh_scope(on):
+            state = _advance(graphdef, params, state, req, min(sent + chunk_size, req.max_new_tokens), settings)
+        produced, done = np.asarray(state.produced), np.asarray(state.done)
+        reached = int(produced.max())
+        if reached > sent:
+            yield np.asarray(state.out)[:, sent:reached], _stats(state)
+            sent = reached
+        if bool(np.all(done | (produced >= req.max_new_tokens))):
+            return
+
+
+def warm_up_speculative(model, settings: SpecSettings, prompt_lengths: list[int]) -> None:
+    """Compile the speculative loop of ``settings`` at batch 1 and its start for each prompt length's bucket
+    (one 2-token generation from token 0 per length; prefill itself is ``generator.warm_up``'s). Sampling
+    settings, seed, stop ids and budget are traced: later calls with the same settings, batch and prompt
+    buckets compile nothing."""
+    for length in prompt_lengths:
+        speculative_generate(model, [0] * length, 2, spec_tokens=settings.spec_tokens,
+                             ngram_max=settings.ngram_max, ngram_min=settings.ngram_min, temperature=1.0)
+
+
+def _start(graphdef, params, req):
+    """Prefill ``req`` and return the SpecState after it."""
+    state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+    return spec_state(state, jnp.asarray(req.ids))
+
+
+def _advance(graphdef, params, state, req, stop: int, settings: SpecSettings):
+    """Run the compiled speculative loop on ``state`` until every row has ``stop`` tokens or met a stop id."""
+    return speculative_decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill,
+                              k=settings.spec_tokens, ngram_max=settings.ngram_max, ngram_min=settings.ngram_min,
+                              min_accept=jnp.float32(settings.min_accept))
+
+
+def _stats(state) -> SpecStats:
+    return SpecStats([int(x) for x in np.asarray(state.proposed)], [int(x) for x in np.asarray(state.accepted)],
+                     int(state.verify_calls), int(state.iteration))
+
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _forward_logits(graphdef, params, tokens, cache, index):
+    """The cached forward of ``tokens`` [1, T] at slot ``index`` [1]: logits [1, T, V] (the cache is dropped)."""
+    logits, _, _ = nnx.merge(graphdef, params)(tokens, use_cache=True, kv_caches=cache, cache_index=index)
+    return logits
+
+
+def verify_cost(model, k: int, repeats: int = 5) -> float:
+    """c: the time of one cached forward over k + 1 new tokens (a verify call) divided by the time of one over
+    1 token (a plain step), at batch 1 over the whole static cache at slot max_context // 2; medians of
+    ``repeats`` timed calls each, after one untimed call that compiles. Wall time, so a loaded host moves it."""
+    graphdef, params = split_model(model)
+    cache = init_cache(model.cfg, 1)
+    index = jnp.full((1,), (model.cfg.max_context - k - 1) // 2, jnp.int32)
+    medians = []
+    with mesh_scope(mesh_of(params)):
+        for width in (1, k + 1):
+            tokens = jnp.zeros((1, width), jnp.int32)
+            _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
+                samples.append(time.perf_counter() - start)
+            medians.append(statistics.median(samples))
+    return medians[1] / medians[0]
+
+
+def break_even(cost: float, k: int) -> float:
+    """min_accept for a verify call that costs ``cost`` plain steps: it emits 1 + a tokens for a accepted
+    proposals and pays while 1 + a > cost, so a row switches off below a = cost - 1 (clipped to [0, k])."""
+    return float(min(max(cost - 1.0, 0.0), k))

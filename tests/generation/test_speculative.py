@@ -2,7 +2,12 @@
 float32 and int8 caches; one row and a ragged batch), sampling draws from the target's distribution (a
 chi-square test against the exact marginal, with proposals that are mostly rejected), the cache after
 rejections holds what a plain run writes, stop ids end a row inside a verified chunk, no recompilation across
-requests, the proposer against a plain-Python reference, and bad settings."""
+requests, the proposer against a plain-Python reference, and bad settings.
+
+Cost: every case with one model shape compiles its programs (prefill, the decode loop, the speculative loop) once:
+the GQA float32 model (``gqa_model``, a module fixture) serves the greedy case, the stop-id, cache and
+recompilation tests, which share its batch-1 and batch-2 programs; the default tier runs three greedy cases
+(MHA float32, GQA float32, MLA int8) and the other three are marked slow."""
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +22,9 @@ from dantinox.generation.decode import generate_result, prefill, split_model
 from dantinox.generation.ngram import propose_ngram
 from dantinox.generation.prompts import eos_array
 from dantinox.generation.sampling import filtered_probs, make_sampling_params
-from dantinox.generation.speculative import spec_state, speculative_decode
-from dantinox.generation.speculative_generate import check_spec_settings, speculative_generate
+from dantinox.generation.speculative import PROBE_VERIFIES, spec_state, speculative_decode
+from dantinox.generation.speculative_generate import (break_even, check_spec_settings, spec_settings,
+                                                      speculative_generate)
 from dantinox.xla import CompileCounter
 
 ATTENTION = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
@@ -43,14 +49,21 @@ accepted_any: dict = {}
 
 
 SLOW = pytest.mark.slow
-GREEDY_CASES = [("mha", "float32"), ("gqa", "int8"), ("mla", "float32"), pytest.param("mha", "int8", marks=SLOW),
-                pytest.param("gqa", "float32", marks=SLOW), pytest.param("mla", "int8", marks=SLOW)]
+GREEDY_CASES = [("mha", "float32"), ("gqa", "float32"), ("mla", "int8"), pytest.param("mha", "int8", marks=SLOW),
+                pytest.param("gqa", "int8", marks=SLOW), pytest.param("mla", "float32", marks=SLOW)]
+GQA_CFG = tiny_config(max_context=128, **ATTENTION["gqa"])
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    """The GQA float32 model several tests share (one set of compiled programs per batch size)."""
+    return varied_model(GQA_CFG)
 
 
 @pytest.mark.parametrize("attn, kv_dtype", GREEDY_CASES)
-def test_greedy_speculative_equals_plain_greedy(attn, kv_dtype):
+def test_greedy_speculative_equals_plain_greedy(attn, kv_dtype, gqa_model):
     cfg = tiny_config(max_context=128, cache_dtype=kv_dtype, **ATTENTION[attn])
-    model = varied_model(cfg)
+    model = gqa_model if cfg == GQA_CFG else varied_model(cfg)
     rng = np.random.default_rng(1)
     prompts = [repetitive_prompt(rng, cfg.vocab_size), repetitive_prompt(rng, cfg.vocab_size, 11)]
     plain = generate_result(model, prompts, 48)
@@ -59,7 +72,7 @@ def test_greedy_speculative_equals_plain_greedy(attn, kv_dtype):
     assert spec.finish_reasons == plain.finish_reasons
     assert stats.verify_calls > 0 and sum(stats.accepted) < sum(stats.proposed), stats   # rejections happened
     accepted_any[(attn, kv_dtype)] = sum(stats.accepted)
-    if (attn, kv_dtype) == ("gqa", "int8"):   # one row (B = 1) and another k as well
+    if (attn, kv_dtype) == ("gqa", "float32"):   # one row (B = 1) and another k as well
         one, _ = speculative_generate(model, prompts[1], 30, spec_tokens=3)
         np.testing.assert_array_equal(one.tokens, generate_result(model, prompts[1], 30).tokens)
 
@@ -71,9 +84,8 @@ def test_greedy_cases_accepted_proposals_too():
     assert sum(v > 0 for v in accepted_any.values()) >= 2, accepted_any
 
 
-def test_stop_id_inside_a_verified_chunk_ends_the_row_as_plain_decoding_does():
-    cfg = tiny_config(max_context=128, **ATTENTION["gqa"])
-    model = varied_model(cfg)
+def test_stop_id_inside_a_verified_chunk_ends_the_row_as_plain_decoding_does(gqa_model):
+    cfg, model = GQA_CFG, gqa_model
     prompt = repetitive_prompt(np.random.default_rng(2), cfg.vocab_size)
     free = generate_result(model, [prompt], 40).tokens[0]
     eos = int(free[17])                                    # a token the greedy run emits mid-way
@@ -83,10 +95,31 @@ def test_stop_id_inside_a_verified_chunk_ends_the_row_as_plain_decoding_does():
     assert spec.lengths.tolist() == plain.lengths.tolist() and spec.finish_reasons == ["stop"]
 
 
-def test_cache_after_rejections_equals_a_plain_runs_cache():
+def test_switch_off_rule_stops_verifying_a_losing_request_and_keeps_the_tokens(gqa_model):
+    """min_accept = k (every proposal must be accepted to pay): after PROBE_VERIFIES verify calls with a rejection
+    among them, the request decodes plainly to the end, with plain greedy's tokens; min_accept 0 keeps verifying."""
+    prompt = repetitive_prompt(np.random.default_rng(2), GQA_CFG.vocab_size)
+    plain = generate_result(gqa_model, [prompt], 60)
+    keep, kept = speculative_generate(gqa_model, [prompt], 60, spec_tokens=4, min_accept=0.0)
+    off, stopped = speculative_generate(gqa_model, [prompt], 60, spec_tokens=4, min_accept=4.0)
+    np.testing.assert_array_equal(keep.tokens, plain.tokens)
+    np.testing.assert_array_equal(off.tokens, plain.tokens)
+    assert sum(kept.accepted) < sum(kept.proposed) and kept.verify_calls > PROBE_VERIFIES, kept
+    assert stopped.verify_calls == PROBE_VERIFIES and sum(stopped.accepted) < sum(stopped.proposed), stopped
+    assert stopped.iterations - stopped.verify_calls > kept.iterations - kept.verify_calls   # more plain steps
+
+
+def test_break_even_and_min_accept_bounds():
+    assert break_even(1.3, 4) == pytest.approx(0.3) and break_even(0.9, 4) == 0.0 and break_even(9.0, 4) == 4.0
+    assert spec_settings("ngram", 4, 4, 1, 0.5).min_accept == 0.5
+    for bad in (-0.1, 5.0, float("nan"), "1"):
+        with pytest.raises(ValueError, match="min_accept=.* is not allowed"):
+            spec_settings("ngram", 4, 4, 1, bad)
+
+
+def test_cache_after_rejections_equals_a_plain_runs_cache(gqa_model):
     """Every slot below each row's final index holds the keys and values a token-by-token run writes."""
-    cfg = tiny_config(max_context=128, **ATTENTION["gqa"])
-    model = varied_model(cfg)
+    cfg, model = GQA_CFG, gqa_model
     rng = np.random.default_rng(3)
     prompts = [repetitive_prompt(rng, cfg.vocab_size), repetitive_prompt(rng, cfg.vocab_size, 13)]
     graphdef, params = split_model(model)
@@ -98,7 +131,7 @@ def test_cache_after_rejections_equals_a_plain_runs_cache():
     eos, fill = jnp.asarray(eos_array(None, cfg.vocab_size)), jnp.int32(0)
     state = prefill(graphdef, params, ids, lengths, key, sampling, eos, fill)
     state = speculative_decode(graphdef, params, spec_state(state, jnp.asarray(ids)), jnp.int32(30), key, sampling,
-                               eos, fill, k=4, ngram_max=3, ngram_min=1)
+                               eos, fill, k=4, ngram_max=3, ngram_min=1, min_accept=jnp.float32(0.0))
     assert int(state.verify_calls) > 0 and int(jnp.sum(state.accepted)) < int(jnp.sum(state.proposed))
     tokens = np.asarray(state.out)[:, :30]
     for b, p in enumerate(prompts):
@@ -115,8 +148,9 @@ def test_cache_after_rejections_equals_a_plain_runs_cache():
 def test_sampling_draws_from_the_target_distribution():
     """Chi-square over 2000 independent rows: the second generated token's histogram against its exact
     marginal sum_t1 p(t1) p(t2 | t1). The prompt holds every token once, so every row has a proposal (the
-    token after its first token's earlier occurrence), which the target mostly rejects."""
-    cfg = tiny_config(max_context=136, **ATTENTION["gqa"])
+    token after its first token's earlier occurrence), which the target mostly rejects. A 32-token vocabulary
+    keeps the 2000-row batch small (and gives every bin about 60 expected draws)."""
+    cfg = tiny_config(vocab_size=32, max_context=48, **ATTENTION["gqa"])
     model = varied_model(cfg, seed=4, scale=2.0)
     V = cfg.vocab_size
     prompt = list(np.random.default_rng(5).permutation(V))
@@ -144,9 +178,8 @@ def test_sampling_draws_from_the_target_distribution():
     assert chi2.sf(wstat, dof) < 1e-6
 
 
-def test_no_recompilation_across_requests():
-    cfg = tiny_config(max_context=128, **ATTENTION["gqa"])
-    model = varied_model(cfg)
+def test_no_recompilation_across_requests(gqa_model):
+    cfg, model = GQA_CFG, gqa_model
     rng = np.random.default_rng(6)
     speculative_generate(model, [repetitive_prompt(rng, cfg.vocab_size)], 20, spec_tokens=4, temperature=0.0)
     with CompileCounter() as counted:   # same prompt bucket (17..32 tokens), other lengths, budgets and settings
