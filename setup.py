@@ -50,7 +50,8 @@ def _extensions():
     if os.environ.get("DANTINOX_SKIP_KERNEL", "").strip().lower() in ("1", "true", "yes", "on"):
         _warn("DANTINOX_SKIP_KERNEL is set")
         return []
-    flags = [] if sys.platform == "win32" else ["-std=c++17", "-O3", "-fvisibility=hidden", "-Wno-sign-compare", "-Wno-return-type", "-Wno-attributes"]
+    flags = [] if sys.platform == "win32" else ["-std=c++17", "-O3", "-fvisibility=hidden", "-Wno-sign-compare",
+                                                "-Wno-return-type", "-Wno-attributes"]
     return [Extension(KERNEL, [SOURCE], language="c++", extra_compile_args=flags, optional=True)]
 
 

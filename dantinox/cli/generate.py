@@ -120,7 +120,8 @@ def cmd_generate(args) -> int:
         tokens, reason = done.tokens, done.finish_reason
     print()
     seconds = time.perf_counter() - start
-    ended = f", ended by stop id {_stop_texts(gen)}" if reason == "stop" else ""
+    ended = "" if reason != "stop" else (", ended where the constraint is complete" if constraint
+                                         else f", ended by stop id {_stop_texts(gen)}")
     print(f"[dantinox] prompt {len(ids)} tokens, {tokens} new tokens in {seconds:.2f} s "
           f"({tokens / seconds:.1f} tokens/s, cache {'off' if args.no_cache else 'on'}{ended})", file=sys.stderr)
     if spec is not None:

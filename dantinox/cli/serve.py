@@ -54,7 +54,7 @@ def parse_bytes(text: str, flag: str = "--kv-memory") -> int:
     try:
         return parse_memory_size(text)
     except ValueError as err:
-        raise ValueError(f"{flag}={text!r} is not allowed: {err}") from None
+        raise ValueError(f"{flag}: {err}") from None   # err names the value and what is allowed
 
 
 def max_request_bytes(args: argparse.Namespace) -> int:

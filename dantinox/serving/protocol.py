@@ -63,7 +63,7 @@ class SamplingRequest(BaseModel):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
-    stream_options: dict | None = None
+    stream_options: dict[str, StrictBool] | None = None   # include_usage: true / false
     n: StrictInt = 1
     ignore_eos: StrictBool = False  # vLLM's extension: generate past the model's stop ids
 

@@ -22,6 +22,8 @@ def generated(capsys, *flags) -> str:
                                  "--seed", "3", *flags], capsys)
     assert status == 0, err
     assert out.startswith(PROMPT), out
+    assert "stop id none" not in err   # the bundled model has no stop ids: a complete match ends it, said so
+    assert "ended where the constraint is complete" in err or "new tokens" in err, err
     return out[len(PROMPT):].rstrip("\n")
 
 

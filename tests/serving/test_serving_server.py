@@ -322,8 +322,9 @@ def test_serve_command_sizes_the_pool_from_memory(run_dir):
     assert line.startswith(f"KV cache: {n} blocks = {n * 4} tokens, max concurrency {n // 8} at 32 tokens "
                            "per request")
     assert parse_bytes("2GB") == 2 * 10**9 and parse_bytes("512MiB") == 512 * 2**20
-    with pytest.raises(ValueError, match="kv-memory"):
+    with pytest.raises(ValueError, match="kv-memory") as raised:
         parse_bytes("lots")
+    assert str(raised.value).count("is not allowed") == 1 and "'lots'" in str(raised.value)   # said once
 
 
 def test_serve_warns_when_the_pool_is_smaller_than_one_request(run_dir):
@@ -367,6 +368,7 @@ def test_strict_types_seed_range_unsupported_fields_and_bad_bodies(server):
     for body, field in ((dict(prompt="x", max_tokens=True), "max_tokens"),
                         (dict(prompt="x", max_tokens="5"), "max_tokens"),
                         (dict(prompt="x", stream="yes"), "stream"), (dict(prompt="x", seed="3"), "seed"),
+                        (dict(prompt="x", stream=True, stream_options={"include_usage": "yes"}), "stream_options"),
                         (dict(prompt="x", temperature="0.5"), "temperature"), (dict(prompt=["1", 2]), "prompt")):
         reply = httpx.post(url, json=body, timeout=30)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (body, reply.text)
