@@ -82,7 +82,7 @@ def test_int8_gqa_cache_on_a_mesh_equals_one_device_and_splits_its_scales():
         assert np.abs(got - want).max() <= 1e-5, "prefill" if step == 0 else f"decode {step}"
     spec = jax.sharding.PartitionSpec("data", "model", None, None)
     for layer in cache:
-        assert type(layer).__name__ == "QuantLayerKV" and len(layer) == 4
+        assert type(layer).__name__ == "QuantLayerKV" and len(layer) == 6   # k, v, scales, K13 sinks
         for name, array in zip(layer._fields, layer):
             assert same_layout(array, mesh, spec), (name, array.sharding)
             assert array.addressable_shards[0].data.shape[:2] == (B // 2, cfg.kv_heads // 4), name
