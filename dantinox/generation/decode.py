@@ -297,20 +297,20 @@ def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: in
     on = mesh_of(params)
     with mesh_scope(on):
         state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
-    sent = 0
+    sent, windows = 0, _windows(req, model.cfg)
     while True:
         stop = min(sent + chunk_size, req.max_new_tokens)
         with mesh_scope(on):
             state = decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id,
-                           req.fill, windows=_windows(req, model.cfg))
+                           req.fill, windows=windows)
         step, done = int(state.step), bool(np.all(np.asarray(state.done)))
-        if done or step >= req.max_new_tokens:
-            yield from ([np.asarray(state.out)[:, sent:step]] if step > sent else [])
-            return
-        if step < stop:   # cannot happen while _windows bounds the request; never loop without progress
+        if step < stop and not done:   # cannot happen while _windows bounds the request; never loop idle
             raise RuntimeError(f"decode stopped at step {step} of {stop}: its attention window is too small")
-        yield np.asarray(state.out)[:, sent:step]
-        sent = step
+        if step > sent:
+            yield np.asarray(state.out)[:, sent:step]
+            sent = step
+        if done or step >= req.max_new_tokens:
+            return
 
 
 class RecomputeState(NamedTuple):

@@ -79,7 +79,7 @@ def warm_up(model, prompt_lengths: list[int] | None = None, max_new_tokens: int 
     if prompt_lengths is None:
         windows = one_row_windows(model.cfg)
     else:
-        windows = [decode_windows(model.cfg, 1, min(max(prompt_lengths) + (max_new_tokens or 1), S))]
+        windows = [decode_windows(model.cfg, 1, max(prompt_lengths) + (max_new_tokens or 1))]
     for window in windows:
         warm_decode(model, window)
 
