@@ -118,10 +118,10 @@ def apply_block_layout(model, layout: dict) -> None:
         blocks = [empty_part(str(fmt), int(n), int(m)) for fmt, n, m in parts]
         rows, cols = sum(p.n_out for p in blocks), {p.n_in for p in blocks}
         if isinstance(node, nnx.Embed) and path == EMBED and len(blocks) == 1:
-            want = tuple(node.embedding[...].shape)
+            want = tuple(node.embedding.get_value().shape)
             replacement = BlockEmbed(blocks[0], node.dtype)
         elif isinstance(node, nnx.Linear) and node.bias is None:
-            want = tuple(node.kernel[...].shape)[::-1]
+            want = tuple(node.kernel.get_value().shape)[::-1]
             replacement = BlockLinear(blocks)
         else:
             raise ValueError(f"block layout names {path!r}, which is not a bias-free projection or the embedding")

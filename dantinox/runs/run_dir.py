@@ -139,10 +139,8 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, Text
             raise RunDirError(f"run directory {run_dir!r} has no {name}{hint}")
     cfg = _load_config(os.path.join(run_dir, CONFIG_FILE))
     tokenizer = _load_tokenizer(os.path.join(run_dir, TOKENIZER_FILE), cfg)
-    arrays = _load_weights(os.path.join(run_dir, WEIGHTS_FILE))
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    _apply_layout(model, os.path.join(run_dir, WEIGHTS_FILE), arrays)
-    _fill_params(model, arrays, os.path.join(run_dir, WEIGHTS_FILE))
+    model = _abstract_model(cfg, os.path.join(run_dir, WEIGHTS_FILE))
+    _fill_params(model, os.path.join(run_dir, WEIGHTS_FILE))
     summary_path = os.path.join(run_dir, SUMMARY_FILE)
     summary = _read_json(summary_path) if os.path.isfile(summary_path) else {}
     return model, cfg, tokenizer, summary
@@ -185,54 +183,76 @@ def _load_tokenizer(path: str, cfg: ModelConfig) -> TextTokenizer:
     return tokenizer
 
 
-def _load_weights(path: str) -> dict[str, np.ndarray]:
+def _open_weights(path: str):
+    """The open safetensors file (numpy framework); RunDirError naming it when it is not one."""
     try:
-        arrays = safetensors.numpy.load_file(path)
+        return safetensors.safe_open(path, "np")
     except Exception as err:  # safetensors raises its own error types for corrupt files
         raise RunDirError(f"{path}: corrupted or unreadable safetensors file ({err})") from err
-    for name, array in arrays.items():
-        if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
-            bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
-            raise RunDirError(f"{path}: parameter {name} holds {bad} non-finite values (NaN or inf); "
-                              f"the weights are corrupted")
-    return arrays
 
 
-def _apply_layout(model: nnx.Module, path: str, arrays: dict[str, np.ndarray]) -> None:
-    """Rebuild the block modules the file's metadata names (none for a float run); RunDirError for a layout
-    that does not fit the model, or blocks with a NaN / inf scale."""
+def _abstract_model(cfg: ModelConfig, path: str) -> nnx.Module:
+    """The Transformer of ``cfg`` with the block modules the file's metadata names (none for a float run), as
+    shapes only (``nnx.eval_shape``: no weights allocated, nothing random drawn; ``_fill_params`` sets them).
+    RunDirError for a layout that does not fit the model."""
+    with _open_weights(path) as f:
+        text = (f.metadata() or {}).get(LAYOUT_KEY)
     try:
-        with safetensors.safe_open(path, "np") as f:
-            text = (f.metadata() or {}).get(LAYOUT_KEY)
         layout = json.loads(text) if text else {}
-        apply_block_layout(model, layout)
+
+        def build():
+            model = Transformer(cfg, rngs=nnx.Rngs(0))
+            apply_block_layout(model, layout)
+            return model
+
+        return nnx.eval_shape(build)
     except (ValueError, TypeError) as err:
         raise RunDirError(f"{path}: block layout in the metadata does not fit the model ({err})") from err
-    for module, parts in layout.items():
-        for i, (fmt, _, _) in enumerate(parts):
-            key = f"{module}.parts.{i}.data"
-            if fmt != "F32" and key in arrays and arrays[key].dtype == np.uint8 and check_blocks(arrays[key], fmt):
-                raise RunDirError(f"{path}: parameter {key} ({fmt}) has blocks whose scale is NaN or inf; the "
-                                  f"weights are corrupted")
 
 
-def _fill_params(model: nnx.Module, arrays: dict[str, np.ndarray], source: str) -> None:
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    filled, seen = [], set()
-    for path, var in flat:
-        key = ".".join(str(p) for p in path)
-        want = tuple(var.get_value().shape)
-        if key not in arrays:
-            raise RunDirError(f"{source}: missing parameter {key!r} (expected shape {want}); the weights do "
+def _read_tensor(f, key: str, path: str) -> np.ndarray:
+    """One parameter of the open file, checked: RunDirError naming it for a read error, non-finite float values
+    or (uint8 blocks of ``<module>.parts.<i>.data``) a NaN / inf block scale."""
+    try:
+        array = f.get_tensor(key)
+    except Exception as err:
+        raise RunDirError(f"{path}: corrupted or unreadable safetensors file ({err})") from err
+    if array.dtype.kind == "f" and not np.all(np.isfinite(array)):
+        bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+        raise RunDirError(f"{path}: parameter {key} holds {bad} non-finite values (NaN or inf); "
+                          f"the weights are corrupted")
+    return array
+
+
+def _fill_params(model: nnx.Module, path: str) -> None:
+    """Set every parameter of ``model`` from the file, one tensor at a time (host memory: the largest tensor,
+    not the file). RunDirError naming the parameter: missing, unexpected, shape or dtype mismatch, damaged."""
+    formats = {}
+    for module_path, node in nnx.iter_graph(model):
+        for i, part in enumerate(getattr(node, "parts", None) or ()):
+            formats[f"{'.'.join(map(str, module_path))}.parts.{i}.data"] = part.fmt
+    filled = []
+    with _open_weights(path) as f:
+        keys = set(f.keys())
+    for param_path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        key = ".".join(str(p) for p in param_path)
+        want, dtype = tuple(var.get_value().shape), np.dtype(var.get_value().dtype)
+        if key not in keys:
+            raise RunDirError(f"{path}: missing parameter {key!r} (expected shape {want}); the weights do "
                               f"not match {CONFIG_FILE}")
-        found, dtype = arrays[key], np.dtype(var.get_value().dtype)
+        keys.discard(key)
+        with _open_weights(path) as f:  # reopened per tensor: the mapped file pages go when it closes
+            found = _read_tensor(f, key, path)
         if tuple(found.shape) != want or found.dtype != dtype:
-            raise RunDirError(f"{source}: parameter {key!r} has shape {tuple(found.shape)} {found.dtype}; "
+            raise RunDirError(f"{path}: parameter {key!r} has shape {tuple(found.shape)} {found.dtype}; "
                               f"{CONFIG_FILE} expects {want} {dtype}")
-        filled.append((path, var.replace(jnp.asarray(found))))
-        seen.add(key)
-    extra = sorted(set(arrays) - seen)
-    if extra:
-        raise RunDirError(f"{source}: unexpected parameter(s) {extra[:5]} not in the model built from "
+        fmt = formats.get(key, "F32")
+        if fmt != "F32" and found.dtype == np.uint8 and check_blocks(found, fmt):
+            raise RunDirError(f"{path}: parameter {key} ({fmt}) has blocks whose scale is NaN or inf; the "
+                              f"weights are corrupted")
+        filled.append((param_path, var.replace(jnp.asarray(found))))
+        del found
+    if keys:
+        raise RunDirError(f"{path}: unexpected parameter(s) {sorted(keys)[:5]} not in the model built from "
                           f"{CONFIG_FILE}")
     nnx.update(model, nnx.from_flat_state(filled))
