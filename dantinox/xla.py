@@ -3,7 +3,11 @@
 1. ``--xla_cpu_copy_insertion_use_region_analysis=true`` is appended to ``XLA_FLAGS`` (unless the user already
    set it): together with attending before writing the cache, it removes the cache-sized copies XLA otherwise
    inserts in the compiled decode loop (../shared/PERFORMANCE.md, item 1). It only takes effect if dantinox is
-   imported before JAX initialises its CPU backend.
+   imported before JAX initialises its CPU backend. ``--xla_cpu_enable_concurrency_optimized_scheduler=false``
+   likewise: XLA:CPU's concurrency-optimised scheduler starts every independent computation early, so a
+   prefill over block-quantized weights held every layer's dequantized float32 copy at once (SmolLM2 Q4_1:
+   405 MiB of temporaries, 8 MiB with the memory-minimising scheduler), and on 2 cores it bought no speed:
+   prefill of 64-256 tokens no slower, decode within noise (docs/performance.md, "Host memory").
 2. The persistent compilation cache lives in ``~/.cache/jax_xla/dantinox``; the environment variable
    ``DANTINOX_XLA_CACHE`` overrides the path, and ``DANTINOX_XLA_CACHE=off`` disables it.
 3. Compilations are counted with a ``jax.monitoring`` listener (``compile_totals``, ``CompileCounter``), so
@@ -27,9 +31,11 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-_FLAG = "--xla_cpu_copy_insertion_use_region_analysis"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=true").strip()
+_FLAGS = {"--xla_cpu_copy_insertion_use_region_analysis": "true",
+          "--xla_cpu_enable_concurrency_optimized_scheduler": "false"}
+for _flag, _value in _FLAGS.items():
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_flag}={_value}").strip()
 
 import jax  # noqa: E402
 
