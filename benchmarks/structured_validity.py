@@ -14,8 +14,9 @@ written by hand for the same language (REFERENCE_RE) plus Python's ``eval`` of t
 
 Prints a markdown table: per case n, valid, finished ("stop") / cut ("length"), median tokens, tokens/s
 (generated tokens over the wall time of the case's batches, prefill included, compilation not); then the
-end-to-end tokens/s of the free compiled loop (``generate_result``, stopping at the stop ids) against the constrained loop on the
-same prompts (the nested-objects prompts) with the same max tokens, in alternating rounds in one process.
+end-to-end tokens/s of the free compiled loop (``generate_result``, stopping at the stop ids) against the
+constrained loop on the same prompts (the nested-objects prompts) with the same max tokens, in alternating
+rounds in one process.
 The model runs with a static cache of --context slots (as benchmarks/structured_mask.py).
 """
 
