@@ -19,8 +19,9 @@ its whole canvas and ignores them.
 ``spec_ngram_min``) decodes through ``dantinox.generation.speculative``: prompt-lookup proposals verified k at a
 time in one forward; greedy text is the same as without it, sampled text has the same distribution. A request
 whose measured acceptance makes verification a loss stops speculating (``switch_off_threshold``: measured once
-per k on this model). Each such call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``);
-docs/generation.md says when it pays.
+per k on this model). With json_schema / regex / grammar the proposals are cut where the grammar forbids a
+token and verified from the masked distributions (``dantinox.generation.constrained_speculative``). Each such
+call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``); docs/generation.md says when it pays.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ class Generator:
         json_schema (a dict or its JSON text), regex, grammar (Lark or GBNF): at most one; the text is then
         constrained to it (structured outputs, docs/structured-outputs.md; autoregressive models with the
         cache only), through the host-stepped loop of ``dantinox.generation.constrained_decode``.
-        speculative: None or "ngram" (module docstring; ``speculation`` checks the arguments).
+        speculative: None or "ngram" (module docstring; ``speculation`` checks the arguments); with a
+        constraint the proposals are checked against the grammar (``constrained_speculative``).
         Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`; GrammarError (a
         ValueError naming the argument) for an invalid or unsupported schema, regex or grammar."""
         if not isinstance(text, (str, list, tuple)) or (not isinstance(text, str) and not text):
