@@ -16,7 +16,8 @@ Prints a markdown table: per case n, valid, finished ("stop") / cut ("length"), 
 (generated tokens over the wall time of the case's batches, prefill included, compilation not); then the
 end-to-end tokens/s of the free compiled loop (``generate_result``, stopping at the stop ids) against the
 constrained loop on the same prompts (the nested-objects prompts) with the same max tokens, in alternating
-rounds in one process.
+rounds in one process. --speculative adds greedy constrained decoding with and without n-gram speculation
+(``constrained_speculative``), B = 1, the same prompts, in turns.
 The model runs with a static cache of --context slots (as benchmarks/structured_mask.py).
 """
 
@@ -200,6 +201,37 @@ def free_vs_constrained(gen, model, B: int, max_tokens: int, rounds: int) -> dic
     return {name: (tokens[name], tokens[name] / best[name]) for name in kinds}
 
 
+def speculative_vs_plain(gen, model, max_tokens: int, rounds: int) -> dict:
+    """Greedy constrained decoding with and without n-gram speculation (k = 4) on each nested-objects prompt
+    at B = 1, in turns: {"plain" | "ngram": (tokens, tokens/s)}, "same": whether every text is the same, and
+    the speculative SpecStats summed over the prompts."""
+    from dantinox.generation.constrained_decode import constrained_result
+    from dantinox.generation.constrained_speculative import constrained_speculative_result
+    from dantinox.generation.speculative_generate import SpecSettings
+
+    kind, value, prompts, _ = CASES["nested objects"]
+    constraint, stops = gen.constraint(**{kind: value}), list(gen.stop_ids)
+    batches = prompt_batches(gen, prompts, len(prompts), 1)
+    kinds = {"plain": lambda ids: constrained_result(model, ids, [constraint], max_tokens, eos_id=stops),
+             "ngram": lambda ids: constrained_speculative_result(model, ids, [constraint], max_tokens,
+                                                                 settings=SpecSettings(), eos_id=stops)[0]}
+    for fn in kinds.values():
+        fn(batches[0])  # compile
+    seconds, tokens, texts = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0), {name: [] for name in kinds}
+    for _ in range(rounds):
+        for ids in batches:
+            for name, fn in kinds.items():
+                start = time.perf_counter()
+                result = fn(ids)
+                seconds[name] += time.perf_counter() - start
+                tokens[name] += int(result.lengths[0])
+                texts[name].append(result.tokens[0, :result.lengths[0]].tolist())
+    out = {name: (tokens[name] // rounds, tokens[name] / seconds[name]) for name in kinds}
+    out["same"] = texts["plain"] == texts["ngram"]
+    _, out["stats"] = constrained_speculative_result(model, batches[0], [constraint], max_tokens, eos_id=stops)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run_dir", default="runs/smollm2")
@@ -209,6 +241,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of free against constrained")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--speculative", action="store_true",
+                        help="also time greedy constrained decoding with n-gram speculation against without")
     args = parser.parse_args()
     from structured_mask import ensure_run_dir
 
@@ -227,6 +261,13 @@ def main() -> int:
           f"({e2e['free'][0]} tokens), constrained {e2e['constrained'][1]:.1f} tok/s ({e2e['constrained'][0]} "
           f"tokens), ratio {e2e['constrained'][1] / e2e['free'][1]:.2f}; load average {os.getloadavg()[0]:.1f}",
           flush=True)
+    if args.speculative:
+        spec = speculative_vs_plain(gen, model, args.max_tokens, args.rounds)
+        stats = spec["stats"]
+        print(f"greedy, B = 1, nested-objects prompts: constrained {spec['plain'][1]:.1f} tok/s, with "
+              f"speculative ngram {spec['ngram'][1]:.1f} tok/s ({spec['plain'][0]} tokens a round), same texts: "
+              f"{spec['same']}; prompt 0: {sum(stats.accepted)} of {sum(stats.proposed)} proposals accepted in "
+              f"{stats.verify_calls} verify calls; load average {os.getloadavg()[0]:.1f}", flush=True)
     return 0
 
 

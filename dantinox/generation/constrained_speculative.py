@@ -112,8 +112,8 @@ def _plan(rows: ConstrainedRows, spec: _Speculation, index: np.ndarray):
     live = [b for b, r in enumerate(rows.reasons) if r is None]
     if max(index[b] for b in live) + k + 1 > spec.S:
         return None
-    for b in live:
-        spec.seq[b, index[b]] = rows.out[b, rows.lengths[b] - 1]
+    for b in live:   # the row's tokens after its prompt: a verify call may have emitted several
+        spec.seq[b, spec.prompt[b]:index[b] + 1] = rows.out[b, :rows.lengths[b]]
     proposals, found = _propose(spec.seq, index, k, spec.settings.ngram_max, spec.settings.ngram_min)
     proposals, found = np.asarray(proposals), np.asarray(found)
     limit = np.zeros(len(index), np.int32)
