@@ -34,6 +34,7 @@ def gen(tmp_path_factory):
     return Generator(save_tiny_chat_run(tmp_path_factory.mktemp("spec") / "run", max_context=128), warmup=False)
 
 
+@pytest.mark.slow   # compiles the verify step: about 4 s on the shared 2-core host, over the default tier's 2 s
 def test_greedy_speculation_under_a_grammar_equals_constrained_greedy(gen):
     ids = [gen.encode(TEXT[:30]), gen.encode(TEXT[10:50])]
     schema, regex, grammar = (gen.constraint(**{k: v}) for k, v in
@@ -61,6 +62,7 @@ def test_sampled_speculation_under_a_schema_is_valid(gen):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+@pytest.mark.slow   # one compile, about 3 s on the shared host
 def test_accept_proposals_accepts_nothing_past_its_limit():
     logits = jax.random.normal(jax.random.key(0), (3, 4, 11))
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)     # proposals the greedy rule accepts in full
