@@ -90,7 +90,7 @@ class _Speculation:
         self.seq[:, :req.ids.shape[1]] = req.ids
         self.prompt = np.asarray(req.lengths, np.int32)
         self.proposed, self.accepted, self.calls = np.zeros(B, int), np.zeros(B, int), np.zeros(B, int)
-        self.verify_calls, self.iterations = 0, 1
+        self.verify_calls, self.iterations = 0, 1   # iterations: the prefill was iteration 0 (its key)
 
     def slots(self, rows: ConstrainedRows) -> np.ndarray:
         """[B] int32: each row's newest token's slot (0 for an ended row: its writes are never read)."""
@@ -102,7 +102,7 @@ class _Speculation:
         return calls < PROBE_VERIFIES or self.accepted[b] >= self.settings.min_accept * calls
 
     def stats(self) -> SpecStats:
-        return SpecStats(self.proposed.tolist(), self.accepted.tolist(), self.verify_calls, self.iterations)
+        return SpecStats(self.proposed.tolist(), self.accepted.tolist(), self.verify_calls, self.iterations - 1)
 
 
 def _plan(rows: ConstrainedRows, spec: _Speculation, index: np.ndarray):
