@@ -1,7 +1,9 @@
 """Speculative decoding under a grammar (issue 21 item 4): on a tiny model with random weights, greedy
 speculation with a JSON schema, a regex or a grammar gives ``constrained_result``'s tokens, token for token,
 also next to an unconstrained row, while proposals are verified and accepted; sampled speculation stays valid
-(checked with ``jsonschema``); ``accept_proposals``'s limit accepts no proposal past it; ``Generator`` and
+(checked with ``jsonschema``); the draft cuts a proposal at the first token the grammar forbids, writes each
+position's mask as a fresh matcher would and rolls the matcher back (default tier: host only, no compile);
+``accept_proposals``'s limit accepts no proposal past it; ``Generator`` and
 ``dantinox generate --speculative ngram --json-schema F`` take the two together."""
 
 import json
@@ -11,12 +13,13 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
-from chat_util import TEXT, save_tiny_chat_run
+from chat_util import TEXT, chat_tokenizer, save_tiny_chat_run
 from cli_util import run_main
 
-from dantinox.generation.constrained_decode import constrained_result
-from dantinox.generation.constrained_speculative import constrained_speculative_result
+from dantinox.generation.constrained_decode import ConstrainedRows, constrained_result
+from dantinox.generation.constrained_speculative import _draft, constrained_speculative_result
 from dantinox.generation.generator import Generator
+from dantinox.generation.grammar import grammar_vocabulary, regex_constraint
 from dantinox.generation.sampling import make_sampling_params
 from dantinox.generation.speculative import accept_proposals
 from dantinox.generation.speculative_generate import SpecSettings, SpecStats
@@ -73,6 +76,28 @@ def test_accept_proposals_accepts_nothing_past_its_limit():
     assert accepted.tolist()[:2] == [0, 2] and accepted[2] <= 3
     for b in (0, 1):   # the accepted proposals, then the argmax at the limit
         np.testing.assert_array_equal(tokens[b, :limit[b] + 1], best[b, :limit[b] + 1])
+
+
+def test_draft_cuts_the_proposal_at_the_first_forbidden_token_and_leaves_the_matcher_as_it_was():
+    tokenizer = chat_tokenizer()
+    stop = tokenizer.hf.token_to_id("<|im_end|>")
+    constraint = regex_constraint("(la|via|selva)( (la|via|selva)){0,5}", grammar_vocabulary(tokenizer, (stop,)))
+    rows = ConstrainedRows([constraint, None], (stop,), tokenizer.vocab_size, 10, stop)
+    prefix, good = tokenizer.encode("la"), tokenizer.encode(" via selva")
+    rows.matchers[0] = constraint.matcher(prefix)   # row 0 has written "la"
+    rows.refresh(0)
+    before = rows.mask[0].copy()
+    proposals = good + tokenizer.encode("xyz") + good
+    k = len(proposals)
+    masks = np.zeros((2, k + 1, rows.mask.shape[1]), np.int32)
+    assert _draft(rows, 0, proposals, masks[0]) == len(good)
+    assert _draft(rows, 1, proposals, masks[1]) == k and np.all(masks[1] == -1)    # a free row keeps all k
+    assert _draft(rows, 0, good[:3] + [stop] + good, masks[0]) == 3    # the target may end the row, not a draft
+    assert rows.matchers[0].consumed == len(prefix)                                 # rolled back
+    np.testing.assert_array_equal(rows.matchers[0].mask(), before)
+    for j in range(len(good) + 1):   # position j's mask: a fresh matcher's after the same tokens
+        np.testing.assert_array_equal(masks[0, j], constraint.matcher(prefix + good[:j]).mask())
+    assert rows.matchers[0].advance(good[0])   # the matcher goes on from where it was
 
 
 @pytest.mark.slow   # a CLI run on the bundled model and the switch-off measurement
