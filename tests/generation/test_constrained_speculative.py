@@ -92,11 +92,11 @@ def test_draft_cuts_the_proposal_at_the_first_forbidden_token_and_leaves_the_mat
     masks = np.zeros((2, k + 1, rows.mask.shape[1]), np.int32)
     assert _draft(rows, 0, proposals, masks[0]) == len(good)
     assert _draft(rows, 1, proposals, masks[1]) == k and np.all(masks[1] == -1)    # a free row keeps all k
-    assert _draft(rows, 0, good[:3] + [stop] + good, masks[0]) == 3    # the target may end the row, not a draft
     assert rows.matchers[0].consumed == len(prefix)                                 # rolled back
     np.testing.assert_array_equal(rows.matchers[0].mask(), before)
     for j in range(len(good) + 1):   # position j's mask: a fresh matcher's after the same tokens
         np.testing.assert_array_equal(masks[0, j], constraint.matcher(prefix + good[:j]).mask())
+    assert _draft(rows, 0, good[:3] + [stop] + good, masks[1]) == 3    # the target may end the row, not a draft
     assert rows.matchers[0].advance(good[0])   # the matcher goes on from where it was
 
 
