@@ -77,20 +77,25 @@ def spec_state(state, ids) -> SpecState:
                      jnp.zeros((), jnp.int32))   # distinct buffers: the state is donated
 
 
-def accept_proposals(logits, proposals, key, sampling: SamplingParams) -> tuple[jax.Array, jax.Array]:
+def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=None) -> tuple[jax.Array, jax.Array]:
     """The tokens to emit and how many proposals were accepted.
 
     logits: [B, k + 1, V] float32 (the target at the last token and each proposal); proposals: [B, k] int32;
-    sampling: per-row settings ([B]). Returns (tokens [B, k + 1] int32: the accepted proposals then the
-    target's token at the first rejection, or the extra token when all were accepted; accepted [B] int32 in
-    0..k). Greedy rows take the argmax rule, sampled rows the rejection rule (module docstring)."""
+    sampling: per-row settings ([B]); limit: None, or [B] int32 in 0..k, the proposals of each row that may
+    be accepted (the rest are no proposals: with all ``limit[b]`` accepted the next token is drawn from the
+    whole distribution at position limit[b], as when all k are accepted). Returns (tokens [B, k + 1] int32:
+    the accepted proposals then the target's token at the first rejection, or the extra token when all were
+    accepted; accepted [B] int32 in 0..limit). Greedy rows take the argmax rule, sampled rows the rejection
+    rule (module docstring)."""
     B, T, V = logits.shape
     k = T - 1
+    if limit is not None:
+        proposals = jnp.where(jnp.arange(k)[None, :] < limit[:, None], proposals, -1)
     rep = SamplingParams(*(jnp.repeat(x, T) for x in sampling))
     probs = filtered_probs(logits.reshape(B * T, V), rep).reshape(B, T, V)
     key_u, key_r = jax.random.split(key)
-    p_proposed = jnp.take_along_axis(probs[:, :k], proposals[..., None], axis=-1)[..., 0]    # [B, k]
-    ok = jax.random.uniform(key_u, (B, k)) < p_proposed
+    p_proposed = jnp.take_along_axis(probs[:, :k], jnp.maximum(proposals, 0)[..., None], axis=-1)[..., 0]
+    ok = (jax.random.uniform(key_u, (B, k)) < p_proposed) & (proposals >= 0)                # [B, k]
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     at = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]                 # [B, V]
     rejected = jnp.take_along_axis(jnp.pad(proposals, ((0, 0), (0, 1)), constant_values=-1),
@@ -99,7 +104,7 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams) -> tuple[
     greedy_like = jnp.argmax(residual, axis=-1).astype(jnp.int32)
     drawn = jax.random.categorical(key_r, jnp.where(residual > 0, jnp.log(residual), -1e30), axis=-1)
     last = jnp.where(sampling.temperature <= GREEDY_TEMPERATURE, greedy_like, drawn.astype(jnp.int32))
-    tokens = jnp.concatenate([proposals, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    tokens = jnp.concatenate([jnp.maximum(proposals, 0), jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(T)[None, :] == accepted[:, None], last[:, None], tokens)
     return tokens.astype(jnp.int32), accepted
 
