@@ -9,7 +9,11 @@
    405 MiB of temporaries, 8 MiB with the memory-minimising scheduler), and on 2 cores it bought no speed:
    prefill of 64-256 tokens no slower, decode within noise (docs/performance.md, "Host memory").
 2. The persistent compilation cache lives in ``~/.cache/jax_xla/dantinox``; the environment variable
-   ``DANTINOX_XLA_CACHE`` overrides the path, and ``DANTINOX_XLA_CACHE=off`` disables it.
+   ``DANTINOX_XLA_CACHE`` overrides the path, and ``DANTINOX_XLA_CACHE=off`` disables it. Its size is capped
+   (``jax_compilation_cache_max_size``) at ``DANTINOX_XLA_CACHE_MAX_SIZE`` bytes (default 1 GiB; "1GiB",
+   "500MB", a plain byte count, or "unlimited"): past the cap JAX deletes the least recently used entries.
+   JAX's bounded cache keeps an access-time file beside each entry; entries written without a cap (by older
+   dantinox versions) get one stamped from their modification time, or JAX could not evict them.
 3. Compilations are counted with a ``jax.monitoring`` listener (``compile_totals``, ``CompileCounter``), so
    tests and benchmarks can assert them. A compilation is one ``/jax/core/compile/backend_compile_duration``
    event: one executable built by XLA or loaded from the persistent compilation cache. Cache loads are also
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -40,6 +45,10 @@ for _flag, _value in _FLAGS.items():
 import jax  # noqa: E402
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jax_xla", "dantinox")
+DEFAULT_CACHE_MAX_BYTES = 1 << 30   # 1 GiB: SmolLM2's whole serve warm-up takes about 20 MiB
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def compilation_cache_dir() -> str | None:
@@ -48,14 +57,58 @@ def compilation_cache_dir() -> str | None:
     return None if value.lower() in ("off", "0", "none", "") else value
 
 
+def compilation_cache_max_bytes(value: str | None = None) -> int | None:
+    """The cap of the persistent compilation cache in bytes, from ``value`` (default: the environment
+    variable DANTINOX_XLA_CACHE_MAX_SIZE, unset = DEFAULT_CACHE_MAX_BYTES); None for "unlimited".
+
+    Raises ValueError naming the variable for anything but a positive size ("1GiB", "500MB", "2000000")
+    or "unlimited"."""
+    text = os.environ.get("DANTINOX_XLA_CACHE_MAX_SIZE") if value is None else value
+    if text is None:
+        return DEFAULT_CACHE_MAX_BYTES
+    if text.strip().lower() in ("unlimited", "none", "-1"):
+        return None
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) * _SIZE_UNITS[unit] < 1:
+        raise ValueError(f"DANTINOX_XLA_CACHE_MAX_SIZE={text!r} is not allowed: a positive size such as "
+                         "1GiB, 500MB or 2000000 (bytes), or 'unlimited' (DANTINOX_XLA_CACHE=off turns the "
+                         "cache off)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def stamp_unstamped_entries(path: str) -> int:
+    """Give every cache entry in ``path`` without an access-time file (``KEY-atime``, written by JAX's bounded
+    cache only) one holding its modification time, so the eviction, which reads every entry's access
+    time, can run. Returns how many entries were stamped."""
+    stamped = 0
+    for name in os.listdir(path):
+        if not name.endswith("-cache"):
+            continue
+        atime = os.path.join(path, name[:-len("-cache")] + "-atime")
+        if not os.path.exists(atime):
+            try:
+                ns = os.stat(os.path.join(path, name)).st_mtime_ns
+                with open(atime, "wb") as f:
+                    f.write(ns.to_bytes(8, "little"))
+                stamped += 1
+            except OSError:   # removed meanwhile by another process's eviction, or read-only
+                pass
+    return stamped
+
+
 def _enable_persistent_cache() -> None:
     path = compilation_cache_dir()
     if path is None:
         return
+    max_bytes = compilation_cache_max_bytes()
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if max_bytes is not None:   # JAX's bounded cache locks its directory with the filelock package
+        stamp_unstamped_entries(path)
+        jax.config.update("jax_compilation_cache_max_size", max_bytes)
 
 
 _enable_persistent_cache()

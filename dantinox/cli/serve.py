@@ -15,6 +15,9 @@ tokens per request (M MiB = B bytes, ...)" (L = max_context; C = min(N // blocks
 (3.6x at D = 32; the float32 scales included, dantinox.quant.kv_rows), up to the max-running cap.
 --max-request-bytes (default 1 MiB) is the largest HTTP request body accepted; a larger one is answered 413
 before it is read (``dantinox.serving.request_limits``).
+It listens as soon as the model is loaded; the warm-up compiles the engine's programs in the background,
+most likely first (``dantinox.serving.warmup``), logging its progress, while requests are served: GET /health
+says "warming up" (200), GET /ready answers 503 until the warm-up is done. --no-warmup compiles only on demand.
 Ctrl-C, during loading and warm-up as while serving, ends the command with one line on stderr and exit
 status 130 (``dantinox.cli.entrypoint``); uvicorn finishes the requests in flight for up to
 GRACEFUL_SHUTDOWN_S seconds first.
@@ -86,7 +89,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-decode-steps", type=int, default=8,
                    help="decode steps per compiled call when a step only decodes (1 = one token per call)")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before serving")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="compile only what requests need, when they need it (no background warm-up)")
     p.add_argument("--max-request-bytes", default=None,
                    help="largest request body accepted, e.g. 1MiB (the default) or 16MB; larger ones get 413")
     p.add_argument("--request-log", default=None,
@@ -297,13 +301,15 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info("stop token ids (unless a request sets ignore_eos): %s", describe_stop_ids(stop_ids, tokenizer))
     log.info("chat: %s", "POST /v1/chat/completions" if chat_format
              else "no chat template: /v1/chat/completions answers 400")
+    warmup = None
     if not args.no_warmup:
-        log.info("warm-up: compiling every batch and chunk shape (Ctrl-C to stop)")
-        counted = engine.warmup()
-        log.info("warm-up: %d compilations (%d from the persistent cache) in %.1f s", counted.compilations,
-                 counted.cache_hits, counted.seconds)
+        from ..serving.warmup import Warmup
+
+        warmup = Warmup(engine.warmup_items())
+        log.info("warm-up: compiling %d programs in the background, most likely first; requests are served "
+                 "meanwhile (GET /ready answers 503 until it is done)", len(warmup.items))
     app = create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args), max_request_bytes(args),
-                     tool_parser=args.tool_call_parser)
+                     tool_parser=args.tool_call_parser, warmup=warmup)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=uvicorn_log_config(),
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     log.info("listening on http://%s:%d (Ctrl-C to stop)", args.host, args.port)

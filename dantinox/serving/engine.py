@@ -43,6 +43,7 @@ from .scheduler import Chunk, Schedule, Scheduler
 from .sink_slots import SinkSlots
 from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
                         plan_decode_steps, pool_size)
+from .warmup import WarmupItem
 
 log = logging.getLogger("dantinox.serving")
 
@@ -235,36 +236,57 @@ class PagedEngine(Engine):
 
     # Warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> CompileCounter:
-        """Compile every bucket (decode, prefill x chunk) and the block moves with empty batches (nothing is
-        written). Returns the CompileCounter of the warm-up; later steps compile nothing.
+        """Compile every bucket (decode, prefill x chunk, multi-step decode x table width) and the block moves
+        with empty batches (nothing is written), in the order of ``warmup_items``. Returns the CompileCounter
+        of the warm-up; later steps compile nothing. (``dantinox serve`` runs the same items in the background
+        instead: ``dantinox.serving.warmup``.)
 
         Ctrl-C (``dantinox.runs.interrupts``): the compilation under way finishes and KeyboardInterrupt is
         raised here, between two compilations (raised by Python wherever the signal lands, it can fall inside
         a callback of JAX's compile path and be lost, and the server would then start anyway)."""
-        shapes = [(B, 1) for B in self.decode_buckets]
-        shapes += [(B, T) for B in self.prefill_buckets for T in self.chunk_buckets]
-        calls = [lambda B=B, T=T: jax.block_until_ready(self._call_forward([], B, T)) for B, T in shapes]
-        if self.config.max_decode_steps > 1:
-            calls += [lambda B=B, M=M: self._warm_decode_steps(B, M)
-                      for B in self.decode_buckets for M in self.table_buckets]
-        calls.append(self._warm_block_moves)
         with CompileCounter() as counted, deferred_interrupts() as interrupt:
-            for call in calls:
+            for item in self.warmup_items():
                 if interrupt.requested:
                     raise KeyboardInterrupt
-                call()
+                item.run()
             if interrupt.requested:
                 raise KeyboardInterrupt
         return counted
 
+    def warmup_items(self) -> list[WarmupItem]:
+        """Every program a step can run, as WarmupItems, most likely first: ordered by the sum of the batch
+        bucket's rank and the size bucket's rank (chunk length T, or block-table width M of a multi-step
+        decode call), so one short request's programs (B = 1, the smallest T and M) come first and the
+        largest batches over the widest tables last; the block moves (copy-on-write, swap) after the first
+        programs of batch 1."""
+        ranked = [((i, i), f"forward B={B} T=1", lambda B=B: self._warm_forward(B, 1))
+                  for i, B in enumerate(self.decode_buckets)]
+        ranked += [((i + j, i), f"forward B={B} T={T}", lambda B=B, T=T: self._warm_forward(B, T))
+                   for i, B in enumerate(self.prefill_buckets) for j, T in enumerate(self.chunk_buckets)]
+        if self.config.max_decode_steps > 1:
+            ranked += [((i + j, i), f"decode_steps B={B} M={M}", lambda B=B, M=M: self._warm_decode_steps(B, M))
+                       for i, B in enumerate(self.decode_buckets) for j, M in enumerate(self.table_buckets)]
+        ranked.append(((1, 1), "block moves", self._warm_block_moves))
+        ranked.sort(key=lambda item: item[0])  # stable: within a rank, the order above
+        return [WarmupItem(label, run) for _, label, run in ranked]
+
+    def _warm_forward(self, B: int, T: int) -> None:
+        """Compile forward_step for bucket (B, T) without running it (``jit.lower(...).compile()`` fills the
+        same in-memory cache a call uses, so the first step of the bucket compiles nothing)."""
+        forward_step.lower(*self._forward_args([], B, T)).compile()
+
     def _warm_block_moves(self) -> None:
-        self.pool = copy_blocks(self.pool, *self._pad_copies([]))
-        data = self._read_host([0])
-        self._write_host([], data)
-        if self.sinks is not None:  # slot R - 1 copied onto itself and rewritten as it is: nothing changes
+        """Compile the block and sink moves (copy-on-write, swap out and in) without running them."""
+        src, dst = self._pad_copies([])
+        copy_blocks.lower(self.pool, src, dst).compile()
+        ids = np.zeros(self.table_width, np.int32)
+        read_blocks.lower(self.pool, ids).compile()
+        write_blocks.lower(self.pool, ids, jax.eval_shape(read_blocks, self.pool, ids)).compile()
+        if self.sinks is not None:
             last = np.int32(self.sinks.num_slots - 1)
-            self.pool = copy_sinks(self.pool, last, last)
-            self.pool = write_sinks(self.pool, last, jax.device_get(read_sinks(self.pool, last)))
+            copy_sinks.lower(self.pool, last, last).compile()
+            read_sinks.lower(self.pool, last).compile()
+            write_sinks.lower(self.pool, last, jax.eval_shape(read_sinks, self.pool, last)).compile()
 
     # Internals ------------------------------------------------------------------------------------
     def _move_blocks(self, sched: Schedule) -> None:
@@ -387,17 +409,12 @@ class PagedEngine(Engine):
         return out
 
     def _warm_decode_steps(self, B: int, M: int) -> None:
-        """Run one iteration of the multi-step loop for bucket (B, M) with every write dropped (block tables
-        point past the pool): the loop body's first execution is slow on the CPU (docs/performance.md, "Costs
-        behind choices in the code"), so it is paid before serving, not by the first request that decodes in
-        this bucket."""
+        """Compile the multi-step decode loop for bucket (B, M) without running it (as ``_warm_forward``)."""
         z = np.zeros(B, np.int32)
-        table = np.full((B, M), self.allocator.num_blocks, np.int32)
         sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
-        out, self.pool = decode_steps(self.graph, self.params, self.pool, z, z, np.ones(B, np.int32), table,
-                                      np.zeros(B, np.uint32), z, sampling, self._sink_rows([], B),
-                                      max_steps=self.config.max_decode_steps)
-        jax.block_until_ready(out)
+        decode_steps.lower(self.graph, self.params, self.pool, z, z, z, np.zeros((B, M), np.int32),
+                           np.zeros(B, np.uint32), z, sampling, self._sink_rows([], B),
+                           max_steps=self.config.max_decode_steps).compile()
 
     def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int, M: int) -> np.ndarray:
         """One decode_steps call for ``part`` padded to B rows, over block tables cut to M entries."""
@@ -441,9 +458,8 @@ class PagedEngine(Engine):
                 slots[b] = slot
         return slots
 
-    def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[jax.Array, StepLogprobs | None]:
-        """Dispatch one forward_step for ``part`` padded to B rows of T tokens; returns the device arrays
-        (tokens [B], and the StepLogprobs when a row asked for them, else None) without waiting for them."""
+    def _forward_args(self, part: list[Chunk], B: int, T: int) -> tuple:
+        """forward_step's arguments for ``part`` padded to B rows of T tokens (the engine's pool included)."""
         ids, num_new = np.zeros((B, T), np.int32), np.zeros(B, np.int32)
         for b, chunk in enumerate(part):
             ids[b, :chunk.num_tokens] = chunk.request.all_tokens[chunk.start:chunk.start + chunk.num_tokens]
@@ -451,12 +467,17 @@ class PagedEngine(Engine):
         start, table, seeds, steps, sampling = self._row_inputs(part, B, self.table_width)
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
         token_mask = step_mask(part, B, self.vocab_size)  # structured outputs (grammar_rows)
-        out, logprobs, self.pool = forward_step(self.graph, self.params, self.pool, ids, start, num_new, table,
-                                                seeds, steps, sampling, with_logprobs, token_mask,
-                                                self._sink_rows(part, B))
+        return (self.graph, self.params, self.pool, ids, start, num_new, table, seeds, steps, sampling,
+                with_logprobs, token_mask, self._sink_rows(part, B))
+
+    def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[jax.Array, StepLogprobs | None]:
+        """Dispatch one forward_step for ``part`` padded to B rows of T tokens; returns the device arrays
+        (tokens [B], and the StepLogprobs when a row asked for them, else None) without waiting for them."""
+        args = self._forward_args(part, B, T)
+        out, logprobs, self.pool = forward_step(*args)
         self.counters["forward_calls"] += bool(part)
         self.step_calls.append(("forward", B, T))
-        return out, (logprobs if with_logprobs else None)  # nobody asked: three transfers of zeros skipped
+        return out, (logprobs if args[10] else None)  # nobody asked: three transfers of zeros skipped
 
     def _advance(self, chunk: Chunk, token: int, logprobs: TokenLogprobs | None = None) -> list[RequestOutput]:
         req = chunk.request

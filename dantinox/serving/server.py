@@ -30,7 +30,10 @@ Design (threads and queues):
 Steps 1, 3 and 4 (validation and submission, the per-choice text, stop strings and disconnects) are
 ``dantinox.serving.completions``; this module builds the app (``create_app``) and runs it (``ServerThread``).
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``dantinox.serving.chat_endpoint``), GET /v1/models,
-GET /health, GET /metrics (Prometheus text format).
+GET /health (liveness: 200 while the engine thread runs, its status "warming up" until the background warm-up
+has compiled every program, then "ok"; 503 "unhealthy" once the engine failed), GET /ready (readiness: 200
+"ready" once warm, 503 "warming up" before; a Kubernetes readinessProbe's form), GET /metrics (Prometheus
+text format). Requests are served during warm-up (``dantinox.serving.warmup``).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ log = logging.getLogger("dantinox.serving")
 
 def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None,
                stop_ids=None, request_log=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               tool_parser: str | None = None) -> FastAPI:
+               tool_parser: str | None = None, warmup=None) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
     engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
@@ -72,11 +75,13 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     max_request_bytes: the largest request body accepted (bytes); a larger one is answered 413.
     tool_parser: the tool-call syntax chat answers are read in ("hermes" or "llama3_json",
     ``dantinox.serving.tool_calls``); None: the one the chat template shows.
+    warmup: a ``warmup.Warmup`` the engine thread runs in the background while serving (None: none; the
+    engine is ready at once, e.g. warmed up before).
     Raises ValueError for a max_request_bytes below 1.
     """
     check_max_bytes(max_request_bytes, "max_request_bytes")
     metrics = ServerMetrics()
-    worker = EngineWorker(engine, metrics, request_log)
+    worker = EngineWorker(engine, metrics, request_log, warmup)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -121,15 +126,33 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
 
     @app.get("/health")
     async def health():
-        status = 200 if worker.alive else 503
-        return JSONResponse({"status": "ok" if status == 200 else "unhealthy", "error": worker.error,
-                             "engine": worker.snapshot}, status_code=status)
+        warm = _warmup_status(worker)
+        if not worker.alive:
+            label = "unhealthy"
+        else:
+            label = "ok" if warm["status"] == "ready" else "warming up"
+        return JSONResponse({"status": label, "error": worker.error, "warmup": warm, "engine": worker.snapshot},
+                            status_code=200 if worker.alive else 503)
+
+    @app.get("/ready")
+    async def ready():
+        warm = _warmup_status(worker)
+        label = warm["status"] if worker.alive else "unhealthy"
+        return JSONResponse({"status": label, "error": worker.error, "warmup": warm},
+                            status_code=200 if worker.ready else 503)
 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _warmup_status(worker: EngineWorker) -> dict:
+    """The warm-up's progress ({"status", "programs_done", "programs_total", "seconds"}); "ready" without one."""
+    if worker.warmup is None:
+        return {"status": "ready", "programs_done": 0, "programs_total": 0, "seconds": 0.0}
+    return worker.warmup.status()
 
 
 def _validation_error(exc: RequestValidationError, required: str) -> tuple[dict, str | None]:

@@ -23,6 +23,7 @@ from ..parallel.mesh import mesh_scope, mesh_shape
 from ..parallel.sharding import shard_model
 from .engine import EngineConfig, PagedEngine
 from .paged_cache import block_bytes, init_pool, sink_set_bytes
+from .warmup import WarmupItem
 
 
 def pool_spec(cfg, mesh) -> P:
@@ -75,6 +76,16 @@ class ShardedPagedEngine(PagedEngine):
     def warmup(self):
         with mesh_scope(self.mesh):
             return super().warmup()
+
+    def warmup_items(self):
+        """The PagedEngine's items, each run under the mesh (serve runs them one at a time in the background)."""
+        def scoped(run):
+            def call():
+                with mesh_scope(self.mesh):
+                    run()
+            return call
+
+        return [WarmupItem(item.label, scoped(item.run)) for item in super().warmup_items()]
 
     def _fail_running(self, message: str):
         outputs = super()._fail_running(message)

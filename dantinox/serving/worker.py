@@ -12,6 +12,9 @@
      naming its request, until every one of them is finished.
   4. If the engine raises outside a step's own error handling, every request in flight gets an "error"
      output, the worker marks itself unhealthy (``/health`` answers 503) and stops.
+  5. With a ``warmup.Warmup``, the worker runs its next item whenever the engine has nothing unfinished (no
+     request waits on it), until every item ran: requests are served during warm-up, each compiling on demand
+     what it needs that warm-up has not reached yet. A warm-up item that raises is an engine failure (4).
 """
 
 from __future__ import annotations
@@ -54,10 +57,11 @@ class EngineWorker:
     """Runs ``engine`` in a daemon thread. ``metrics`` (optional) is a ServerMetrics; ``request_log``
     (optional) a request_log.RequestLog that gets one line per finished request."""
 
-    def __init__(self, engine: Engine, metrics=None, request_log=None):
+    def __init__(self, engine: Engine, metrics=None, request_log=None, warmup=None):
         self.engine = engine
         self.metrics = metrics
         self.request_log = request_log
+        self.warmup = warmup
         self.commands: queue.Queue = queue.Queue()
         self.snapshot: dict = engine.stats()
         self.healthy = True
@@ -78,6 +82,11 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.healthy
 
+    @property
+    def ready(self) -> bool:
+        """True once the warm-up (if any) has run every item, while the worker is alive."""
+        return self.alive and (self.warmup is None or self.warmup.finished)
+
     def submit(self, request_ids: list[str], prompt_ids: list, options: list[SamplingOptions],
                loop: asyncio.AbstractEventLoop, events: asyncio.Queue, slice_name: str | None = None) -> None:
         """Queue one completion: request_ids[i] runs with options[i] on the same prompt_ids (choice i).
@@ -97,9 +106,12 @@ class EngineWorker:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._take_commands(block=not self.engine.has_unfinished())
+                warming = self.warmup is not None and not self.warmup.finished
+                self._take_commands(block=not self.engine.has_unfinished() and not warming)
                 if self.engine.has_unfinished():
                     self._route(self.engine.step())
+                elif warming:
+                    self.warmup.run_next()
                 self._publish()
         except Exception as err:  # a bug outside the engine's own step handling: fail loudly, never hang
             log.exception("engine worker stopped")

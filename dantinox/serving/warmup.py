@@ -1,0 +1,97 @@
+"""Warm-up in the background: the engine's programs compiled one by one between requests, most likely first.
+
+``dantinox serve`` listens as soon as the model is loaded. The worker thread (``worker.EngineWorker``) then
+runs one warm-up item whenever the engine has nothing to do, so a request that arrives during warm-up waits
+for at most the compilation under way, and then compiles only the programs its own steps need (on demand, as
+with ``--no-warmup``); the items it compiled that way cost nothing when warm-up reaches them. The items come
+in the order ``PagedEngine.warmup_items`` gives: the programs of one short request first (batch 1, the
+smallest chunk and block-table buckets), then growing batch and size buckets, so the first answer comes
+after a few compilations, not after all of them.
+
+``Warmup`` holds the items and their progress: ``status()`` is what /health and /ready report, and a progress
+line is logged after each item ("warm-up 3/62 programs, 41.0 s: decode_steps B=1 M=8").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..xla import CompileCounter
+
+log = logging.getLogger("dantinox.serving")
+
+
+@dataclass(frozen=True)
+class WarmupItem:
+    """One thing to compile: ``label`` names the program and its bucket (e.g. "forward B=1 T=16"), ``run``
+    compiles (and runs once, writing nothing to the pool) the program. ``run`` is called on the engine's
+    thread only."""
+
+    label: str
+    run: Callable[[], None]
+
+
+class Warmup:
+    """The warm-up items and their progress; ``run_next`` is called by the one thread that drives the engine,
+    ``status`` from any thread.
+
+    items: the WarmupItems in the order to run them; log_every: log a progress line after every item
+    (False: only the first, every 10th and the last). An empty list is ready at once.
+    """
+
+    def __init__(self, items: list[WarmupItem], log_every: bool = True):
+        self.items = list(items)
+        self.done = 0
+        self.log_every = log_every
+        self.counter = CompileCounter()
+        self._started: float | None = None
+        self._finished: float | None = None
+        self._lock = threading.Lock()
+        if not self.items:
+            self._finished = self._started = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= len(self.items)
+
+    def run_next(self) -> bool:
+        """Run the next item (the first call starts the clock and the compile counter). Returns True while
+        items remain after it. Exceptions of the item propagate (the caller treats them as the engine's)."""
+        if self.finished:
+            return False
+        if self._started is None:
+            self._started = time.perf_counter()
+            self.counter.__enter__()
+        item = self.items[self.done]
+        item.run()
+        with self._lock:
+            self.done += 1
+            if self.finished:
+                self._finished = time.perf_counter()
+        self.counter.update()
+        n, total = self.done, len(self.items)
+        if self.log_every or n == 1 or n % 10 == 0 or n == total:
+            log.info("warm-up %d/%d programs, %.1f s: %s", n, total, self.seconds, item.label)
+        if self.finished:
+            log.info("warm-up done: %d programs, %d compilations (%d from the persistent cache) in %.1f s; ready",
+                     total, self.counter.compilations, self.counter.cache_hits, self.seconds)
+        return not self.finished
+
+    @property
+    def seconds(self) -> float:
+        """Seconds since the first item started (0.0 before), up to the last one's end."""
+        with self._lock:
+            if self._started is None:
+                return 0.0
+            return (self._finished or time.perf_counter()) - self._started
+
+    def status(self) -> dict:
+        """{"status": "warming up" or "ready", "programs_done": int, "programs_total": int, "seconds": float}."""
+        with self._lock:
+            done, total = self.done, len(self.items)
+        return {"status": "ready" if done >= total else "warming up", "programs_done": done,
+                "programs_total": total, "seconds": round(self.seconds, 3)}

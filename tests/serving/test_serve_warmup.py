@@ -1,0 +1,110 @@
+"""Background warm-up (``dantinox.serving.warmup``): the server listens at once, /health says "warming up" and
+/ready answers 503 until every warm-up item ran; a request that arrives during warm-up is answered; the
+engine's items come smallest batch and bucket first and cover every program a step can run."""
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from conftest import tiny_config
+from serving_util import SMALL_BUCKETS, lively_model
+
+import dantinox as dx
+from dantinox.runs.tokenizer import train_tokenizer
+from dantinox.serving.engine import EngineConfig, PagedEngine
+from dantinox.serving.server import ServerThread, create_app
+from dantinox.serving.warmup import Warmup, WarmupItem
+
+
+TEXT = "Nel mezzo del cammin di nostra vita mi ritrovai per una selva oscura.\n" * 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(TEXT, "bpe", 260)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return lively_model(tiny_config(attention="gqa", kv_heads=2, vocab_size=tokenizer.vocab_size))
+
+
+def _engine(model) -> PagedEngine:
+    return PagedEngine(model, EngineConfig(block_size=4, num_blocks=32, max_running=4, max_batched_tokens=16,
+                                           decode_buckets=(1, 4), **SMALL_BUCKETS))
+
+
+def _wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_health_says_warming_up_until_the_warm_up_is_done(model, tokenizer):
+    release, entered = threading.Event(), threading.Event()
+
+    def held():
+        entered.set()
+        assert release.wait(60), "the test never released the warm-up"
+
+    warmup = Warmup([WarmupItem("first", lambda: None), WarmupItem("held", held)])
+    with ServerThread(create_app(_engine(model), tokenizer, "tiny", warmup=warmup)) as srv:
+        assert entered.wait(60)   # listening, and the warm-up is inside its second item
+        health, ready = httpx.get(srv.url + "/health"), httpx.get(srv.url + "/ready")
+        assert health.status_code == 200 and health.json()["status"] == "warming up"
+        assert health.json()["warmup"]["programs_done"] == 1 and health.json()["warmup"]["programs_total"] == 2
+        assert ready.status_code == 503 and ready.json()["status"] == "warming up"
+        release.set()
+        _wait_for(lambda: httpx.get(srv.url + "/ready").status_code == 200)
+        assert httpx.get(srv.url + "/ready").json()["status"] == "ready"
+        health = httpx.get(srv.url + "/health").json()
+        assert health["status"] == "ok" and health["warmup"]["programs_done"] == 2
+
+
+def test_a_request_during_warm_up_is_answered(model, tokenizer):
+    # an endless warm-up of short items: the worker serves the request between two of them
+    warmup = Warmup([WarmupItem(f"item {i}", lambda: time.sleep(0.01)) for i in range(100_000)], log_every=False)
+    prompt = [5, 9, 40, 77, 3]
+    want = np.asarray(dx.generate(model, prompt, 6)).tolist()
+    with ServerThread(create_app(_engine(model), tokenizer, "tiny", warmup=warmup)) as srv:
+        got = httpx.post(srv.url + "/v1/completions", json=dict(prompt=prompt, max_tokens=6, temperature=0),
+                         timeout=120).json()
+        assert got["choices"][0]["text"] == tokenizer.decode(want)
+        assert httpx.get(srv.url + "/ready").status_code == 503   # still warming up
+        assert 0 < warmup.done < len(warmup.items)
+
+
+def test_a_failing_warm_up_item_makes_the_server_unhealthy(model, tokenizer):
+    def broken():
+        raise RuntimeError("compiler crashed")
+
+    warmup = Warmup([WarmupItem("broken", broken)])
+    with ServerThread(create_app(_engine(model), tokenizer, "tiny", warmup=warmup)) as srv:
+        _wait_for(lambda: httpx.get(srv.url + "/health").status_code == 503)
+        body = httpx.get(srv.url + "/health").json()
+        assert body["status"] == "unhealthy" and "compiler crashed" in body["error"]
+        assert httpx.get(srv.url + "/ready").status_code == 503
+
+
+def test_engine_items_cover_every_program_smallest_first(model):
+    engine = PagedEngine(model, EngineConfig(block_size=4, num_blocks=64, max_running=4, max_batched_tokens=16,
+                                             prefill_buckets=(1, 2), chunk_buckets=(8, 16)))
+    labels = [item.label for item in engine.warmup_items()]
+    want = ({f"forward B={B} T=1" for B in engine.decode_buckets}
+            | {f"forward B={B} T={T}" for B in (1, 2) for T in (8, 16)}
+            | {f"decode_steps B={B} M={M}" for B in engine.decode_buckets for M in engine.table_buckets}
+            | {"block moves"})
+    assert len(labels) == len(set(labels)) and set(labels) == want
+    first_batch_two = min(i for i, label in enumerate(labels) if "B=2" in label)
+    assert set(labels[:3]) == {"forward B=1 T=1", "forward B=1 T=8", f"decode_steps B=1 M={engine.table_buckets[0]}"}
+    assert labels[3] == "forward B=1 T=16" and first_batch_two == 4   # rank 1: batch 1's next chunk first
+    widest = f"decode_steps B={engine.decode_buckets[-1]} M={engine.table_buckets[-1]}"
+    assert labels[-1] == widest
+
+
+def test_an_empty_warm_up_is_ready_at_once():
+    warmup = Warmup([])
+    assert warmup.finished and warmup.status()["status"] == "ready" and not warmup.run_next()
