@@ -145,11 +145,12 @@ def one_row_windows(cfg) -> list[tuple[int, ...]]:
     return sorted({decode_windows(cfg, 1, bound) for bound in bounds}, key=lambda w: w[-1])
 
 
-def warm_decode(model, windows: tuple[int, ...]) -> None:
-    """Compile (by running) the one-row decode loop over ``windows``: a prefill of one token and one decode
-    step, sampled, so every later one-row request of that window compiles nothing (sampling settings, seed and
-    step bound are traced)."""
-    req = _prepare(model, [0], 2, 1.0, 0, 1.0, 0, None)
+def warm_decode(model, windows: tuple[int, ...], prompt_length: int = 1) -> None:
+    """Compile (by running) the one-row decode loop over ``windows``: a prefill of ``prompt_length`` tokens
+    and one decode step, sampled, so every later one-row request of that window compiles nothing (sampling
+    settings, seed and step bound are traced). Give a prompt_length whose prefill bucket is compiled already
+    (``generator.warm_up`` does), or the prefill of its bucket compiles too."""
+    req = _prepare(model, [0] * prompt_length, 2, 1.0, 0, 1.0, 0, None)
     graphdef, params = split_model(model)
     with mesh_scope(mesh_of(params)):
         state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)

@@ -72,7 +72,9 @@ def warm_up(model, prompt_lengths: list[int] | None = None, max_new_tokens: int 
     use (``decode.one_row_windows``: one window up to max_context 512, then 512, 1024, ... slots).
     prompt_lengths: the prompt lengths (tokens) to prepare for; None = every bucket up to max_context and
     every window. With prompt_lengths, the window of the longest prompt + max_new_tokens (None: + 1). The step
-    bound, seed and sampling settings are traced, so later calls with any of them compile nothing."""
+    bound, seed and sampling settings are traced, so later calls with any of them compile nothing. The decode
+    loop is warmed behind a prompt of the smallest of these buckets, so it adds no prefill program of its own
+    (a one-token prompt would compile the 16-token bucket, 2-3 s on SmolLM2, that a chat turn never uses)."""
     S = model.cfg.max_context
     lengths = prompt_buckets(S) if prompt_lengths is None else sorted(
         {min(bucket_length(n, S), S - 1) for n in prompt_lengths})
@@ -83,7 +85,7 @@ def warm_up(model, prompt_lengths: list[int] | None = None, max_new_tokens: int 
     else:
         windows = [decode_windows(model.cfg, 1, max(prompt_lengths) + (max_new_tokens or 1))]
     for window in windows:
-        warm_decode(model, window)
+        warm_decode(model, window, min(lengths[0], S - 2))  # room for its 2 tokens
 
 
 class Generator:

@@ -1,6 +1,7 @@
 """Chat: templates rendered as transformers does, Generator.chat stopping at any end-of-turn id, and
 `dantinox generate --chat` (with its errors: no template, unknown role, flags that exclude each other)."""
 
+import jax
 import numpy as np
 import pytest
 from chat_util import CHATML, INJECTION, chatml_literal_ids, save_tiny_chat_run
@@ -135,3 +136,29 @@ def test_generate_chat_too_long_names_the_conversation(chat_run, capsys):
     err = capsys.readouterr().err
     assert err.startswith("dantinox generate: error: --chat: the conversation has ") and "--prompt" not in err
     assert "max_context=96" in err and err.count("\n") == 1
+
+
+def test_chat_warm_up_compiles_one_prefill_and_one_decode_then_nothing(chat_run):
+    """What `generate --chat` warms up: the prefill of the conversation's bucket and the decode loop, no
+    prefill of another bucket (the decode loop is warmed behind a prompt of the compiled bucket); the turn
+    itself then compiles nothing."""
+    gen = Generator(chat_run, warmup=False)
+    question = [QUESTION[0], {"role": "user", "content": "Dove siamo? " * 2}]
+    ids = gen.chat_prompt_ids(question)
+    assert len(ids) > 16   # a bucket above the one of a one-token prompt
+    names = []
+
+    def on_compile(event, duration, fun_name=None, **_):
+        if event == "/jax/core/compile/jaxpr_trace_duration":   # traced again after clear_caches, cached or not
+            names.append(fun_name)
+
+    jax.clear_caches()   # every program of the warm-up is traced again, and counted
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        gen.warm_up([len(ids)], 12)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert (names.count("prefill"), names.count("decode")) == (1, 1), names
+    with dx.CompileCounter() as counted:
+        gen.chat(question, 12, temperature=0)
+    assert counted.compilations == 0, counted
