@@ -9,7 +9,7 @@ smallest chunk and block-table buckets), then growing batch and size buckets, so
 after a few compilations, not after all of them.
 
 ``Warmup`` holds the items and their progress: ``status()`` is what /health and /ready report, and a progress
-line is logged after each item ("warm-up 3/62 programs, 41.0 s: decode_steps B=1 M=8").
+line is logged after each item ("warm-up 3/58 programs, 41.0 s: decode_steps B=1 M=8").
 """
 
 from __future__ import annotations
