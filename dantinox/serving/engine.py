@@ -255,17 +255,19 @@ class PagedEngine(Engine):
 
     def warmup_items(self) -> list[WarmupItem]:
         """Every program a step can run, as WarmupItems, most likely first: ordered by the sum of the batch
-        bucket's rank and the size bucket's rank (chunk length T, or block-table width M of a multi-step
-        decode call), so one short request's programs (B = 1, the smallest T and M) come first and the
-        largest batches over the widest tables last; the block moves (copy-on-write, swap) after the first
-        programs of batch 1."""
-        ranked = [((i, i), f"forward B={B} T=1", lambda B=B: self._warm_forward(B, 1))
-                  for i, B in enumerate(self.decode_buckets)]
-        ranked += [((i + j, i), f"forward B={B} T={T}", lambda B=B, T=T: self._warm_forward(B, T))
-                   for i, B in enumerate(self.prefill_buckets) for j, T in enumerate(self.chunk_buckets)]
+        bucket's rank and the size bucket's rank, so one request's programs (B = 1) come first and the largest
+        batches over the widest tables last. Size ranks: prefill chunks largest first (a chat prompt, and every
+        chunk of a prompt longer than max_batched_tokens, runs in the largest), multi-step decode tables
+        narrowest first; the one-token forward (decode beside a prefill, logprobs, structured outputs) and the
+        block moves (copy-on-write, swap) at rank 1."""
+        last = len(self.chunk_buckets) - 1
+        ranked = [((i + last - j, i), f"forward B={B} T={T}", lambda B=B, T=T: self._warm_forward(B, T))
+                  for i, B in enumerate(self.prefill_buckets) for j, T in enumerate(self.chunk_buckets)]
         if self.config.max_decode_steps > 1:
             ranked += [((i + j, i), f"decode_steps B={B} M={M}", lambda B=B, M=M: self._warm_decode_steps(B, M))
                        for i, B in enumerate(self.decode_buckets) for j, M in enumerate(self.table_buckets)]
+        ranked += [((i + 1, i), f"forward B={B} T=1", lambda B=B: self._warm_forward(B, 1))
+                   for i, B in enumerate(self.decode_buckets)]
         ranked.append(((1, 1), "block moves", self._warm_block_moves))
         ranked.sort(key=lambda item: item[0])  # stable: within a rank, the order above
         return [WarmupItem(label, run) for _, label, run in ranked]
