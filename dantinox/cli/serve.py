@@ -305,9 +305,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.no_warmup:
         from ..serving.warmup import Warmup
 
-        warmup = Warmup(engine.warmup_items())
-        log.info("warm-up: compiling %d programs in the background, most likely first; requests are served "
-                 "meanwhile (GET /ready answers 503 until it is done)", len(warmup.items))
+        warmup = Warmup(engine.warmup_items())  # its first line comes from the engine thread, once serving
     app = create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args), max_request_bytes(args),
                      tool_parser=args.tool_call_parser, warmup=warmup)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=uvicorn_log_config(),

@@ -51,6 +51,7 @@ class Warmup:
         self._started: float | None = None
         self._finished: float | None = None
         self._lock = threading.Lock()
+        self._cancelled = False
         if not self.items:
             self._finished = self._started = time.perf_counter()
 
@@ -58,12 +59,18 @@ class Warmup:
     def finished(self) -> bool:
         return self.done >= len(self.items)
 
+    def cancel(self) -> None:
+        """Run no further item (the server is stopping); the one under way finishes."""
+        self._cancelled = True
+
     def run_next(self) -> bool:
         """Run the next item (the first call starts the clock and the compile counter). Returns True while
         items remain after it. Exceptions of the item propagate (the caller treats them as the engine's)."""
-        if self.finished:
+        if self.finished or self._cancelled:
             return False
-        if self._started is None:
+        if self._started is None:   # on the engine thread, once the server runs (and handles Ctrl-C)
+            log.info("warm-up: compiling %d programs in the background, most likely first; requests are served "
+                     "meanwhile (GET /ready answers 503 until it is done)", len(self.items))
             self._started = time.perf_counter()
             self.counter.__enter__()
         item = self.items[self.done]
@@ -73,6 +80,8 @@ class Warmup:
             if self.finished:
                 self._finished = time.perf_counter()
         self.counter.update()
+        if self._cancelled:
+            return False
         n, total = self.done, len(self.items)
         if self.log_every or n == 1 or n % 10 == 0 or n == total:
             log.info("warm-up %d/%d programs, %.1f s: %s", n, total, self.seconds, item.label)

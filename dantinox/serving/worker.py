@@ -76,6 +76,8 @@ class EngineWorker:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        if self.warmup is not None:
+            self.warmup.cancel()
         self._thread.join(timeout)
 
     @property

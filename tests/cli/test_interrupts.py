@@ -136,10 +136,12 @@ def _answers(url: str) -> bool:
 @pytest.mark.slow
 def test_serve_interrupted_during_warmup(tmp_path):
     proc = _serve(tmp_path, _free_port())
-    _interrupt_at(proc, proc.stderr, "warm-up: compiling")
+    _interrupt_at(proc, proc.stderr, "warm-up: compiling")   # logged by the engine thread, once listening
     _, err = _rest(proc)
     assert proc.returncode == 130, (proc.returncode, err)  # not -11 / 139 (segfault)
-    assert err.splitlines() == ["dantinox serve: interrupted"]
+    # the background warm-up may log the end of the compilation under way; nothing else, no traceback
+    lines = [line for line in err.splitlines() if "dantinox.serving INFO warm-up " not in line]
+    assert lines == ["dantinox serve: interrupted"], err
 
 
 @pytest.mark.slow
