@@ -45,7 +45,7 @@ for _flag, _value in _FLAGS.items():
 import jax  # noqa: E402
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jax_xla", "dantinox")
-DEFAULT_CACHE_MAX_BYTES = 1 << 30   # 1 GiB: SmolLM2's whole serve warm-up takes about 20 MiB
+DEFAULT_CACHE_MAX_BYTES = 1 << 30   # 1 GiB: SmolLM2's whole serve warm-up takes about 16 MiB
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
