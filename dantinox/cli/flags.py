@@ -146,9 +146,11 @@ def spec_kwargs(spec) -> dict:
 def describe_spec_stats(settings, stats) -> str:
     """The report line of a speculative generation, e.g. "speculative ngram (k=4, n-gram 4..1): 120 of 200
     proposed tokens accepted (60.0%), 3.40 tokens per verify call, 50 verify calls and 10 plain steps", with the
-    switch-off threshold when settings carry one."""
+    switch-off threshold when settings carry one and the token the switch-off rule handed the request to the
+    compiled decode loop at, if it did."""
     off = f" (switch-off below {settings.min_accept:.2f} accepted per verify call)" if settings.min_accept else ""
     return (f"speculative {settings.proposer} (k={settings.spec_tokens}, n-gram {settings.ngram_max}.."
             f"{settings.ngram_min}): {sum(stats.accepted)} of {sum(stats.proposed)} proposed tokens accepted "
             f"({100 * stats.acceptance_rate:.1f}%), {stats.mean_accepted_length:.2f} tokens per verify call, "
-            f"{stats.verify_calls} verify calls and {stats.iterations - stats.verify_calls} plain steps{off}")
+            f"{stats.verify_calls} verify calls and {stats.iterations - stats.verify_calls} plain steps{off}"
+            + (f"; decode loop from token {stats.handed_off}" if stats.handed_off is not None else ""))

@@ -22,7 +22,9 @@ verify call costs c times a plain step (c > 1, measured by ``speculative_generat
 1 + a tokens for a accepted proposals, so it pays only while a > c - 1 = ``min_accept``. After PROBE_VERIFIES
 verify calls a row whose accepted proposals per verify call fall below min_accept stops proposing for the rest
 of the request (min_accept 0: never; the iteration verifies while any live row still has a proposal and pays);
-once no live row pays, the loop leaves the speculative body (its ``lax.cond``) for the plain loop.
+once no live row pays, the loop leaves the speculative body (its ``lax.cond``) and the host hands the request to
+the compiled ``decode`` loop (``speculative_generate.hand_off``; a ragged batch finishes in this program's own
+plain loop instead).
 Near the end of the cache (fewer than k + 1 free slots) the loop finishes with plain steps. k, the n-gram bounds
 and the batch size are static; the step bound, sampling settings, seed, stop ids and min_accept are traced, so
 one program serves every request of that shape.
@@ -138,26 +140,30 @@ def _live(s: SpecState, stop_step) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("graphdef", "k", "ngram_max", "ngram_min"), donate_argnames=("state",))
 def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampling: SamplingParams, eos_id, fill,
-                       k: int, ngram_max: int, ngram_min: int, min_accept=None) -> SpecState:
+                       k: int, ngram_max: int, ngram_min: int, min_accept=None, plain_tail=None) -> SpecState:
     """Run the speculative loop until every row met a stop id or has ``stop_step`` tokens; one compiled program
     (a later call with a larger stop_step continues the same state: streaming).
     stop_step, eos_id, fill: [] int32 (eos_id may be [E]); k, ngram_max, ngram_min: static; min_accept: []
-    float32, the switch-off threshold (accepted proposals per verify call; None = 0.0, never off). Returns the
-    advanced SpecState (the input is donated)."""
+    float32, the switch-off threshold (accepted proposals per verify call; None = 0.0, never off); plain_tail:
+    [] bool (None = True), whether the rows still live once speculation stopped paying (or the cache has no room
+    for k + 1 more slots) finish here with plain steps over the whole cache; False returns them to the caller,
+    which hands them to the compiled ``decode`` loop (its attention windows make those steps cheaper:
+    ``speculative_generate.hand_off``). Returns the advanced SpecState (the input is donated)."""
     min_accept = jnp.float32(0.0) if min_accept is None else min_accept
+    plain_tail = jnp.bool_(True) if plain_tail is None else plain_tail
     model = nnx.merge(graphdef, params)
     S = model.cfg.max_context
 
     def plain(s: SpecState) -> SpecState:
         logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index)
-        token = sample_next(logits[:, 0], jax.random.fold_in(key, s.iteration), sampling)
+        token = sample_next(logits[:, 0], jax.random.fold_in(key, s.iteration + 1), sampling)
         s = _emit(s._replace(cache=cache), token[:, None], jnp.ones_like(s.produced), stop_step, eos_id, fill)
         return s._replace(iteration=s.iteration + 1)
 
     def verify(s: SpecState, proposals) -> SpecState:
         inputs = jnp.concatenate([s.token[:, None], proposals], axis=1)
         logits, cache, _ = model(inputs, use_cache=True, kv_caches=s.cache, cache_index=s.index)
-        tokens, accepted = accept_proposals(logits, proposals, jax.random.fold_in(key, s.iteration), sampling)
+        tokens, accepted = accept_proposals(logits, proposals, jax.random.fold_in(key, s.iteration + 1), sampling)
         live = _live(s, stop_step)
         before = s.produced
         s = _emit(s._replace(cache=cache), tokens, accepted + 1, stop_step, eos_id, fill)
@@ -175,4 +181,4 @@ def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampl
         return jnp.any(live & _pays(s, k, min_accept)) & (jnp.max(jnp.where(live, s.index, 0)) + k + 1 <= S)
 
     state = jax.lax.while_loop(room, body, state)
-    return jax.lax.while_loop(lambda s: jnp.any(_live(s, stop_step)), plain, state)
+    return jax.lax.while_loop(lambda s: plain_tail & jnp.any(_live(s, stop_step)), plain, state)

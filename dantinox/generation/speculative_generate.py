@@ -29,12 +29,14 @@ from flax import nnx
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..model.cache import init_cache
-from .decode import _finish, _prepare, place_on_mesh, prefill, split_model
+from .decode import DecodeState, _finish, _prepare, _windows, decode, place_on_mesh, prefill, split_model
 from .speculative import MAX_SPEC_TOKENS, spec_state, speculative_decode
 
 
 class SpecStats(NamedTuple):
-    """Per request: proposed and accepted proposal counts ([B] ints), verify calls and loop iterations.
+    """Per request: proposed and accepted proposal counts ([B] ints), verify calls and loop iterations (plain
+    decode steps after a hand-off included), and handed_off: the tokens per row when the switch-off rule handed
+    the request to the compiled decode loop (None: it was not).
     acceptance_rate: accepted / proposed over the batch (0.0 when nothing was proposed); mean accepted length:
     tokens emitted per verify call, accepted + 1 (the target's own token)."""
 
@@ -42,6 +44,7 @@ class SpecStats(NamedTuple):
     accepted: list
     verify_calls: int
     iterations: int
+    handed_off: int | None = None   # tokens generated when the request moved to the compiled decode loop
 
     @property
     def acceptance_rate(self) -> float:
@@ -109,9 +112,9 @@ def speculative_generate(model, prompt_ids, max_new_tokens: int = 64, *, spec_to
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
     with mesh_scope(mesh_of(params)):
-        state = _start(graphdef, params, req)
-        state = _advance(graphdef, params, state, req, req.max_new_tokens, settings)
-    return _finish(to_host(state.out), req), _stats(state)
+        run = _start(graphdef, params, req)
+        run = _advance(graphdef, params, run, req, req.max_new_tokens, settings, _windows(req, model.cfg))
+    return _finish(to_host(run.state.out), req), run.stats()
 
 
 def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings: SpecSettings = DEFAULT_SETTINGS,
@@ -127,16 +130,16 @@ def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings:
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
-    on, sent = mesh_of(params), 0
+    on, sent, windows = mesh_of(params), 0, _windows(req, model.cfg)
     with mesh_scope(on):
-        state = _start(graphdef, params, req)
+        run = _start(graphdef, params, req)
     while True:
         with mesh_scope(on):
-            state = _advance(graphdef, params, state, req, min(sent + chunk_size, req.max_new_tokens), settings)
-        produced, done = np.asarray(state.produced), np.asarray(state.done)
+            run = _advance(graphdef, params, run, req, min(sent + chunk_size, req.max_new_tokens), settings, windows)
+        produced, done = run.produced(), np.asarray(run.state.done)
         reached = int(produced.max())
         if reached > sent:
-            yield np.asarray(state.out)[:, sent:reached], _stats(state)
+            yield np.asarray(run.state.out)[:, sent:reached], run.stats()
             sent = reached
         if bool(np.all(done | (produced >= req.max_new_tokens))):
             return
@@ -152,23 +155,75 @@ def warm_up_speculative(model, settings: SpecSettings, prompt_lengths: list[int]
                              ngram_max=settings.ngram_max, ngram_min=settings.ngram_min, temperature=1.0)
 
 
-def _start(graphdef, params, req):
-    """Prefill ``req`` and return the SpecState after it."""
+class SpecRun(NamedTuple):
+    """Host-side progress of one speculative request: ``state`` is the SpecState of the speculative loop or,
+    after ``hand_off``, the DecodeState of the compiled decode loop; ``at_hand_off`` the SpecStats when the
+    request was handed off (None before) and ``steps_at`` the decode step it began at."""
+
+    state: object
+    at_hand_off: SpecStats | None = None
+    steps_at: int = 0
+
+    def produced(self) -> np.ndarray:
+        """[B] tokens generated per row so far."""
+        if self.at_hand_off is None:
+            return np.asarray(self.state.produced)
+        return np.full(self.state.done.shape, int(self.state.step))
+
+    def stats(self) -> SpecStats:
+        """The SpecStats so far: plain decode steps after the hand-off count as loop iterations."""
+        if self.at_hand_off is None:
+            return _stats(self.state)
+        return self.at_hand_off._replace(iterations=self.at_hand_off.iterations + int(self.state.step)
+                                         - self.steps_at)
+
+
+def _start(graphdef, params, req) -> SpecRun:
+    """Prefill ``req`` and return the SpecRun after it."""
     state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
-    return spec_state(state, jnp.asarray(req.ids))
+    return SpecRun(spec_state(state, jnp.asarray(req.ids)))
 
 
-def _advance(graphdef, params, state, req, stop: int, settings: SpecSettings):
-    """Run the compiled speculative loop on ``state`` until every row has ``stop`` tokens or met a stop id."""
+def _advance(graphdef, params, run: SpecRun, req, stop: int, settings: SpecSettings, windows) -> SpecRun:
+    """Advance ``run`` until every row has ``stop`` tokens or met a stop id: the speculative loop while it pays,
+    then (``hand_off``) the compiled decode loop over ``windows``; a batch that cannot be handed off finishes in
+    the speculative program's own plain loop (the same program: plain_tail is traced)."""
+    if run.at_hand_off is None:
+        state = _speculate(graphdef, params, run.state, req, stop, settings, False)
+        produced, done = np.asarray(state.produced), np.asarray(state.done)
+        live = ~done & (produced < stop)
+        if not live.any():
+            return SpecRun(state)
+        handed = hand_off(state, produced, done)
+        if handed is None:
+            return SpecRun(_speculate(graphdef, params, state, req, stop, settings, True))
+        run = SpecRun(handed, _stats(state)._replace(handed_off=int(handed.step)), int(handed.step))
+    state = decode(graphdef, params, run.state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill,
+                   windows=windows)
+    return run._replace(state=state)
+
+
+def _speculate(graphdef, params, state, req, stop: int, settings: SpecSettings, plain_tail: bool):
     return speculative_decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill,
                               k=settings.spec_tokens, ngram_max=settings.ngram_max, ngram_min=settings.ngram_min,
-                              min_accept=jnp.float32(settings.min_accept))
+                              min_accept=jnp.float32(settings.min_accept), plain_tail=jnp.bool_(plain_tail))
 
 
 def _stats(state) -> SpecStats:
     return SpecStats([int(x) for x in np.asarray(state.proposed)], [int(x) for x in np.asarray(state.accepted)],
                      int(state.verify_calls), int(state.iteration))
 
+
+def hand_off(state, produced: np.ndarray, done: np.ndarray) -> DecodeState | None:
+    """The DecodeState that continues SpecState ``state`` in ``decode.decode`` (its cache, tokens, slots, stop
+    state and output move over; the PRNG stream continues at decode's step keys, which no speculative iteration
+    used since every iteration emits at least one token), or None when the rows are not in step: decode writes
+    every row at one shared step, so every row not yet stopped must have the same token count P and every stopped
+    row at most P (always so at B = 1). produced, done: [B] host copies of the state's fields."""
+    running = produced[~done]
+    if len(running) == 0 or running.min() != running.max() or (produced[done] > running[0]).any():
+        return None
+    return DecodeState(jnp.int32(int(running[0])), state.token, state.index, state.done, state.out, state.cache)
 
 
 @partial(jax.jit, static_argnames=("graphdef",))
