@@ -56,11 +56,12 @@ class SpecStats(NamedTuple):
         return float(sum(self.accepted) / (self.verify_calls * len(self.proposed)) + 1) if self.verify_calls else 0.0
 
 
-PROPOSERS = ("ngram",)
+PROPOSERS = ("ngram", "draft")
 
 
 class SpecSettings(NamedTuple):
-    """One request's speculation: the proposer ("ngram": prompt lookup), spec_tokens k proposed per verify
+    """One request's speculation: the proposer ("ngram": prompt lookup; "draft": a draft model, given to the
+    call, ``check_draft``), spec_tokens k proposed per verify
     call, the n-gram lengths tried (ngram_max down to ngram_min), and min_accept, the accepted proposals per
     verify call below which a row stops speculating (0.0: never; ``break_even``)."""
 
@@ -104,38 +105,46 @@ def check_spec_settings(spec_tokens, ngram_max, ngram_min) -> None:
 
 def speculative_generate(model, prompt_ids, max_new_tokens: int = 64, *, spec_tokens: int = 4, ngram_max: int = 4,
                          ngram_min: int = 1, min_accept: float = 0.0, temperature=0.0, top_k=0, top_p=1.0,
-                         seed: int = 0, eos_id=None, mesh=None):
-    """Generate with n-gram speculation. Returns (GenerationResult, SpecStats); see the module docstring.
-    min_accept: the switch-off threshold (SpecSettings; 0.0 never switches off)."""
-    settings = spec_settings("ngram", spec_tokens, ngram_max, ngram_min, min_accept)
+                         seed: int = 0, eos_id=None, mesh=None, draft=None):
+    """Generate with speculation: n-gram proposals, or a draft model's when ``draft`` (a Transformer over the
+    same vocabulary, ``check_draft``) is given. Returns (GenerationResult, SpecStats); see the module
+    docstring. min_accept: the switch-off threshold (SpecSettings; 0.0 never switches off)."""
+    settings = spec_settings("ngram" if draft is None else "draft", spec_tokens, ngram_max, ngram_min, min_accept)
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
+    drafted = _draft_split(model, draft)
     with mesh_scope(mesh_of(params)):
-        run = _start(graphdef, params, req)
-        run = _advance(graphdef, params, run, req, req.max_new_tokens, settings, _windows(req, model.cfg))
+        run = _start(graphdef, params, req, drafted)
+        run = _advance(graphdef, params, run, req, req.max_new_tokens, settings, _windows(req, model.cfg), drafted)
     return _finish(to_host(run.state.out), req), run.stats()
 
 
 def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings: SpecSettings = DEFAULT_SETTINGS,
                        chunk_size: int = 8, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
-                       mesh=None) -> Iterator[tuple[np.ndarray, SpecStats]]:
+                       mesh=None, draft=None) -> Iterator[tuple[np.ndarray, SpecStats]]:
     """Yield (new tokens [B, n] int32, SpecStats so far) as ``decode.stream_tokens`` yields its chunks: up to
     chunk_size tokens per device call (the first chunk holds the prefill token too; a verify call that would
-    pass the chunk's bound keeps only the tokens up to it). Rows past their stop id yield the fill id.
+    pass the chunk's bound keeps only the tokens up to it). Rows past their stop id yield the fill id. draft:
+    the draft model of settings.proposer "draft" (ValueError when one is given without the other).
     ValueError for chunk_size < 1 and as :func:`speculative_generate`."""
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
     settings = spec_settings(*settings)
+    if (settings.proposer == "draft") != (draft is not None):
+        raise ValueError(f"speculative={settings.proposer!r} is not allowed with draft="
+                         f"{'None' if draft is None else 'a model'}: a draft model goes with speculative='draft'")
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
     on, sent, windows = mesh_of(params), 0, _windows(req, model.cfg)
     with mesh_scope(on):
-        run = _start(graphdef, params, req)
+        drafted = _draft_split(model, draft)
+        run = _start(graphdef, params, req, drafted)
     while True:
         with mesh_scope(on):
-            run = _advance(graphdef, params, run, req, min(sent + chunk_size, req.max_new_tokens), settings, windows)
+            run = _advance(graphdef, params, run, req, min(sent + chunk_size, req.max_new_tokens), settings, windows,
+                           drafted)
         produced, done = run.produced(), np.asarray(run.state.done)
         reached = int(produced.max())
         if reached > sent:
@@ -178,35 +187,66 @@ class SpecRun(NamedTuple):
                                          - self.steps_at)
 
 
-def _start(graphdef, params, req) -> SpecRun:
-    """Prefill ``req`` and return the SpecRun after it."""
+def check_draft(model, draft) -> None:
+    """ValueError naming the first difference that keeps ``draft`` from proposing for ``model``: its paradigm
+    (autoregressive only), vocab_size (the proposals and q must index the target's vocabulary) or a
+    max_context below the target's (its cache keeps the target's slots). Tokenizer identity (special ids) is
+    the caller's check (``Generator``, ``runs.draft``)."""
+    ours, theirs = model.cfg, draft.cfg
+    if theirs.paradigm != "ar":
+        raise ValueError(f"draft paradigm={theirs.paradigm!r} is not allowed: a draft model is autoregressive")
+    if theirs.vocab_size != ours.vocab_size:
+        raise ValueError(f"draft vocab_size={theirs.vocab_size} differs from the target's vocab_size="
+                         f"{ours.vocab_size}: a draft model needs the same tokenizer")
+    if theirs.max_context < ours.max_context:
+        raise ValueError(f"draft max_context={theirs.max_context} is below the target's max_context="
+                         f"{ours.max_context}: the draft's cache keeps every slot the target's does")
+
+
+def _draft_split(model, draft):
+    """(graphdef, params) of the checked draft model, or None."""
+    if draft is None:
+        return None
+    check_draft(model, draft)
+    return split_model(draft)
+
+
+def _start(graphdef, params, req, drafted=None) -> SpecRun:
+    """Prefill ``req`` (into the draft's cache too, when ``drafted``) and return the SpecRun after it."""
     state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
-    return SpecRun(spec_state(state, jnp.asarray(req.ids)))
+    state = spec_state(state, jnp.asarray(req.ids))
+    if drafted is not None:
+        draft_state = prefill(*drafted, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+        state = state._replace(draft_cache=draft_state.cache)
+    return SpecRun(state)
 
 
-def _advance(graphdef, params, run: SpecRun, req, stop: int, settings: SpecSettings, windows) -> SpecRun:
+def _advance(graphdef, params, run: SpecRun, req, stop: int, settings: SpecSettings, windows,
+             drafted=None) -> SpecRun:
     """Advance ``run`` until every row has ``stop`` tokens or met a stop id: the speculative loop while it pays,
     then (``hand_off``) the compiled decode loop over ``windows``; a batch that cannot be handed off finishes in
     the speculative program's own plain loop (the same program: plain_tail is traced)."""
     if run.at_hand_off is None:
-        state = _speculate(graphdef, params, run.state, req, stop, settings, False)
+        state = _speculate(graphdef, params, run.state, req, stop, settings, False, drafted)
         produced, done = np.asarray(state.produced), np.asarray(state.done)
         live = ~done & (produced < stop)
         if not live.any():
             return SpecRun(state)
         handed = hand_off(state, produced, done)
         if handed is None:
-            return SpecRun(_speculate(graphdef, params, state, req, stop, settings, True))
+            return SpecRun(_speculate(graphdef, params, state, req, stop, settings, True, drafted))
         run = SpecRun(handed, _stats(state)._replace(handed_off=int(handed.step)), int(handed.step))
     state = decode(graphdef, params, run.state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill,
                    windows=windows)
     return run._replace(state=state)
 
 
-def _speculate(graphdef, params, state, req, stop: int, settings: SpecSettings, plain_tail: bool):
+def _speculate(graphdef, params, state, req, stop: int, settings: SpecSettings, plain_tail: bool, drafted=None):
+    draft_graphdef, draft_params = (None, None) if drafted is None else drafted
     return speculative_decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill,
                               k=settings.spec_tokens, ngram_max=settings.ngram_max, ngram_min=settings.ngram_min,
-                              min_accept=jnp.float32(settings.min_accept), plain_tail=jnp.bool_(plain_tail))
+                              min_accept=jnp.float32(settings.min_accept), plain_tail=jnp.bool_(plain_tail),
+                              draft_graphdef=draft_graphdef, draft_params=draft_params)
 
 
 def _stats(state) -> SpecStats:
