@@ -154,14 +154,15 @@ def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings:
             return
 
 
-def warm_up_speculative(model, settings: SpecSettings, prompt_lengths: list[int]) -> None:
+def warm_up_speculative(model, settings: SpecSettings, prompt_lengths: list[int], draft=None) -> None:
     """Compile the speculative loop of ``settings`` at batch 1 and its start for each prompt length's bucket
     (one 2-token generation from token 0 per length; prefill itself is ``generator.warm_up``'s). Sampling
     settings, seed, stop ids and budget are traced: later calls with the same settings, batch and prompt
     buckets compile nothing."""
     for length in prompt_lengths:
         speculative_generate(model, [0] * length, 2, spec_tokens=settings.spec_tokens,
-                             ngram_max=settings.ngram_max, ngram_min=settings.ngram_min, temperature=1.0)
+                             ngram_max=settings.ngram_max, ngram_min=settings.ngram_min, temperature=1.0,
+                             draft=draft)
 
 
 class SpecRun(NamedTuple):
@@ -273,25 +274,36 @@ def _forward_logits(graphdef, params, tokens, cache, index):
     return logits
 
 
-def verify_cost(model, k: int, repeats: int = 5) -> float:
-    """c: the time of one cached forward over k + 1 new tokens (a verify call) divided by the time of one over
-    1 token (a plain step), at batch 1 over the whole static cache at slot max_context // 2; medians of
-    ``repeats`` timed calls each, after one untimed call that compiles. Wall time, so a loaded host moves it."""
+def forward_seconds(model, width: int, repeats: int = 5, at: int | None = None) -> float:
+    """The median wall time (seconds) of ``repeats`` cached forwards of ``width`` new tokens at batch 1 over the
+    whole static cache at slot ``at`` (None: about max_context // 2), after one untimed call that compiles."""
     graphdef, params = split_model(model)
     cache = init_cache(model.cfg, 1)
-    index = jnp.full((1,), (model.cfg.max_context - k - 1) // 2, jnp.int32)
-    medians = []
+    index = jnp.full((1,), (model.cfg.max_context - width) // 2 if at is None else at, jnp.int32)
     with mesh_scope(mesh_of(params)):
-        for width in (1, k + 1):
-            tokens = jnp.zeros((1, width), jnp.int32)
+        tokens = jnp.zeros((1, width), jnp.int32)
+        _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
             _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
-                samples.append(time.perf_counter() - start)
-            medians.append(statistics.median(samples))
-    return medians[1] / medians[0]
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def verify_cost(model, k: int, repeats: int = 5) -> float:
+    """c: the time of one cached forward over k + 1 new tokens (a verify call) divided by the time of one over
+    1 token (a plain step), at batch 1 over the whole static cache at slot (max_context - k - 1) // 2; medians
+    of ``repeats`` timed calls each (``forward_seconds``). Wall time, so a loaded host moves it."""
+    at = (model.cfg.max_context - k - 1) // 2
+    return forward_seconds(model, k + 1, repeats, at) / forward_seconds(model, 1, repeats, at)
+
+
+def draft_cost(model, draft, repeats: int = 5) -> float:
+    """r: one draft forward of 1 token over one target forward of 1 token (``forward_seconds``); a draft round
+    of k proposals costs about k * r plain steps on top of the verify call."""
+    at = model.cfg.max_context // 2
+    return forward_seconds(draft, 1, repeats, at) / forward_seconds(model, 1, repeats, at)
 
 
 def break_even(cost: float, k: int) -> float:
