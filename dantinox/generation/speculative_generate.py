@@ -29,7 +29,8 @@ from flax import nnx
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..model.cache import init_cache
-from .decode import DecodeState, _finish, _prepare, _windows, decode, place_on_mesh, prefill, split_model
+from .decode import (SINGLE_ROW_WINDOW, DecodeState, _finish, _prepare, _windows, cache_window, decode, place_on_mesh,
+                     prefill, split_model)
 from .speculative import MAX_SPEC_TOKENS, spec_state, speculative_decode
 
 
@@ -274,11 +275,12 @@ def _forward_logits(graphdef, params, tokens, cache, index):
     return logits
 
 
-def forward_seconds(model, width: int, repeats: int = 5, at: int | None = None) -> float:
+def forward_seconds(model, width: int, repeats: int = 5, at: int | None = None, slots: int | None = None) -> float:
     """The median wall time (seconds) of ``repeats`` cached forwards of ``width`` new tokens at batch 1 over the
-    whole static cache at slot ``at`` (None: about max_context // 2), after one untimed call that compiles."""
+    first ``slots`` slots of the static cache (None: all) at slot ``at`` (None: about max_context // 2), after
+    one untimed call that compiles."""
     graphdef, params = split_model(model)
-    cache = init_cache(model.cfg, 1)
+    cache = init_cache(model.cfg, 1) if slots is None else cache_window(init_cache(model.cfg, 1), slots)
     index = jnp.full((1,), (model.cfg.max_context - width) // 2 if at is None else at, jnp.int32)
     with mesh_scope(mesh_of(params)):
         tokens = jnp.zeros((1, width), jnp.int32)
@@ -292,11 +294,14 @@ def forward_seconds(model, width: int, repeats: int = 5, at: int | None = None) 
 
 
 def verify_cost(model, k: int, repeats: int = 5) -> float:
-    """c: the time of one cached forward over k + 1 new tokens (a verify call) divided by the time of one over
-    1 token (a plain step), at batch 1 over the whole static cache at slot (max_context - k - 1) // 2; medians
-    of ``repeats`` timed calls each (``forward_seconds``). Wall time, so a loaded host moves it."""
-    at = (model.cfg.max_context - k - 1) // 2
-    return forward_seconds(model, k + 1, repeats, at) / forward_seconds(model, 1, repeats, at)
+    """c: the time of one cached forward over k + 1 new tokens (a verify call, over the whole static cache as the
+    speculative loop runs it) divided by the time of one over 1 token (a plain step as the decode loop runs it
+    after a hand-off: over its smallest one-row window, ``decode.SINGLE_ROW_WINDOW`` slots or max_context if
+    fewer), at batch 1 and slot (window - k - 1) // 2; medians of ``repeats`` timed calls each
+    (``forward_seconds``). Wall time, so a loaded host moves it."""
+    window = min(SINGLE_ROW_WINDOW, model.cfg.max_context)
+    at = (window - k - 1) // 2
+    return forward_seconds(model, k + 1, repeats, at) / forward_seconds(model, 1, repeats, at, window)
 
 
 def draft_cost(model, draft, repeats: int = 5) -> float:
