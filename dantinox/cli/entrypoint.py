@@ -4,7 +4,7 @@
   dantinox generate [--run_dir R] (--prompt P | --chat MESSAGE [--system TEXT]) [--no_cache] [--stream]
                     [--max_new_tokens N] [--ignore_eos] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
-                    [--speculative ngram [--spec-tokens K] [--spec-ngram-max N] [--spec-ngram-min M]]
+                    [--speculative ngram|draft:RUN [--spec-tokens K] [--spec-ngram-max N] [--spec-ngram-min M]]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step] [--kv-dtype int8] [--quantize bf16|int8]
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--relative_tolerance F]

@@ -9,6 +9,8 @@ the GQA float32 model (``gqa_model``, a module fixture) serves the greedy case, 
 recompilation tests, which share its batch-1 and batch-2 programs; the default tier runs three greedy cases
 (MHA float32, GQA float32, MLA int8) and the other three are marked slow."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +25,8 @@ from dantinox.generation.ngram import propose_ngram
 from dantinox.generation.prompts import eos_array
 from dantinox.generation.sampling import filtered_probs, make_sampling_params
 from dantinox.generation.speculative import PROBE_VERIFIES, spec_state, speculative_decode
-from dantinox.generation.speculative_generate import (SpecSettings, break_even, check_spec_settings, spec_settings,
-                                                      speculative_generate, speculative_stream)
+from dantinox.generation.speculative_generate import (SpecSettings, break_even, check_spec_settings, hand_off,
+                                                      spec_settings, speculative_generate, speculative_stream)
 from dantinox.xla import CompileCounter
 
 ATTENTION = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
@@ -124,6 +126,18 @@ def test_switched_off_request_finishes_in_the_compiled_decode_loop(gqa_model):
     assert stats.handed_off is not None and stats.iterations - stats.verify_calls >= 50 - stats.handed_off
     np.testing.assert_array_equal(off.tokens, plain.tokens)
     np.testing.assert_array_equal(streamed, plain.tokens)
+
+
+def test_hand_off_only_when_the_rows_are_in_step():
+    """decode writes every row at one shared step: rows still running must share their token count, and a row
+    that stopped must not be past it (its tokens would be overwritten by the fill id)."""
+    state = SimpleNamespace(token="t", index="i", done="d", out="o", cache="c")
+    handed = hand_off(state, np.array([7, 7]), np.array([False, False]))
+    assert int(handed.step) == 7 and (handed.token, handed.index, handed.cache) == ("t", "i", "c")
+    assert int(hand_off(state, np.array([7, 4]), np.array([False, True])).step) == 7
+    assert hand_off(state, np.array([7, 5]), np.array([False, False])) is None
+    assert hand_off(state, np.array([7, 9]), np.array([False, True])) is None
+    assert hand_off(state, np.array([3, 9]), np.array([True, True])) is None
 
 
 def test_break_even_and_min_accept_bounds():
