@@ -3,7 +3,11 @@
 1. ``--xla_cpu_copy_insertion_use_region_analysis=true`` is appended to ``XLA_FLAGS`` (unless the user already
    set it): together with attending before writing the cache, it removes the cache-sized copies XLA otherwise
    inserts in the compiled decode loop (../shared/PERFORMANCE.md, item 1). It only takes effect if dantinox is
-   imported before JAX initialises its CPU backend.
+   imported before JAX initialises its CPU backend. ``--xla_cpu_enable_concurrency_optimized_scheduler=false``
+   likewise: XLA:CPU's concurrency-optimised scheduler starts every independent computation early, so a
+   prefill over block-quantized weights held every layer's dequantized float32 copy at once (SmolLM2 Q4_1:
+   405 MiB of temporaries, 8 MiB with the memory-minimising scheduler), and on 2 cores it bought no speed:
+   prefill of 64-256 tokens no slower, decode within noise (docs/performance.md, "Host memory").
 2. The persistent compilation cache lives in ``~/.cache/jax_xla/dantinox``; the environment variable
    ``DANTINOX_XLA_CACHE`` overrides the path, and ``DANTINOX_XLA_CACHE=off`` disables it.
 3. Compilations are counted with a ``jax.monitoring`` listener (``compile_totals``, ``CompileCounter``), so
@@ -16,7 +20,7 @@
    size (SmolLM2 Q4_1, 8,192 slots: 1.35 GiB peak, 1.24 GiB after a request, against 0.87 / 0.49 GiB with the
    threshold at 1 MiB; docs/performance.md, "Host memory"). ``DANTINOX_MMAP_THRESHOLD`` (bytes, default 1 MiB;
    ``off`` keeps glibc's default) sets ``mallopt(M_MMAP_THRESHOLD)`` so allocations that size or larger are
-   mapped and unmapped on their own.
+   mapped and unmapped on their own, and every compilation ends with ``trim_host_memory`` (``malloc_trim``).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-_FLAG = "--xla_cpu_copy_insertion_use_region_analysis"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=true").strip()
+_FLAGS = {"--xla_cpu_copy_insertion_use_region_analysis": "true",
+          "--xla_cpu_enable_concurrency_optimized_scheduler": "false"}
+for _flag, _value in _FLAGS.items():
+    if _flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_flag}={_value}").strip()
 
 import jax  # noqa: E402
 
@@ -69,6 +75,9 @@ def mmap_threshold() -> int | None:
     return int(value)
 
 
+_LIBC: list = []  # glibc, once _return_freed_memory found it
+
+
 def _return_freed_memory() -> None:
     threshold = mmap_threshold()
     if threshold is None or not sys.platform.startswith("linux"):
@@ -76,8 +85,19 @@ def _return_freed_memory() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(_M_MMAP_THRESHOLD, threshold)
+        libc.malloc_trim  # noqa: B018 (glibc has it; another libc raises AttributeError here)
     except (OSError, AttributeError):  # not glibc (musl, another libc): leave its allocator as it is
         return
+    _LIBC.append(libc)
+
+
+def trim_host_memory() -> None:
+    """Hand malloc's free pages back to the system (glibc ``malloc_trim(0)``; nothing elsewhere or with
+    ``DANTINOX_MMAP_THRESHOLD=off``). Run after every compilation: LLVM's many small allocations, freed when
+    a compile ends, stay in malloc's arenas otherwise (a SmolLM2 serving program: 194 MiB kept after its
+    compile, 64 MiB after the trim; docs/performance.md, "Host memory")."""
+    if _LIBC:
+        _LIBC[0].malloc_trim(0)
 
 
 _return_freed_memory()
@@ -93,6 +113,7 @@ def _on_duration(event: str, duration: float, **_) -> None:
         with _lock:
             _totals["compilations"] += 1
             _totals["seconds"] += duration
+        trim_host_memory()
 
 
 def _on_event(event: str, **_) -> None:

@@ -69,7 +69,8 @@ def run_chat(args) -> int:
         raise CapacityError(f"{given}: {err}") from None
     constraint = constraint_kwargs(args, gen)  # --json-schema / --regex / --grammar (cli/structured.py)
     started = time.perf_counter()
-    gen.warm_up([len(ids)], args.max_new_tokens or DEFAULT_CHAT_TOKENS, speculative=spec)
+    gen.warm_up([len(ids)], args.max_new_tokens or DEFAULT_CHAT_TOKENS,
+                speculative=None if constraint else spec)  # a constraint speculates in its host loop
     gen.load_seconds += time.perf_counter() - started
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
           f"(weights {describe_weights(gen.model)})", file=sys.stderr)

@@ -101,7 +101,7 @@ def cmd_generate(args) -> int:
     if spec is not None and args.no_cache:
         raise ValueError("--speculative needs the cache: drop --no_cache to speculate")
     started = time.perf_counter()
-    gen.warm_up([len(ids)], args.max_new_tokens, speculative=spec)
+    gen.warm_up([len(ids)], args.max_new_tokens, speculative=None if constraint else spec)  # grammar: host loop
     gen.load_seconds += time.perf_counter() - started
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
           f"({gen.warmup.compilations} compilations, {gen.warmup.cache_hits} from the persistent cache; "

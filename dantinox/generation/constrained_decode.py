@@ -55,7 +55,7 @@ def masked_step(graphdef, params, cache, token, index, step, key, sampling: Samp
     return sample_next(masked, jax.random.fold_in(key, step), sampling), cache
 
 
-class _Rows:
+class ConstrainedRows:
     """Host bookkeeping of the loop: every row's matcher, mask row, tokens and how it ended."""
 
     def __init__(self, constraints: list, stop_ids: tuple, vocab_size: int, max_new_tokens: int, fill: int):
@@ -70,25 +70,43 @@ class _Rows:
             if matcher is not None:
                 matcher.fill_mask(self.mask[b])
 
-    def take(self, step: int, tokens: np.ndarray) -> bool:
-        """Record step ``step``'s tokens of the rows still running and refresh their masks; True when every
-        row has ended."""
+    def take(self, tokens: np.ndarray) -> bool:
+        """Record one step's tokens ([B] ints) of the rows still running and refresh their masks; True when
+        every row has ended."""
         for b, token in enumerate(tokens.tolist()):
-            if self.reasons[b] is not None:
-                continue
-            self.out[b, step], self.lengths[b] = token, step + 1
-            matcher = self.matchers[b]
-            if token in self.stop_ids:
-                self.reasons[b] = "stop"
-            elif matcher is not None and not matcher.advance(token):
-                raise RuntimeError(f"row {b} sampled token {token}, which its grammar refuses: {matcher.error}")
-            elif matcher is not None and matcher.ends_here(self.stop_ids):
-                self.reasons[b] = "stop"
-            elif step + 1 == self.out.shape[1]:
-                self.reasons[b] = "length"
-            elif matcher is not None:
-                matcher.fill_mask(self.mask[b])
+            if self.reasons[b] is None and not self.push(b, token):
+                self.refresh(b)
         return all(r is not None for r in self.reasons)
+
+    def push(self, b: int, token: int) -> bool:
+        """Append ``token`` to running row b and advance its matcher (the mask row is not refreshed: see
+        ``refresh``); True when the row has ended with it. RuntimeError when the grammar refuses the token."""
+        n = int(self.lengths[b])
+        self.out[b, n], self.lengths[b] = token, n + 1
+        matcher = self.matchers[b]
+        if token in self.stop_ids:
+            self.reasons[b] = "stop"
+        elif matcher is not None and not matcher.advance(token):
+            raise RuntimeError(f"row {b} sampled token {token}, which its grammar refuses: {matcher.error}")
+        elif matcher is not None and matcher.ends_here(self.stop_ids):
+            self.reasons[b] = "stop"
+        elif n + 1 == self.out.shape[1]:
+            self.reasons[b] = "length"
+        return self.reasons[b] is not None
+
+    def refresh(self, b: int) -> None:
+        """Write row b's mask of allowed next tokens (an unconstrained row keeps its all-ones row)."""
+        if self.matchers[b] is not None:
+            self.matchers[b].fill_mask(self.mask[b])
+
+
+def check_constraints(constraints, B: int, V: int) -> None:
+    """ValueError unless ``constraints`` is a list of B Constraints (or None) for a vocabulary of V tokens."""
+    if not isinstance(constraints, (list, tuple)) or len(constraints) != B:
+        raise ValueError(f"constraints: give one Constraint or None per row ({B} rows)")
+    for c in constraints:
+        if c is not None and (not isinstance(c, Constraint) or c.vocabulary.vocab_size != V):
+            raise ValueError(f"constraints: {c!r} is not a Constraint for a vocabulary of {V} tokens")
 
 
 def constrained_result(model, prompt_ids, constraints: list, max_new_tokens: int = 64, *, temperature=0.0,
@@ -107,13 +125,9 @@ def constrained_result(model, prompt_ids, constraints: list, max_new_tokens: int
     place_on_mesh(model, mesh)
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     B, V = len(req.ids), model.cfg.vocab_size
-    if not isinstance(constraints, (list, tuple)) or len(constraints) != B:
-        raise ValueError(f"constraints: give one Constraint or None per row ({B} rows)")
-    for c in constraints:
-        if c is not None and (not isinstance(c, Constraint) or c.vocabulary.vocab_size != V):
-            raise ValueError(f"constraints: {c!r} is not a Constraint for a vocabulary of {V} tokens")
+    check_constraints(constraints, B, V)
     stops = tuple(int(e) for e in np.asarray(req.eos_id) if e >= 0)
-    rows = _Rows(list(constraints), stops, V, req.max_new_tokens, int(req.fill))
+    rows = ConstrainedRows(list(constraints), stops, V, req.max_new_tokens, int(req.fill))
     graphdef, params = split_model(model)
     with mesh_scope(mesh_of(params)):
         token, cache = masked_prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, rows.mask)
@@ -122,7 +136,7 @@ def constrained_result(model, prompt_ids, constraints: list, max_new_tokens: int
             tokens = np.asarray(token)
             if on_tokens is not None:
                 on_tokens(step, tokens)
-            if rows.take(step, tokens):
+            if rows.take(tokens):
                 break
             step += 1
             token, cache = masked_step(graphdef, params, cache, token, req.lengths + step - 1, np.int32(step),

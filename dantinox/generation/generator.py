@@ -20,8 +20,9 @@ its whole canvas and ignores them.
 time in one forward (``speculative="draft"``: a draft model's proposals, ``Generator(..., draft_run=RUN)``);
 greedy text is the same as without it, sampled text has the same distribution. A request
 whose measured acceptance makes verification a loss stops speculating (``switch_off_threshold``: measured once
-per k on this model). Each such call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``);
-docs/generation.md says when it pays.
+per k on this model). With json_schema / regex / grammar the proposals are cut where the grammar forbids a
+token and verified from the masked distributions (``dantinox.generation.constrained_speculative``). Each such
+call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``); docs/generation.md says when it pays.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..runs.stop_ids import read_stop_ids
 from ..runs.tokenizer import StreamDecoder
 from ..xla import CompileCounter
 from .constrained_decode import constrained_result
+from .constrained_speculative import constrained_speculative_result
 from .decode import decode_windows, generate_result, one_row_windows, stream_tokens, warm_decode
 from .grammar import Constraint, constraint_from, grammar_vocabulary
 from .paradigm import generate
@@ -176,22 +178,22 @@ class Generator:
                              "(dantinox generate --speculative draft:RUN)")
         return self.draft
 
-    def speculation(self, speculative, spec_tokens=4, spec_ngram_max=4, spec_ngram_min=1, use_cache=True,
-                    constraint=None) -> SpecSettings | None:
+    def speculation(self, speculative, spec_tokens=4, spec_ngram_max=4, spec_ngram_min=1,
+                    use_cache=True) -> SpecSettings | None:
         """The checked SpecSettings of a call's speculative arguments (None: plain decoding). ValueError naming
-        the argument: an unknown proposer or a bound (``spec_settings``), a diffusion model, use_cache=False,
-        or a json_schema / regex / grammar constraint (speculation needs the cached autoregressive loop).
-        The settings carry this model's switch-off threshold (``switch_off_threshold``)."""
+        the argument: an unknown proposer or a bound (``spec_settings``), a diffusion model, or use_cache=False
+        (speculation needs the cached autoregressive loop). With a json_schema / regex / grammar constraint the
+        proposals are checked against the grammar (``constrained_speculative``). The settings carry this
+        model's switch-off threshold (``switch_off_threshold``)."""
         settings = spec_settings(speculative, spec_tokens, spec_ngram_max, spec_ngram_min)
         if settings is None:
             return None
         if self.cfg.paradigm != "ar":
             raise ValueError(f"speculative={speculative!r} needs an autoregressive model; this one has "
                              f"paradigm={self.cfg.paradigm!r}")
-        if not use_cache or constraint is not None:
-            raise ValueError(f"speculative={speculative!r} is not allowed with "
-                             f"{'use_cache=False' if not use_cache else 'json_schema, regex or grammar'}: "
-                             "speculation runs through the cached decode loop")
+        if not use_cache:
+            raise ValueError(f"speculative={speculative!r} is not allowed with use_cache=False: speculation runs "
+                             "through the cached decode loop")
         self._draft_for(settings)
         return settings._replace(min_accept=self.switch_off_threshold(settings.spec_tokens, settings.proposer))
 
@@ -215,13 +217,14 @@ class Generator:
         constrained to it (structured outputs, docs/structured-outputs.md; autoregressive models with the
         cache only), through the host-stepped loop of ``dantinox.generation.constrained_decode``.
         speculative: None, "ngram" or "draft" (with draft_run; module docstring; ``speculation`` checks the
-          arguments).
+        arguments); with a constraint (n-gram only) the proposals are checked against the grammar
+        (``constrained_speculative``).
         Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`; GrammarError (a
         ValueError naming the argument) for an invalid or unsupported schema, regex or grammar."""
         if not isinstance(text, (str, list, tuple)) or (not isinstance(text, str) and not text):
             raise ValueError(f"text={text!r} is not allowed: a non-empty string or a non-empty list of strings")
         constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
-        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, use_cache, constraint)
+        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, use_cache)
         texts = [text] if isinstance(text, str) else list(text)
         ids = [self.encode(t, unknown) for t in texts]
         if self.cfg.paradigm == "diffusion" or diffusion_options:
@@ -249,7 +252,7 @@ class Generator:
             raise ValueError(f"complete() needs an autoregressive model; this one has paradigm="
                              f"{self.cfg.paradigm!r}: use generate()")
         constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
-        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, use_cache, constraint)
+        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, use_cache)
         return self._complete([self.encode(text, unknown)], max_new_tokens, use_cache, temperature, top_k, top_p,
                               seed, ignore_eos, constraint, spec)[0]
 
@@ -268,7 +271,15 @@ class Generator:
     def _complete(self, ids, max_new_tokens, use_cache, temperature, top_k, top_p, seed, ignore_eos,
                   constraint: Constraint | None = None, spec: SpecSettings | None = None):
         stats = None
-        if spec is not None:
+        if spec is not None and constraint is not None:
+            if spec.proposer == "draft":
+                raise ValueError("speculative='draft' is not allowed with json_schema, regex or grammar: "
+                                 "constrained speculation takes n-gram proposals (speculative='ngram')")
+            result, stats = constrained_speculative_result(self.model, ids, [constraint] * len(ids), max_new_tokens,
+                                                           settings=spec, temperature=temperature, top_k=top_k,
+                                                           top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
+            self.spec_stats = stats
+        elif spec is not None:
             result, stats = speculative_generate(self.model, ids, max_new_tokens, spec_tokens=spec.spec_tokens,
                                                  ngram_max=spec.ngram_max, ngram_min=spec.ngram_min,
                                                  min_accept=spec.min_accept, temperature=temperature, top_k=top_k,
@@ -373,7 +384,7 @@ class Generator:
         if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
             max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
         constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
-        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, True, constraint)
+        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, True)
         return self._complete([ids], max_new_tokens, True, temperature, top_k, top_p, seed, ignore_eos,
                               constraint, spec)[0].text
 

@@ -15,7 +15,7 @@ Host side only (plain Python and numpy); the device applies the matcher's mask (
      (so a preempted request's matcher is rebuilt from its tokens). Per step: ``fill_mask(row)`` writes the
      allowed tokens as packed bits into one row of a [B, W] int32 array (W = ``mask_words(V)`` = V // 32 + 1;
      bit j of word w is token 32 w + j; ``all_allowed_mask`` gives the rows of unconstrained requests),
-     ``advance`` records the sampled token.
+     ``advance`` records the sampled token, ``rollback`` undoes the last ones (rejected speculative proposals).
 JSON is generated without free whitespace: items are separated by ", " and keys by ": " (as Python's
 ``json.dumps`` writes them), so a model cannot wander into endless blanks.
 Shape letters: B batch, V vocabulary, W mask words.
@@ -166,6 +166,13 @@ class TokenMatcher:
         self.consumed += 1
         return self._matcher.consume_token(int(token))
 
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` advanced tokens (speculative decoding's rejected proposals). RuntimeError when
+        the matcher cannot (it keeps a bounded history)."""
+        if n and not self._matcher.rollback(int(n)):
+            raise RuntimeError(f"the {self.constraint.kind} matcher cannot roll back {n} tokens: {self.error}")
+        self.consumed -= int(n)
+
     @property
     def stopped(self) -> bool:
         return self._matcher.is_stopped()
@@ -183,6 +190,11 @@ def mask_words(vocab_size: int) -> int:
     """W of the masks the compiled steps take for a model of V = vocab_size tokens: V // 32 + 1 words, room
     for every token and the virtual end token V of a run without stop ids."""
     return vocab_size // 32 + 1
+
+
+def mask_allows(row: np.ndarray, token: int) -> bool:
+    """Whether the packed-bit mask ``row`` ([W] int32, as ``fill_mask`` writes it) allows ``token``."""
+    return bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
 
 def all_allowed_mask(rows: int, vocab_size: int) -> np.ndarray:

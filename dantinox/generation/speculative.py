@@ -81,24 +81,29 @@ def spec_state(state, ids) -> SpecState:
                      jnp.zeros((), jnp.int32))   # distinct buffers: the state is donated
 
 
-def accept_proposals(logits, proposals, key, sampling: SamplingParams, q=None) -> tuple[jax.Array, jax.Array]:
+def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=None, q=None
+                     ) -> tuple[jax.Array, jax.Array]:
     """The tokens to emit and how many proposals were accepted.
 
     logits: [B, k + 1, V] float32 (the target at the last token and each proposal); proposals: [B, k] int32;
-    sampling: per-row settings ([B]); q: [B, k, V] float32, the distribution each proposal was drawn from (a
-    draft model's), or None for a point mass on it (n-gram). Returns (tokens [B, k + 1] int32: the accepted
-    proposals then the target's token at the first rejection, or the extra token when all were accepted;
-    accepted [B] int32 in 0..k). Greedy rows take the argmax rule, sampled rows the rejection rule: accept d_j
-    with probability min(1, p_j(d_j) / q_j(d_j)), at the first rejection draw from max(p_j - q_j, 0)
-    normalised (module docstring)."""
+    sampling: per-row settings ([B]); limit: None, or [B] int32 in 0..k, the proposals of each row that may
+    be accepted (the rest are no proposals: with all ``limit[b]`` accepted the next token is drawn from the
+    whole distribution at position limit[b], as when all k are accepted); q: [B, k, V] float32, the
+    distribution each proposal was drawn from (a draft model's), or None for a point mass on it (n-gram).
+    Returns (tokens [B, k + 1] int32: the accepted proposals then the target's token at the first rejection, or
+    the extra token when all were accepted; accepted [B] int32 in 0..limit). Greedy rows take the argmax rule,
+    sampled rows the rejection rule: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), at the first
+    rejection draw from max(p_j - q_j, 0) normalised (module docstring)."""
     B, T, V = logits.shape
     k = T - 1
+    if limit is not None:
+        proposals = jnp.where(jnp.arange(k)[None, :] < limit[:, None], proposals, -1)
     rep = SamplingParams(*(jnp.repeat(x, T) for x in sampling))
     probs = filtered_probs(logits.reshape(B * T, V), rep).reshape(B, T, V)
     key_u, key_r = jax.random.split(key)
-    p_proposed = jnp.take_along_axis(probs[:, :k], proposals[..., None], axis=-1)[..., 0]    # [B, k]
-    q_proposed = 1.0 if q is None else jnp.take_along_axis(q, proposals[..., None], axis=-1)[..., 0]
-    ok = jax.random.uniform(key_u, (B, k)) * q_proposed < p_proposed
+    p_proposed = jnp.take_along_axis(probs[:, :k], jnp.maximum(proposals, 0)[..., None], axis=-1)[..., 0]
+    q_proposed = 1.0 if q is None else jnp.take_along_axis(q, jnp.maximum(proposals, 0)[..., None], axis=-1)[..., 0]
+    ok = (jax.random.uniform(key_u, (B, k)) * q_proposed < p_proposed) & (proposals >= 0)   # [B, k]
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     at = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]                 # [B, V]
     if q is None:
@@ -112,7 +117,7 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams, q=None) -
     greedy_like = jnp.argmax(residual, axis=-1).astype(jnp.int32)
     drawn = jax.random.categorical(key_r, jnp.where(residual > 0, jnp.log(residual), -1e30), axis=-1)
     last = jnp.where(sampling.temperature <= GREEDY_TEMPERATURE, greedy_like, drawn.astype(jnp.int32))
-    tokens = jnp.concatenate([proposals, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    tokens = jnp.concatenate([jnp.maximum(proposals, 0), jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(T)[None, :] == accepted[:, None], last[:, None], tokens)
     return tokens.astype(jnp.int32), accepted
 
@@ -180,7 +185,7 @@ def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampl
         inputs = jnp.concatenate([s.token[:, None], proposals], axis=1)
         logits, cache, _ = model(inputs, use_cache=True, kv_caches=s.cache, cache_index=s.index)
         ikey = jax.random.fold_in(key, s.iteration + 1) if ikey is None else ikey
-        tokens, accepted = accept_proposals(logits, proposals, ikey, sampling, q)
+        tokens, accepted = accept_proposals(logits, proposals, ikey, sampling, q=q)
         live = _live(s, stop_step)
         before = s.produced
         s = _emit(s._replace(cache=cache), tokens, accepted + 1, stop_step, eos_id, fill)

@@ -74,11 +74,6 @@ def test_bad_speculative_arguments_name_the_argument(gen, settings, message):
         gen.generate(PROMPT, 5, **settings)
 
 
-def test_speculation_with_a_constraint_is_refused(gen):
-    with pytest.raises(ValueError, match="not allowed with json_schema, regex or grammar"):
-        gen.speculation("ngram", constraint=object())
-
-
 def test_speculation_with_a_diffusion_model_is_refused():
     gen = Generator("dante-diffusion", warmup=False)
     with pytest.raises(ValueError, match="speculative='ngram' needs an autoregressive model"):
