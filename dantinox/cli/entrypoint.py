@@ -4,10 +4,11 @@
   dantinox generate [--run_dir R] (--prompt P | --chat MESSAGE [--system TEXT]) [--no_cache] [--stream]
                     [--max_new_tokens N] [--ignore_eos] [--temperature T]
                     [--top_k K] [--top_p P] [--seed S] [--unknown error|replace]
-                    [--speculative ngram [--spec-tokens K] [--spec-ngram-max N] [--spec-ngram-min M]]
+                    [--speculative ngram|draft:RUN [--spec-tokens K] [--spec-ngram-max N] [--spec-ngram-min M]]
                     diffusion models: [--gen_len M] [--block_size W] [--steps_per_block N] [--threshold C]
                     [--refresh block|prompt_once|step] [--kv-dtype int8] [--quantize bf16|int8]
   dantinox verify   [--run_dir R] [--prompt P] [--new_tokens N] [--tolerance F] [--relative_tolerance F]
+                    [--speculative ngram [--spec-tokens K]]
                     [--kv-dtype int8] [--quantize bf16|int8]
   (generate, verify, train, eval, plan profile: [--mesh data=D,model=M] shards over D x M devices, and
    [--coordinator HOST:PORT --num-processes N --process-id I] joins N processes into one mesh;
@@ -100,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="or this times the position's largest |logit|, where larger (float32 rounding grows "
                           "with the values)")
     ver.add_argument("--range", type=int, default=32, help="positions per printed range")
+    ver.add_argument("--speculative", choices=("ngram",), default=None,
+                     help="ngram: decode by greedy n-gram speculation (verify calls of --spec-tokens proposals) and "
+                          "check the cached logits of every accepted position")
+    ver.add_argument("--spec-tokens", dest="spec_tokens", type=int, default=4, help="proposals per verify call")
     add_mesh_argument(ver)
     add_distributed_arguments(ver)
     _add_kv_dtype(ver)

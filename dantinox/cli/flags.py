@@ -106,9 +106,10 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     :func:`speculative_from_args`). The destinations are the library's argument names (spec_tokens, ngram_max,
     ngram_min), so its bound errors come out naming the flags (``in_flags``)."""
     g = p.add_argument_group("speculative decoding (autoregressive models)")
-    g.add_argument("--speculative", choices=("ngram",), default=None,
+    g.add_argument("--speculative", default=None, metavar="ngram|draft:RUN",
                    help="ngram: propose the tokens that followed the latest earlier match of the last n tokens "
-                        "(prompt lookup) and verify them in one forward; greedy output is unchanged")
+                        "(prompt lookup); draft:RUN: the proposals of RUN's model (a run with the same "
+                        "tokenizer); verified in one forward, greedy output is unchanged")
     g.add_argument("--spec-tokens", dest="spec_tokens", type=int, default=None,
                    help="tokens proposed per verify call, 1..16 (default 4)")
     g.add_argument("--spec-ngram-max", dest="ngram_max", type=int, default=None,
@@ -126,13 +127,30 @@ def speculative_from_args(args):
     from ..generation.speculative_generate import DEFAULT_SETTINGS, spec_settings
 
     given = {name: getattr(args, name, None) for name in SPEC_FLAGS}
-    if getattr(args, "speculative", None) is None:
+    proposer = speculative_proposer(getattr(args, "speculative", None))
+    if proposer is None:
         flags = [SPEC_FLAGS[name] for name, v in given.items() if v is not None]
         if flags:
-            raise ValueError(f"{flags[0]} needs --speculative ngram")
+            raise ValueError(f"{flags[0]} needs --speculative ngram or draft:RUN")
         return None
-    return spec_settings(args.speculative, *(getattr(DEFAULT_SETTINGS, name) if v is None else v
-                                             for name, v in given.items()))
+    return spec_settings(proposer, *(getattr(DEFAULT_SETTINGS, name) if v is None else v
+                                     for name, v in given.items()))
+
+
+def speculative_proposer(value) -> str | None:
+    """The proposer of a --speculative value ("ngram", "draft" for draft:RUN; None without the flag).
+    ValueError naming the flag for anything else, or draft: without a run."""
+    if value is None or value == "ngram":
+        return value
+    if isinstance(value, str) and value.startswith("draft:") and value[len("draft:"):]:
+        return "draft"
+    raise ValueError(f"--speculative {value} is not allowed: ngram or draft:RUN (a run directory or bundled name)")
+
+
+def draft_run_of(args) -> str | None:
+    """The RUN of --speculative draft:RUN, else None."""
+    value = getattr(args, "speculative", None)
+    return value[len("draft:"):] if speculative_proposer(value) == "draft" else None
 
 
 def spec_kwargs(spec) -> dict:
@@ -146,9 +164,13 @@ def spec_kwargs(spec) -> dict:
 def describe_spec_stats(settings, stats) -> str:
     """The report line of a speculative generation, e.g. "speculative ngram (k=4, n-gram 4..1): 120 of 200
     proposed tokens accepted (60.0%), 3.40 tokens per verify call, 50 verify calls and 10 plain steps", with the
-    switch-off threshold when settings carry one."""
+    switch-off threshold when settings carry one and the token the switch-off rule handed the request to the
+    compiled decode loop at, if it did."""
     off = f" (switch-off below {settings.min_accept:.2f} accepted per verify call)" if settings.min_accept else ""
-    return (f"speculative {settings.proposer} (k={settings.spec_tokens}, n-gram {settings.ngram_max}.."
-            f"{settings.ngram_min}): {sum(stats.accepted)} of {sum(stats.proposed)} proposed tokens accepted "
+    how = (f"n-gram {settings.ngram_max}..{settings.ngram_min}" if settings.proposer == "ngram"
+           else "draft model")
+    return (f"speculative {settings.proposer} (k={settings.spec_tokens}, {how}): {sum(stats.accepted)} of "
+            f"{sum(stats.proposed)} proposed tokens accepted "
             f"({100 * stats.acceptance_rate:.1f}%), {stats.mean_accepted_length:.2f} tokens per verify call, "
-            f"{stats.verify_calls} verify calls and {stats.iterations - stats.verify_calls} plain steps{off}")
+            f"{stats.verify_calls} verify calls and {stats.iterations - stats.verify_calls} plain steps{off}"
+            + (f"; decode loop from token {stats.handed_off}" if stats.handed_off is not None else ""))

@@ -28,7 +28,7 @@ from ..generation.sampling import make_sampling_params
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights
-from .flags import describe_spec_stats, spec_kwargs, speculative_from_args
+from .flags import describe_spec_stats, draft_run_of, spec_kwargs, speculative_from_args
 from .structured import constraint_kwargs
 
 DEFAULT_NEW_TOKENS = 200
@@ -83,7 +83,7 @@ def cmd_generate(args) -> int:
     spec = speculative_from_args(args)
     with naming_flag(args.mesh):  # warmed up below, for this prompt's bucket only
         gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
-                        quantize=check_quantize(args.quantize, "--quantize"))
+                        quantize=check_quantize(args.quantize, "--quantize"), draft_run=draft_run_of(args))
     ids = gen.encode(args.prompt, args.unknown)
     constraint = constraint_kwargs(args, gen)  # --json-schema / --regex / --grammar (cli/structured.py)
     if gen.cfg.paradigm == "diffusion":

@@ -6,6 +6,8 @@ difference per --range positions. A position passes when its difference is at mo
 max(--tolerance, --relative_tolerance x its largest |logit|). For an int8 cache it also prints the rounding
 flips the reference adopted and the distance to a float32 cache. Exit status 0 when every position passes,
 1 otherwise, 2 for bad input (an empty prompt, a prompt or --new_tokens that does not fit the context).
+--speculative ngram decodes by greedy n-gram speculation instead (``dantinox.quality.verify_speculative``): the
+positions compared are the accepted ones, each from the verify call that emitted it.
 """
 
 from __future__ import annotations
@@ -54,10 +56,21 @@ def cmd_verify(args) -> int:
                             f"and max_context={cfg.max_context} leaves room for at most "
                             f"{cfg.max_context - len(prompt)} (omit --new_tokens to fill the context)")
     new_tokens = args.new_tokens or cfg.max_context - len(prompt)
-    report = verify_cache(model, prompt, new_tokens, args.tolerance, args.relative_tolerance)
+    how = "greedy tokens decoded"
+    if getattr(args, "speculative", None) is None:
+        report = verify_cache(model, prompt, new_tokens, args.tolerance, args.relative_tolerance)
+    else:
+        from ..generation.speculative_generate import check_spec_settings
+        from ..quality.verify_speculative import verify_speculative
+
+        check_spec_settings(args.spec_tokens, 4, 1)
+        report, accepted, proposed = verify_speculative(model, prompt, new_tokens, args.spec_tokens, 4,
+                                                        args.tolerance, args.relative_tolerance)
+        how = (f"greedy tokens decoded by n-gram speculation (k={args.spec_tokens}: {accepted} of {proposed} "
+               "proposals accepted; the logits compared are those of accepted positions)")
     print(f"{run_dir}: attention={cfg.attention} compute={cfg.compute_dtype} cache={cfg.cache_dtype} "
           f"weights={describe_weights(model)}; "
-          f"prompt {len(prompt)} tokens, {new_tokens} greedy tokens decoded")
+          f"prompt {len(prompt)} tokens, {new_tokens} {how}")
     print(f"{'positions':>12}  max |cached - uncached|")
     for first, last, diff in report.ranges(args.range):
         print(f"{first:>5}-{last:<6}  {diff:.3e}")

@@ -17,7 +17,8 @@ its whole canvas and ignores them.
 
 ``speculative="ngram"`` (generate, complete, stream, chat; with ``spec_tokens`` k, ``spec_ngram_max`` /
 ``spec_ngram_min``) decodes through ``dantinox.generation.speculative``: prompt-lookup proposals verified k at a
-time in one forward; greedy text is the same as without it, sampled text has the same distribution. A request
+time in one forward (``speculative="draft"``: a draft model's proposals, ``Generator(..., draft_run=RUN)``);
+greedy text is the same as without it, sampled text has the same distribution. A request
 whose measured acceptance makes verification a loss stops speculating (``switch_off_threshold``: measured once
 per k on this model). With json_schema / regex / grammar the proposals are cut where the grammar forbids a
 token and verified from the masked distributions (``dantinox.generation.constrained_speculative``). Each such
@@ -38,6 +39,7 @@ from ..quant.weights import check_quantize, quantize_weights
 from ..runs.bundled import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # noqa: F401 (re-exported)
 from ..runs.chat import load_chat_format, require_chat_format
 from ..runs.chat_template import ChatTemplateError
+from ..runs.draft_run import load_draft_run
 from ..model.cache import CapacityError
 from ..runs.run_dir import load_run
 from ..runs.stop_ids import read_stop_ids
@@ -49,8 +51,8 @@ from .decode import decode_windows, generate_result, one_row_windows, stream_tok
 from .grammar import Constraint, constraint_from, grammar_vocabulary
 from .paradigm import generate
 from .prompts import bucket_length
-from .speculative_generate import (SpecSettings, SpecStats, break_even, spec_settings, speculative_generate,
-                                   speculative_stream, verify_cost, warm_up_speculative)
+from .speculative_generate import (SpecSettings, SpecStats, break_even, check_draft, draft_cost, spec_settings,
+                                   speculative_generate, speculative_stream, verify_cost, warm_up_speculative)
 
 BUNDLED_RUN = DEFAULT_BUNDLED
 
@@ -104,6 +106,9 @@ class Generator:
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
       quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
         ``dantinox.quant.weights``.
+      draft_run: a run directory (or bundled name) whose model proposes for ``speculative="draft"``: same
+        tokenizer (vocabulary size, special and stop ids: ``runs.draft_run``), same vocab_size, a max_context at
+        least this model's (``check_draft``); kv_dtype applies to its cache too.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter),
       chat_format (``dantinox.runs.chat.ChatFormat``, or None when the run has no chat template), stop_ids
       (the token ids generation stops at, ``dantinox.runs.stop_ids.read_stop_ids``; () for a trained run),
@@ -114,7 +119,7 @@ class Generator:
     """
 
     def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, mesh=None,
-                 kv_dtype: str | None = None, quantize: str | None = None):
+                 kv_dtype: str | None = None, quantize: str | None = None, draft_run: str | os.PathLike | None = None):
         start = time.perf_counter()
         check_quantize(quantize)
         self.run_dir = resolve_run_dir(run_dir)
@@ -128,7 +133,11 @@ class Generator:
         self.stop_ids = read_stop_ids(self.run_dir, self.tokenizer)
         self.warmup = CompileCounter()
         self.spec_stats: SpecStats | None = None
-        self._min_accept: dict[int, float] = {}
+        self._min_accept: dict[tuple, float] = {}
+        self.draft = None
+        if draft_run is not None:
+            self.draft = with_kv_dtype(load_draft_run(draft_run, self.tokenizer, self.stop_ids), kv_dtype, "kv_dtype")
+            check_draft(self.model, self.draft)
         if warmup:
             self.warm_up()
         self.load_seconds = time.perf_counter() - start
@@ -144,18 +153,32 @@ class Generator:
             with self.warmup:
                 warm_up(self.model, prompt_lengths, max_new_tokens)
                 if speculative is not None:
-                    self.switch_off_threshold(speculative.spec_tokens)
+                    self.switch_off_threshold(speculative.spec_tokens, speculative.proposer)
                     S = self.cfg.max_context
                     warm_up_speculative(self.model, speculative, prompt_buckets(S) if prompt_lengths is None
-                                        else sorted({min(bucket_length(n, S), S - 1) for n in prompt_lengths}))
+                                        else sorted({min(bucket_length(n, S), S - 1) for n in prompt_lengths}),
+                                        self._draft_for(speculative))
         return self.warmup
 
-    def switch_off_threshold(self, k: int) -> float:
-        """min_accept for k proposed tokens on this model: ``break_even(verify_cost(model, k), k)``, measured on
-        first use (two small compiles and a dozen forwards) and kept."""
-        if k not in self._min_accept:
-            self._min_accept[k] = break_even(verify_cost(self.model, k), k)
-        return self._min_accept[k]
+    def switch_off_threshold(self, k: int, proposer: str = "ngram") -> float:
+        """min_accept for k proposed tokens on this model: ``break_even(verify_cost(model, k), k)``; for the
+        draft proposer the verify cost gains the draft's k forwards (``draft_cost``). Measured on first use
+        (small compiles and a few dozen forwards) and kept."""
+        if (k, proposer) not in self._min_accept:
+            cost = verify_cost(self.model, k)
+            if proposer == "draft":
+                cost += k * draft_cost(self.model, self._draft_for(SpecSettings("draft")))
+            self._min_accept[(k, proposer)] = break_even(cost, k)
+        return self._min_accept[(k, proposer)]
+
+    def _draft_for(self, settings: SpecSettings):
+        """The draft model when ``settings`` asks for one (ValueError when this Generator has none), else None."""
+        if settings.proposer != "draft":
+            return None
+        if self.draft is None:
+            raise ValueError("speculative='draft' needs a draft model: Generator(..., draft_run=RUN) "
+                             "(dantinox generate --speculative draft:RUN)")
+        return self.draft
 
     def speculation(self, speculative, spec_tokens=4, spec_ngram_max=4, spec_ngram_min=1,
                     use_cache=True) -> SpecSettings | None:
@@ -173,7 +196,8 @@ class Generator:
         if not use_cache:
             raise ValueError(f"speculative={speculative!r} is not allowed with use_cache=False: speculation runs "
                              "through the cached decode loop")
-        return settings._replace(min_accept=self.switch_off_threshold(settings.spec_tokens))
+        self._draft_for(settings)
+        return settings._replace(min_accept=self.switch_off_threshold(settings.spec_tokens, settings.proposer))
 
     def encode(self, text: str, unknown: str = "error") -> list[int]:
         """Token ids of a prompt. Raises ValueError for an empty prompt or unknown characters (see module doc)."""
@@ -194,8 +218,9 @@ class Generator:
         json_schema (a dict or its JSON text), regex, grammar (Lark or GBNF): at most one; the text is then
         constrained to it (structured outputs, docs/structured-outputs.md; autoregressive models with the
         cache only), through the host-stepped loop of ``dantinox.generation.constrained_decode``.
-        speculative: None or "ngram" (module docstring; ``speculation`` checks the arguments); with a
-        constraint the proposals are checked against the grammar (``constrained_speculative``).
+        speculative: None, "ngram" or "draft" (with draft_run; module docstring; ``speculation`` checks the
+        arguments); with a constraint (n-gram only) the proposals are checked against the grammar
+        (``constrained_speculative``).
         Raises ValueError / CapacityError as :func:`dantinox.generate` and :meth:`encode`; GrammarError (a
         ValueError naming the argument) for an invalid or unsupported schema, regex or grammar."""
         if not isinstance(text, (str, list, tuple)) or (not isinstance(text, str) and not text):
@@ -249,6 +274,9 @@ class Generator:
                   constraint: Constraint | None = None, spec: SpecSettings | None = None):
         stats = None
         if spec is not None and constraint is not None:
+            if spec.proposer == "draft":
+                raise ValueError("speculative='draft' is not allowed with json_schema, regex or grammar: "
+                                 "constrained speculation takes n-gram proposals (speculative='ngram')")
             result, stats = constrained_speculative_result(self.model, ids, [constraint] * len(ids), max_new_tokens,
                                                            settings=spec, temperature=temperature, top_k=top_k,
                                                            top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
@@ -257,7 +285,8 @@ class Generator:
             result, stats = speculative_generate(self.model, ids, max_new_tokens, spec_tokens=spec.spec_tokens,
                                                  ngram_max=spec.ngram_max, ngram_min=spec.ngram_min,
                                                  min_accept=spec.min_accept, temperature=temperature, top_k=top_k,
-                                                 top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
+                                                 top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos),
+                                                 draft=self._draft_for(spec))
             self.spec_stats = stats
         elif constraint is None:
             result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
@@ -327,7 +356,8 @@ class Generator:
         if spec is None:
             yield from stream_tokens(self.model, ids, max_new_tokens, **sampling)
             return
-        for chunk, stats in speculative_stream(self.model, ids, max_new_tokens, settings=spec, **sampling):
+        for chunk, stats in speculative_stream(self.model, ids, max_new_tokens, settings=spec,
+                                               draft=self._draft_for(spec), **sampling):
             self.spec_stats = stats
             yield chunk
 

@@ -22,7 +22,9 @@ verify call costs c times a plain step (c > 1, measured by ``speculative_generat
 1 + a tokens for a accepted proposals, so it pays only while a > c - 1 = ``min_accept``. After PROBE_VERIFIES
 verify calls a row whose accepted proposals per verify call fall below min_accept stops proposing for the rest
 of the request (min_accept 0: never; the iteration verifies while any live row still has a proposal and pays);
-once no live row pays, the loop leaves the speculative body (its ``lax.cond``) for the plain loop.
+once no live row pays, the loop leaves the speculative body (its ``lax.cond``) and the host hands the request to
+the compiled ``decode`` loop (``speculative_generate.hand_off``; a ragged batch finishes in this program's own
+plain loop instead).
 Near the end of the cache (fewer than k + 1 free slots) the loop finishes with plain steps. k, the n-gram bounds
 and the batch size are static; the step bound, sampling settings, seed, stop ids and min_accept are traced, so
 one program serves every request of that shape.
@@ -40,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..model.cache import KVCache
+from .draft import propose_draft
 from .ngram import propose_ngram
 from .prompts import is_eos
 from .sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs, sample_next
@@ -62,6 +65,7 @@ class SpecState(NamedTuple):
     proposed: jax.Array   # [B] int32: proposals verified
     accepted: jax.Array   # [B] int32: proposals accepted
     verify_calls: jax.Array  # [] int32: iterations that verified (the rest were plain steps)
+    draft_cache: KVCache | None = None   # the draft model's cache (draft proposals only; ``draft``)
 
 
 @partial(jax.jit, donate_argnames=("state",))
@@ -77,16 +81,19 @@ def spec_state(state, ids) -> SpecState:
                      jnp.zeros((), jnp.int32))   # distinct buffers: the state is donated
 
 
-def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=None) -> tuple[jax.Array, jax.Array]:
+def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=None, q=None
+                     ) -> tuple[jax.Array, jax.Array]:
     """The tokens to emit and how many proposals were accepted.
 
     logits: [B, k + 1, V] float32 (the target at the last token and each proposal); proposals: [B, k] int32;
     sampling: per-row settings ([B]); limit: None, or [B] int32 in 0..k, the proposals of each row that may
     be accepted (the rest are no proposals: with all ``limit[b]`` accepted the next token is drawn from the
-    whole distribution at position limit[b], as when all k are accepted). Returns (tokens [B, k + 1] int32:
-    the accepted proposals then the target's token at the first rejection, or the extra token when all were
-    accepted; accepted [B] int32 in 0..limit). Greedy rows take the argmax rule, sampled rows the rejection
-    rule (module docstring)."""
+    whole distribution at position limit[b], as when all k are accepted); q: [B, k, V] float32, the
+    distribution each proposal was drawn from (a draft model's), or None for a point mass on it (n-gram).
+    Returns (tokens [B, k + 1] int32: the accepted proposals then the target's token at the first rejection, or
+    the extra token when all were accepted; accepted [B] int32 in 0..limit). Greedy rows take the argmax rule,
+    sampled rows the rejection rule: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), at the first
+    rejection draw from max(p_j - q_j, 0) normalised (module docstring)."""
     B, T, V = logits.shape
     k = T - 1
     if limit is not None:
@@ -95,12 +102,18 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=Non
     probs = filtered_probs(logits.reshape(B * T, V), rep).reshape(B, T, V)
     key_u, key_r = jax.random.split(key)
     p_proposed = jnp.take_along_axis(probs[:, :k], jnp.maximum(proposals, 0)[..., None], axis=-1)[..., 0]
-    ok = (jax.random.uniform(key_u, (B, k)) < p_proposed) & (proposals >= 0)                # [B, k]
+    q_proposed = 1.0 if q is None else jnp.take_along_axis(q, jnp.maximum(proposals, 0)[..., None], axis=-1)[..., 0]
+    ok = (jax.random.uniform(key_u, (B, k)) * q_proposed < p_proposed) & (proposals >= 0)   # [B, k]
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     at = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]                 # [B, V]
-    rejected = jnp.take_along_axis(jnp.pad(proposals, ((0, 0), (0, 1)), constant_values=-1),
-                                   accepted[:, None], axis=1)[:, 0]
-    residual = jnp.where(jnp.arange(V)[None, :] == rejected[:, None], 0.0, at)
+    if q is None:
+        rejected = jnp.take_along_axis(jnp.pad(proposals, ((0, 0), (0, 1)), constant_values=-1),
+                                       accepted[:, None], axis=1)[:, 0]
+        residual = jnp.where(jnp.arange(V)[None, :] == rejected[:, None], 0.0, at)
+    else:   # q past the last proposal is 0: all accepted draws from p_{k+1} itself
+        q_at = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), accepted[:, None, None], axis=1)[:, 0]
+        residual = jnp.maximum(at - q_at, 0.0)
+        residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, at)   # p == q (rounding)
     greedy_like = jnp.argmax(residual, axis=-1).astype(jnp.int32)
     drawn = jax.random.categorical(key_r, jnp.where(residual > 0, jnp.log(residual), -1e30), axis=-1)
     last = jnp.where(sampling.temperature <= GREEDY_TEMPERATURE, greedy_like, drawn.astype(jnp.int32))
@@ -141,34 +154,50 @@ def _live(s: SpecState, stop_step) -> jax.Array:
     return ~s.done & (s.produced < stop_step)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "k", "ngram_max", "ngram_min"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("graphdef", "k", "ngram_max", "ngram_min", "draft_graphdef"),
+         donate_argnames=("state",))
 def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampling: SamplingParams, eos_id, fill,
-                       k: int, ngram_max: int, ngram_min: int, min_accept=None) -> SpecState:
+                       k: int, ngram_max: int, ngram_min: int, min_accept=None, plain_tail=None,
+                       draft_graphdef=None, draft_params=None) -> SpecState:
     """Run the speculative loop until every row met a stop id or has ``stop_step`` tokens; one compiled program
     (a later call with a larger stop_step continues the same state: streaming).
     stop_step, eos_id, fill: [] int32 (eos_id may be [E]); k, ngram_max, ngram_min: static; min_accept: []
-    float32, the switch-off threshold (accepted proposals per verify call; None = 0.0, never off). Returns the
-    advanced SpecState (the input is donated)."""
+    float32, the switch-off threshold (accepted proposals per verify call; None = 0.0, never off); plain_tail:
+    [] bool (None = True), whether the rows still live once speculation stopped paying (or the cache has no room
+    for k + 1 more slots) finish here with plain steps over the whole cache; False returns them to the caller,
+    which hands them to the compiled ``decode`` loop (its attention windows make those steps cheaper:
+    ``speculative_generate.hand_off``). draft_graphdef (static) / draft_params: a draft model proposes instead
+    of prompt lookup (``draft.propose_draft``; state.draft_cache holds its cache; the n-gram bounds are unused):
+    every iteration of the speculative loop then verifies. Returns the advanced SpecState (the input is
+    donated)."""
     min_accept = jnp.float32(0.0) if min_accept is None else min_accept
+    plain_tail = jnp.bool_(True) if plain_tail is None else plain_tail
     model = nnx.merge(graphdef, params)
     S = model.cfg.max_context
 
     def plain(s: SpecState) -> SpecState:
         logits, cache, _ = model(s.token[:, None], use_cache=True, kv_caches=s.cache, cache_index=s.index)
-        token = sample_next(logits[:, 0], jax.random.fold_in(key, s.iteration), sampling)
+        token = sample_next(logits[:, 0], jax.random.fold_in(key, s.iteration + 1), sampling)
         s = _emit(s._replace(cache=cache), token[:, None], jnp.ones_like(s.produced), stop_step, eos_id, fill)
         return s._replace(iteration=s.iteration + 1)
 
-    def verify(s: SpecState, proposals) -> SpecState:
+    def verify(s: SpecState, proposals, q=None, ikey=None) -> SpecState:
         inputs = jnp.concatenate([s.token[:, None], proposals], axis=1)
         logits, cache, _ = model(inputs, use_cache=True, kv_caches=s.cache, cache_index=s.index)
-        tokens, accepted = accept_proposals(logits, proposals, jax.random.fold_in(key, s.iteration), sampling)
+        ikey = jax.random.fold_in(key, s.iteration + 1) if ikey is None else ikey
+        tokens, accepted = accept_proposals(logits, proposals, ikey, sampling, q=q)
         live = _live(s, stop_step)
         before = s.produced
         s = _emit(s._replace(cache=cache), tokens, accepted + 1, stop_step, eos_id, fill)
         used = jnp.maximum(s.produced - before - 1, 0)
         return s._replace(iteration=s.iteration + 1, verify_calls=s.verify_calls + 1,
                           proposed=s.proposed + jnp.where(live, k, 0), accepted=s.accepted + jnp.where(live, used, 0))
+
+    def draft_body(s: SpecState) -> SpecState:
+        key_draft, key_accept = jax.random.split(jax.random.fold_in(key, s.iteration + 1))
+        proposals, q, draft_cache = propose_draft(draft, s.draft_cache, s.seq, s.token, s.index, key_draft,
+                                                  sampling, k)
+        return verify(s._replace(draft_cache=draft_cache), proposals, q, key_accept)
 
     def body(s: SpecState) -> SpecState:
         proposals, found = propose_ngram(s.seq, s.index, k, ngram_max, ngram_min)
@@ -179,5 +208,6 @@ def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampl
         live = _live(s, stop_step)   # and speculation still pays for one of them: else the plain loop below
         return jnp.any(live & _pays(s, k, min_accept)) & (jnp.max(jnp.where(live, s.index, 0)) + k + 1 <= S)
 
-    state = jax.lax.while_loop(room, body, state)
-    return jax.lax.while_loop(lambda s: jnp.any(_live(s, stop_step)), plain, state)
+    draft = None if draft_graphdef is None else nnx.merge(draft_graphdef, draft_params)
+    state = jax.lax.while_loop(room, body if draft is None else draft_body, state)
+    return jax.lax.while_loop(lambda s: plain_tail & jnp.any(_live(s, stop_step)), plain, state)

@@ -29,12 +29,15 @@ from flax import nnx
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..model.cache import init_cache
-from .decode import _finish, _prepare, place_on_mesh, prefill, split_model
+from .decode import (SINGLE_ROW_WINDOW, DecodeState, _finish, _prepare, _windows, cache_window, decode, place_on_mesh,
+                     prefill, split_model)
 from .speculative import MAX_SPEC_TOKENS, spec_state, speculative_decode
 
 
 class SpecStats(NamedTuple):
-    """Per request: proposed and accepted proposal counts ([B] ints), verify calls and loop iterations.
+    """Per request: proposed and accepted proposal counts ([B] ints), verify calls and loop iterations (plain
+    decode steps after a hand-off included), and handed_off: the tokens per row when the switch-off rule handed
+    the request to the compiled decode loop (None: it was not).
     acceptance_rate: accepted / proposed over the batch (0.0 when nothing was proposed); mean accepted length:
     tokens emitted per verify call, accepted + 1 (the target's own token)."""
 
@@ -42,6 +45,7 @@ class SpecStats(NamedTuple):
     accepted: list
     verify_calls: int
     iterations: int
+    handed_off: int | None = None   # tokens generated when the request moved to the compiled decode loop
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,11 +57,12 @@ class SpecStats(NamedTuple):
         return float(sum(self.accepted) / (self.verify_calls * len(self.proposed)) + 1) if self.verify_calls else 0.0
 
 
-PROPOSERS = ("ngram",)
+PROPOSERS = ("ngram", "draft")
 
 
 class SpecSettings(NamedTuple):
-    """One request's speculation: the proposer ("ngram": prompt lookup), spec_tokens k proposed per verify
+    """One request's speculation: the proposer ("ngram": prompt lookup; "draft": a draft model, given to the
+    call, ``check_draft``), spec_tokens k proposed per verify
     call, the n-gram lengths tried (ngram_max down to ngram_min), and min_accept, the accepted proposals per
     verify call below which a row stops speculating (0.0: never; ``break_even``)."""
 
@@ -101,74 +106,166 @@ def check_spec_settings(spec_tokens, ngram_max, ngram_min) -> None:
 
 def speculative_generate(model, prompt_ids, max_new_tokens: int = 64, *, spec_tokens: int = 4, ngram_max: int = 4,
                          ngram_min: int = 1, min_accept: float = 0.0, temperature=0.0, top_k=0, top_p=1.0,
-                         seed: int = 0, eos_id=None, mesh=None):
-    """Generate with n-gram speculation. Returns (GenerationResult, SpecStats); see the module docstring.
-    min_accept: the switch-off threshold (SpecSettings; 0.0 never switches off)."""
-    settings = spec_settings("ngram", spec_tokens, ngram_max, ngram_min, min_accept)
+                         seed: int = 0, eos_id=None, mesh=None, draft=None):
+    """Generate with speculation: n-gram proposals, or a draft model's when ``draft`` (a Transformer over the
+    same vocabulary, ``check_draft``) is given. Returns (GenerationResult, SpecStats); see the module
+    docstring. min_accept: the switch-off threshold (SpecSettings; 0.0 never switches off)."""
+    settings = spec_settings("ngram" if draft is None else "draft", spec_tokens, ngram_max, ngram_min, min_accept)
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
+    drafted = _draft_split(model, draft)
     with mesh_scope(mesh_of(params)):
-        state = _start(graphdef, params, req)
-        state = _advance(graphdef, params, state, req, req.max_new_tokens, settings)
-    return _finish(to_host(state.out), req), _stats(state)
+        run = _start(graphdef, params, req, drafted)
+        run = _advance(graphdef, params, run, req, req.max_new_tokens, settings, _windows(req, model.cfg), drafted)
+    return _finish(to_host(run.state.out), req), run.stats()
 
 
 def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings: SpecSettings = DEFAULT_SETTINGS,
                        chunk_size: int = 8, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0, eos_id=None,
-                       mesh=None) -> Iterator[tuple[np.ndarray, SpecStats]]:
+                       mesh=None, draft=None) -> Iterator[tuple[np.ndarray, SpecStats]]:
     """Yield (new tokens [B, n] int32, SpecStats so far) as ``decode.stream_tokens`` yields its chunks: up to
     chunk_size tokens per device call (the first chunk holds the prefill token too; a verify call that would
-    pass the chunk's bound keeps only the tokens up to it). Rows past their stop id yield the fill id.
+    pass the chunk's bound keeps only the tokens up to it). Rows past their stop id yield the fill id. draft:
+    the draft model of settings.proposer "draft" (ValueError when one is given without the other).
     ValueError for chunk_size < 1 and as :func:`speculative_generate`."""
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
     settings = spec_settings(*settings)
+    if (settings.proposer == "draft") != (draft is not None):
+        raise ValueError(f"speculative={settings.proposer!r} is not allowed with draft="
+                         f"{'None' if draft is None else 'a model'}: a draft model goes with speculative='draft'")
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
-    on, sent = mesh_of(params), 0
+    on, sent, windows = mesh_of(params), 0, _windows(req, model.cfg)
     with mesh_scope(on):
-        state = _start(graphdef, params, req)
+        drafted = _draft_split(model, draft)
+        run = _start(graphdef, params, req, drafted)
     while True:
         with mesh_scope(on):
-            state = _advance(graphdef, params, state, req, min(sent + chunk_size, req.max_new_tokens), settings)
-        produced, done = np.asarray(state.produced), np.asarray(state.done)
+            run = _advance(graphdef, params, run, req, min(sent + chunk_size, req.max_new_tokens), settings, windows,
+                           drafted)
+        produced, done = run.produced(), np.asarray(run.state.done)
         reached = int(produced.max())
         if reached > sent:
-            yield np.asarray(state.out)[:, sent:reached], _stats(state)
+            yield np.asarray(run.state.out)[:, sent:reached], run.stats()
             sent = reached
         if bool(np.all(done | (produced >= req.max_new_tokens))):
             return
 
 
-def warm_up_speculative(model, settings: SpecSettings, prompt_lengths: list[int]) -> None:
+def warm_up_speculative(model, settings: SpecSettings, prompt_lengths: list[int], draft=None) -> None:
     """Compile the speculative loop of ``settings`` at batch 1 and its start for each prompt length's bucket
     (one 2-token generation from token 0 per length; prefill itself is ``generator.warm_up``'s). Sampling
     settings, seed, stop ids and budget are traced: later calls with the same settings, batch and prompt
     buckets compile nothing."""
     for length in prompt_lengths:
         speculative_generate(model, [0] * length, 2, spec_tokens=settings.spec_tokens,
-                             ngram_max=settings.ngram_max, ngram_min=settings.ngram_min, temperature=1.0)
+                             ngram_max=settings.ngram_max, ngram_min=settings.ngram_min, temperature=1.0,
+                             draft=draft)
 
 
-def _start(graphdef, params, req):
-    """Prefill ``req`` and return the SpecState after it."""
+class SpecRun(NamedTuple):
+    """Host-side progress of one speculative request: ``state`` is the SpecState of the speculative loop or,
+    after ``hand_off``, the DecodeState of the compiled decode loop; ``at_hand_off`` the SpecStats when the
+    request was handed off (None before) and ``steps_at`` the decode step it began at."""
+
+    state: object
+    at_hand_off: SpecStats | None = None
+    steps_at: int = 0
+
+    def produced(self) -> np.ndarray:
+        """[B] tokens generated per row so far."""
+        if self.at_hand_off is None:
+            return np.asarray(self.state.produced)
+        return np.full(self.state.done.shape, int(self.state.step))
+
+    def stats(self) -> SpecStats:
+        """The SpecStats so far: plain decode steps after the hand-off count as loop iterations."""
+        if self.at_hand_off is None:
+            return _stats(self.state)
+        return self.at_hand_off._replace(iterations=self.at_hand_off.iterations + int(self.state.step)
+                                         - self.steps_at)
+
+
+def check_draft(model, draft) -> None:
+    """ValueError naming the first difference that keeps ``draft`` from proposing for ``model``: its paradigm
+    (autoregressive only), vocab_size (the proposals and q must index the target's vocabulary) or a
+    max_context below the target's (its cache keeps the target's slots). Tokenizer identity (special ids) is
+    the caller's check (``Generator``, ``runs.draft``)."""
+    ours, theirs = model.cfg, draft.cfg
+    if theirs.paradigm != "ar":
+        raise ValueError(f"draft paradigm={theirs.paradigm!r} is not allowed: a draft model is autoregressive")
+    if theirs.vocab_size != ours.vocab_size:
+        raise ValueError(f"draft vocab_size={theirs.vocab_size} differs from the target's vocab_size="
+                         f"{ours.vocab_size}: a draft model needs the same tokenizer")
+    if theirs.max_context < ours.max_context:
+        raise ValueError(f"draft max_context={theirs.max_context} is below the target's max_context="
+                         f"{ours.max_context}: the draft's cache keeps every slot the target's does")
+
+
+def _draft_split(model, draft):
+    """(graphdef, params) of the checked draft model, or None."""
+    if draft is None:
+        return None
+    check_draft(model, draft)
+    return split_model(draft)
+
+
+def _start(graphdef, params, req, drafted=None) -> SpecRun:
+    """Prefill ``req`` (into the draft's cache too, when ``drafted``) and return the SpecRun after it."""
     state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
-    return spec_state(state, jnp.asarray(req.ids))
+    state = spec_state(state, jnp.asarray(req.ids))
+    if drafted is not None:
+        draft_state = prefill(*drafted, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+        state = state._replace(draft_cache=draft_state.cache)
+    return SpecRun(state)
 
 
-def _advance(graphdef, params, state, req, stop: int, settings: SpecSettings):
-    """Run the compiled speculative loop on ``state`` until every row has ``stop`` tokens or met a stop id."""
+def _advance(graphdef, params, run: SpecRun, req, stop: int, settings: SpecSettings, windows,
+             drafted=None) -> SpecRun:
+    """Advance ``run`` until every row has ``stop`` tokens or met a stop id: the speculative loop while it pays,
+    then (``hand_off``) the compiled decode loop over ``windows``; a batch that cannot be handed off finishes in
+    the speculative program's own plain loop (the same program: plain_tail is traced)."""
+    if run.at_hand_off is None:
+        state = _speculate(graphdef, params, run.state, req, stop, settings, False, drafted)
+        produced, done = np.asarray(state.produced), np.asarray(state.done)
+        live = ~done & (produced < stop)
+        if not live.any():
+            return SpecRun(state)
+        handed = hand_off(state, produced, done)
+        if handed is None:
+            return SpecRun(_speculate(graphdef, params, state, req, stop, settings, True, drafted))
+        run = SpecRun(handed, _stats(state)._replace(handed_off=int(handed.step)), int(handed.step))
+    state = decode(graphdef, params, run.state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill,
+                   windows=windows)
+    return run._replace(state=state)
+
+
+def _speculate(graphdef, params, state, req, stop: int, settings: SpecSettings, plain_tail: bool, drafted=None):
+    draft_graphdef, draft_params = (None, None) if drafted is None else drafted
     return speculative_decode(graphdef, params, state, jnp.int32(stop), req.key, req.sampling, req.eos_id, req.fill,
                               k=settings.spec_tokens, ngram_max=settings.ngram_max, ngram_min=settings.ngram_min,
-                              min_accept=jnp.float32(settings.min_accept))
+                              min_accept=jnp.float32(settings.min_accept), plain_tail=jnp.bool_(plain_tail),
+                              draft_graphdef=draft_graphdef, draft_params=draft_params)
 
 
 def _stats(state) -> SpecStats:
     return SpecStats([int(x) for x in np.asarray(state.proposed)], [int(x) for x in np.asarray(state.accepted)],
                      int(state.verify_calls), int(state.iteration))
 
+
+def hand_off(state, produced: np.ndarray, done: np.ndarray) -> DecodeState | None:
+    """The DecodeState that continues SpecState ``state`` in ``decode.decode`` (its cache, tokens, slots, stop
+    state and output move over; the PRNG stream continues at decode's step keys, which no speculative iteration
+    used since every iteration emits at least one token), or None when the rows are not in step: decode writes
+    every row at one shared step, so every row not yet stopped must have the same token count P and every stopped
+    row at most P (always so at B = 1). produced, done: [B] host copies of the state's fields."""
+    running = produced[~done]
+    if len(running) == 0 or running.min() != running.max() or (produced[done] > running[0]).any():
+        return None
+    return DecodeState(jnp.int32(int(running[0])), state.token, state.index, state.done, state.out, state.cache)
 
 
 @partial(jax.jit, static_argnames=("graphdef",))
@@ -178,25 +275,40 @@ def _forward_logits(graphdef, params, tokens, cache, index):
     return logits
 
 
-def verify_cost(model, k: int, repeats: int = 5) -> float:
-    """c: the time of one cached forward over k + 1 new tokens (a verify call) divided by the time of one over
-    1 token (a plain step), at batch 1 over the whole static cache at slot max_context // 2; medians of
-    ``repeats`` timed calls each, after one untimed call that compiles. Wall time, so a loaded host moves it."""
+def forward_seconds(model, width: int, repeats: int = 5, at: int | None = None, slots: int | None = None) -> float:
+    """The median wall time (seconds) of ``repeats`` cached forwards of ``width`` new tokens at batch 1 over the
+    first ``slots`` slots of the static cache (None: all) at slot ``at`` (None: about max_context // 2), after
+    one untimed call that compiles."""
     graphdef, params = split_model(model)
-    cache = init_cache(model.cfg, 1)
-    index = jnp.full((1,), (model.cfg.max_context - k - 1) // 2, jnp.int32)
-    medians = []
+    cache = init_cache(model.cfg, 1) if slots is None else cache_window(init_cache(model.cfg, 1), slots)
+    index = jnp.full((1,), (model.cfg.max_context - width) // 2 if at is None else at, jnp.int32)
     with mesh_scope(mesh_of(params)):
-        for width in (1, k + 1):
-            tokens = jnp.zeros((1, width), jnp.int32)
+        tokens = jnp.zeros((1, width), jnp.int32)
+        _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
             _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
-                samples.append(time.perf_counter() - start)
-            medians.append(statistics.median(samples))
-    return medians[1] / medians[0]
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def verify_cost(model, k: int, repeats: int = 5) -> float:
+    """c: the time of one cached forward over k + 1 new tokens (a verify call, over the whole static cache as the
+    speculative loop runs it) divided by the time of one over 1 token (a plain step as the decode loop runs it
+    after a hand-off: over its smallest one-row window, ``decode.SINGLE_ROW_WINDOW`` slots or max_context if
+    fewer), at batch 1 and slot (window - k - 1) // 2; medians of ``repeats`` timed calls each
+    (``forward_seconds``). Wall time, so a loaded host moves it."""
+    window = min(SINGLE_ROW_WINDOW, model.cfg.max_context)
+    at = (window - k - 1) // 2
+    return forward_seconds(model, k + 1, repeats, at) / forward_seconds(model, 1, repeats, at, window)
+
+
+def draft_cost(model, draft, repeats: int = 5) -> float:
+    """r: one draft forward of 1 token over one target forward of 1 token (``forward_seconds``); a draft round
+    of k proposals costs about k * r plain steps on top of the verify call."""
+    at = model.cfg.max_context // 2
+    return forward_seconds(draft, 1, repeats, at) / forward_seconds(model, 1, repeats, at)
 
 
 def break_even(cost: float, k: int) -> float:

@@ -9,6 +9,8 @@ the GQA float32 model (``gqa_model``, a module fixture) serves the greedy case, 
 recompilation tests, which share its batch-1 and batch-2 programs; the default tier runs three greedy cases
 (MHA float32, GQA float32, MLA int8) and the other three are marked slow."""
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +25,8 @@ from dantinox.generation.ngram import propose_ngram
 from dantinox.generation.prompts import eos_array
 from dantinox.generation.sampling import filtered_probs, make_sampling_params
 from dantinox.generation.speculative import PROBE_VERIFIES, spec_state, speculative_decode
-from dantinox.generation.speculative_generate import (break_even, check_spec_settings, spec_settings,
-                                                      speculative_generate)
+from dantinox.generation.speculative_generate import (SpecSettings, break_even, check_spec_settings, hand_off,
+                                                      spec_settings, speculative_generate, speculative_stream)
 from dantinox.xla import CompileCounter
 
 ATTENTION = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
@@ -107,6 +109,35 @@ def test_switch_off_rule_stops_verifying_a_losing_request_and_keeps_the_tokens(g
     assert sum(kept.accepted) < sum(kept.proposed) and kept.verify_calls > PROBE_VERIFIES, kept
     assert stopped.verify_calls == PROBE_VERIFIES and sum(stopped.accepted) < sum(stopped.proposed), stopped
     assert stopped.iterations - stopped.verify_calls > kept.iterations - kept.verify_calls   # more plain steps
+    assert kept.handed_off is None and PROBE_VERIFIES < stopped.handed_off < 60, stopped   # mid-request
+
+
+def test_switched_off_request_finishes_in_the_compiled_decode_loop(gqa_model):
+    """After the switch-off rule fires the request continues in ``decode.decode``, the very program plain
+    generation compiled (no new compile), with plain greedy's tokens across the hand-off, also when streamed."""
+    prompt = repetitive_prompt(np.random.default_rng(4), GQA_CFG.vocab_size)
+    plain = generate_result(gqa_model, [prompt], 50)
+    speculative_generate(gqa_model, [prompt], 20, spec_tokens=4, min_accept=4.0)
+    with CompileCounter() as counted:
+        off, stats = speculative_generate(gqa_model, [prompt], 50, spec_tokens=4, min_accept=4.0)
+        streamed = np.concatenate([c for c, _ in speculative_stream(
+            gqa_model, [prompt], 50, settings=SpecSettings("ngram", 4, 4, 1, 4.0), chunk_size=7)], axis=1)
+    assert counted.compilations == 0
+    assert stats.handed_off is not None and stats.iterations - stats.verify_calls >= 50 - stats.handed_off
+    np.testing.assert_array_equal(off.tokens, plain.tokens)
+    np.testing.assert_array_equal(streamed, plain.tokens)
+
+
+def test_hand_off_only_when_the_rows_are_in_step():
+    """decode writes every row at one shared step: rows still running must share their token count, and a row
+    that stopped must not be past it (its tokens would be overwritten by the fill id)."""
+    state = SimpleNamespace(token="t", index="i", done="d", out="o", cache="c")
+    handed = hand_off(state, np.array([7, 7]), np.array([False, False]))
+    assert int(handed.step) == 7 and (handed.token, handed.index, handed.cache) == ("t", "i", "c")
+    assert int(hand_off(state, np.array([7, 4]), np.array([False, True])).step) == 7
+    assert hand_off(state, np.array([7, 5]), np.array([False, False])) is None
+    assert hand_off(state, np.array([7, 9]), np.array([False, True])) is None
+    assert hand_off(state, np.array([3, 9]), np.array([True, True])) is None
 
 
 def test_break_even_and_min_accept_bounds():

@@ -62,7 +62,8 @@ def test_speculative_with_an_mla_model_and_an_int8_cache_equals_plain_greedy(tmp
 
 
 @pytest.mark.parametrize("settings, message", [
-    (dict(speculative="draft"), "speculative='draft' is not allowed: one of 'ngram'"),
+    (dict(speculative="draft"), "speculative='draft' needs a draft model: Generator"),
+    (dict(speculative="medusa"), "speculative='medusa' is not allowed: one of 'ngram', 'draft'"),
     (dict(speculative="ngram", spec_tokens=0), "spec_tokens=0 is not allowed"),
     (dict(speculative="ngram", spec_tokens=17), "spec_tokens=17 is not allowed: at most 16"),
     (dict(speculative="ngram", spec_ngram_max=2, spec_ngram_min=3), "ngram_min=3, ngram_max=2 is not allowed"),
@@ -106,7 +107,7 @@ def test_cli_generate_speculative_stream_prints_the_plain_text(run_dir, capsys):
     (["--speculative", "ngram", "--spec-tokens", "17"], "--spec-tokens 17 is not allowed: at most 16"),
     (["--speculative", "ngram", "--spec-ngram-max", "2", "--spec-ngram-min", "3"],
      "--spec-ngram-min 3, --spec-ngram-max 2 is not allowed"),
-    (["--spec-tokens", "3"], "--spec-tokens needs --speculative ngram"),
+    (["--spec-tokens", "3"], "--spec-tokens needs --speculative ngram or draft:RUN"),
     (["--speculative", "ngram", "--no_cache"], "--speculative needs the cache"),
 ])
 def test_cli_bad_speculative_flags_are_one_line_exit_2(run_dir, capsys, bad, message):
@@ -115,11 +116,41 @@ def test_cli_bad_speculative_flags_are_one_line_exit_2(run_dir, capsys, bad, mes
     assert message in err and err.count("\n") == 1, err
 
 
-def test_cli_unknown_proposer_is_a_usage_error(run_dir, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--speculative", "draft"])
-    assert exit_info.value.code == 2
-    assert "argument --speculative: invalid choice: 'draft'" in capsys.readouterr().err
+@pytest.mark.parametrize("value", ["draft", "draft:", "medusa"])
+def test_cli_unknown_proposer_is_one_line_exit_2(run_dir, capsys, value):
+    assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--speculative", value]) == 2
+    err = capsys.readouterr().err
+    assert f"--speculative {value} is not allowed: ngram or draft:RUN" in err and err.count("\n") == 1, err
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """A 1-block draft over the same char tokenizer (max_context 64, as the target's)."""
+    return make_run(tmp_path_factory.mktemp("draft") / "small", attention="gqa", kv_heads=2, num_blocks=1)
+
+
+def test_cli_draft_with_another_tokenizer_is_one_line_exit_2(run_dir, tmp_path, capsys):
+    other = make_run(tmp_path / "bpe", kind="bpe", attention="gqa", kv_heads=2)
+    assert cli.main(["generate", "--run_dir", run_dir, "--prompt", "Nel", "--speculative", f"draft:{other}"]) == 2
+    err = capsys.readouterr().err
+    assert "does not share the target's tokenizer: the draft's vocabulary holds 260 tokens" in err, err
+    assert err.count("\n") == 1, err
+
+
+@pytest.mark.slow   # compiles the draft's programs
+def test_generator_and_cli_with_a_draft_run_equal_plain_greedy(run_dir, draft_dir, gen, capsys):
+    drafted = Generator(run_dir, warmup=False, draft_run=draft_dir)
+    plain = gen.complete(PROMPT, 30, temperature=0, ignore_eos=True)
+    spec = drafted.complete(PROMPT, 30, temperature=0, ignore_eos=True, speculative="draft", spec_tokens=3)
+    assert spec.text == plain.text and spec.spec.verify_calls > 0
+    assert 0.0 <= drafted.switch_off_threshold(3, "draft") <= 3.0
+    streamed = "".join(drafted.stream(PROMPT, 30, temperature=0, ignore_eos=True, chunk_size=4,
+                                      speculative="draft", spec_tokens=3))
+    assert streamed == plain.text
+    assert cli.main(["generate", "--run_dir", run_dir, "--prompt", PROMPT, "--max_new_tokens", "30",
+                     "--temperature", "0", "--ignore_eos", "--speculative", f"draft:{draft_dir}"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == PROMPT + plain.text + "\n" and "speculative draft (k=4, draft model):" in captured.err
 
 
 def test_cli_speculative_with_a_diffusion_model_names_the_flag(capsys):
