@@ -1,7 +1,8 @@
 """``dantinox eval``: quality per text slice of a quantized variant against the float baseline, with gates.
 
   dantinox eval [--run_dir R] --slice NAME=FILE|NAME [--slice ...] [--kv-dtype D] [--quantize Q]
-                [--kv-sinks A] [--kv-keys token|channel] [--kv-key-group G] [--chunk C] [--baseline default]
+                [--kv-sinks A] [--kv-keys token|channel] [--kv-key-group G] [--chunk C] [--window W]
+                [--baseline default]
                 [--gate GATE.yaml] [--json OUT] [--prefix P] [--batch B] [--prompts N]
                 [--prompt-tokens T] [--continuation C] [--mesh data=D,model=M]
                 [--coordinator HOST:PORT --num-processes N --process-id I]
@@ -65,6 +66,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per key-scale group with --kv-keys channel (default {DEFAULT_GROUP})")
     p.add_argument("--chunk", type=int, default=1, metavar="C", help="tokens per cached call after the prefix "
                    "(1: one-token decode steps; larger runs C times fewer steps, same figures up to rounding)")
+    p.add_argument("--window", type=int, default=None, metavar="W", help="longest teacher-forced window in "
+                   "tokens (default: max_context; a slice longer than it is cut into windows)")
     p.add_argument("--baseline", default="default", help="what the candidate is compared with: default (the run "
                    "as saved: float32 weights, its own cache dtype)")
     p.add_argument("--gate", default=None, metavar="GATE.yaml", help="thresholds per slice and metric")
@@ -133,6 +136,8 @@ def check_eval_args(args) -> None:
     check_quantize(args.quantize, "--quantize")
     if args.kv_dtype is not None:
         parse_kv_dtype(args.kv_dtype)
+    if args.window is not None and args.window < args.prefix + 2:
+        raise ValueError(f"--window {args.window} is not allowed: at least --prefix + 2 = {args.prefix + 2}")
     if args.kv_sinks is not None and args.kv_sinks < 0:
         raise ValueError(f"--kv-sinks {args.kv_sinks} is not allowed: an integer >= 0 (0: no float32 sinks)")
     if args.kv_keys not in KEY_LAYOUTS:
@@ -176,7 +181,9 @@ def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict
 
     from ..quality.slices import batch_count, slice_quality
 
-    S = baseline.cfg.max_context
+    from ..quality.teacher_forcing import context_cap
+
+    S = context_cap(baseline.cfg.max_context, args.window)
     streams = {}
     for name, text in texts.items():
         ids = tokenizer.encode(text, unknown="replace")
@@ -192,7 +199,7 @@ def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict
             q = slice_quality(baseline, candidate, ids, chars, prefix=args.prefix, batch=args.batch,
                               prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                               continuation=args.continuation, chunk=args.chunk,
-                              key_group=args.kv_key_group if args.kv_keys == "channel" else 0,
+                              key_group=args.kv_key_group if args.kv_keys == "channel" else 0, window=args.window,
                               tick=lambda: bar.update(1))
             bar.update(1)
             base, cand = q.loss

@@ -37,7 +37,7 @@ from flax import nnx
 
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
-from .teacher_forcing import CacheSpec, batch_count, new_cache, teacher_forced, windows
+from .teacher_forcing import CacheSpec, batch_count, context_cap, new_cache, teacher_forced, windows
 
 __all__ = ["SliceQuality", "batch_count", "greedy_agreement", "slice_quality", "teacher_forced", "windows"]
 
@@ -95,23 +95,26 @@ def greedy_agreement(baseline, candidate, ids: np.ndarray, prompts: int, prompt_
 
 def slice_quality(baseline, candidate, ids, chars: int, *, prefix: int = 64, batch: int = 8, prompts: int = 8,
                   prompt_tokens: int = 32, continuation: int = 32, chunk: int = 1, key_group: int = 0,
-                  tick: Callable[[], None] = lambda: None) -> SliceQuality:
+                  window: int | None = None, tick: Callable[[], None] = lambda: None) -> SliceQuality:
     """All figures of one slice (see the module docstring). ids: [N] int token stream; chars: characters of the
     scored text (the slice minus its first token); chunk: tokens per cached call after the prefix
     (``dantinox.quality.teacher_forcing``); key_group: G > 0 runs the candidate on per-channel int8 keys in groups
-    of G (``dantinox.quality.channel_keys``). Raises ValueError when N < prefix + 2, chunk < 1 or the prompts and
+    of G (``dantinox.quality.channel_keys``); window: the longest teacher-forced window (None: max_context).
+    Raises ValueError when N < prefix + 2, chunk < 1 or the prompts and
     continuation do not fit max_context."""
     ids = np.asarray(ids, np.int64)
     S = baseline.cfg.max_context
+    S = context_cap(S, window)
     if not 1 <= prefix < S - 1:
-        raise ValueError(f"prefix={prefix} is not allowed: an integer in [1, max_context - 1 = {S - 1})")
+        raise ValueError(f"prefix={prefix} is not allowed: an integer in [1, window - 1 = {S - 1}) "
+                         "(window: max_context or --window)")
     if len(ids) < prefix + 2:
         raise ValueError(f"the slice has {len(ids)} tokens, fewer than prefix + 2 = {prefix + 2}")
     if prompt_tokens + continuation > S:
         raise ValueError(f"prompt_tokens + continuation = {prompt_tokens + continuation} exceeds max_context={S}")
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk={chunk!r} is not allowed: an integer >= 1")
-    nll_base, nll_cand, diff = teacher_forced(baseline, candidate, ids, prefix, batch, chunk, key_group, tick)
+    nll_base, nll_cand, diff = teacher_forced(baseline, candidate, ids, prefix, batch, chunk, key_group, window, tick)
     agreement = greedy_agreement(baseline, candidate, ids, prompts, min(prompt_tokens, len(ids)), continuation,
                                  key_group)
     return SliceQuality((nll_base / chars, nll_cand / chars), agreement, diff, len(ids) - 1, chars)

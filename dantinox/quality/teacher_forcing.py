@@ -3,10 +3,13 @@ largest logit difference; ``dantinox.quality.slices`` has the walkthrough).
 
 Windows. The token stream is cut into windows of L tokens, L = the stream's length rounded up to a power of two
 (at most max_context): a stream shorter than max_context is one window, and its cache has L slots, not
-max_context (on SmolLM2, 8192 slots for a 492-token slice made every step attend over 16x the slots it needed).
-Longer streams are cut into windows of max_context, each starting on the last token of the previous one, so
-every token but the first is predicted exactly once; the last window is the stream's last L tokens with the
-already-scored targets masked. A batch holds min(batch, windows) rows, so no batch is mostly padding.
+max_context (on SmolLM2, 8192 slots for a 492-token slice made every step attend over 16x the slots it
+needed). Longer streams are cut into windows of max_context (or of ``window`` tokens when given:
+``dantinox eval --window``, a shorter context per window and quadratically less attention), each starting on
+the last token of the previous one, so every token but the first is predicted exactly once; the last window
+is the stream's last L tokens with the already-scored targets masked. Batches hold at most ``batch`` rows,
+as evenly filled as the window count allows (11 windows at batch 8: two batches of 6), so no batch is
+mostly padding.
 
 Feeding. In a window the first P tokens are prefilled into a fresh cache, P = prefix, raised by at most
 chunk - 1 so the rest (L - 1 - P tokens) divides into chunks; every chunk of ``chunk`` tokens is then fed at
@@ -61,6 +64,11 @@ def window_length(n_tokens: int, max_context: int) -> int:
     return min(max_context, 1 << max(1, int(n_tokens - 1).bit_length()))
 
 
+def context_cap(max_context: int, window: int | None) -> int:
+    """The longest window: max_context, or ``window`` when given and smaller."""
+    return max_context if window is None else min(max_context, window)
+
+
 def fed_prefix(length: int, prefix: int, chunk: int) -> int:
     """P: prefix raised by at most chunk - 1 so the L - 1 - P fed tokens divide into chunks (chunk = 1: prefix)."""
     return prefix + (length - 1 - prefix) % chunk
@@ -84,14 +92,14 @@ def windows(n_tokens: int, length: int) -> tuple[np.ndarray, np.ndarray]:
 
 def batches(ids: np.ndarray, length: int, batch: int):
     """Yield (window ids [rows, length] int32, score mask [rows, length - 1] bool) covering the stream, rows =
-    min(batch, windows); the last batch is padded with masked rows of token 0."""
+    ceil(W / ceil(W / batch)) for W windows; the last batch is padded with masked rows of token 0."""
     n = len(ids)
     if n < length:  # one short window, padded with token 0 and masked
         ids = np.concatenate([ids, np.zeros(length - n, ids.dtype)])
         starts, mask = np.zeros(1, int), np.arange(length - 1)[None] < n - 1
     else:
         starts, mask = windows(n, length)
-    rows = min(batch, len(starts))
+    rows = -(-len(starts) // -(-len(starts) // batch))          # ceil(W / number of batches)
     for first in range(0, len(starts), rows):
         part = np.stack([ids[s:s + length] for s in starts[first:first + rows]])
         m = mask[first:first + rows]
@@ -105,8 +113,7 @@ def batch_count(n_tokens: int, max_context: int, batch: int) -> int:
     length = window_length(n_tokens, max_context)
     if n_tokens < length:
         return 1
-    count = len(windows(n_tokens, length)[0])
-    return -(-count // min(batch, count))
+    return -(-len(windows(n_tokens, length)[0]) // batch)
 
 
 def _target_nll(logits, targets):
@@ -152,11 +159,13 @@ def pair_figures(graphdefs, params, ids, specs, prefix: int, chunk: int):
 
 
 def teacher_forced(baseline, candidate, ids: np.ndarray, prefix: int, batch: int, chunk: int = 1,
-                   key_group: int = 0, tick: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
+                   key_group: int = 0, window: int | None = None,
+                   tick: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
     """(baseline summed NLL, candidate summed NLL, largest |logit diff|) over the stream ids [N] (nats).
-    key_group: the candidate's per-channel key group (0: its own cache). Both models run on the mesh the
+    key_group: the candidate's per-channel key group (0: its own cache); window: the longest window (None:
+    max_context). Both models run on the mesh the
     baseline's parameters are on (``dantinox.parallel.mesh.mesh_of``), or on one device."""
-    length = window_length(len(ids), baseline.cfg.max_context)
+    length = window_length(len(ids), context_cap(baseline.cfg.max_context, window))
     P = fed_prefix(length, prefix, chunk)
     specs = (CacheSpec(length - 1), CacheSpec(length - 1, key_group))
     split = [nnx.split(m) for m in (baseline, candidate)]

@@ -91,6 +91,7 @@ def test_eval_window_and_cache_follow_the_slice_not_max_context():
     (rows, mask), = list(batches(np.arange(40), 64, 8))
     assert rows.shape == (1, 64) and mask.sum() == 39
     assert [r.shape for r, _ in batches(np.arange(600), 256, 8)] == [(3, 256)]
+    assert [r.shape for r, _ in batches(np.arange(2600), 256, 8)] == [(6, 256)] * 2   # 11 windows
     assert fed_prefix(64, 8, 1) == 8 and (64 - 1 - fed_prefix(64, 8, 16)) % 16 == 0
 
 
