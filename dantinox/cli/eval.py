@@ -38,7 +38,7 @@ import tempfile
 
 from ..parallel.mesh import mesh_from_flag, mesh_shape, naming_flag
 from ..quality.gate import GATE_METRICS, check_gate, gate_passes, gate_value, load_gate
-from ..quant.kv_channels import DEFAULT_GROUP, channel_key_cache_bytes
+from ..quant.kv_channels import DEFAULT_GROUP
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights, quantize_weights
 from ..runs.bundled import bundled_slice_names, resolve_slice_file
@@ -169,10 +169,10 @@ def candidate_model(model, kv_dtype: str | None, quantize: str | None, sinks: in
 
 def cache_bytes(cfg, slots: int, keys: str, group: int) -> int:
     """Bytes of one sequence's cache of ``slots`` tokens as the candidate's layout stores it (every layer;
-    ``dantinox.budget.kv_cache_bytes``, sinks included, or ``channel_key_cache_bytes``)."""
-    from ..budget import kv_cache_bytes
+    ``dantinox.budget.kv_cache_bytes``, sinks included, or ``kv_channel_key_cache_bytes``)."""
+    from ..budget import kv_cache_bytes, kv_channel_key_cache_bytes
 
-    return channel_key_cache_bytes(cfg, slots, group) if keys == "channel" else kv_cache_bytes(cfg, 1, slots)
+    return kv_channel_key_cache_bytes(cfg, 1, slots, group) if keys == "channel" else kv_cache_bytes(cfg, 1, slots)
 
 
 def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict[str, dict]:

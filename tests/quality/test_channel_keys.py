@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dantinox import ModelConfig, build_model
+from dantinox.budget import kv_channel_key_cache_bytes
 from dantinox.quality.channel_keys import ChannelKeyKV
 from dantinox.quality.teacher_forcing import batches, fed_prefix, teacher_forced, window_length
 from dantinox.quant.kv_channels import channel_key_cache_bytes, channel_roundtrip, quantize_channels
@@ -80,6 +81,7 @@ def test_channel_key_bytes_count_the_layout_arrays():
                                                     np.zeros((K, 32 // G, D), np.float32),
                                                     np.zeros((K, G, D), np.float32)]
     assert channel_key_cache_bytes(cfg, S, G) == cfg.num_blocks * sum(a.nbytes for a in arrays)
+    assert kv_channel_key_cache_bytes(cfg, 3, S, G) == 3 * cfg.num_blocks * sum(a.nbytes for a in arrays)
     with pytest.raises(ValueError, match="attention='mla'"):
         channel_key_cache_bytes(ModelConfig.from_preset("tiny-mla", cache_dtype="int8"), S, G)
 
