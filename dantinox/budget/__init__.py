@@ -4,9 +4,10 @@
   per_device.py   the same per device on a (data, model) mesh, replication counted
 """
 
-from .memory import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, kv_sink_bytes, max_batch_size,
-                     memory_split, param_bytes, parse_memory_size, plan_capacity)
+from .memory import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, kv_channel_key_cache_bytes,
+                     kv_sink_bytes, max_batch_size, memory_split, param_bytes, parse_memory_size, plan_capacity)
 from .per_device import DevicePlan, plan_mesh
 
-__all__ = ["CapacityPlan", "DevicePlan", "MemorySplit", "kv_bytes_per_token", "kv_cache_bytes", "kv_sink_bytes",
+__all__ = ["CapacityPlan", "DevicePlan", "MemorySplit", "kv_bytes_per_token", "kv_cache_bytes",
+           "kv_channel_key_cache_bytes", "kv_sink_bytes",
            "max_batch_size", "memory_split", "param_bytes", "parse_memory_size", "plan_capacity", "plan_mesh"]

@@ -38,6 +38,7 @@ from ..config import ModelConfig
 from ..generation.diffusion import dual_cache_bytes
 from ..model.cache import bytes_per_token_per_layer, sink_bytes_per_layer
 from ..model.transformer import Transformer
+from ..quant.kv_channels import channel_key_cache_bytes
 from ..quant.weights import check_quantize, quantize_weights
 from .per_device import _sizes, kv_split, weights_bytes_per_device
 
@@ -90,6 +91,16 @@ def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: in
     batch = _positive_int("batch", batch)
     seq_len = _positive_int("seq_len", seq_len)
     return batch * (seq_len * kv_bytes_per_token(cfg, dtype) + kv_sink_bytes(cfg, dtype))
+
+
+def kv_channel_key_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: int, group: int) -> int:
+    """Exact bytes of ``batch`` sequences of ``seq_len`` tokens in the per-channel int8 key layout (KIVI,
+    ``dantinox.quant.kv_channels``: int8 keys and values, value scales per token, key scales per channel and
+    group of ``group`` tokens, the filling group's keys in float32), every layer. Only ``dantinox eval
+    --kv-keys channel`` runs that layout (the static cache and the paged pool hold per-token rows and sinks,
+    ``kv_cache_bytes``). Raises ValueError for a bad batch, seq_len or group, or attention="mla"."""
+    return _positive_int("batch", batch) * channel_key_cache_bytes(_as_config(cfg), _positive_int("seq_len", seq_len),
+                                                                   group)
 
 
 def param_bytes(source: ModelConfig | Mapping[str, Any] | nnx.Module, quantize: str | None = None) -> int:

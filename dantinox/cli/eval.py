@@ -1,7 +1,9 @@
 """``dantinox eval``: quality per text slice of a quantized variant against the float baseline, with gates.
 
   dantinox eval [--run_dir R] --slice NAME=FILE|NAME [--slice ...] [--kv-dtype D] [--quantize Q]
-                [--baseline default] [--gate GATE.yaml] [--json OUT] [--prefix P] [--batch B] [--prompts N]
+                [--kv-sinks A] [--kv-keys token|channel] [--kv-key-group G] [--chunk C] [--window W]
+                [--baseline default]
+                [--gate GATE.yaml] [--json OUT] [--prefix P] [--batch B] [--prompts N]
                 [--prompt-tokens T] [--continuation C] [--mesh data=D,model=M]
                 [--coordinator HOST:PORT --num-processes N --process-id I]
 
@@ -11,12 +13,15 @@ Walkthrough:
      devices than there are): one line on stderr, exit status 2. A slice is NAME=FILE, or the name of a slice
      shipped in the package (it-heldout, rare-latin-occitan, en-shakespeare; ``dantinox.runs.bundled``).
   2. The run is loaded twice: the baseline ("default": the run as saved, float32 weights and its own cache
-     dtype) and the candidate (the cache dtype of --kv-dtype, then the weights of --quantize). With --mesh both
+     dtype) and the candidate (the cache dtype of --kv-dtype, its int8 sink tokens from --kv-sinks, then the
+     weights of --quantize; --kv-keys channel runs its int8 keys per channel in groups of --kv-key-group tokens,
+     KIVI, ``dantinox.quality.channel_keys``, an eval-only layout). With --mesh both
      are then sharded over the mesh (``dantinox.parallel.sharding.shard_model``, as generate and verify do; heads not
      divisible by model: exit 2 naming --mesh) and every figure is measured on it (docs/multi-device.md).
   3. Each slice is tokenized with the run's tokenizer (characters outside a char vocabulary become <unk>) and
-     measured by ``dantinox.quality.slices.slice_quality``: teacher-forced nats per character through the cache,
-     greedy agreement with the baseline, largest |logit difference|. A tqdm bar on stderr counts the batches.
+     measured by ``dantinox.quality.slices.slice_quality``: teacher-forced nats per character through the cache
+     (windows and caches sized to the slice, --chunk tokens per cached call), greedy agreement with the baseline,
+     largest |logit difference|. A tqdm bar on stderr counts the batches.
   4. One table (slice x metric: baseline, candidate, change, gate) goes to stdout; --json writes the figures
      (temp file, then rename); with --gate, every failing slice.metric is named on stderr and the exit status
      is 1.
@@ -33,6 +38,7 @@ import tempfile
 
 from ..parallel.mesh import mesh_from_flag, mesh_shape, naming_flag
 from ..quality.gate import GATE_METRICS, check_gate, gate_passes, gate_value, load_gate
+from ..quant.kv_channels import DEFAULT_GROUP
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights, quantize_weights
 from ..runs.bundled import bundled_slice_names, resolve_slice_file
@@ -40,6 +46,7 @@ from .flags import add_distributed_arguments, add_mesh_argument, add_quantize_ar
 
 SLICE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 BASELINES = ("default",)
+KEY_LAYOUTS = ("token", "channel")
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +57,17 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                         f"{', '.join(bundled_slice_names())}); repeat the flag for several")
     p.add_argument("--kv-dtype", default=None, help="cache dtype of the candidate (default: the run's own)")
     add_quantize_argument(p)
+    p.add_argument("--kv-sinks", type=int, default=None, metavar="A", help="int8 cache: the candidate's first A "
+                   "tokens kept in float32 (kv_sink_tokens; default: the run's own, 4 unless set)")
+    p.add_argument("--kv-keys", default="token", help="int8 cache keys of the candidate: token (one scale per "
+                   "token and head, the cache generate and serve use) or channel (one scale per channel over "
+                   "groups of --kv-key-group tokens, KIVI; measured by eval only)")
+    p.add_argument("--kv-key-group", type=int, default=DEFAULT_GROUP, metavar="G",
+                   help=f"tokens per key-scale group with --kv-keys channel (default {DEFAULT_GROUP})")
+    p.add_argument("--chunk", type=int, default=1, metavar="C", help="tokens per cached call after the prefix "
+                   "(1: one-token decode steps; larger runs C times fewer steps, same figures up to rounding)")
+    p.add_argument("--window", type=int, default=None, metavar="W", help="longest teacher-forced window in "
+                   "tokens (default: max_context; a slice longer than it is cut into windows)")
     p.add_argument("--baseline", default="default", help="what the candidate is compared with: default (the run "
                    "as saved: float32 weights, its own cache dtype)")
     p.add_argument("--gate", default=None, metavar="GATE.yaml", help="thresholds per slice and metric")
@@ -112,22 +130,49 @@ def read_slice(name: str, path: str) -> str:
 
 def check_eval_args(args) -> None:
     """Raise ValueError naming the flag for a bad number, quantize, kv dtype or baseline."""
-    for flag in ("prefix", "batch", "prompts", "prompt_tokens", "continuation"):
+    for flag in ("prefix", "batch", "prompts", "prompt_tokens", "continuation", "chunk", "kv_key_group"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not allowed: an integer >= 1")
     check_quantize(args.quantize, "--quantize")
     if args.kv_dtype is not None:
         parse_kv_dtype(args.kv_dtype)
+    if args.window is not None and args.window < args.prefix + 2:
+        raise ValueError(f"--window {args.window} is not allowed: at least --prefix + 2 = {args.prefix + 2}")
+    if args.kv_sinks is not None and args.kv_sinks < 0:
+        raise ValueError(f"--kv-sinks {args.kv_sinks} is not allowed: an integer >= 0 (0: no float32 sinks)")
+    if args.kv_keys not in KEY_LAYOUTS:
+        raise ValueError(f"--kv-keys {args.kv_keys} is not allowed: one of {', '.join(KEY_LAYOUTS)}")
     if args.baseline not in BASELINES:
         raise ValueError(f"--baseline {args.baseline} is not allowed: one of {', '.join(BASELINES)}")
 
 
-def candidate_model(model, kv_dtype: str | None, quantize: str | None):
-    """``model`` with the cache dtype ``kv_dtype`` (the same parameters; ``dantinox.quant.kv_dtype.with_kv_dtype``)
-    and the weights of ``quantize``. Raises KVDtypeError / ValueError naming --kv-dtype or --quantize."""
-    from ..quant.kv_dtype import with_kv_dtype
+def candidate_model(model, kv_dtype: str | None, quantize: str | None, sinks: int | None = None,
+                    keys: str = "token"):
+    """``model`` with the cache dtype ``kv_dtype`` (the same parameters; ``dantinox.quant.kv_dtype.with_kv_dtype``),
+    ``sinks`` int8 sink tokens (None: its own) and the weights of ``quantize``. Raises KVDtypeError / ValueError
+    naming --kv-dtype, --kv-sinks, --kv-keys or --quantize (sinks or channel keys on a cache that is not int8,
+    channel keys on MLA)."""
+    from ..quant.kv_dtype import with_config, with_kv_dtype
 
-    return quantize_weights(with_kv_dtype(model, kv_dtype), quantize)
+    model = with_kv_dtype(model, kv_dtype)
+    int8 = model.cfg.cache_dtype == "int8"
+    if sinks is not None:
+        if not int8:
+            raise ValueError(f"--kv-sinks {sinks} needs an int8 cache (give --kv-dtype int8); the candidate's "
+                             f"cache is {model.cfg.cache_dtype}")
+        model = with_config(model, model.cfg.replace(kv_sink_tokens=sinks))
+    if keys == "channel" and (not int8 or model.cfg.attention == "mla"):
+        raise ValueError(f"--kv-keys channel needs an int8 MHA / GQA / MQA cache (give --kv-dtype int8); the "
+                         f"candidate has cache {model.cfg.cache_dtype}, attention {model.cfg.attention}")
+    return quantize_weights(model, quantize)
+
+
+def cache_bytes(cfg, slots: int, keys: str, group: int) -> int:
+    """Bytes of one sequence's cache of ``slots`` tokens as the candidate's layout stores it (every layer;
+    ``dantinox.budget.kv_cache_bytes``, sinks included, or ``kv_channel_key_cache_bytes``)."""
+    from ..budget import kv_cache_bytes, kv_channel_key_cache_bytes
+
+    return kv_channel_key_cache_bytes(cfg, 1, slots, group) if keys == "channel" else kv_cache_bytes(cfg, 1, slots)
 
 
 def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict[str, dict]:
@@ -136,7 +181,9 @@ def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict
 
     from ..quality.slices import batch_count, slice_quality
 
-    S = baseline.cfg.max_context
+    from ..quality.teacher_forcing import context_cap
+
+    S = context_cap(baseline.cfg.max_context, args.window)
     streams = {}
     for name, text in texts.items():
         ids = tokenizer.encode(text, unknown="replace")
@@ -151,13 +198,27 @@ def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict
             chars = len(texts[name]) - len(tokenizer.decode(ids[:1]))
             q = slice_quality(baseline, candidate, ids, chars, prefix=args.prefix, batch=args.batch,
                               prompts=args.prompts, prompt_tokens=args.prompt_tokens,
-                              continuation=args.continuation, tick=lambda: bar.update(1))
+                              continuation=args.continuation, chunk=args.chunk,
+                              key_group=args.kv_key_group if args.kv_keys == "channel" else 0, window=args.window,
+                              tick=lambda: bar.update(1))
             bar.update(1)
             base, cand = q.loss
             rows[name] = dict(tokens=q.tokens, chars=q.chars, loss_baseline=base, loss_candidate=cand,
                               loss_change_pct=100.0 * (cand - base) / base, agreement=q.agreement,
                               max_logit_diff=q.max_logit_diff)
     return rows
+
+
+def describe_cache(cfg, args) -> str:
+    """The candidate's cache in words with its bytes per sequence at max_context, e.g. "int8, per-token keys,
+    4 float32 sinks (97.50 MiB per 8192-token sequence)"."""
+    words = [cfg.cache_dtype]
+    if cfg.cache_dtype == "int8":
+        words.append(f"keys per channel in groups of {args.kv_key_group}" if args.kv_keys == "channel"
+                     else "per-token keys")
+        words.append(f"{cfg.sink_slots} float32 sinks")
+    size = cache_bytes(cfg, cfg.max_context, args.kv_keys, args.kv_key_group) / 2 ** 20
+    return f"{', '.join(words)} ({size:.2f} MiB per {cfg.max_context}-token sequence)"
 
 
 def format_table(rows: dict[str, dict], gate: dict) -> str:
@@ -210,19 +271,20 @@ def run_eval(args) -> int:
     if cfg.paradigm != "ar":
         raise ValueError(f"--run_dir {run_dir} holds a paradigm={cfg.paradigm!r} model; eval measures "
                          "autoregressive models (teacher forcing through the causal cache)")
-    candidate = candidate_model(load_run(run_dir)[0], args.kv_dtype, args.quantize)
+    candidate = candidate_model(load_run(run_dir)[0], args.kv_dtype, args.quantize, args.kv_sinks, args.kv_keys)
     with naming_flag(args.mesh):  # after --kv-dtype and --quantize, as generate and verify
         shard_model(baseline, mesh)
         shard_model(candidate, mesh)
     rows = measure(args, texts, baseline, candidate, tokenizer)
     print(f"{run_dir}: baseline {args.baseline} (weights {describe_weights(baseline)}, cache {cfg.cache_dtype}); "
-          f"candidate weights {describe_weights(candidate)}, cache {candidate.cfg.cache_dtype}"
+          f"candidate weights {describe_weights(candidate)}, cache {describe_cache(candidate.cfg, args)}"
           f"{'' if mesh is None else f'; on the mesh {args.mesh}'}")
     print(format_table(rows, gate))
     failures = check_gate(gate, rows)
     if args.json:
         write_json_atomic(args.json, dict(run_dir=run_dir, baseline=args.baseline, kv_dtype=candidate.cfg.cache_dtype,
-                                          quantize=args.quantize, weights=describe_weights(candidate),
+                                          kv_cache=describe_cache(candidate.cfg, args), quantize=args.quantize,
+                                          weights=describe_weights(candidate),
                                           mesh=mesh_shape(mesh), slices=rows, gate=gate,
                                           failures=failures, gate_metrics=list(GATE_METRICS)))
     for failure in failures:

@@ -4,14 +4,10 @@
 ``dantinox eval`` for the baseline and the candidate model (same tokenizer, same shape; the candidate may hold a
 quantized cache or quantized weights):
 
-  loss            teacher-forced cross-entropy in nats per character. The token stream is cut into windows of
-                  S = max_context tokens, each starting on the last token of the previous one, so every token
-                  but the first is predicted exactly once. In a window the first ``prefix`` tokens are
-                  prefilled into a fresh cache; every later token is fed one at a time through the cache
-                  (one ``lax.scan`` of single-token model calls), so a cache that stores or reads keys and
-                  values wrongly changes the loss. Windows run in batches of ``batch`` rows; the last
-                  window is the stream's last S tokens with the already-scored targets masked, and missing rows
-                  are masked padding, so the whole slice compiles once.
+  loss            teacher-forced cross-entropy in nats per character, every token but the first predicted
+                  exactly once, through the cache: windows of the stream's length rounded up to a power of two
+                  (at most max_context), a prefill of ``prefix`` tokens, then chunks of ``chunk`` tokens fed at
+                  their slots (``dantinox.quality.teacher_forcing`` has the details and why).
   agreement       greedy continuation agreement with the baseline: ``prompts`` prompts of ``prompt_tokens``
                   tokens taken at evenly spaced offsets of the stream (deterministic), ``continuation`` greedy
                   tokens each from both models; the score of a prompt is the number of tokens equal before the
@@ -21,9 +17,12 @@ quantized cache or quantized weights):
 
 A model whose parameters are on a mesh (``dantinox.parallel.sharding.shard_model``) is measured on that mesh: its
 teacher-forced calls run with the mesh in scope, so the cache is split as ``dantinox.parallel.sharding.cache_specs``
-says, and the greedy prompts run through ``generate_result``, which does the same.
+says, and the greedy prompts decode through a cache of prompt + continuation slots on the same mesh.
 
-Shape letters: B windows per batch, S window length (max_context), P prefix, V vocabulary, N stream tokens.
+The candidate runs on its own cache (its config's cache dtype and sinks), or with key_group > 0 on per-channel
+int8 keys (KIVI, ``dantinox.quality.channel_keys``).
+
+Shape letters: B rows, T prompt tokens, V vocabulary, N stream tokens.
 """
 
 from __future__ import annotations
@@ -36,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..generation.decode import generate_result
-from ..model.cache import init_cache
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
+from .teacher_forcing import CacheSpec, batch_count, context_cap, new_cache, teacher_forced, windows
+
+__all__ = ["SliceQuality", "batch_count", "greedy_agreement", "slice_quality", "teacher_forced", "windows"]
 
 
 class SliceQuality(NamedTuple):
@@ -53,124 +53,68 @@ class SliceQuality(NamedTuple):
     chars: int
 
 
-@partial(jax.jit, static_argnames=("graphdef", "prefix"))
-def teacher_forced_logits(graphdef, params, ids, prefix: int):
-    """Logits predicting ids[:, 1:], prefill of ``prefix`` tokens then one cached step per token.
-
-    ids: [B, S] int32 with P = prefix < S. Returns [B, S - 1, V] float32: row t predicts ids[:, t + 1].
-    """
+@partial(jax.jit, static_argnames=("graphdef", "spec", "steps"))
+def greedy_tokens(graphdef, params, prompts, spec: CacheSpec, steps: int):
+    """``steps`` greedy tokens per prompt through a fresh cache of ``spec``: prompts [B, T] int32 -> [B, steps]
+    int32 (argmax of each step's logits; the first from the prompt's last position)."""
     model = nnx.merge(graphdef, params)
-    B, S = ids.shape
-    cache = init_cache(model.cfg, B)
-    logits, cache, _ = model(ids[:, :prefix], use_cache=True, kv_caches=cache, cache_index=0)
+    B, T = prompts.shape
+    logits, cache, _ = model(prompts, use_cache=True, kv_caches=new_cache(model, B, spec), cache_index=0)
+    first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
 
-    def step(cache, t):
-        token = jax.lax.dynamic_slice_in_dim(ids, t, 1, axis=1)
-        out, cache, _ = model(token, use_cache=True, kv_caches=cache, cache_index=jnp.full((B,), t, jnp.int32))
-        return cache, out[:, 0]
+    def step(carry, t):
+        cache, token = carry
+        out, cache, _ = model(token[:, None], use_cache=True, kv_caches=cache, cache_index=jnp.full((B,), t))
+        token = jnp.argmax(out[:, 0], axis=-1).astype(jnp.int32)
+        return (cache, token), token
 
-    _, rest = jax.lax.scan(step, cache, jnp.arange(prefix, S - 1, dtype=jnp.int32))
-    return jnp.concatenate([logits, jnp.moveaxis(rest, 0, 1)], axis=1)
-
-
-def windows(n_tokens: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Window starts and score masks covering targets 1..N-1 exactly once.
-
-    Returns (starts [W] int, mask [W, length - 1] bool: True where target start + t + 1 is scored here).
-    Needs n_tokens >= length (the caller pads shorter streams).
-    """
-    starts = list(range(0, n_tokens - length + 1, length - 1))
-    if starts[-1] + length < n_tokens:
-        starts.append(n_tokens - length)
-    mask = np.ones((len(starts), length - 1), bool)
-    for w in range(1, len(starts)):
-        covered = starts[w - 1] + length - starts[w]  # targets of window w already scored by window w - 1
-        mask[w, :max(0, covered - 1)] = False
-    return np.asarray(starts), mask
-
-
-def _batches(ids: np.ndarray, length: int, batch: int):
-    """Yield (window ids [batch, length] int32, score mask [batch, length - 1] bool) covering the stream."""
-    n = len(ids)
-    if n < length:  # one short window, padded with token 0 and masked
-        ids = np.concatenate([ids, np.zeros(length - n, ids.dtype)])
-        starts, mask = np.zeros(1, int), np.arange(length - 1)[None] < n - 1
-    else:
-        starts, mask = windows(n, length)
-    for first in range(0, len(starts), batch):
-        rows = np.stack([ids[s:s + length] for s in starts[first:first + batch]])
-        m = mask[first:first + batch]
-        pad = batch - len(rows)
-        yield (np.concatenate([rows, np.zeros((pad, length), rows.dtype)]).astype(np.int32),
-               np.concatenate([m, np.zeros((pad, length - 1), bool)]))
-
-
-def batch_count(n_tokens: int, length: int, batch: int) -> int:
-    """Number of batches ``slice_quality`` runs for a stream of n_tokens (for a progress bar)."""
-    return 1 if n_tokens < length else -(-len(windows(n_tokens, length)[0]) // batch)
-
-
-def _nll(logits: np.ndarray, targets: np.ndarray, mask: np.ndarray) -> float:
-    """Summed -log p(target) over masked positions. logits [B, S-1, V], targets/mask [B, S-1]."""
-    logits = logits.astype(np.float64)
-    top = logits.max(-1, keepdims=True)
-    logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
-    picked = np.take_along_axis(logits, targets[..., None], -1)[..., 0]
-    return float(((logz - picked) * mask).sum())
-
-
-def teacher_forced(baseline, candidate, ids: np.ndarray, prefix: int, batch: int,
-                   tick: Callable[[], None] = lambda: None) -> tuple[float, float, float]:
-    """(baseline summed NLL, candidate summed NLL, largest |logit diff|) over the stream ids [N] (nats).
-    Each model runs on the mesh its parameters are on (``dantinox.parallel.mesh.mesh_of``), or on one device."""
-    S = baseline.cfg.max_context
-    split = [nnx.split(m) for m in (baseline, candidate)]
-    nll = [0.0, 0.0]
-    diff = 0.0
-    for rows, mask in _batches(np.asarray(ids), S, batch):
-        outs = [_logits_on_mesh(g, p, rows, prefix) for g, p in split]
-        for i, out in enumerate(outs):
-            nll[i] += _nll(out, rows[:, 1:], mask)
-        diff = max(diff, float(np.abs(outs[0] - outs[1]).max(-1)[mask].max(initial=0.0)))
-        tick()
-    return nll[0], nll[1], diff
-
-
-def _logits_on_mesh(graphdef, params, rows: np.ndarray, prefix: int) -> np.ndarray:
-    """:func:`teacher_forced_logits` with the parameters' mesh in scope (none: one device), gathered
-    to this host (``dantinox.parallel.distributed.to_host``: other processes' shards too)."""
-    with mesh_scope(mesh_of(params)):
-        return to_host(teacher_forced_logits(graphdef, params, jnp.asarray(rows), prefix))
+    _, rest = jax.lax.scan(step, (cache, first), jnp.arange(T, T + steps - 1, dtype=jnp.int32))
+    return jnp.concatenate([first[:, None], rest.T], axis=1)
 
 
 def greedy_agreement(baseline, candidate, ids: np.ndarray, prompts: int, prompt_tokens: int,
-                     continuation: int) -> float:
+                     continuation: int, key_group: int = 0) -> float:
     """Mean over ``prompts`` evenly spaced prompts of (tokens equal before the first divergence) / continuation.
 
-    ids: [N] stream; prompts start at offsets linspace(0, N - prompt_tokens, prompts) (deterministic).
+    ids: [N] stream; prompts start at offsets linspace(0, N - prompt_tokens, prompts) (deterministic). Both
+    models decode through caches of prompt_tokens + continuation - 1 slots (the candidate's per-channel key
+    view when key_group > 0), on the mesh of their parameters.
     """
     offsets = np.linspace(0, len(ids) - prompt_tokens, prompts).astype(int)
-    rows = np.stack([ids[o:o + prompt_tokens] for o in offsets]).astype(np.int32)
-    out = [generate_result(m, rows, continuation, temperature=0.0).tokens for m in (baseline, candidate)]
+    rows = jnp.asarray(np.stack([ids[o:o + prompt_tokens] for o in offsets]).astype(np.int32))
+    out = []
+    for model, group in ((baseline, 0), (candidate, key_group)):
+        graphdef, params = nnx.split(model)
+        spec = CacheSpec(prompt_tokens + continuation - 1, group)
+        with mesh_scope(mesh_of(params)):
+            out.append(to_host(greedy_tokens(graphdef, params, rows, spec, continuation)))
     same = out[0] == out[1]
     prefix_equal = np.where(same.all(1), continuation, np.argmin(same, axis=1))
     return float(np.mean(prefix_equal / continuation))
 
 
 def slice_quality(baseline, candidate, ids, chars: int, *, prefix: int = 64, batch: int = 8, prompts: int = 8,
-                  prompt_tokens: int = 32, continuation: int = 32,
-                  tick: Callable[[], None] = lambda: None) -> SliceQuality:
+                  prompt_tokens: int = 32, continuation: int = 32, chunk: int = 1, key_group: int = 0,
+                  window: int | None = None, tick: Callable[[], None] = lambda: None) -> SliceQuality:
     """All figures of one slice (see the module docstring). ids: [N] int token stream; chars: characters of the
-    scored text (the slice minus its first token). Raises ValueError when N < prefix + 2 or the prompts and
+    scored text (the slice minus its first token); chunk: tokens per cached call after the prefix
+    (``dantinox.quality.teacher_forcing``); key_group: G > 0 runs the candidate on per-channel int8 keys in groups
+    of G (``dantinox.quality.channel_keys``); window: the longest teacher-forced window (None: max_context).
+    Raises ValueError when N < prefix + 2, chunk < 1 or the prompts and
     continuation do not fit max_context."""
     ids = np.asarray(ids, np.int64)
     S = baseline.cfg.max_context
+    S = context_cap(S, window)
     if not 1 <= prefix < S - 1:
-        raise ValueError(f"prefix={prefix} is not allowed: an integer in [1, max_context - 1 = {S - 1})")
+        raise ValueError(f"prefix={prefix} is not allowed: an integer in [1, window - 1 = {S - 1}) "
+                         "(window: max_context or --window)")
     if len(ids) < prefix + 2:
         raise ValueError(f"the slice has {len(ids)} tokens, fewer than prefix + 2 = {prefix + 2}")
     if prompt_tokens + continuation > S:
         raise ValueError(f"prompt_tokens + continuation = {prompt_tokens + continuation} exceeds max_context={S}")
-    nll_base, nll_cand, diff = teacher_forced(baseline, candidate, ids, prefix, batch, tick)
-    agreement = greedy_agreement(baseline, candidate, ids, prompts, min(prompt_tokens, len(ids)), continuation)
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r} is not allowed: an integer >= 1")
+    nll_base, nll_cand, diff = teacher_forced(baseline, candidate, ids, prefix, batch, chunk, key_group, window, tick)
+    agreement = greedy_agreement(baseline, candidate, ids, prompts, min(prompt_tokens, len(ids)), continuation,
+                                 key_group)
     return SliceQuality((nll_base / chars, nll_cand / chars), agreement, diff, len(ids) - 1, chars)

@@ -47,7 +47,13 @@ def with_kv_dtype(model, value: str | None, flag: str = "--kv-dtype"):
     """The model itself when ``value`` is None or already its cache dtype; otherwise a new model of the same
     class for ``config_with_kv_dtype(model.cfg, value)`` holding the same parameter arrays (shared, not
     copied). Raises KVDtypeError as ``config_with_kv_dtype``."""
-    cfg = config_with_kv_dtype(model.cfg, value, flag)
+    return with_config(model, config_with_kv_dtype(model.cfg, value, flag))
+
+
+def with_config(model, cfg: ModelConfig):
+    """The model itself when ``cfg`` is its config; otherwise a new model of the same class for ``cfg`` holding
+    the same parameter arrays (shared, not copied). ``cfg`` must describe the same parameters (e.g. another
+    cache dtype or kv_sink_tokens); nnx raises when the shapes differ."""
     if cfg == model.cfg:
         return model
     weights, layout = weights_setting(model), block_layout(model)  # quantized weights: a twin with the same modules

@@ -7,7 +7,8 @@ keeps every row's *relative* error the same, so a sink row 50 times larger than 
 their absolute error, and every later query's score against it moves by that much. StreamingLLM keeps the
 first four tokens; KIVI (Liu et al. 2024, section 3) and KVQuant (Hooper et al. 2024, section 3.5) likewise
 keep a few tokens in full precision next to the quantized ones. docs/quantization.md, "Attention sinks", has
-the measured effect and why this was chosen over per-channel keys.
+the measured effect; "Attention sinks or per-channel keys" has SmolLM2's figures, where per-channel keys
+(``dantinox.quant.kv_channels``, eval only so far) measured better.
 
 Which tokens. A = ``cfg.sink_slots`` (``ModelConfig.kv_sink_tokens``, 4 by default, 0 for float caches): the
 first A positions of each row's sequence, i.e. cache slots key_start .. key_start + A - 1 (key_start is the

@@ -145,6 +145,10 @@ def bad_files(tmp_path):
     (["--slice", "ok={d}/ok.txt", "--kv-dtype", "int3"], "--kv-dtype 'int3' is not allowed: one of"),
     (["--slice", "ok={d}/ok.txt", "--baseline", "fp16"], "--baseline fp16 is not allowed: one of default"),
     (["--slice", "ok={d}/ok.txt", "--batch", "0"], "--batch 0 is not allowed"),
+    (["--slice", "ok={d}/ok.txt", "--chunk", "0"], "--chunk 0 is not allowed"),
+    (["--slice", "ok={d}/ok.txt", "--kv-keys", "row"], "--kv-keys row is not allowed: one of token, channel"),
+    (["--slice", "ok={d}/ok.txt", "--kv-keys", "channel"], "--kv-keys channel needs an int8"),
+    (["--slice", "ok={d}/ok.txt", "--kv-sinks", "2"], "--kv-sinks 2 needs an int8 cache"),
     (["--slice", "ok={d}/ok.txt", "--json", "{d}/no/such/out.json"], "--json"),
     (["--slice", "ok={d}/ok.txt", "--run_dir", bundled_run_dir("dante-diffusion")], "paradigm='diffusion'"),
 ])
