@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 PARADIGMS = ("ar", "diffusion")
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
+KV_KEY_LAYOUTS = ("token", "channel")  # int8 key quantization: per token, or per channel over groups (KIVI)
 MLA_FIELDS = ("kv_latent_dim", "rope_head_dim", "q_latent_dim")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16"}
@@ -84,6 +85,13 @@ class ModelConfig:
         move every later score (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks",
         section 3; see dantinox.quant.kv_sinks and docs/quantization.md, "Attention sinks"). 0 turns it off.
         An integer >= 0 (at most max_context are kept: ``sink_slots``); no effect on float caches.
+      kv_keys: int8 cache only: how keys are quantized. "token" (one scale per token and KV head, as values;
+        ``dantinox.quant.kv_rows``) or "channel" (one scale per KV head and channel over each group of
+        kv_key_group consecutive slots, the group still filling kept in float32: KIVI, Liu et al. 2024,
+        sections 3.2-3.3; ``dantinox.quant.kv_channels``). "channel" is for MHA / GQA / MQA (MLA's latent has
+        no per-head keys and stays per token). No effect on float caches.
+      kv_key_group: G, slots per key-scale group with kv_keys="channel": an integer >= 1 (default 64, where the
+        key scales cost 4 K bytes per token as per-token scales do at D = 64).
       sliding_window: if set, a query attends only to the last `sliding_window` positions (itself included).
         The static cache still holds max_context slots.
       kv_latent_dim: MLA only (required there, None otherwise): d_c, the width C of the per-token latent c_kv
@@ -134,6 +142,8 @@ class ModelConfig:
     compute_dtype: str = "float32"
     cache_dtype: str = "float32"
     kv_sink_tokens: int = 4
+    kv_keys: str = "token"
+    kv_key_group: int = 64
     sliding_window: int | None = None
     kv_latent_dim: int | None = None
     rope_head_dim: int | None = None
@@ -173,6 +183,10 @@ class ModelConfig:
         set_("cache_dtype", canonical_dtype("cache_dtype", self.cache_dtype, CACHE_DTYPES))
         if not _is_int(self.kv_sink_tokens) or self.kv_sink_tokens < 0:
             _fail("kv_sink_tokens", self.kv_sink_tokens, "an integer >= 0 (0: no float32 sink tokens)")
+        if self.kv_keys not in KV_KEY_LAYOUTS:
+            _fail("kv_keys", self.kv_keys, f"one of {KV_KEY_LAYOUTS}")
+        if not _is_int(self.kv_key_group) or self.kv_key_group < 1:
+            _fail("kv_key_group", self.kv_key_group, "an integer >= 1 (slots per key-scale group)")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window <= 0):
             _fail("sliding_window", self.sliding_window, "a positive integer or None")
@@ -275,6 +289,12 @@ class ModelConfig:
         """A, the tokens at the start of each sequence the int8 cache also keeps in float32: min(kv_sink_tokens,
         max_context) for cache_dtype="int8", 0 for float caches (they hold every token in full)."""
         return min(self.kv_sink_tokens, self.max_context) if self.cache_dtype == "int8" else 0
+
+    @property
+    def channel_keys(self) -> bool:
+        """True when the cache holds per-channel int8 keys (KIVI): cache_dtype="int8", kv_keys="channel" and an
+        MHA / GQA / MQA model (an MLA cache stays per token whatever kv_keys says)."""
+        return self.cache_dtype == "int8" and self.kv_keys == "channel" and self.attention != "mla"
 
     @property
     def rope_dim(self) -> int:
