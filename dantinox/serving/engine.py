@@ -37,8 +37,9 @@ from .allocator import BlockAllocator
 from .grammar_rows import grammar_finish, step_mask
 from .paged_cache import init_pool, pool_nbytes, sink_set_bytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
-from .runner import (StepLogprobs, copy_blocks, copy_sinks, decode_steps, forward_step, read_blocks, read_sinks,
-                     static_graph, write_blocks, write_sinks)
+from .residual_slots import ResidualSlots
+from .runner import (StepLogprobs, copy_blocks, copy_sinks, decode_steps, forward_step, read_blocks, read_residual,
+                     read_sinks, static_graph, write_blocks, write_residual, write_sinks)
 from .scheduler import Chunk, Schedule, Scheduler
 from .sink_slots import SinkSlots
 from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
@@ -136,14 +137,17 @@ class PagedEngine(Engine):
         graphdef, self.params = nnx.split(model)
         self.graph = static_graph(graphdef)
         P = config.block_size
-        self.pool_size = pool_size(cfg, config, self._budget_block_bytes(cfg), self._budget_sink_bytes(cfg))
+        self.pool_size = pool_size(cfg, config, self._budget_block_bytes(cfg), self._budget_sink_bytes(cfg),
+                                   self._budget_residual_bytes(cfg))
         num_blocks = self.pool_size.blocks
-        self.pool = init_pool(cfg, num_blocks, P, self.pool_size.sink_slots)
+        self.pool = self._init_pool(num_blocks)
         self.allocator = BlockAllocator(num_blocks, P, config.enable_prefix_caching)
         # int8 sinks: each running sequence's slot of the pool's float32 sink rows (sink_slots.py)
         self.sinks = (SinkSlots(self.pool_size.sink_slots, self.allocator.pool.uncache)
                       if sink_set_bytes(cfg) else None)
-        self.policy = engine_policy(config, cfg.max_context)
+        # per-channel int8 keys: each running sequence's residual slot (its filling key group in float32)
+        self.residuals = ResidualSlots(self.pool_size.residual_slots) if cfg.channel_keys else None
+        self.policy = engine_policy(config, cfg.max_context, cfg.kv_key_group if cfg.channel_keys else 1)
         self.scheduler = Scheduler(self.policy, self.allocator)
         self.table_width = -(-cfg.max_context // P)  # M
         # Block-table widths of the multi-step decode call: it gathers only the blocks the batch's longest
@@ -234,6 +238,15 @@ class PagedEngine(Engine):
         """Bytes one int8 sink slot takes out of kv_memory_bytes (None: the whole slot, on one device)."""
         return None
 
+    def _budget_residual_bytes(self, cfg) -> int | None:
+        """Bytes one residual slot of per-channel keys takes out of kv_memory_bytes (None: the whole slot)."""
+        return None
+
+    def _init_pool(self, num_blocks: int):
+        """A zero pool of ``num_blocks`` blocks with the engine's sink and residual slots."""
+        return init_pool(self.cfg, num_blocks, self.config.block_size, self.pool_size.sink_slots,
+                         self.pool_size.residual_slots)
+
     # Warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> CompileCounter:
         """Compile every bucket (decode, prefill x chunk, multi-step decode x table width) and the block moves
@@ -289,11 +302,15 @@ class PagedEngine(Engine):
             copy_sinks.lower(self.pool, last, last).compile()
             read_sinks.lower(self.pool, last).compile()
             write_sinks.lower(self.pool, last, jax.eval_shape(read_sinks, self.pool, last)).compile()
+        if self.residuals is not None:
+            last = np.int32(self.residuals.num_slots - 1)
+            read_residual.lower(self.pool, last).compile()
+            write_residual.lower(self.pool, last, jax.eval_shape(read_residual, self.pool, last)).compile()
 
     # Internals ------------------------------------------------------------------------------------
     def _move_blocks(self, sched: Schedule) -> None:
         for req, blocks in sched.swap_out:
-            req.swap_data = self._read_host(blocks), self._read_sinks(req)
+            req.swap_data = self._read_host(blocks), self._read_sinks(req), self._read_residual(req)
             self.step_calls.append(("swap_out",))
         for req in sched.preempted:
             self._release_sinks(req)
@@ -301,9 +318,12 @@ class PagedEngine(Engine):
             for src, dst in sched.copies:
                 self.sinks.copied(src, dst)
         self._assign_sinks(skip={req.request_id for req, _ in sched.swap_in})
+        self._assign_residuals()
         for req, blocks in sched.swap_in:
-            data, sinks = req.swap_data
+            data, sinks, residual = req.swap_data
             self._write_host(blocks, data)
+            if residual is not None:   # the filling key group comes back in the slot just taken
+                self.pool = write_residual(self.pool, np.int32(self.residuals.slot(req.request_id)), residual)
             if self.sinks is not None:   # the sinks come back in a slot of their own, mapped to the new block
                 slot = self.sinks.fresh(req.request_id, blocks[0])
                 self.pool = write_sinks(self.pool, np.int32(slot), sinks)
@@ -317,8 +337,24 @@ class PagedEngine(Engine):
         return None if slot is None else jax.device_get(read_sinks(self.pool, np.int32(slot)))
 
     def _release_sinks(self, req: Request) -> None:
+        """Release ``req``'s sink slot and residual slot (finished or preempted)."""
         if self.sinks is not None:
             self.sinks.release(req.request_id)
+        if self.residuals is not None:
+            self.residuals.release(req.request_id)
+
+    def _read_residual(self, req: Request):
+        """The host copy of ``req``'s residual keys (None without per-channel keys)."""
+        slot = None if self.residuals is None else self.residuals.slot(req.request_id)
+        return None if slot is None else jax.device_get(read_residual(self.pool, np.int32(slot)))
+
+    def _assign_residuals(self) -> None:
+        """Give every running request without a residual slot one (per-channel keys only)."""
+        if self.residuals is None:
+            return
+        for req in self.scheduler.running:
+            if self.residuals.slot(req.request_id) is None:
+                self.residuals.take(req.request_id)
 
     def _assign_sinks(self, skip=frozenset()) -> None:
         """Give every running request without a sink slot (but those in ``skip``: swapped in, their sinks come
@@ -415,7 +451,7 @@ class PagedEngine(Engine):
         z = np.zeros(B, np.int32)
         sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
         decode_steps.lower(self.graph, self.params, self.pool, z, z, z, np.zeros((B, M), np.int32),
-                           np.zeros(B, np.uint32), z, sampling, self._sink_rows([], B),
+                           np.zeros(B, np.uint32), z, sampling, self._sink_rows([], B), self._residual_rows([], B),
                            max_steps=self.config.max_decode_steps).compile()
 
     def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int, M: int) -> np.ndarray:
@@ -425,7 +461,7 @@ class PagedEngine(Engine):
             tokens[b], num_steps[b] = chunk.request.all_tokens[chunk.start], count
         start, table, seeds, steps, sampling = self._row_inputs(part, B, M)
         out, self.pool = decode_steps(self.graph, self.params, self.pool, tokens, start, num_steps, table, seeds,
-                                      steps, sampling, self._sink_rows(part, B),
+                                      steps, sampling, self._sink_rows(part, B), self._residual_rows(part, B),
                                       max_steps=self.config.max_decode_steps)
         self.counters["forward_calls"] += bool(part)
         self.counters["multi_step_calls"] += bool(part)
@@ -460,6 +496,16 @@ class PagedEngine(Engine):
                 slots[b] = slot
         return slots
 
+    def _residual_rows(self, part: list[Chunk], B: int) -> np.ndarray | None:
+        """Each row's residual slot, [B] int32 (Q, written nowhere, for padding rows); None without per-channel
+        keys."""
+        if self.residuals is None:
+            return None
+        slots = np.full(B, self.residuals.num_slots, np.int32)
+        for b, chunk in enumerate(part):
+            slots[b] = self.residuals.slot(chunk.request.request_id)
+        return slots
+
     def _forward_args(self, part: list[Chunk], B: int, T: int) -> tuple:
         """forward_step's arguments for ``part`` padded to B rows of T tokens (the engine's pool included)."""
         ids, num_new = np.zeros((B, T), np.int32), np.zeros(B, np.int32)
@@ -470,7 +516,7 @@ class PagedEngine(Engine):
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
         token_mask = step_mask(part, B, self.vocab_size)  # structured outputs (grammar_rows)
         return (self.graph, self.params, self.pool, ids, start, num_new, table, seeds, steps, sampling,
-                with_logprobs, token_mask, self._sink_rows(part, B))
+                with_logprobs, token_mask, self._sink_rows(part, B), self._residual_rows(part, B))
 
     def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[jax.Array, StepLogprobs | None]:
         """Dispatch one forward_step for ``part`` padded to B rows of T tokens; returns the device arrays
@@ -519,8 +565,7 @@ class PagedEngine(Engine):
         failed = list(self.scheduler.running) + lost
         for req in failed:
             self._finish(req, "error", message)
-        self.pool = init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size,
-                              self.pool_size.sink_slots)
+        self.pool = self._init_pool(self.allocator.num_blocks)
         self.allocator.pool.forget_all_hashes()  # cached prefixes pointed into the old pool
         if self.sinks is not None:
             self.sinks.reset()

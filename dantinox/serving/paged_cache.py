@@ -53,6 +53,8 @@ from ..config import ModelConfig
 from ..model.attention import attend
 from ..model.cache import (LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, bytes_per_token_per_layer,
                            sink_bytes_per_layer, zero_arrays)
+from .paged_channel_keys import (PagedChannelKV, PagedChannelView, channel_block_bytes, init_channel_layer,
+                                 residual_set_bytes)
 
 
 class PagedLayerKV(NamedTuple):
@@ -101,17 +103,31 @@ _GATHERED = {PagedLayerKV: LayerKV, PagedQuantKV: QuantLayerKV, PagedLatentKV: L
 PagedPool = tuple  # tuple[PagedLayerKV, ...] (or tuple[PagedLatentKV, ...] for MLA), one entry per block
 
 
-BLOCK_FIELDS = 4  # fields of a pool layer with the block axis first (rows, then int8 scales); the rest: sinks
+BLOCK_FIELDS = 4  # fields of a pool layer with the block axis first (rows, then int8 scales); then the sinks
+SINK_FIELDS = 2   # int8 sink arrays after the block fields (then, per-channel keys only, the residual)
 
 
 def block_fields(layer) -> tuple:
-    """The arrays of a pool layer indexed by block id ([N, P, ...]): every field but the int8 sinks."""
+    """The arrays of a pool layer indexed by block id ([N, P, ...]): every field but the int8 sinks (and the
+    per-channel keys' residual)."""
     return tuple(layer[:BLOCK_FIELDS])
+
+
+def sink_fields(layer) -> tuple:
+    """The int8 sink arrays of a pool layer ([R, A, ...]; empty for a float pool)."""
+    return tuple(layer[BLOCK_FIELDS:BLOCK_FIELDS + SINK_FIELDS])
+
+
+def with_sinks(layer, sinks) -> tuple:
+    """``layer`` with its sink arrays replaced by ``sinks`` (the other fields kept)."""
+    return type(layer)(*block_fields(layer), *sinks, *layer[BLOCK_FIELDS + SINK_FIELDS:])
 
 
 def block_bytes(cfg: ModelConfig, block_size: int) -> int:
     """Bytes one block takes over all layers: P x L x bytes_per_token_per_layer(cfg) (the int8 sinks are per
-    sequence, ``sink_set_bytes``)."""
+    sequence, ``sink_set_bytes``); with per-channel keys (cfg.channel_keys) ``channel_block_bytes``."""
+    if cfg.channel_keys:
+        return channel_block_bytes(cfg, block_size)
     return int(block_size) * cfg.num_blocks * bytes_per_token_per_layer(cfg)
 
 
@@ -121,14 +137,17 @@ def sink_set_bytes(cfg: ModelConfig) -> int:
     return cfg.num_blocks * sink_bytes_per_layer(cfg)
 
 
-def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int, sink_slots: int = 0) -> int:
+def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int, sink_slots: int = 0,
+                          residual_slots: int = 0) -> int:
     """How many blocks of ``block_size`` tokens fit in ``memory_bytes`` of KV memory (floor), after
-    ``sink_slots`` sink slots (``sink_set_bytes`` each).
+    ``sink_slots`` sink slots (``sink_set_bytes`` each) and ``residual_slots`` residual slots of per-channel
+    keys (``residual_set_bytes`` each, 0 unless cfg.channel_keys).
 
     Raises ValueError if not even one block fits.
     """
     per_block = block_bytes(cfg, block_size)
-    left = int(memory_bytes) - int(sink_slots) * sink_set_bytes(cfg)
+    left = (int(memory_bytes) - int(sink_slots) * sink_set_bytes(cfg)
+            - int(residual_slots) * residual_set_bytes(cfg))
     count = max(left, 0) // per_block
     if count < 1:
         raise ValueError(f"kv memory {int(memory_bytes)} bytes holds no block: one block of {block_size} "
@@ -138,17 +157,22 @@ def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int, 
     return count
 
 
-def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int = 1) -> PagedPool:
+def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int = 1,
+              residual_slots: int = 1) -> PagedPool:
     """Zeros in cfg.cache_dtype, one entry per layer: PagedLayerKV(k, v) of [N, P, K, D] each, or for
     attention="mla" PagedLatentKV(c_kv [N, P, C], k_rope [N, P, R]); for cache_dtype="int8" PagedQuantKV /
     PagedQuantLatentKV, the same int8 arrays plus float32 zero scales ([N, P, K, 1] / [N, P, 1]) and zero
     sinks for ``sink_slots`` sequences ([R, A, K, D] / [R, A, C], [R, A, R]; the engine uses max_running plus
-    as many kept for the prefix cache, ``dantinox.serving.sink_slots``).
+    as many kept for the prefix cache, ``dantinox.serving.sink_slots``). With per-channel keys
+    (cfg.channel_keys) PagedChannelKV layers (``dantinox.serving.paged_channel_keys``) with ``residual_slots``
+    residual slots (the engine: max_running).
 
-    Raises ValueError for a non-positive num_blocks, block_size or sink_slots, or an int8 cache whose sink
-    tokens (cfg.kv_sink_tokens) do not fit in one block.
+    Raises ValueError for a non-positive num_blocks, block_size, sink_slots or residual_slots, an int8 cache
+    whose sink tokens (cfg.kv_sink_tokens) do not fit in one block, or per-channel keys with a block size that
+    is not a multiple of cfg.kv_key_group.
     """
-    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("sink_slots", sink_slots)):
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("sink_slots", sink_slots),
+                        ("residual_slots", residual_slots)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
     int8, A, R = cfg.cache_dtype == "int8", cfg.sink_slots, sink_slots
@@ -156,6 +180,9 @@ def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: in
         raise ValueError(f"block_size={block_size} is not allowed with kv_sink_tokens={cfg.kv_sink_tokens}: "
                          "the int8 cache's sink tokens must fit in a sequence's first block (block_size >= "
                          "kv_sink_tokens)")
+    if cfg.channel_keys:
+        return tuple(init_channel_layer(cfg, num_blocks, block_size, R, residual_slots)
+                     for _ in range(cfg.num_blocks))
     if cfg.attention == "mla":
         layer_type = PagedQuantLatentKV if int8 else PagedLatentKV
         shapes = [(n, m, w) for n, m in ((num_blocks, block_size), (R, A))
@@ -184,7 +211,7 @@ def gather_rows(layer: PagedLayerKV | PagedQuantKV, block_table: jax.Array,
         return pool[block_table].reshape(B, M * P, K, W).transpose(0, 2, 1, 3)
 
     arrays = [rows(a) for a in block_fields(layer)] + [a[_slots(sink_slot, B)].transpose(0, 2, 1, 3)
-                                                       for a in layer[BLOCK_FIELDS:]]
+                                                       for a in sink_fields(layer)]
     return _GATHERED[type(layer)](*arrays)
 
 
@@ -199,7 +226,7 @@ def gather_latents(layer: PagedLatentKV | PagedQuantLatentKV, block_table: jax.A
         return pool[block_table].reshape(B, M * pool.shape[1], pool.shape[2])
 
     return _GATHERED[type(layer)](*([rows(a) for a in block_fields(layer)]
-                                    + [a[_slots(sink_slot, B)] for a in layer[BLOCK_FIELDS:]]))
+                                    + [a[_slots(sink_slot, B)] for a in sink_fields(layer)]))
 
 
 def _slots(sink_slot, B: int) -> jax.Array:
@@ -269,7 +296,7 @@ def scatter_latents(layer: PagedLatentKV | PagedQuantLatentKV, stored: tuple, bl
 def _scatter_sinks(layer, stored, sink_slot, cache_index, num_new, T: int, per_head: bool) -> list:
     """The layer's sink arrays with the new tokens at positions below A written into their rows' sink slots
     (stored[BLOCK_FIELDS:], [B, K, T, D] when per_head, else [B, T, W]); unchanged when there are none."""
-    sinks = list(layer[BLOCK_FIELDS:])
+    sinks = list(sink_fields(layer))
     if not sinks or not sinks[0].shape[1]:
         return sinks
     R, A = sinks[0].shape[:2]
@@ -342,9 +369,14 @@ class PagedLatentView(NamedTuple):
         return o, self._replace(pool=pool)
 
 
-def paged_views(pool: PagedPool, block_table, num_new, sink_slot=None) -> tuple:
-    """One view per layer (PagedView, or PagedLatentView for an MLA pool), sharing the batch's block
-    tables [B, M] int32, valid-token counts [B] int32 and sink slots [B] int32 (int8 pools; None: row b's is
-    slot b, so the pool needs R >= B)."""
+def paged_views(pool: PagedPool, block_table, num_new, sink_slot=None, residual_slot=None) -> tuple:
+    """One view per layer (PagedView, PagedLatentView for an MLA pool, PagedChannelView for per-channel keys),
+    sharing the batch's block tables [B, M] int32, valid-token counts [B] int32, sink slots [B] int32 (int8
+    pools; None: row b's is slot b, so the pool needs R >= B) and residual slots [B] int32 (per-channel keys;
+    None: row b's is slot b)."""
+    if pool and isinstance(pool[0], PagedChannelKV):
+        B = block_table.shape[0]
+        sinks, residual = _slots(sink_slot, B), _slots(residual_slot, B)
+        return tuple(PagedChannelView(layer, block_table, num_new, sinks, residual) for layer in pool)
     view = PagedLatentView if pool and isinstance(pool[0], (PagedLatentKV, PagedQuantLatentKV)) else PagedView
     return tuple(view(layer, block_table, num_new, sink_slot) for layer in pool)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, apply_token_mask, sample_next
 from ..parallel.sharding import constrain_pool
-from .paged_cache import BLOCK_FIELDS, PagedPool, block_fields, paged_views
+from .paged_cache import BLOCK_FIELDS, SINK_FIELDS, PagedPool, block_fields, paged_views, sink_fields, with_sinks
 from .request import MAX_LOGPROBS
 
 
@@ -91,7 +91,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> StepLogprobs:
 
 @partial(jax.jit, static_argnames=("graph",), donate_argnames=("pool",))
 def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_new, block_table, seeds, steps,
-                 sampling: SamplingParams, with_logprobs, token_mask, sink_slot):
+                 sampling: SamplingParams, with_logprobs, token_mask, sink_slot, residual_slot=None):
     """Run T new tokens per row through the model over the paged pool and sample each row's next token.
 
     ids: [B, T] int32 (row b's tokens in ids[b, :num_new[b]], the rest padding); start: [B] int32 tokens
@@ -101,11 +101,13 @@ def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_ne
     log-probabilities (``token_logprobs``), else return zeros and skip the work; token_mask: [B, W] int32
     packed bits of the tokens each row may sample (structured outputs; all ones for a free row, whose logits
     it leaves unchanged): tokens and log-probabilities come from the masked logits; sink_slot: [B] int32 each
-    row's sink slot of an int8 pool (``dantinox.serving.sink_slots``; R for an unused row).
+    row's sink slot of an int8 pool (``dantinox.serving.sink_slots``; R for an unused row); residual_slot: [B]
+    int32 each row's residual slot of a per-channel key pool (``dantinox.serving.residual_slots``; Q for an
+    unused row; None for other pools).
     Returns (tokens [B] int32 sampled from each row's last valid position, StepLogprobs, the updated pool).
     """
     model = nnx.merge(graph.graphdef, params)
-    views = paged_views(pool, block_table, num_new, sink_slot)
+    views = paged_views(pool, block_table, num_new, sink_slot, residual_slot)
     logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start,
                              logits_at=jnp.maximum(num_new - 1, 0))
     last = apply_token_mask(logits[:, 0], token_mask)
@@ -118,17 +120,18 @@ def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_ne
 
 @partial(jax.jit, static_argnames=("graph", "max_steps"), donate_argnames=("pool",))
 def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num_steps, block_table, seeds, steps,
-                 sampling: SamplingParams, sink_slot, *, max_steps: int):
+                 sampling: SamplingParams, sink_slot, residual_slot=None, *, max_steps: int):
     """Up to ``max_steps`` decode steps for every row in one compiled loop (multi-step decoding).
 
     tokens: [B] int32 each row's last token, not yet cached, at position start [B] int32; num_steps: [B] int32
     steps to run for row b (0 for an unused row; at most max_steps; its blocks must cover positions
     start .. start + num_steps - 1); block_table: [B, M] int32; seeds: [B] uint32; steps: [B] int32 tokens
-    generated so far; sampling: per-row settings [B]; sink_slot: [B] int32 (as in forward_step). Step j of row b feeds
-    its previous token at position start + j and samples with ``fold_in(key(seed), steps + j)``: exactly what j + 1
-    calls of ``forward_step`` would do. A row stops writing after its num_steps (its later keys are never written).
-    Returns (out [B, max_steps] int32, row b's first num_steps[b] entries valid; the updated pool). The loop runs
-    max(num_steps) iterations (a traced bound: one compile per (B, max_steps)).
+    generated so far; sampling: per-row settings [B]; sink_slot, residual_slot: [B] int32 (as in forward_step).
+    Step j of row b feeds its previous token at position start + j and samples with
+    ``fold_in(key(seed), steps + j)``: exactly what j + 1 calls of ``forward_step`` would do. A row stops
+    writing after its num_steps (its later keys are never written). Returns (out [B, max_steps] int32, row
+    b's first num_steps[b] entries valid; the updated pool). The loop runs max(num_steps) iterations (a traced
+    bound: one compile per (B, max_steps)).
     """
     model = nnx.merge(graph.graphdef, params)
     out = jnp.zeros((tokens.shape[0], max_steps), jnp.int32)
@@ -136,7 +139,7 @@ def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num
     def body(j, carry):
         token, out, pool = carry
         active = (j < num_steps).astype(jnp.int32)
-        views = paged_views(pool, block_table, active, sink_slot)
+        views = paged_views(pool, block_table, active, sink_slot, residual_slot)
         logits, views, _ = model(token[:, None], use_cache=True, kv_caches=views, cache_index=start + j)
         token = sample_rows(logits[:, 0], seeds, steps + j, sampling)
         out = jax.lax.dynamic_update_slice(out, token[:, None], (0, j))
@@ -148,10 +151,11 @@ def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num
 
 # The block moves work on every block array of every layer alike (k and v [N, P, K, D], or for MLA c_kv [N, P, C]
 # and k_rope [N, P, R], and the int8 scales): the first BLOCK_FIELDS fields of each layer NamedTuple have the
-# block axis first. The int8 sinks (the other fields, [R, A, ...]) are per sequence: read_sinks / write_sinks.
+# block axis first. The int8 sinks (the next SINK_FIELDS fields, [R, A, ...]) are per sequence: read_sinks /
+# write_sinks; so is the per-channel keys' residual (the last field, [Q, G, K, D]): read_residual / write_residual.
 
 def _with_blocks(layer, blocks) -> tuple:
-    """The layer with its block arrays replaced by ``blocks`` and its sink arrays kept."""
+    """The layer with its block arrays replaced by ``blocks`` and its other arrays kept."""
     return type(layer)(*blocks, *layer[BLOCK_FIELDS:])
 
 
@@ -182,21 +186,37 @@ def write_blocks(pool: PagedPool, blocks, data) -> PagedPool:
 def read_sinks(pool: PagedPool, slot):
     """One sink slot's rows (``slot``, int32 scalar) in every layer: per layer a tuple of its sink arrays
     ([A, K, D] each, or [A, C] and [A, R] for MLA; empty for a float pool)."""
-    return tuple(tuple(a[slot] for a in layer[BLOCK_FIELDS:]) for layer in pool)
+    return tuple(tuple(a[slot] for a in sink_fields(layer)) for layer in pool)
 
 
 @partial(jax.jit, donate_argnames=("pool",))
 def write_sinks(pool: PagedPool, slot, data) -> PagedPool:
     """pool's sink slot ``slot`` (int32 scalar) set to ``data`` (as returned by ``read_sinks``) in every
     layer."""
-    return constrain_pool(tuple(type(layer)(*block_fields(layer), *(a.at[slot].set(d)
-                                                                  for a, d in zip(layer[BLOCK_FIELDS:], new)))
+    return constrain_pool(tuple(with_sinks(layer, [a.at[slot].set(d) for a, d in zip(sink_fields(layer), new)])
                                 for layer, new in zip(pool, data)))
 
 
 @partial(jax.jit, donate_argnames=("pool",))
 def copy_sinks(pool: PagedPool, src, dst) -> PagedPool:
     """pool's sink slot dst = sink slot src (int32 scalars) in every layer."""
-    return constrain_pool(tuple(type(layer)(*block_fields(layer), *(a.at[dst].set(a[src])
-                                                                  for a in layer[BLOCK_FIELDS:]))
+    return constrain_pool(tuple(with_sinks(layer, [a.at[dst].set(a[src]) for a in sink_fields(layer)])
                                 for layer in pool))
+
+
+_RESIDUAL = BLOCK_FIELDS + SINK_FIELDS  # the per-channel key pool's residual field
+
+
+@jax.jit
+def read_residual(pool: PagedPool, slot):
+    """One residual slot (``slot``, int32 scalar) of a per-channel key pool: per layer its [G, K, D] float32
+    keys (``dantinox.serving.paged_channel_keys``)."""
+    return tuple(layer[_RESIDUAL][slot] for layer in pool)
+
+
+@partial(jax.jit, donate_argnames=("pool",))
+def write_residual(pool: PagedPool, slot, data) -> PagedPool:
+    """The per-channel key pool's residual slot ``slot`` (int32 scalar) set to ``data`` (as returned by
+    ``read_residual``) in every layer."""
+    return constrain_pool(tuple(layer._replace(k_resid=layer.k_resid.at[slot].set(d))
+                                for layer, d in zip(pool, data)))

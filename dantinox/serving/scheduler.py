@@ -47,10 +47,11 @@ class ContextPolicy:
     max_batched_tokens: int = 64
     preemption: str = "recompute"
     swap_space_blocks: int = 1 << 20
+    resume_align: int = 1
 
     def __post_init__(self):
         for name in ("max_prompt_tokens", "max_total_tokens", "max_running", "max_queued",
-                     "max_batched_tokens", "swap_space_blocks"):
+                     "max_batched_tokens", "swap_space_blocks", "resume_align"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ContextPolicy.{name}={value!r} is not allowed: a positive integer")
@@ -172,7 +173,8 @@ class Scheduler:
                     return
             else:
                 req.num_cached_tokens = alloc.match_prefix(req.request_id, req.prompt_ids)
-                req.num_computed = min(req.num_cached_tokens, req.num_tokens - 1)
+                align = self.policy.resume_align
+                req.num_computed = min(req.num_cached_tokens, req.num_tokens - 1) // align * align
             n = 1 if req.remaining == 1 else min(req.remaining, budget)
             copies = alloc.grow(req.request_id, req.num_computed, req.num_computed + n) if n else None
             if copies is None:

@@ -22,7 +22,7 @@ from ..budget.per_device import kv_split
 from ..parallel.mesh import mesh_scope, mesh_shape
 from ..parallel.sharding import shard_model
 from .engine import EngineConfig, PagedEngine
-from .paged_cache import block_bytes, init_pool, sink_set_bytes
+from .paged_cache import block_bytes, residual_set_bytes, sink_set_bytes
 from .warmup import WarmupItem
 
 
@@ -59,6 +59,10 @@ class ShardedPagedEngine(PagedEngine):
         """One device's share of an int8 sink slot (split over model like the keys and values)."""
         return sink_set_bytes(cfg) // kv_split(cfg, self.mesh)
 
+    def _budget_residual_bytes(self, cfg) -> int:
+        """One device's share of a residual slot of per-channel keys (split over model like the keys)."""
+        return residual_set_bytes(cfg) // kv_split(cfg, self.mesh)
+
     def blocks_per_device(self) -> dict:
         """{"devices", "blocks", "heads_per_device", "bytes_per_device"}: each device holds every block, with
         K / kv_split of its KV heads (the whole latent for MLA)."""
@@ -89,6 +93,5 @@ class ShardedPagedEngine(PagedEngine):
 
     def _fail_running(self, message: str):
         outputs = super()._fail_running(message)
-        self.pool = shard_pool(init_pool(self.cfg, self.allocator.num_blocks, self.allocator.block_size,
-                                         self.pool_size.sink_slots), self.cfg, self.mesh)
+        self.pool = shard_pool(self._init_pool(self.allocator.num_blocks), self.cfg, self.mesh)
         return outputs

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .allocator import BlockAllocator
-from .paged_cache import num_blocks_for_memory, sink_set_bytes
+from .paged_cache import num_blocks_for_memory, residual_set_bytes, sink_set_bytes
 from .request import Request
 from .scheduler import ContextPolicy
 from .sink_slots import slots_for
@@ -55,15 +55,16 @@ def engine_buckets(config, max_context: int, min_table_tokens: int = 64) -> Buck
     return Buckets(decode, tuple(sorted(config.prefill_buckets)), chunk, table)
 
 
-def engine_policy(config, max_context: int) -> ContextPolicy:
+def engine_policy(config, max_context: int, resume_align: int = 1) -> ContextPolicy:
     """The ContextPolicy of an EngineConfig for a model of ``max_context`` tokens (prompts of at most
-    max_context - 1 tokens, prompt + output of at most max_context). Raises ValueError naming a bad field."""
+    max_context - 1 tokens, prompt + output of at most max_context); resume_align: see ContextPolicy (the key
+    group G with per-channel keys). Raises ValueError naming a bad field."""
     return ContextPolicy(
         max_prompt_tokens=min(config.max_prompt_tokens or max_context - 1, max_context - 1),
         max_total_tokens=min(config.max_total_tokens or max_context, max_context),
         max_running=config.max_running, max_queued=config.max_queued,
         max_batched_tokens=config.max_batched_tokens, preemption=config.preemption,
-        swap_space_blocks=config.swap_space_blocks or 1 << 20)
+        swap_space_blocks=config.swap_space_blocks or 1 << 20, resume_align=resume_align)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class PoolSize:
     without a byte budget); capped: True when the pool holds ``usable`` blocks although the budget holds more
     (``kv_memory_all`` off); per_sequence: blocks of one max_context sequence; sink_slots: R, the int8 pool's
     per-sequence sink slots (``sink_slots.slots_for(max_running)``; their bytes come out of kv_memory_bytes
-    before the blocks; 1, unused, for a float pool)."""
+    before the blocks; 1, unused, for a float pool); residual_slots: Q, the per-channel key pool's residual
+    slots (max_running, their bytes also paid before the blocks; 1, unused, for other pools)."""
 
     blocks: int
     usable: int
@@ -83,30 +85,37 @@ class PoolSize:
     capped: bool
     per_sequence: int
     sink_slots: int = 1
+    residual_slots: int = 1
 
 
-def pool_size(cfg, config, block_bytes: int | None = None, sink_bytes: int | None = None) -> PoolSize:
+def pool_size(cfg, config, block_bytes: int | None = None, sink_bytes: int | None = None,
+              residual_bytes: int | None = None) -> PoolSize:
     """The pool of an EngineConfig for model config ``cfg``: config.num_blocks when given; else with
-    config.kv_memory_bytes, as many blocks as fit beside the int8 sink slots, but no more than max_running
-    sequences of max_context tokens can use (all that fit with config.kv_memory_all); else exactly that usable
-    count.
+    config.kv_memory_bytes, as many blocks as fit beside the int8 sink slots (and the per-channel keys'
+    residual slots), but no more than max_running sequences of max_context tokens can use (all that fit with
+    config.kv_memory_all); else exactly that usable count.
 
-    block_bytes / sink_bytes: bytes one block / one sink slot takes out of kv_memory_bytes (default the whole
-    block, ``paged_cache.block_bytes``, and slot, ``paged_cache.sink_set_bytes``; the sharded engine passes one
-    device's share). Raises ValueError if not even one block fits in kv_memory_bytes."""
+    block_bytes / sink_bytes / residual_bytes: bytes one block / one sink slot / one residual slot takes out of
+    kv_memory_bytes (default the whole block, ``paged_cache.block_bytes``, slot, ``paged_cache.sink_set_bytes``,
+    and residual, ``paged_cache.residual_set_bytes``; the sharded engine passes one device's share). Raises
+    ValueError if not even one block fits in kv_memory_bytes."""
     per_sequence = -(-cfg.max_context // config.block_size)
     usable = config.max_running * per_sequence
     slot_bytes = sink_set_bytes(cfg) if sink_bytes is None else int(sink_bytes)
     slots = slots_for(config.max_running) if slot_bytes else 1
-    sized = dict(per_sequence=per_sequence, sink_slots=slots)
+    resid_bytes = residual_set_bytes(cfg) if residual_bytes is None else int(residual_bytes)
+    residuals = config.max_running if resid_bytes else 1
+    sized = dict(per_sequence=per_sequence, sink_slots=slots, residual_slots=residuals)
     if config.num_blocks is not None:
         return PoolSize(config.num_blocks, usable, None, False, **sized)
     if config.kv_memory_bytes is None:
         return PoolSize(usable, usable, None, False, **sized)
+    fixed = (slots * slot_bytes if slot_bytes else 0) + (residuals * resid_bytes if resid_bytes else 0)
     if block_bytes is None:
-        budget = num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size, slots if slot_bytes else 0)
+        budget = num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size, slots if slot_bytes else 0,
+                                       residuals if resid_bytes else 0)
     else:
-        budget = (int(config.kv_memory_bytes) - (slots * slot_bytes if slot_bytes else 0)) // int(block_bytes)
+        budget = (int(config.kv_memory_bytes) - fixed) // int(block_bytes)
         if budget < 1:
             raise ValueError(f"kv memory {int(config.kv_memory_bytes)} bytes holds no block: one block of "
                              f"{config.block_size} tokens takes {int(block_bytes)} bytes per device for this model")
