@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..budget.memory import kv_bytes_per_token, kv_sink_bytes, memory_split
+from ..serving.paged_cache import pool_bytes
 from ..serving.sink_slots import slots_for
 from .variants import quantized_weight_bytes
 
@@ -53,7 +54,8 @@ def kv_bytes_per_token_for(cfg, kv_dtype: str) -> tuple[int, bool]:
 
 def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,
                   reserve_fraction: float = 0.1) -> Ledger:
-    """The candidate's ledger per replica. Raises ValueError for a bad device size or dtype."""
+    """The candidate's ledger per replica. Raises ValueError for a bad device size or dtype, or a block size
+    that splits the per-channel key groups (kv_keys="channel" with an int8 candidate)."""
     weights, w_estimated = quantized_weight_bytes(cfg, weights_f32_bytes, candidate.quantize)
     try:
         reserve = memory_split(cfg, device_bytes, weights, reserve_fraction).reserve_bytes
@@ -63,4 +65,8 @@ def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,
     blocks = candidate.max_running * -(-cfg.max_context // candidate.block_size)
     sinks = kv_sink_bytes(cfg, candidate.kv_dtype)
     kv = blocks * candidate.block_size * per_token + (slots_for(candidate.max_running) * sinks if sinks else 0)
+    variant = cfg.replace(cache_dtype=candidate.kv_dtype)
+    if variant.channel_keys:   # raises ValueError for a block_size that is not a multiple of kv_key_group
+        kv = pool_bytes(variant, blocks, candidate.block_size, slots_for(candidate.max_running),
+                        candidate.max_running)
     return Ledger(device_bytes, weights, kv, reserve, blocks, estimated or w_estimated)

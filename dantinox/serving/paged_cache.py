@@ -53,8 +53,8 @@ from ..config import ModelConfig
 from ..model.attention import attend
 from ..model.cache import (LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, bytes_per_token_per_layer,
                            sink_bytes_per_layer, zero_arrays)
-from .paged_channel_keys import (PagedChannelKV, PagedChannelView, channel_block_bytes, init_channel_layer,
-                                 residual_set_bytes)
+from .paged_channel_keys import (PagedChannelKV, PagedChannelView, channel_block_bytes, check_channel_block_size,
+                                 init_channel_layer, residual_set_bytes)
 
 
 class PagedLayerKV(NamedTuple):
@@ -137,6 +137,15 @@ def sink_set_bytes(cfg: ModelConfig) -> int:
     return cfg.num_blocks * sink_bytes_per_layer(cfg)
 
 
+def pool_bytes(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int = 0,
+               residual_slots: int = 0) -> int:
+    """Bytes of a pool of ``num_blocks`` blocks with ``sink_slots`` sink slots and ``residual_slots`` residual
+    slots: N ``block_bytes`` + R ``sink_set_bytes`` + Q ``residual_set_bytes`` (``pool_nbytes`` of
+    ``init_pool(cfg, N, P, R, Q)``: sink and residual slots of a pool that has none cost 0)."""
+    return (int(num_blocks) * block_bytes(cfg, block_size) + int(sink_slots) * sink_set_bytes(cfg)
+            + int(residual_slots) * residual_set_bytes(cfg))
+
+
 def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int, sink_slots: int = 0,
                           residual_slots: int = 0) -> int:
     """How many blocks of ``block_size`` tokens fit in ``memory_bytes`` of KV memory (floor), after
@@ -176,6 +185,8 @@ def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: in
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
     int8, A, R = cfg.cache_dtype == "int8", cfg.sink_slots, sink_slots
+    if cfg.channel_keys:
+        check_channel_block_size(cfg, block_size)
     if A > block_size:
         raise ValueError(f"block_size={block_size} is not allowed with kv_sink_tokens={cfg.kv_sink_tokens}: "
                          "the int8 cache's sink tokens must fit in a sequence's first block (block_size >= "

@@ -79,7 +79,9 @@ def check_channel_block_size(cfg: ModelConfig, block_size: int) -> None:
 
 def channel_block_bytes(cfg: ModelConfig, block_size: int) -> int:
     """Bytes of one block over all layers: L (P (2 K D + 4 K) + (P / G) K D 4) (int8 keys and values, value
-    scales per token, key scales per group and channel)."""
+    scales per token, key scales per group and channel). Raises ValueError (``check_channel_block_size``)
+    for a block size that is not a multiple of G."""
+    check_channel_block_size(cfg, block_size)
     P, G, K, D = int(block_size), cfg.kv_key_group, cfg.kv_heads, cfg.head_size
     return cfg.num_blocks * (P * (2 * K * D + SCALE_BYTES * K) + (P // G) * K * D * SCALE_BYTES)
 

@@ -1,0 +1,178 @@
+"""Per-channel int8 keys (KIVI) in the serving engine's paged pool (issue 19, item 3): the served logits and greedy
+tokens equal the eval view ``dantinox.quality.channel_keys.ChannelKeyKV`` run through the plain model (the same
+numbers as the layout), through chunked prefill, multi-step decode, preemption by swap and by recompute,
+prefix-cache hits and n > 1 choices; the pool's bytes equal the engine's and the planner's accounting; the
+warm-up compiles every program; bad block sizes are refused naming the flags."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from flax import nnx
+from serving_util import chunked_paged_run, drain, greedy, lively_model, make_engine, static_logits
+
+import dantinox as dx
+from dantinox.quality.channel_keys import channel_key_cache
+from dantinox.serving import EngineConfig, PagedEngine
+from dantinox.serving.paged_cache import block_bytes, init_pool, pool_nbytes, sink_set_bytes
+from dantinox.serving.paged_channel_keys import PagedChannelKV, residual_set_bytes
+from dantinox.serving.sink_slots import slots_for
+
+G = 4
+CFG = tiny_config(attention="gqa", kv_heads=2, max_context=64, cache_dtype="int8", kv_keys="channel",
+                  kv_key_group=G)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lively_model(CFG)
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def _view_logits(graphdef, params, ids):
+    model = nnx.merge(graphdef, params)
+    cache = channel_key_cache(model.cfg, 1, model.cfg.max_context, model.cfg.kv_key_group)
+    logits, _, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=jnp.zeros(1, jnp.int32))
+    return logits[0]
+
+
+def view_logits(model, tokens) -> np.ndarray:
+    """The reference: the eval view over the whole sequence, padded to max_context (one compile). [T, V]."""
+    ids = np.zeros((1, model.cfg.max_context), np.int32)
+    ids[0, :len(tokens)] = tokens
+    return np.asarray(_view_logits(nnx.graphdef(model), nnx.state(model), ids))[:len(tokens)]
+
+
+def view_greedy(model, prompt, n) -> list:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(np.argmax(view_logits(model, tokens)[-1])))
+    return tokens[len(prompt):]
+
+
+def prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("P, sinks", [(4, 4), (8, 0)])
+def test_paged_logits_equal_the_eval_view_in_ragged_chunks(P, sinks):
+    cfg = CFG.replace(kv_sink_tokens=sinks)
+    model = lively_model(cfg)
+    seqs = prompts((5, 11, 17), seed=1)
+    M = cfg.max_context // P
+    perm = 1 + np.random.default_rng(2).permutation(3 * M)
+    tables = np.zeros((3, M), np.int32)
+    for b, n in enumerate((5, 11, 17)):
+        k = -(-n // P)
+        tables[b, :k] = perm[b * M:b * M + k]
+    pool = init_pool(cfg, 3 * M + 1, P, sink_slots=4, residual_slots=4)
+    assert isinstance(pool[0], PagedChannelKV) and pool[0].k_scale.shape == (3 * M + 1, P // G, 2, 8)
+    got, pool = chunked_paged_run(model, pool, seqs, tables)
+    errors = [float(np.abs(got[b] - view_logits(model, seqs[b])).max()) for b in range(3)]
+    per_token = lively_model(cfg.replace(kv_keys="token"))   # the layout matters: per-token keys differ more
+    layout_gap = float(np.abs(static_logits(per_token, seqs[2]) - got[2]).max())
+    print(errors, layout_gap)
+    assert max(errors) <= 2e-6 and layout_gap > 50 * max(max(errors), 1e-7)
+
+
+def test_served_greedy_tokens_equal_the_eval_view_chunked_and_multi_step(model):
+    batch = prompts([5, 11, 23], seed=3)
+    want = [view_greedy(model, p, 9) for p in batch]
+    for steps in (1, 8):
+        engine = make_engine(model, max_decode_steps=steps)
+        ids = [engine.add_request(p, greedy(9)) for p in batch]
+        results = drain(engine)
+        assert [results[rid][0] for rid in ids] == want
+        assert engine.residuals.of_seq == {} and engine.stats()["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
+def test_preempted_requests_resume_with_the_eval_view_tokens(model, policy):
+    engine = make_engine(model, num_blocks=10, preemption=policy, enable_prefix_caching=False, max_running=3)
+    batch = prompts([6, 7, 9], seed=4)
+    ids = [engine.add_request(p, greedy(14)) for p in batch]
+    results = drain(engine)
+    assert engine.stats()["preemptions"] >= 1
+    for rid, prompt in zip(ids, batch):
+        assert results[rid][0] == view_greedy(model, prompt, 14)
+    if policy == "swap":
+        assert any(e[0] == "swap_in" for req in engine.finished for e in req.events)
+
+
+def test_prefix_hits_resume_at_a_group_boundary_and_match_the_eval_view(model):
+    engine = make_engine(model, num_blocks=40)
+    shared = prompts([8], seed=5)[0]                                  # two full blocks of P = G = 4
+    first = engine.add_request(shared, greedy(6))
+    engine.step()
+    second = engine.add_request(shared, greedy(6))                   # wholly cached: resumes at slot 4
+    third = engine.add_request(shared[:4] + [1, 2, 3, 4, 5], greedy(6))  # first block shared
+    results = drain(engine)
+    assert engine.stats()["prefix_cache_hits"] == 3
+    second_req = next(r for r in engine.finished if r.request_id == second)
+    assert second_req.num_cached_tokens == 8
+    assert results[second][0] == view_greedy(model, shared, 6)
+    assert len(results[first][0]) == 5 and results[first][0] == view_greedy(model, shared, 6)[1:]
+    assert results[third][0] == view_greedy(model, shared[:4] + [1, 2, 3, 4, 5], 6)
+
+
+def test_n_choices_share_the_prompt_blocks_and_match_the_eval_view(model):
+    prompt = prompts([13], seed=6)[0]                                 # 3 full blocks of 4 and one token
+    engine = make_engine(model, num_blocks=40)
+    ids = [engine.add_request(prompt, greedy(7), request_id=f"c{i}", share_prompt_with="c0" if i else None)
+           for i in range(3)]
+    results = drain(engine)
+    want = view_greedy(model, prompt, 7)
+    assert [results[rid][0] for rid in ids] == [want] * 3
+    assert engine.stats()["prefix_cache_hits"] == 2 * 3
+
+
+def test_pool_bytes_equal_the_engines_accounting_and_kv_memory_counts_the_residual_slots(model):
+    K, D, L, P, R, Q = 2, 8, 2, 8, slots_for(3), 3
+    per_block = L * (P * (2 * K * D + 4 * K) + (P // G) * K * D * 4)   # int8 k, v; value scales; key scales
+    assert block_bytes(CFG, P) == per_block
+    assert residual_set_bytes(CFG) == L * G * K * D * 4 and sink_set_bytes(CFG) == L * 4 * 2 * K * D * 4
+    pool = init_pool(CFG, 5, P, sink_slots=R, residual_slots=Q)
+    assert pool_nbytes(pool) == 5 * per_block + R * sink_set_bytes(CFG) + Q * residual_set_bytes(CFG)
+    fixed = R * sink_set_bytes(CFG) + Q * residual_set_bytes(CFG)
+    budget = fixed + 7 * per_block + per_block - 1                     # 7 blocks and a byte short of an 8th
+    engine = PagedEngine(model, EngineConfig(block_size=P, max_running=3, kv_memory_bytes=budget,
+                                             kv_memory_all=True))
+    assert engine.allocator.num_blocks == 7 and engine.pool_size.residual_slots == Q
+    assert engine.stats()["kv_cache_bytes"] == fixed + 7 * per_block <= budget
+    # at G = D the per-token cost is the per-token layout's (2 K (D + 4) bytes a layer), residual aside
+    token = CFG.replace(kv_keys="token")
+    assert block_bytes(CFG.replace(kv_key_group=8, head_size=8), 8) == block_bytes(token, 8)
+
+
+def test_the_plan_ledger_counts_the_channel_pool_exactly(model):
+    from dantinox.plan.candidate import Candidate
+    from dantinox.plan.ledger import memory_ledger
+
+    cfg = CFG.replace(cache_dtype="float32")                         # the candidate's kv_dtype decides
+    cand = Candidate(kv_dtype="int8", block_size=4, max_running=2)
+    ledger = memory_ledger(cfg, cand, 10_000, 10 ** 9)
+    engine = PagedEngine(model, cand.engine_config())
+    assert ledger.kv_blocks == engine.allocator.num_blocks
+    assert ledger.kv == pool_nbytes(engine.pool)
+
+
+def test_block_sizes_that_split_a_key_group_are_refused_naming_the_flags(model):
+    with pytest.raises(ValueError, match=r"--block-size 6 is not allowed with --kv-keys channel --kv-key-group 4"):
+        make_engine(model, block_size=6)
+    with pytest.raises(ValueError, match="--block-size 2 is not allowed"):
+        init_pool(CFG, 4, 2)
+
+
+def test_no_recompilation_after_warmup(model):
+    engine = make_engine(model, num_blocks=14, preemption="swap")
+    engine.warmup()
+    with dx.CompileCounter() as counted:
+        for i, prompt in enumerate(prompts([1, 3, 17, 30, 6, 9], seed=7)):
+            engine.add_request(prompt, greedy(12 + i))
+        drain(engine)
+    assert counted.compilations == 0 and counted.cache_hits == 0, counted
+    assert engine.stats()["preemptions"] >= 1   # the swap path ran too
