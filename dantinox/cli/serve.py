@@ -1,7 +1,7 @@
 """``dantinox serve``: load a run directory, size the paged KV pool from a memory budget, serve over HTTP.
 
   dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB [--kv-memory-all]]
-                 [--kv-dtype int8]
+                 [--kv-dtype int8 [--kv-keys token|channel] [--kv-key-group G]]
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
                  [--no-prefix-caching] [--no-warmup] [--max-request-bytes 1MiB] [--config serve.yaml]
@@ -13,6 +13,9 @@ tokens per request (M MiB = B bytes, ...)" (L = max_context; C = min(N // blocks
 --kv-dtype (float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same
 --kv-memory holds 4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D
 (3.6x at D = 32; the float32 scales included, dantinox.quant.kv_rows), up to the max-running cap.
+--kv-keys channel (int8 MHA / GQA / MQA only; default: the run's kv_keys) stores the keys per channel over
+groups of --kv-key-group tokens (KIVI; ``dantinox.serving.paged_channel_keys``); the block size must be a
+multiple of the group and defaults to it.
 --max-request-bytes (default 1 MiB) is the largest HTTP request body accepted; a larger one is answered 413
 before it is read (``dantinox.serving.request_limits``).
 It listens as soon as the model is loaded; the warm-up compiles the engine's programs in the background,
@@ -40,12 +43,15 @@ from .flags import add_mesh_argument, add_quantize_argument
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
-# flag -> (attribute, smallest allowed value); checked before the model loads or warms up
-_INT_FLAGS = (("--block-size", "block_size", 1), ("--max-running", "max_running", 1),
+# flag -> (attribute, smallest allowed value); checked before the model loads or warms up (None: not given)
+_INT_FLAGS = (("--block-size", "block_size", 1), ("--kv-key-group", "kv_key_group", 1),
+              ("--max-running", "max_running", 1),
               ("--max-queued", "max_queued", 1), ("--max-batched-tokens", "max_batched_tokens", 1),
               ("--max-decode-steps", "max_decode_steps", 1))
 
 
+DEFAULT_BLOCK_SIZE = 16  # --block-size when not given (with --kv-keys channel: the key group)
+_INT_DEFAULTS_NONE = ("block_size", "kv_key_group")  # int flags whose default None means "not given"
 GRACEFUL_SHUTDOWN_S = 5  # after Ctrl-C, seconds uvicorn waits for requests in flight before closing them
 
 
@@ -80,9 +86,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_mesh_argument(p)
     p.add_argument("--kv-dtype", default=None,
                    help="KV cache dtype: float32, bfloat16 or int8 (default: the run's cache_dtype)")
+    p.add_argument("--kv-keys", choices=("token", "channel"), default=None,
+                   help="int8 cache keys: token (one scale per token) or channel (per channel over groups of "
+                        "--kv-key-group tokens, KIVI; MHA / GQA / MQA only; default: the run's kv_keys)")
+    p.add_argument("--kv-key-group", type=int, default=None, metavar="G",
+                   help="tokens per key-scale group with --kv-keys channel (default: the run's kv_key_group, 64)")
     p.add_argument("--policy", choices=("recompute", "swap"), default="recompute",
                    help="what a preempted sequence does with its KV blocks (default recompute)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=None,
+                   help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}; with --kv-keys channel the key group)")
     p.add_argument("--max-running", type=int, default=16, help="sequences decoding at once")
     p.add_argument("--max-queued", type=int, default=256, help="waiting requests before answering 429")
     p.add_argument("--max-batched-tokens", type=int, default=64, help="prefill tokens per engine step")
@@ -113,9 +125,10 @@ def kv_summary(engine) -> str:
     fit = alloc.num_blocks // alloc.blocks_for(L)
     concurrency = min(fit, engine.config.max_running)
     nbytes = engine.stats()["kv_cache_bytes"]
+    keys = f", keys per channel in groups of {engine.cfg.kv_key_group}" if engine.cfg.channel_keys else ""
     line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
             f"tokens per request ({nbytes / 2**20:.2f} MiB = {nbytes} bytes, block size {alloc.block_size}, "
-            f"{engine.cfg.cache_dtype})")
+            f"{engine.cfg.cache_dtype}{keys})")
     if size.capped:
         line += (f"; --max-running {engine.config.max_running} uses at most {size.usable} blocks, so the pool "
                  f"takes those of the {size.budget} --kv-memory holds (--kv-memory-all takes them all)")
@@ -150,7 +163,7 @@ def apply_config_file(args: argparse.Namespace) -> None:
         if attr not in default or attr == "config":
             raise ValueError(f"--config {args.config}: unknown key {key!r}; allowed: "
                              f"{', '.join(sorted(k for k in default if k != 'config'))}")
-        expected = type(default[attr]) if default[attr] is not None else str
+        expected = int if attr in _INT_DEFAULTS_NONE else type(default[attr]) if default[attr] is not None else str
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             kind = {int: "an integer", bool: "true or false", str: "a string"}.get(expected, expected.__name__)
             raise ValueError(f"--config {args.config}: {key}={value!r} is not allowed: {kind}")
@@ -161,8 +174,8 @@ def apply_config_file(args: argparse.Namespace) -> None:
 def check_serve_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag for a bad number, port or host (before any loading or warm-up)."""
     for flag, attr, low in _INT_FLAGS:
-        value = getattr(args, attr)
-        if value < low:
+        value = getattr(args, attr, None)
+        if value is not None and value < low:
             raise ValueError(f"{flag} {value} is not allowed: an integer >= {low}")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not allowed: an integer in 1..65535")
@@ -194,9 +207,10 @@ def build_engine(args: argparse.Namespace):
     check_serve_args(args)
     run_dir = resolve_run_dir(args.run_dir)
     model, cfg, tokenizer, _ = load_run(run_dir)
-    model = with_kv_dtype(model, getattr(args, "kv_dtype", None))
+    model = with_kv_keys(with_kv_dtype(model, getattr(args, "kv_dtype", None)), getattr(args, "kv_keys", None),
+                         getattr(args, "kv_key_group", None))
     quantize_weights(model, getattr(args, "quantize", None))
-    config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
+    config = EngineConfig(block_size=block_size(args, model.cfg), max_running=args.max_running,
                           max_queued=args.max_queued, max_batched_tokens=args.max_batched_tokens,
                           preemption=args.policy, max_decode_steps=args.max_decode_steps,
                           kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
@@ -209,6 +223,29 @@ def build_engine(args: argparse.Namespace):
         with naming_flag(args.mesh):
             return ShardedPagedEngine(model, config, mesh_from_flag(args.mesh)), tokenizer, name
     return PagedEngine(model, config), tokenizer, name
+
+
+def with_kv_keys(model, keys: str | None, group: int | None):
+    """``model`` with the int8 key layout of --kv-keys / --kv-key-group (None: the run's own). Raises ValueError
+    naming the flag for channel keys on a cache that is not int8 or on MLA, or a group without channel keys."""
+    from ..quant.kv_dtype import with_config
+
+    cfg = model.cfg
+    keys = cfg.kv_keys if keys is None else keys
+    if keys == "channel" and (cfg.cache_dtype != "int8" or cfg.attention == "mla"):
+        raise ValueError(f"--kv-keys channel needs an int8 MHA / GQA / MQA cache (give --kv-dtype int8); the model "
+                         f"has cache {cfg.cache_dtype}, attention {cfg.attention}")
+    if group is not None and keys != "channel":
+        raise ValueError(f"--kv-key-group {group} needs --kv-keys channel (an int8 MHA / GQA / MQA cache); the "
+                         f"keys are per {keys}")
+    return with_config(model, cfg.replace(kv_keys=keys, kv_key_group=cfg.kv_key_group if group is None else group))
+
+
+def block_size(args: argparse.Namespace, cfg) -> int:
+    """--block-size, or when not given DEFAULT_BLOCK_SIZE (the key group with per-channel keys)."""
+    if getattr(args, "block_size", None) is not None:
+        return args.block_size
+    return cfg.kv_key_group if cfg.channel_keys else DEFAULT_BLOCK_SIZE
 
 
 def bind_address(host: str, port: int) -> socket.socket:

@@ -5,6 +5,7 @@ prefix-cache hits and n > 1 choices; the pool's bytes equal the engine's and the
 warm-up compiles every program; bad block sizes are refused naming the flags."""
 
 from functools import partial
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -176,3 +177,55 @@ def test_no_recompilation_after_warmup(model):
         drain(engine)
     assert counted.compilations == 0 and counted.cache_hits == 0, counted
     assert engine.stats()["preemptions"] >= 1   # the swap path ran too
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from dantinox.runs.run_dir import save_run
+    from dantinox.runs.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer("Nel mezzo del cammin di nostra vita\n" * 4, "char")
+    cfg = tiny_config(attention="gqa", kv_heads=2, vocab_size=tokenizer.vocab_size)
+    path = tmp_path_factory.mktemp("run") / "gqa"
+    save_run(path, lively_model(cfg), cfg.replace(tie_embeddings=False), tokenizer)
+    return str(path)
+
+
+def serve_args(run_dir, *flags):
+    from dantinox.cli import entrypoint as cli
+
+    return cli.build_parser().parse_args(["serve", "--run_dir", run_dir, "--max-running", "2", *flags])
+
+
+def test_serve_kv_keys_channel_builds_a_channel_pool_with_the_group_as_block_size(run_dir):
+    from dantinox.cli.serve import build_engine, kv_summary
+
+    engine = build_engine(serve_args(run_dir, "--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "8"))[0]
+    assert engine.cfg.channel_keys and engine.cfg.kv_key_group == 8 and engine.allocator.block_size == 8
+    assert isinstance(engine.pool[0], PagedChannelKV) and engine.pool[0].k_resid.shape == (2, 8, 2, 8)
+    assert "keys per channel in groups of 8" in kv_summary(engine)
+    token = build_engine(serve_args(run_dir, "--kv-dtype", "int8"))[0]       # default: the run's own (token)
+    assert not token.cfg.channel_keys and token.allocator.block_size == 16
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-keys", "channel"], "--kv-keys channel needs an int8 MHA / GQA / MQA cache"),
+    (["--kv-dtype", "int8", "--kv-key-group", "8"], "--kv-key-group 8 needs --kv-keys channel"),
+    (["--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "8", "--block-size", "12"],
+     "--block-size 12 is not allowed with --kv-keys channel --kv-key-group 8"),
+    (["--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "0"], "--kv-key-group 0 is not allowed"),
+])
+def test_serve_refuses_bad_key_layout_flags_naming_them(run_dir, flags, message):
+    from dantinox.cli.serve import build_engine
+
+    with pytest.raises(ValueError, match=message):
+        build_engine(serve_args(run_dir, *flags))
+
+
+def test_channel_keys_on_mla_are_refused_naming_the_flag():
+    from dantinox.cli.serve import with_kv_keys
+
+    mla = SimpleNamespace(cfg=tiny_config(attention="mla", kv_heads=None, kv_latent_dim=16, rope_head_dim=8,
+                                          cache_dtype="int8"))   # only its config is read
+    with pytest.raises(ValueError, match="--kv-keys channel needs an int8 MHA / GQA / MQA cache.*attention mla"):
+        with_kv_keys(mla, "channel", None)
