@@ -23,7 +23,7 @@ from ..serving.allocator import BlockAllocator
 from ..serving.request import QueueFullError, Request, RequestError, RequestStatus, SamplingOptions
 from ..serving.scheduler import Scheduler
 from ..serving.step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason,
-                                 forward_calls, plan_decode_steps, pool_blocks)
+                                 forward_calls, plan_decode_steps, pool_blocks, resume_align)
 from .cost_model import CostModel
 from .metrics import RequestRecord, summarize
 from .router import Router
@@ -68,7 +68,7 @@ class SimReplica(ReplicaView):
     def __init__(self, cfg, config, cost: CostModel):
         self.config, self.cost = config, cost
         self.allocator = BlockAllocator(pool_blocks(cfg, config), config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(engine_policy(config, cfg.max_context), self.allocator)
+        self.scheduler = Scheduler(engine_policy(config, cfg.max_context, resume_align(cfg)), self.allocator)
         self.buckets = engine_buckets(config, cfg.max_context)
         self.inbox: list = []
         self.requests: list = []          # every request added, in order (finished ones included)

@@ -43,7 +43,7 @@ from .runner import (StepLogprobs, copy_blocks, copy_sinks, decode_steps, forwar
 from .scheduler import Chunk, Schedule, Scheduler
 from .sink_slots import SinkSlots
 from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
-                        plan_decode_steps, pool_size)
+                        plan_decode_steps, pool_size, resume_align)
 from .warmup import WarmupItem
 
 log = logging.getLogger("dantinox.serving")
@@ -147,7 +147,7 @@ class PagedEngine(Engine):
                       if sink_set_bytes(cfg) else None)
         # per-channel int8 keys: each running sequence's residual slot (its filling key group in float32)
         self.residuals = ResidualSlots(self.pool_size.residual_slots) if cfg.channel_keys else None
-        self.policy = engine_policy(config, cfg.max_context, cfg.kv_key_group if cfg.channel_keys else 1)
+        self.policy = engine_policy(config, cfg.max_context, resume_align(cfg))
         self.scheduler = Scheduler(self.policy, self.allocator)
         self.table_width = -(-cfg.max_context // P)  # M
         # Block-table widths of the multi-step decode call: it gathers only the blocks the batch's longest

@@ -55,6 +55,12 @@ def engine_buckets(config, max_context: int, min_table_tokens: int = 64) -> Buck
     return Buckets(decode, tuple(sorted(config.prefill_buckets)), chunk, table)
 
 
+def resume_align(cfg) -> int:
+    """Where a prefix-cache hit may resume for model config ``cfg``: the key group G with per-channel int8 keys
+    (``cfg.channel_keys``; a filling group's float32 keys are never in a cached block), else 1."""
+    return cfg.kv_key_group if cfg.channel_keys else 1
+
+
 def engine_policy(config, max_context: int, resume_align: int = 1) -> ContextPolicy:
     """The ContextPolicy of an EngineConfig for a model of ``max_context`` tokens (prompts of at most
     max_context - 1 tokens, prompt + output of at most max_context); resume_align: see ContextPolicy (the key

@@ -229,3 +229,17 @@ def test_channel_keys_on_mla_are_refused_naming_the_flag():
                                           cache_dtype="int8"))   # only its config is read
     with pytest.raises(ValueError, match="--kv-keys channel needs an int8 MHA / GQA / MQA cache.*attention mla"):
         with_kv_keys(mla, "channel", None)
+
+
+def test_residual_slots_are_one_per_running_sequence():
+    from dantinox.serving.residual_slots import ResidualSlots
+
+    slots = ResidualSlots(2)
+    assert (slots.take("a"), slots.take("b")) == (0, 1)
+    with pytest.raises(RuntimeError, match="all 2 residual slots are held"):
+        slots.take("c")
+    with pytest.raises(ValueError, match="already holds residual slot 1"):
+        slots.take("b")
+    slots.release("a")
+    slots.release("unknown")
+    assert slots.take("c") == 0 and slots.slot("b") == 1 and slots.slot("a") is None
