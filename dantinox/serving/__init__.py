@@ -3,7 +3,9 @@
   allocator.py / block_pool.py   block tables, reference counts, prefix caching, copy-on-write (plain Python)
   paged_cache.py                 the device pool per layer ([N, P, K, D] k and v, or the MLA latent pool) and
                                  the paged attention views
+  paged_channel_keys.py          the int8 pool with per-channel keys (KIVI): its layer type, attention, bytes
   sink_slots.py                  which per-sequence slot of an int8 pool's float32 attention sinks a sequence uses
+  residual_slots.py              which per-sequence float32 residual slot (the filling key group) a sequence uses
   runner.py                      compiled forward/sample and block-move functions
   request.py                     one request's options, tokens and state
   scheduler.py                   chunked prefill + decode under a token budget; admission; preemption

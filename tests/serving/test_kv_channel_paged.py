@@ -59,7 +59,7 @@ def prompts(lengths, seed=0):
     return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("P, sinks", [(4, 4), (8, 0)])
+@pytest.mark.parametrize("P, sinks", [(4, 4), pytest.param(8, 0, marks=pytest.mark.slow)])
 def test_paged_logits_equal_the_eval_view_in_ragged_chunks(P, sinks):
     cfg = CFG.replace(kv_sink_tokens=sinks)
     model = lively_model(cfg)
@@ -80,18 +80,17 @@ def test_paged_logits_equal_the_eval_view_in_ragged_chunks(P, sinks):
     assert max(errors) <= 2e-6 and layout_gap > 50 * max(max(errors), 1e-7)
 
 
-def test_served_greedy_tokens_equal_the_eval_view_chunked_and_multi_step(model):
-    batch = prompts([5, 11, 23], seed=3)
-    want = [view_greedy(model, p, 9) for p in batch]
-    for steps in (1, 8):
-        engine = make_engine(model, max_decode_steps=steps)
-        ids = [engine.add_request(p, greedy(9)) for p in batch]
-        results = drain(engine)
-        assert [results[rid][0] for rid in ids] == want
-        assert engine.residuals.of_seq == {} and engine.stats()["blocks_used"] == 0
+@pytest.mark.parametrize("steps", [8, pytest.param(1, marks=pytest.mark.slow)])
+def test_served_greedy_tokens_equal_the_eval_view_chunked_and_multi_step(model, steps):
+    batch = prompts([5, 11, 23], seed=3)                              # 23 tokens: two prefill chunks of 16
+    engine = make_engine(model, max_decode_steps=steps)
+    ids = [engine.add_request(p, greedy(9)) for p in batch]
+    results = drain(engine)
+    assert [results[rid][0] for rid in ids] == [view_greedy(model, p, 9) for p in batch]
+    assert engine.residuals.of_seq == {} and engine.stats()["blocks_used"] == 0
 
 
-@pytest.mark.parametrize("policy", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
 def test_preempted_requests_resume_with_the_eval_view_tokens(model, policy):
     engine = make_engine(model, num_blocks=10, preemption=policy, enable_prefix_caching=False, max_running=3)
     batch = prompts([6, 7, 9], seed=4)
@@ -169,7 +168,8 @@ def test_block_sizes_that_split_a_key_group_are_refused_naming_the_flags(model):
 
 
 def test_no_recompilation_after_warmup(model):
-    engine = make_engine(model, num_blocks=14, preemption="swap")
+    engine = make_engine(model, num_blocks=14, preemption="swap", decode_buckets=(4,), prefill_buckets=(4,),
+                         chunk_buckets=(16,), max_decode_steps=4)        # few programs: a cheap warm-up
     engine.warmup()
     with dx.CompileCounter() as counted:
         for i, prompt in enumerate(prompts([1, 3, 17, 30, 6, 9], seed=7)):
