@@ -83,7 +83,7 @@ def test_paged_logits_equal_the_eval_view_in_ragged_chunks(P, sinks):
 @pytest.mark.parametrize("steps", [8, pytest.param(1, marks=pytest.mark.slow)])
 def test_served_greedy_tokens_equal_the_eval_view_chunked_and_multi_step(model, steps):
     batch = prompts([5, 11, 23], seed=3)                              # 23 tokens: two prefill chunks of 16
-    engine = make_engine(model, max_decode_steps=steps)
+    engine = make_engine(model, num_blocks=40, max_decode_steps=steps)   # the pool of the tests below
     ids = [engine.add_request(p, greedy(9)) for p in batch]
     results = drain(engine)
     assert [results[rid][0] for rid in ids] == [view_greedy(model, p, 9) for p in batch]
