@@ -18,11 +18,15 @@ Layout per layer, the static cache's layout with the slot axis cut into blocks, 
                     each the full-precision rows of one sequence's first A tokens (``dantinox.quant.kv_sinks``);
                     each batch row names its slot (``sink_slot`` [B] int32, R = padding: never written).
                     Sinks live in a sequence's first block, so A <= P is required.
+  int8 with per-channel keys (cfg.channel_keys, KIVI) ``PagedChannelKV(k, v, k_scale, v_scale, k_sink, v_sink,
+                    k_resid)``: key scales per (group of G slots, KV head, channel) [N, P/G, K, D] (P a multiple
+                    of G) and a float32 residual slot [Q, G, K, D] per running sequence for its filling key
+                    group; its attention and writes are ``dantinox.serving.paged_channel_keys``.
 Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
 The pool is sized from a memory budget with ``dantinox.model.cache.bytes_per_token_per_layer``, the figure
 ``dantinox.budget.memory`` sums (2 K D or C + R elements per token and layer), so N x ``block_bytes`` plus,
-for int8, R x ``sink_set_bytes`` (L x ``dantinox.model.cache.sink_bytes_per_layer``) equals the bytes
-allocated (``pool_nbytes``).
+for int8, R x ``sink_set_bytes`` (L x ``dantinox.model.cache.sink_bytes_per_layer``) and, for per-channel keys,
+Q x ``residual_set_bytes`` equals the bytes allocated (``pool_nbytes``; ``pool_bytes`` computes it).
 
 How the model reads it. Each attention kind accepts a layer cache object with its own hook (see
 ``dantinox.model.attention.Attention`` and ``dantinox.model.mla.MLAttention``); per call a view carries the layer's
