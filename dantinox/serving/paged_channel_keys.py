@@ -166,8 +166,12 @@ class PagedChannelView(NamedTuple):
                                        dequantize_rows(_rows(pool.v, table), _rows(pool.v_scale, table))))
         t = c[:, None, None] + jnp.arange(T, dtype=jnp.int32)[None, :, None]     # [B, T, 1] query slots
         from_int8 = ((s[:, None] // G + 1) * G <= t) & (s[:, None] >= A)          # [B, T, S]
-        scores = jnp.where(from_int8[:, None, None], grouped_scores(q, int8_keys.astype(q.dtype)),
-                           grouped_scores(q, full.astype(q.dtype)))
+        if T == 1:   # one query per row (decode): choose each slot's key first, one matmul
+            keys = jnp.where(old(from_int8[:, 0]), int8_keys, full)
+            scores = grouped_scores(q, keys.astype(q.dtype))
+        else:        # a prefill chunk: a group completing inside it is read both ways
+            scores = jnp.where(from_int8[:, None, None], grouped_scores(q, int8_keys.astype(q.dtype)),
+                               grouped_scores(q, full.astype(q.dtype)))
         probs = jax.nn.softmax(jnp.where((s[:, None] <= t)[:, None, None], scores, NEG_INF), axis=-1)
         y = grouped_values(probs, values)
         return y, self._replace(pool=self._written(stored, codes, scales, full, c, T))
