@@ -5,6 +5,7 @@
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
                  [--no-prefix-caching] [--no-warmup] [--max-request-bytes 1MiB] [--config serve.yaml]
+                 [--speculative ngram [--spec-tokens 4] [--spec-ngram-max 4] [--spec-ngram-min 1]]
 
 Without --kv-memory the pool holds max-running sequences of max_context tokens; --kv-memory sizes it from a
 byte budget, but takes no more blocks than those max-running sequences can use (--kv-memory-all takes every
@@ -21,6 +22,9 @@ says "warming up" (200), GET /ready answers 503 until the warm-up is done. --no-
 Ctrl-C, during loading and warm-up as while serving, ends the command with one line on stderr and exit
 status 130 (``dantinox.cli.entrypoint``); uvicorn finishes the requests in flight for up to
 GRACEFUL_SHUTDOWN_S seconds first.
+--speculative ngram decodes with n-gram (prompt lookup) speculation in the engine: each decode step verifies
+up to --spec-tokens proposals per request in one compiled call (greedy output unchanged; docs/serving.md,
+"Speculative decoding"); --speculative draft:RUN is refused (not served yet), as is a diffusion run.
 FastAPI and uvicorn are imported only when the command runs.
 """
 
@@ -36,7 +40,7 @@ import socket
 
 from ..parallel.mesh import mesh_from_flag, naming_flag, parse_mesh
 from ..quant.weights import check_quantize, quantize_weights
-from .flags import add_mesh_argument, add_quantize_argument
+from .flags import add_mesh_argument, add_quantize_argument, add_speculative_arguments, speculative_from_args
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
@@ -45,6 +49,9 @@ _INT_FLAGS = (("--block-size", "block_size", 1), ("--max-running", "max_running"
               ("--max-queued", "max_queued", 1), ("--max-batched-tokens", "max_batched_tokens", 1),
               ("--max-decode-steps", "max_decode_steps", 1))
 
+
+# serve flags whose default is None but whose value is an integer (for --config files)
+_INT_VALUED = {"spec_tokens": int, "ngram_max": int, "ngram_min": int}
 
 GRACEFUL_SHUTDOWN_S = 5  # after Ctrl-C, seconds uvicorn waits for requests in flight before closing them
 
@@ -102,6 +109,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML/JSON file of serve flags (e.g. a plan's serve.yaml); "
                    "flags given on the command line win")
     add_quantize_argument(p)
+    add_speculative_arguments(p)
 
 
 def kv_summary(engine) -> str:
@@ -150,7 +158,7 @@ def apply_config_file(args: argparse.Namespace) -> None:
         if attr not in default or attr == "config":
             raise ValueError(f"--config {args.config}: unknown key {key!r}; allowed: "
                              f"{', '.join(sorted(k for k in default if k != 'config'))}")
-        expected = type(default[attr]) if default[attr] is not None else str
+        expected = type(default[attr]) if default[attr] is not None else _INT_VALUED.get(attr, str)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             kind = {int: "an integer", bool: "true or false", str: "a string"}.get(expected, expected.__name__)
             raise ValueError(f"--config {args.config}: {key}={value!r} is not allowed: {kind}")
@@ -182,6 +190,22 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if getattr(args, "kv_dtype", None) is not None:
         from ..quant.kv_dtype import parse_kv_dtype
         parse_kv_dtype(args.kv_dtype)
+    serve_speculation(args)
+
+
+def serve_speculation(args: argparse.Namespace):
+    """The engine's ``SpecConfig`` of --speculative ngram and its --spec-* flags, or None without it. Raises
+    ValueError naming the flag: a bound broken (``spec_settings``), --spec-* without --speculative, or
+    --speculative draft:RUN (a draft model is not served yet)."""
+    from ..serving.speculation import SpecConfig
+
+    spec = speculative_from_args(args)
+    if spec is None:
+        return None
+    if spec.proposer != "ngram":
+        raise ValueError(f"--speculative {args.speculative} is not allowed in serve: only ngram is served for now "
+                         "(a draft model speculates in dantinox generate and chat)")
+    return SpecConfig("ngram", spec.spec_tokens, spec.ngram_max, spec.ngram_min)
 
 
 def build_engine(args: argparse.Namespace):
@@ -194,6 +218,10 @@ def build_engine(args: argparse.Namespace):
     check_serve_args(args)
     run_dir = resolve_run_dir(args.run_dir)
     model, cfg, tokenizer, _ = load_run(run_dir)
+    speculative = serve_speculation(args)
+    if speculative is not None and cfg.paradigm != "ar":
+        raise ValueError(f"--speculative {args.speculative} is not allowed with {run_dir}: it holds a "
+                         f"paradigm={cfg.paradigm!r} model; speculative decoding needs an autoregressive one")
     model = with_kv_dtype(model, getattr(args, "kv_dtype", None))
     quantize_weights(model, getattr(args, "quantize", None))
     config = EngineConfig(block_size=args.block_size, max_running=args.max_running,
@@ -201,7 +229,7 @@ def build_engine(args: argparse.Namespace):
                           preemption=args.policy, max_decode_steps=args.max_decode_steps,
                           kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
                           kv_memory_all=bool(getattr(args, "kv_memory_all", False)),
-                          enable_prefix_caching=not args.no_prefix_caching)
+                          enable_prefix_caching=not args.no_prefix_caching, speculative=speculative)
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))
     if getattr(args, "mesh", None) is not None:  # docs/multi-device.md
         from ..serving.sharded_engine import ShardedPagedEngine
@@ -293,6 +321,10 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_format = load_chat_format(resolve_run_dir(args.run_dir), tokenizer)
     stop_ids = read_stop_ids(resolve_run_dir(args.run_dir), tokenizer)
     log.info(kv_summary(engine))
+    if engine.speculative is not None:
+        spec = engine.speculative
+        log.info("speculative decoding: %s, %d proposals per verify call, n-gram %d..%d", spec.proposer,
+                 spec.spec_tokens, spec.ngram_max, spec.ngram_min)
     if hasattr(engine, "blocks_per_device"):
         per = engine.blocks_per_device()
         log.info("mesh %s: %d devices, each holds all %d blocks with %s KV heads: %.2f MiB of KV per device",
