@@ -3,10 +3,11 @@
 One ``verify_step`` call serves every speculating decode row of a step: for row b it looks up an n-gram
 proposal of k tokens in the row's own tokens (``dantinox.generation.ngram.propose_ngram``), runs the target
 over [last token, d_1 .. d_k] ([B, k + 1] new tokens) on the paged pool at the row's positions
-start .. start + k, and applies ``dantinox.generation.speculative.accept_proposals`` row by row (each row with
-its own PRNG stream, as ``runner.sample_rows``): greedy rows accept the longest prefix equal to the target's
-argmax, sampled rows the rejection rule of Leviathan et al. 2023 (section 2.3) / Chen et al. 2023 (algorithm 2)
-with a point-mass proposal; either way the call emits the accepted proposals and then the target's own token.
+start .. start + k, and applies ``dantinox.generation.speculative.accept_proposals`` with one PRNG key per row
+(``fold_in(key(seed), tokens generated)``, the stream of ``runner.sample_rows``): greedy rows accept the
+longest prefix equal to the target's argmax, sampled rows follow the rejection rule of Leviathan et al. 2023
+(section 2.3) / Chen et al. 2023 (algorithm 2) with a point-mass proposal; either way the call emits the
+accepted proposals and then the target's own token.
 
 Keys and values are written for the first ``num_new[b] = limit[b] + 1`` positions only (the rest is padding
 the pool drops), so a row needs blocks for limit + 1 slots, not k + 1. Slots of rejected proposals are simply
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..generation.ngram import propose_ngram
-from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams
+from ..generation.sampling import SamplingParams
 from ..generation.speculative import accept_proposals
 from ..parallel.sharding import constrain_pool
 from .paged_cache import PagedPool, paged_views
@@ -48,23 +49,6 @@ class VerifyOut(NamedTuple):
     accepted: jax.Array
     proposed: jax.Array
     logprobs: StepLogprobs
-
-
-def _accept_rows(logits, proposals, keys, sampling: SamplingParams, limit):
-    """``accept_proposals`` with one PRNG key per row: logits [B, k + 1, V], proposals [B, k], keys [B]
-    (typed keys), limit [B]. Returns (tokens [B, k + 1], accepted [B]). An all-greedy batch takes one batched
-    call (no draw, and ``filtered_probs`` skips its full-vocabulary sort), else each row draws with its key."""
-    def one(row_logits, row_proposals, key, temperature, top_k, top_p, row_limit):
-        tokens, accepted = accept_proposals(row_logits[None], row_proposals[None], key,
-                                            SamplingParams(temperature[None], top_k[None], top_p[None]),
-                                            limit=row_limit[None])
-        return tokens[0], accepted[0]
-
-    def batched():
-        return accept_proposals(logits, proposals, keys[0], sampling, limit=limit)
-
-    rowwise = lambda: jax.vmap(one)(logits, proposals, keys, *sampling, limit)  # noqa: E731
-    return jax.lax.cond(jnp.all(sampling.temperature <= GREEDY_TEMPERATURE), batched, rowwise)
 
 
 def _all_logprobs(logits, tokens, with_logprobs) -> StepLogprobs:
@@ -106,6 +90,6 @@ def verify_step(graph: StaticGraph, params, pool: PagedPool, seq, start, limit, 
     views = paged_views(pool, block_table, num_new, sink_slot)
     logits, views, _ = model(inputs, use_cache=True, kv_caches=views, cache_index=start)
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds, steps)
-    tokens, accepted = _accept_rows(logits, proposals, keys, sampling, jnp.maximum(limit, 0))
+    tokens, accepted = accept_proposals(logits, proposals, keys, sampling, limit=jnp.maximum(limit, 0))
     out = VerifyOut(tokens, accepted, jnp.maximum(limit, 0), _all_logprobs(logits, tokens, with_logprobs))
     return out, constrain_pool(tuple(view.pool for view in views))
