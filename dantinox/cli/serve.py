@@ -51,7 +51,7 @@ _INT_FLAGS = (("--block-size", "block_size", 1), ("--max-running", "max_running"
 
 
 # serve flags whose default is None but whose value is an integer (for --config files)
-_INT_VALUED = {"spec_tokens": int, "ngram_max": int, "ngram_min": int}
+_INT_VALUED = {"spec_tokens": int, "ngram_max": int, "ngram_min": int, "spec_verify_cost": str}
 
 GRACEFUL_SHUTDOWN_S = 5  # after Ctrl-C, seconds uvicorn waits for requests in flight before closing them
 
@@ -110,6 +110,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    "flags given on the command line win")
     add_quantize_argument(p)
     add_speculative_arguments(p)
+    p.add_argument("--spec-verify-cost", default=None, metavar="C|N:C,...",
+                   help="with --speculative: a verify call's cost in plain decode steps (measured wall-time ratio), "
+                        "one number or per batch size, e.g. 1:1.3,4:2.5; speculation switches off where it loses "
+                        "(default: unknown, only acceptance counts)")
 
 
 def kv_summary(engine) -> str:
@@ -200,12 +204,33 @@ def serve_speculation(args: argparse.Namespace):
     from ..serving.speculation import SpecConfig
 
     spec = speculative_from_args(args)
+    costs = getattr(args, "spec_verify_cost", None)
     if spec is None:
+        if costs is not None:
+            raise ValueError("--spec-verify-cost needs --speculative ngram")
         return None
     if spec.proposer != "ngram":
         raise ValueError(f"--speculative {args.speculative} is not allowed in serve: only ngram is served for now "
                          "(a draft model speculates in dantinox generate and chat)")
-    return SpecConfig("ngram", spec.spec_tokens, spec.ngram_max, spec.ngram_min)
+    return SpecConfig("ngram", spec.spec_tokens, spec.ngram_max, spec.ngram_min, parse_verify_costs(costs))
+
+
+def parse_verify_costs(text: str | None) -> tuple:
+    """--spec-verify-cost as SpecConfig.verify_costs: "1.5" -> ((1, 1.5),) (every batch), "1:1.3,4:2.5" ->
+    ((1, 1.3), (4, 2.5)); None -> (). Raises ValueError naming the flag and the value."""
+    if text is None:
+        return ()
+    pairs = []
+    try:
+        for part in str(text).split(","):
+            rows, _, cost = part.rpartition(":")
+            pairs.append((int(rows) if rows else 1, float(cost)))
+    except ValueError:
+        pairs = None
+    if not pairs or any(n < 1 or not c > 0 or c == float("inf") for n, c in pairs):
+        raise ValueError(f"--spec-verify-cost {text} is not allowed: a cost > 0 in plain decode steps, or "
+                         "BATCH:COST pairs separated by commas (e.g. 1:1.3,4:2.5)")
+    return tuple(pairs)
 
 
 def build_engine(args: argparse.Namespace):

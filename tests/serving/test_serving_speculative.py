@@ -182,10 +182,20 @@ def test_usage_and_metrics_report_speculation():
     (["--speculative", "medusa"], "--speculative medusa is not allowed"),
     (["--speculative", "draft:dante"], "not allowed in serve: only ngram"),
     (["--spec-tokens", "3"], "--spec-tokens needs --speculative"),
+    (["--speculative", "ngram", "--spec-verify-cost", "4:x"], "--spec-verify-cost 4:x is not allowed"),
+    (["--spec-verify-cost", "2"], "--spec-verify-cost needs --speculative"),
 ])
 def test_bad_speculative_flags_exit_2_with_one_line(capsys, flags, message):
     status, _, err = run_main(["serve", "--port", "1", *flags], capsys)
     assert status == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_spec_verify_cost_parses_to_the_engines_costs():
+    from dantinox.cli.serve import parse_verify_costs
+
+    assert parse_verify_costs("1.5") == ((1, 1.5),)
+    assert parse_verify_costs("1:1.3,4:2.5") == ((1, 1.3), (4, 2.5))
+    assert SpecConfig(verify_costs=parse_verify_costs("1:1.3,4:2.5")).cost(3) == 2.5
 
 
 def test_speculative_with_a_diffusion_run_is_refused(capsys, monkeypatch):
