@@ -64,6 +64,9 @@ def test_greedy_speculative_serving_equals_plain_served_greedy(model):
     assert sum(a for _, a in spec) == stats["spec_accepted_tokens"]
     assert sum(p for p, _ in spec) == stats["spec_proposed_tokens"]
     assert stats["blocks_used"] == 0 and not engine.allocator.tables
+    prompt_hashes = {h for p, _ in requests for h in engine.allocator.prompt_hashes(p)}
+    cached = set(engine.allocator.pool._by_hash)
+    assert cached and cached <= prompt_hashes   # blocks of generated (or rejected) tokens are never cached
 
 
 def test_logprobs_are_the_targets_for_every_emitted_token(model):
@@ -237,10 +240,11 @@ def test_preempted_requests_keep_their_accepted_tokens(model, policy):
 @pytest.mark.slow
 @pytest.mark.parametrize("attention, cache_dtype", [("mha", "float32"), ("gqa", "int8"), ("mla", "float32")])
 def test_greedy_equality_across_attention_kinds_and_int8(attention, cache_dtype):
-    fields = dict(attention=attention, max_context=64, cache_dtype=cache_dtype)
-    if attention == "gqa":
-        fields["kv_heads"] = 2
-    cfg = tiny_config(**fields)
+    if attention == "mla":
+        cfg = dx.ModelConfig.from_preset("tiny-mla", max_context=64, cache_dtype=cache_dtype)
+    else:
+        cfg = tiny_config(attention=attention, max_context=64, cache_dtype=cache_dtype,
+                          **({"kv_heads": 2} if attention == "gqa" else {}))
     net = lively_mla_model(cfg) if attention == "mla" else lively_model(cfg)
     requests = [(p, greedy(n)) for p, n in BATCH]
     _, expected, _ = serve(net, requests, spec=None)
