@@ -85,12 +85,18 @@ def measure(gen, concurrency: int, args) -> list[dict]:
     engines = {"plain": PagedEngine(gen.model, EngineConfig(**base)),
                "speculative": PagedEngine(gen.model, EngineConfig(**base, speculative=spec))}
     stop = list(gen.stop_ids)
-    reference = {m: serve_once(e, prompts, args.new_tokens, stop) for m, e in engines.items()}   # compiles
+    reference = {}
+    for m, engine in engines.items():   # compiles what the timed rounds run
+        start = time.perf_counter()
+        reference[m] = serve_once(engine, prompts, args.new_tokens, stop)
+        print(f"C={concurrency} {m}: untimed round {time.perf_counter() - start:.0f} s", flush=True)
     assert reference["speculative"]["tokens"] == reference["plain"]["tokens"], "speculative tokens differ"
     runs = {m: [] for m in engines}
     for r in range(args.rounds):
         for m in (list(engines) if r % 2 == 0 else list(reversed(engines))):
             runs[m].append(serve_once(engines[m], prompts, args.new_tokens, stop))
+            print(f"C={concurrency} {m} round {r}: {runs[m][-1]['served']:.1f} served tok/s, "
+                  f"{runs[m][-1]['decode']:.1f} decode tok/s", flush=True)
     rows = []
     for m, results in runs.items():
         row = dict(concurrency=concurrency, mode=m, tokens=sum(map(len, results[0]["tokens"])),

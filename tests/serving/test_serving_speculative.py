@@ -101,6 +101,29 @@ def test_sampling_top_k_1_is_greedy_and_a_seed_repeats(model):
     assert all(0 <= t < CFG.vocab_size for t in first[1][0]) and len(first[1][0]) == n
 
 
+@pytest.mark.slow
+def test_per_row_keys_keep_the_targets_distribution():
+    """accept_proposals with one key per row (the engine's streams): the first emitted token of a point-mass
+    proposal is distributed as the target's p (Leviathan et al. 2023, section 2.3), against a numpy p."""
+    import jax
+    import jax.numpy as jnp
+
+    from dantinox.generation.sampling import SamplingParams
+    from dantinox.generation.speculative import accept_proposals
+
+    B, V = 6000, 4
+    logits = np.log(np.array([0.1, 0.2, 0.3, 0.4], np.float32))
+    rows = jnp.broadcast_to(jnp.asarray(logits), (B, 2, V))
+    proposals = jnp.full((B, 1), 2, jnp.int32)                         # propose token 2 (p = 0.3)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(B))
+    sampling = SamplingParams(jnp.ones(B), jnp.zeros(B, jnp.int32), jnp.ones(B))
+    tokens, accepted = jax.jit(accept_proposals)(rows, proposals, keys, sampling)
+    freq = np.bincount(np.asarray(tokens[:, 0]), minlength=V) / B
+    p = np.exp(logits) / np.exp(logits).sum()
+    assert np.all(np.abs(freq - p) < 4 * np.sqrt(p * (1 - p) / B)), (freq, p)
+    assert abs(float(np.mean(np.asarray(accepted))) - p[2]) < 4 * np.sqrt(p[2] * (1 - p[2]) / B)
+
+
 def test_n_choices_share_the_prompt_and_abort_frees_blocks(model):
     prompt, n = BATCH[2]
     engine = make_engine(model, **ENGINE, speculative=SPEC)
