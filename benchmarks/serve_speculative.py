@@ -1,7 +1,7 @@
 """Served n-gram speculation against plain serving on SmolLM2-135M-Instruct, in one process (issue 20).
 
     python benchmarks/serve_speculative.py [--rounds 3] [--new-tokens 200] [--concurrency 1 4]
-           [--spec-tokens 4] [--ngram-max 4] [--gguf FILE] [--json OUT]
+           [--spec-tokens 4] [--ngram-max 4] [--task repeat|chat] [--gguf FILE] [--json OUT]
 
 The model is imported as benchmarks/bench_speculative.py imports it (float32, max_context 1024) and served by
 the in-process PagedEngine (block size 16, prefix caching off so every round prefills, multi-step decoding on,
@@ -9,7 +9,8 @@ the default 8 steps), once plain and once with ``EngineConfig.speculative = Spec
 input-grounded: "Repeat this passage: <400 tokens of ../shared/data/tinyshakespeare.txt>" in the model's chat
 template, so the answer copies the prompt and prompt lookup finds what comes next. --concurrency C sends C such
 requests at once (each its own passage), greedy, at most --new-tokens tokens each, stopping at the model's stop
-ids; the speculative run is checked to give the plain run's tokens.
+ids; the speculative run is checked to give the plain run's tokens. --task chat sends a free question instead
+(bench_speculative's CHAT prompt: nothing to copy, the case where speculation costs).
 
 Per (C, mode), medians over rounds in which the modes alternate (plain first in even rounds): served tokens/s
 (generated tokens over the wall time from submitting to the last completion, prefill included) and decode
@@ -30,7 +31,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_speculative import DATA, default_gguf, load  # noqa: E402
+from bench_speculative import CHAT, DATA, default_gguf, load  # noqa: E402
 
 PASSAGE_TOKENS = 400
 REPEAT = "Repeat this passage exactly, word for word:\n\n{passage}"
@@ -78,7 +79,7 @@ def measure(gen, concurrency: int, args) -> list[dict]:
     from dantinox.serving import EngineConfig, PagedEngine
     from dantinox.serving.speculation import SpecConfig
 
-    prompts = passages(gen, concurrency)
+    prompts = passages(gen, concurrency) if args.task == "repeat" else [gen.chat_prompt_ids(CHAT)] * concurrency
     base = dict(block_size=16, max_running=max(concurrency, 1), max_batched_tokens=256,
                 enable_prefix_caching=False)
     spec = SpecConfig(spec_tokens=args.spec_tokens, ngram_max=args.ngram_max)
@@ -116,6 +117,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--ngram-max", type=int, default=4)
+    parser.add_argument("--task", choices=("repeat", "chat"), default="repeat")
     parser.add_argument("--gguf", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -123,7 +125,8 @@ def main() -> None:
         gen = load(args.gguf or default_gguf(), os.path.join(tmp, "smollm2"))
         rows = [row for c in args.concurrency for row in measure(gen, c, args)]
     print(f"host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; k={args.spec_tokens}, "
-          f"n-gram {args.ngram_max}..1, {args.new_tokens} new tokens, medians of {args.rounds} rounds")
+          f"n-gram {args.ngram_max}..1, {args.new_tokens} new tokens, task {args.task}, medians of {args.rounds} "
+          "rounds")
     print(f"{'C':>3} {'mode':<12} {'tokens':>6} {'served tok/s':>12} {'decode tok/s':>12}  acceptance")
     plain = {}
     for row in rows:
