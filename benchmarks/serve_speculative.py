@@ -1,7 +1,7 @@
 """Served n-gram speculation against plain serving on SmolLM2-135M-Instruct, in one process (issue 20).
 
     python benchmarks/serve_speculative.py [--rounds 3] [--new-tokens 200] [--concurrency 1 4]
-           [--spec-tokens 4] [--ngram-max 4] [--task repeat|chat] [--gguf FILE] [--json OUT]
+           [--spec-tokens 4] [--ngram-max 4] [--task repeat|chat] [--verify-cost C] [--gguf FILE] [--json OUT]
 
 The model is imported as benchmarks/bench_speculative.py imports it (float32, max_context 1024) and served by
 the in-process PagedEngine (block size 16, prefix caching off so every round prefills, multi-step decoding on,
@@ -10,7 +10,9 @@ input-grounded: "Repeat this passage: <400 tokens of ../shared/data/tinyshakespe
 template, so the answer copies the prompt and prompt lookup finds what comes next. --concurrency C sends C such
 requests at once (each its own passage), greedy, at most --new-tokens tokens each, stopping at the model's stop
 ids; the speculative run is checked to give the plain run's tokens. --task chat sends a free question instead
-(bench_speculative's CHAT prompt: nothing to copy, the case where speculation costs).
+(bench_speculative's CHAT prompt: nothing to copy, the case where speculation costs). --verify-cost C gives
+the engine a verify call's cost in plain steps (``SpecConfig.verify_costs``, serve's --spec-verify-cost), so the
+switch-off rule can stop speculating where it loses.
 
 Per (C, mode), medians over rounds in which the modes alternate (plain first in even rounds): served tokens/s
 (generated tokens over the wall time from submitting to the last completion, prefill included) and decode
@@ -82,7 +84,8 @@ def measure(gen, concurrency: int, args) -> list[dict]:
     prompts = passages(gen, concurrency) if args.task == "repeat" else [gen.chat_prompt_ids(CHAT)] * concurrency
     base = dict(block_size=16, max_running=max(concurrency, 1), max_batched_tokens=256,
                 enable_prefix_caching=False)
-    spec = SpecConfig(spec_tokens=args.spec_tokens, ngram_max=args.ngram_max)
+    costs = ((1, args.verify_cost),) if args.verify_cost else ()
+    spec = SpecConfig(spec_tokens=args.spec_tokens, ngram_max=args.ngram_max, verify_costs=costs)
     engines = {"plain": PagedEngine(gen.model, EngineConfig(**base)),
                "speculative": PagedEngine(gen.model, EngineConfig(**base, speculative=spec))}
     stop = list(gen.stop_ids)
@@ -118,6 +121,7 @@ def main() -> None:
     parser.add_argument("--spec-tokens", type=int, default=4)
     parser.add_argument("--ngram-max", type=int, default=4)
     parser.add_argument("--task", choices=("repeat", "chat"), default="repeat")
+    parser.add_argument("--verify-cost", type=float, default=None)
     parser.add_argument("--gguf", default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
