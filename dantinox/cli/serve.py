@@ -5,6 +5,7 @@
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
                  [--no-prefix-caching] [--no-warmup] [--max-request-bytes 1MiB] [--config serve.yaml]
+                 [--speculative ngram [--spec-tokens 4] [--spec-ngram-max 4] [--spec-ngram-min 1]]
 
 Without --kv-memory the pool holds max-running sequences of max_context tokens; --kv-memory sizes it from a
 byte budget, but takes no more blocks than those max-running sequences can use (--kv-memory-all takes every
@@ -24,6 +25,9 @@ says "warming up" (200), GET /ready answers 503 until the warm-up is done. --no-
 Ctrl-C, during loading and warm-up as while serving, ends the command with one line on stderr and exit
 status 130 (``dantinox.cli.entrypoint``); uvicorn finishes the requests in flight for up to
 GRACEFUL_SHUTDOWN_S seconds first.
+--speculative ngram decodes with n-gram (prompt lookup) speculation in the engine: each decode step verifies
+up to --spec-tokens proposals per request in one compiled call (greedy output unchanged; docs/serving.md,
+"Speculative decoding"); --speculative draft:RUN is refused (not served yet), as is a diffusion run.
 FastAPI and uvicorn are imported only when the command runs.
 """
 
@@ -39,7 +43,7 @@ import socket
 
 from ..parallel.mesh import mesh_from_flag, naming_flag, parse_mesh
 from ..quant.weights import check_quantize, quantize_weights
-from .flags import add_mesh_argument, add_quantize_argument
+from .flags import add_mesh_argument, add_quantize_argument, add_speculative_arguments, speculative_from_args
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
@@ -51,7 +55,10 @@ _INT_FLAGS = (("--block-size", "block_size", 1), ("--kv-key-group", "kv_key_grou
 
 
 DEFAULT_BLOCK_SIZE = 16  # --block-size when not given (with --kv-keys channel: the key group)
-_INT_DEFAULTS_NONE = ("block_size", "kv_key_group")  # int flags whose default None means "not given"
+# serve flags whose default None means "not given" and the type their value has (for --config files)
+_INT_VALUED = {"block_size": int, "kv_key_group": int, "spec_tokens": int, "ngram_max": int, "ngram_min": int,
+               "spec_verify_cost": str}
+
 GRACEFUL_SHUTDOWN_S = 5  # after Ctrl-C, seconds uvicorn waits for requests in flight before closing them
 
 
@@ -114,6 +121,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML/JSON file of serve flags (e.g. a plan's serve.yaml); "
                    "flags given on the command line win")
     add_quantize_argument(p)
+    add_speculative_arguments(p)
+    p.add_argument("--spec-verify-cost", default=None, metavar="C|N:C,...",
+                   help="with --speculative: a verify call's cost in plain decode steps (measured wall-time ratio), "
+                        "one number or per batch size, e.g. 1:1.3,4:2.5; speculation switches off where it loses "
+                        "(default: unknown, only acceptance counts)")
 
 
 def kv_summary(engine) -> str:
@@ -163,7 +175,7 @@ def apply_config_file(args: argparse.Namespace) -> None:
         if attr not in default or attr == "config":
             raise ValueError(f"--config {args.config}: unknown key {key!r}; allowed: "
                              f"{', '.join(sorted(k for k in default if k != 'config'))}")
-        expected = int if attr in _INT_DEFAULTS_NONE else type(default[attr]) if default[attr] is not None else str
+        expected = type(default[attr]) if default[attr] is not None else _INT_VALUED.get(attr, str)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             kind = {int: "an integer", bool: "true or false", str: "a string"}.get(expected, expected.__name__)
             raise ValueError(f"--config {args.config}: {key}={value!r} is not allowed: {kind}")
@@ -195,6 +207,43 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if getattr(args, "kv_dtype", None) is not None:
         from ..quant.kv_dtype import parse_kv_dtype
         parse_kv_dtype(args.kv_dtype)
+    serve_speculation(args)
+
+
+def serve_speculation(args: argparse.Namespace):
+    """The engine's ``SpecConfig`` of --speculative ngram and its --spec-* flags, or None without it. Raises
+    ValueError naming the flag: a bound broken (``spec_settings``), --spec-* without --speculative, or
+    --speculative draft:RUN (a draft model is not served yet)."""
+    from ..serving.speculation import SpecConfig
+
+    spec = speculative_from_args(args)
+    costs = getattr(args, "spec_verify_cost", None)
+    if spec is None:
+        if costs is not None:
+            raise ValueError("--spec-verify-cost needs --speculative ngram")
+        return None
+    if spec.proposer != "ngram":
+        raise ValueError(f"--speculative {args.speculative} is not allowed in serve: only ngram is served for now "
+                         "(a draft model speculates in dantinox generate and chat)")
+    return SpecConfig("ngram", spec.spec_tokens, spec.ngram_max, spec.ngram_min, parse_verify_costs(costs))
+
+
+def parse_verify_costs(text: str | None) -> tuple:
+    """--spec-verify-cost as SpecConfig.verify_costs: "1.5" -> ((1, 1.5),) (every batch), "1:1.3,4:2.5" ->
+    ((1, 1.3), (4, 2.5)); None -> (). Raises ValueError naming the flag and the value."""
+    if text is None:
+        return ()
+    pairs = []
+    try:
+        for part in str(text).split(","):
+            rows, _, cost = part.rpartition(":")
+            pairs.append((int(rows) if rows else 1, float(cost)))
+    except ValueError:
+        pairs = None
+    if not pairs or any(n < 1 or not c > 0 or c == float("inf") for n, c in pairs):
+        raise ValueError(f"--spec-verify-cost {text} is not allowed: a cost > 0 in plain decode steps, or "
+                         "BATCH:COST pairs separated by commas (e.g. 1:1.3,4:2.5)")
+    return tuple(pairs)
 
 
 def build_engine(args: argparse.Namespace):
@@ -207,6 +256,10 @@ def build_engine(args: argparse.Namespace):
     check_serve_args(args)
     run_dir = resolve_run_dir(args.run_dir)
     model, cfg, tokenizer, _ = load_run(run_dir)
+    speculative = serve_speculation(args)
+    if speculative is not None and cfg.paradigm != "ar":
+        raise ValueError(f"--speculative {args.speculative} is not allowed with {run_dir}: it holds a "
+                         f"paradigm={cfg.paradigm!r} model; speculative decoding needs an autoregressive one")
     model = with_kv_keys(with_kv_dtype(model, getattr(args, "kv_dtype", None)), getattr(args, "kv_keys", None),
                          getattr(args, "kv_key_group", None))
     quantize_weights(model, getattr(args, "quantize", None))
@@ -215,7 +268,7 @@ def build_engine(args: argparse.Namespace):
                           preemption=args.policy, max_decode_steps=args.max_decode_steps,
                           kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
                           kv_memory_all=bool(getattr(args, "kv_memory_all", False)),
-                          enable_prefix_caching=not args.no_prefix_caching)
+                          enable_prefix_caching=not args.no_prefix_caching, speculative=speculative)
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))
     if getattr(args, "mesh", None) is not None:  # docs/multi-device.md
         from ..serving.sharded_engine import ShardedPagedEngine
@@ -330,6 +383,10 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_format = load_chat_format(resolve_run_dir(args.run_dir), tokenizer)
     stop_ids = read_stop_ids(resolve_run_dir(args.run_dir), tokenizer)
     log.info(kv_summary(engine))
+    if engine.speculative is not None:
+        spec = engine.speculative
+        log.info("speculative decoding: %s, %d proposals per verify call, n-gram %d..%d", spec.proposer,
+                 spec.spec_tokens, spec.ngram_max, spec.ngram_min)
     if hasattr(engine, "blocks_per_device"):
         per = engine.blocks_per_device()
         log.info("mesh %s: %d devices, each holds all %d blocks with %s KV heads: %.2f MiB of KV per device",

@@ -86,10 +86,12 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=Non
     """The tokens to emit and how many proposals were accepted.
 
     logits: [B, k + 1, V] float32 (the target at the last token and each proposal); proposals: [B, k] int32;
-    sampling: per-row settings ([B]); limit: None, or [B] int32 in 0..k, the proposals of each row that may
-    be accepted (the rest are no proposals: with all ``limit[b]`` accepted the next token is drawn from the
-    whole distribution at position limit[b], as when all k are accepted); q: [B, k, V] float32, the
-    distribution each proposal was drawn from (a draft model's), or None for a point mass on it (n-gram).
+    key: one PRNG key for the batch, or [B] keys, one per row (each row then draws from its own stream, as the
+    serving engine's rows do); sampling: per-row settings ([B]); limit: None, or [B] int32 in 0..k, the
+    proposals of each row that may be accepted (the rest are no proposals: with all ``limit[b]`` accepted the
+    next token is drawn from the whole distribution at position limit[b], as when all k are accepted); q:
+    [B, k, V] float32, the distribution each proposal was drawn from (a draft model's), or None for a point
+    mass on it (n-gram).
     Returns (tokens [B, k + 1] int32: the accepted proposals then the target's token at the first rejection, or
     the extra token when all were accepted; accepted [B] int32 in 0..limit). Greedy rows take the argmax rule,
     sampled rows the rejection rule: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), at the first
@@ -100,10 +102,13 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=Non
         proposals = jnp.where(jnp.arange(k)[None, :] < limit[:, None], proposals, -1)
     rep = SamplingParams(*(jnp.repeat(x, T) for x in sampling))
     probs = filtered_probs(logits.reshape(B * T, V), rep).reshape(B, T, V)
-    key_u, key_r = jax.random.split(key)
+    per_row = jnp.ndim(key) == 1
+    key_u, key_r = jax.vmap(jax.random.split, out_axes=1)(key) if per_row else jax.random.split(key)
+    uniform = (jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(key_u) if per_row
+               else jax.random.uniform(key_u, (B, k)))
     p_proposed = jnp.take_along_axis(probs[:, :k], jnp.maximum(proposals, 0)[..., None], axis=-1)[..., 0]
     q_proposed = 1.0 if q is None else jnp.take_along_axis(q, jnp.maximum(proposals, 0)[..., None], axis=-1)[..., 0]
-    ok = (jax.random.uniform(key_u, (B, k)) * q_proposed < p_proposed) & (proposals >= 0)   # [B, k]
+    ok = (uniform * q_proposed < p_proposed) & (proposals >= 0)   # [B, k]
     accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
     at = jnp.take_along_axis(probs, accepted[:, None, None], axis=1)[:, 0]                 # [B, V]
     if q is None:
@@ -115,7 +120,8 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=Non
         residual = jnp.maximum(at - q_at, 0.0)
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, at)   # p == q (rounding)
     greedy_like = jnp.argmax(residual, axis=-1).astype(jnp.int32)
-    drawn = jax.random.categorical(key_r, jnp.where(residual > 0, jnp.log(residual), -1e30), axis=-1)
+    scores = jnp.where(residual > 0, jnp.log(residual), -1e30)
+    drawn = jax.vmap(jax.random.categorical)(key_r, scores) if per_row else jax.random.categorical(key_r, scores)
     last = jnp.where(sampling.temperature <= GREEDY_TEMPERATURE, greedy_like, drawn.astype(jnp.int32))
     tokens = jnp.concatenate([jnp.maximum(proposals, 0), jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(T)[None, :] == accepted[:, None], last[:, None], tokens)

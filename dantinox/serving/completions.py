@@ -172,6 +172,7 @@ class _Choice:
         self.logprobs = None if logprobs is None else LogprobsLog(tokenizer.decode)
         self.decoded = 0  # characters the decoder has produced: the text_offset of the next token
         self.completion_tokens = 0
+        self.speculative: tuple | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.done = False  # the engine request is over (finished, or aborted by us)
@@ -180,6 +181,7 @@ class _Choice:
         """Consume one engine output; returns the text now safe to emit. Sets done and finish_reason when the
         choice ends (engine finished, or a stop string: the caller then aborts the engine request)."""
         self.completion_tokens += len(out.new_token_ids)
+        self.speculative = out.speculative or self.speculative   # (proposed, accepted) so far
         piece = ""
         for i, token in enumerate(out.new_token_ids):
             if token in self.hidden:
@@ -264,7 +266,9 @@ class _Completion:
                 self.service.worker.abort(choice.rid)
 
     def _usage(self) -> dict:
-        return usage_body(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
+        spec = [c.speculative for c in self.choices if c.speculative is not None]
+        total = tuple(map(sum, zip(*spec))) if spec else None
+        return usage_body(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), total)
 
     async def respond(self, request: HttpRequest):
         texts = {c.index: "" for c in self.choices}

@@ -9,6 +9,9 @@ JAX implementation.
   3. the chunks run through the model over the paged pool in at most a few compiled calls: decode rows
      ([B, 1]) and prefill rows ([B, T]), with B and T rounded up to fixed buckets so no step recompiles
      after ``warmup()``;
+     With ``EngineConfig.speculative``, the decode rows may instead go through one verify call ([B, k + 1]:
+     prompt-lookup proposals checked by the target, ``verify_step``), when the switch-off rule says it pays
+     (``speculation``); each row then emits its accepted proposals and the target's own token;
   4. each request advances by the tokens it fed; a request whose last token was fed gets the sampled
      token (with its raw log-probabilities if it asked for logprobs), and finishes on a stop token or at
      max_new_tokens.
@@ -42,8 +45,10 @@ from .runner import (StepLogprobs, copy_blocks, copy_sinks, decode_steps, forwar
                      read_sinks, static_graph, write_blocks, write_residual, write_sinks)
 from .scheduler import Chunk, Schedule, Scheduler
 from .sink_slots import SinkSlots
-from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
+from .speculation import SpecConfig, plan_speculation, record
+from .step_plan import (advance, bucket, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
                         plan_decode_steps, pool_size, resume_align)
+from .verify_step import verify_step
 from .warmup import WarmupItem
 
 log = logging.getLogger("dantinox.serving")
@@ -99,7 +104,9 @@ class EngineConfig:
     request closest to its max_new_tokens needs, so no slot sits finished while a request waits.
     decode_buckets / prefill_buckets: batch sizes of the compiled calls (default: powers of two up to
     max_running, and (1, 2, 4)); chunk_buckets: prefill chunk lengths (default: powers of two from 8 up to
-    min(max_batched_tokens, max_context))."""
+    min(max_batched_tokens, max_context)).
+    speculative: None (plain decoding) or a ``speculation.SpecConfig``: n-gram speculative decoding of the decode
+    rows (the greedy output is unchanged; sampled output keeps the target's distribution)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -117,6 +124,7 @@ class EngineConfig:
     prefill_buckets: tuple = (1, 2, 4)
     chunk_buckets: tuple | None = None
     max_decode_steps: int = 8
+    speculative: SpecConfig | None = None
 
 
 class PagedEngine(Engine):
@@ -132,6 +140,10 @@ class PagedEngine(Engine):
         if cfg.paradigm != "ar":
             raise ValueError(f"the serving engine decodes autoregressive models; this model has paradigm="
                              f"{cfg.paradigm!r} (masked diffusion is served by dantinox generate, not serve)")
+        if config.speculative is not None and cfg.channel_keys:
+            raise ValueError("speculative decoding (--speculative) is not served with per-channel int8 keys "
+                             "(kv_keys='channel', --kv-keys channel): a rejected proposal can complete a key "
+                             "group; use --kv-keys token with --speculative")
         self.cfg, self.config = cfg, config
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_context
         graphdef, self.params = nnx.split(model)
@@ -148,7 +160,9 @@ class PagedEngine(Engine):
         # per-channel int8 keys: each running sequence's residual slot (its filling key group in float32)
         self.residuals = ResidualSlots(self.pool_size.residual_slots) if cfg.channel_keys else None
         self.policy = engine_policy(config, cfg.max_context, resume_align(cfg))
-        self.scheduler = Scheduler(self.policy, self.allocator)
+        self.speculative = config.speculative
+        self.scheduler = Scheduler(self.policy, self.allocator,
+                                   self.speculative.spec_tokens if self.speculative else 0)
         self.table_width = -(-cfg.max_context // P)  # M
         # Block-table widths of the multi-step decode call: it gathers only the blocks the batch's longest
         # row reaches, rounded up to a power of two of at least 64 tokens (the gather is most of a decode
@@ -170,7 +184,8 @@ class PagedEngine(Engine):
         # ("decode", B, S attended slots, n iterations), ("swap_out",), ("swap_in",), ("copy",) per call.
         self.step_calls: list[tuple] = []
         self.counters = dict(steps=0, forward_calls=0, multi_step_calls=0, computed_tokens=0, generated_tokens=0,
-                             finished=0, aborted=0, errors=0)
+                             finished=0, aborted=0, errors=0, spec_verify_calls=0, spec_proposed_tokens=0,
+                             spec_accepted_tokens=0)
 
     # Interface ------------------------------------------------------------------------------------
     def add_request(self, prompt_ids, options: SamplingOptions = SamplingOptions(),  # noqa: B008 (frozen)
@@ -201,10 +216,15 @@ class PagedEngine(Engine):
         except Exception as err:  # a device failure: the pool may be gone; fail what it held, keep serving
             log.exception("engine step failed")
             return outputs + self._fail_running(f"engine step failed: {err!r}")
-        for chunk, (tokens, logprobs) in zip(sched.chunks, sampled):
-            outputs.extend(self._advance(chunk, tokens[0], logprobs))
-            for j, token in enumerate(tokens[1:], 1):  # further tokens of a multi-step decode call
-                outputs.extend(self._advance(Chunk(chunk.request, chunk.start + j, 1), token))
+        for chunk, (tokens, logprobs, verified) in zip(sched.chunks, sampled):
+            before = len(chunk.request.output_ids)
+            outs = self._advance(chunk, tokens[0], logprobs[0] if logprobs else None)
+            for j, token in enumerate(tokens[1:], 1):  # further tokens of a multi-step decode or verify call
+                lp = logprobs[j] if logprobs else None
+                outs += self._advance(Chunk(chunk.request, chunk.start + j, 1), token, lp)
+            if verified is not None:
+                self._record_verify(chunk.request, verified, len(chunk.request.output_ids) - before, outs)
+            outputs.extend(outs)
         self.counters["steps"] += 1
         return outputs
 
@@ -228,7 +248,8 @@ class PagedEngine(Engine):
                     blocks_total=alloc.num_blocks, blocks_used=alloc.num_used, blocks_free=alloc.num_free,
                     block_size=alloc.block_size, kv_cache_bytes=pool_nbytes(self.pool),
                     preemptions=sched.num_preemptions, prefix_cache_queries=alloc.prefix_queries,
-                    prefix_cache_hits=alloc.prefix_hits, cow_copies=alloc.cow_copies, **self.counters)
+                    prefix_cache_hits=alloc.prefix_hits, cow_copies=alloc.cow_copies, **self.counters,
+                    **({"spec_proposer": self.speculative.proposer} if self.speculative else {}))
 
     def _budget_block_bytes(self, cfg) -> int | None:
         """Bytes one block takes out of kv_memory_bytes (None: the whole block, on one device)."""
@@ -281,6 +302,9 @@ class PagedEngine(Engine):
                        for i, B in enumerate(self.decode_buckets) for j, M in enumerate(self.table_buckets)]
         ranked += [((i + 1, i), f"forward B={B} T=1", lambda B=B: self._warm_forward(B, 1))
                    for i, B in enumerate(self.decode_buckets)]
+        if self.speculative:
+            ranked += [((i + j, i), f"verify B={B} M={M}", lambda B=B, M=M: self._warm_verify(B, M))
+                       for i, B in enumerate(self.decode_buckets) for j, M in enumerate(self.table_buckets)]
         ranked.append(((1, 1), "block moves", self._warm_block_moves))
         ranked.sort(key=lambda item: item[0])  # stable: within a rank, the order above
         return [WarmupItem(label, run) for _, label, run in ranked]
@@ -408,22 +432,105 @@ class PagedEngine(Engine):
         padded = tuple(tuple(pad(a) for a in layer) for layer in data)
         self.pool = write_blocks(self.pool, ids, padded)
 
-    def _run(self, chunks: list[Chunk]) -> list[tuple[list[int], TokenLogprobs | None]]:
-        """Run the chunks in bucketed calls; returns each chunk's sampled tokens (one, or several from a
-        multi-step decode call) and, if its request asked for logprobs, the TokenLogprobs of its token
-        (meaningful for chunks that reach their request's last token)."""
-        counts = self._plan_decode_steps(chunks)
-        if counts:
-            return [(tokens, None) for tokens in self._run_decode_steps(chunks, counts)]
+    def _run(self, chunks: list[Chunk]) -> list[tuple[list[int], list | None, tuple | None]]:
+        """Run the chunks in bucketed calls; returns per chunk (its sampled tokens: one, or several from a
+        multi-step decode or verify call; if its request asked for logprobs, one TokenLogprobs per token, else
+        None (meaningful for chunks that reach their request's last token); for a verified chunk (limit,
+        proposed), else None)."""
+        limits = self._plan_speculation(chunks)
+        if limits is None:
+            counts = self._plan_decode_steps(chunks)
+            if counts:
+                return [(tokens, None, None) for tokens in self._run_decode_steps(chunks, counts)]
+            limits = {}
         sampled: dict[int, tuple] = {}
+        verified = [c for c in chunks if id(c) in limits]
         # every call is dispatched before any result is fetched, so host work overlaps the device's
-        calls = [(part, self._call_forward(part, B, T)) for part, B, T in forward_calls(chunks, self.buckets)]
+        checks = [(part, self._call_verify(part, [limits[id(c)] for c in part], B, M))
+                  for part, B, M in self._verify_calls(verified, limits)]
+        rest = [c for c in chunks if id(c) not in limits]
+        calls = [(part, self._call_forward(part, B, T)) for part, B, T in forward_calls(rest, self.buckets)]
         for part, (out, logprobs) in calls:
             tokens = np.asarray(out)
             logprobs = None if logprobs is None else jax.device_get(logprobs)
             for b, chunk in enumerate(part):
-                sampled[id(chunk)] = ([int(tokens[b])], _row_logprobs(chunk, int(tokens[b]), logprobs, b))
+                lp = _row_logprobs(chunk, int(tokens[b]), logprobs, b)
+                sampled[id(chunk)] = ([int(tokens[b])], None if lp is None else [lp], None)
+        for part, out in checks:
+            sampled.update(self._verified_rows(part, limits, out))
         return [sampled[id(c)] for c in chunks]
+
+    # Speculative decoding ---------------------------------------------------------------------------
+    def _plan_speculation(self, chunks: list[Chunk]) -> dict | None:
+        """{id(chunk): limit} of the decode chunks a verify call runs this step, or None (``speculation``)."""
+        if self.speculative is None:
+            return None
+        P = self.allocator.block_size
+        return plan_speculation(chunks, self.speculative,
+                                lambda c: len(self.allocator.table(c.request.request_id)) * P - c.start)
+
+    def _verify_calls(self, chunks: list[Chunk], limits: dict) -> list[tuple[list, int, int]]:
+        """The verify calls: [(chunks, B, M)], B at most the largest decode bucket, M the table bucket covering
+        the furthest position a row of the call writes."""
+        calls, width = [], self.decode_buckets[-1]
+        for i in range(0, len(chunks), width):
+            part = chunks[i:i + width]
+            reach = max(c.start + limits[id(c)] + 1 for c in part)
+            M = bucket(self.allocator.blocks_for(reach), self.table_buckets)
+            calls.append((part, bucket(len(part), self.decode_buckets), M))
+        return calls
+
+    def _verify_args(self, part: list[Chunk], limits: list[int], B: int, M: int) -> tuple:
+        """verify_step's arguments for ``part`` padded to B rows over block tables of M entries."""
+        seq = np.zeros((B, M * self.allocator.block_size), np.int32)
+        limit = np.full(B, -1, np.int32)
+        for b, (chunk, n) in enumerate(zip(part, limits)):
+            tokens = chunk.request.all_tokens[:chunk.start + 1]
+            seq[b, :len(tokens)], limit[b] = tokens, n
+        start, table, seeds, steps, sampling = self._row_inputs(part, B, M)
+        with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
+        return (self.graph, self.params, self.pool, seq, start, limit, table, seeds, steps, sampling,
+                with_logprobs, self._sink_rows(part, B))
+
+    def _spec_statics(self) -> dict:
+        spec = self.speculative
+        return dict(k=spec.spec_tokens, ngram_max=spec.ngram_max, ngram_min=spec.ngram_min)
+
+    def _warm_verify(self, B: int, M: int) -> None:
+        """Compile verify_step for bucket (B, M) without running it (as ``_warm_forward``)."""
+        verify_step.lower(*self._verify_args([], [], B, M), **self._spec_statics()).compile()
+
+    def _call_verify(self, part: list[Chunk], limits: list[int], B: int, M: int):
+        """Dispatch one verify_step call; returns its VerifyOut (device arrays) without waiting."""
+        out, self.pool = verify_step(*self._verify_args(part, limits, B, M), **self._spec_statics())
+        self.counters["forward_calls"] += 1
+        self.counters["spec_verify_calls"] += 1
+        self.step_calls.append(("verify", B, M * self.allocator.block_size, self.speculative.spec_tokens + 1))
+        return out
+
+    def _verified_rows(self, part: list[Chunk], limits: dict, out) -> dict:
+        """{id(chunk): (tokens, logprobs or None, (limit, proposed))} of one fetched verify call."""
+        out = jax.device_get(out)
+        rows = {}
+        for b, chunk in enumerate(part):
+            n = int(out.accepted[b]) + 1
+            tokens = [int(t) for t in out.tokens[b, :n]]
+            logprobs = None
+            if chunk.request.options.logprobs is not None:
+                lp = out.logprobs
+                logprobs = [_row_logprobs(chunk, t, StepLogprobs(lp.chosen[:, j], lp.top_ids[:, j], lp.top[:, j]), b)
+                            for j, t in enumerate(tokens)]
+            rows[id(chunk)] = (tokens, logprobs, (limits[id(chunk)], int(out.proposed[b])))
+        return rows
+
+    def _record_verify(self, req: Request, verified: tuple, emitted: int, outs: list[RequestOutput]) -> None:
+        """Book a verify call of ``req`` (engine counters, the request's SpecRowStats) and stamp its outputs."""
+        proposed, accepted = record(req, *verified, emitted)
+        self.counters["spec_proposed_tokens"] += proposed
+        self.counters["spec_accepted_tokens"] += accepted
+        totals = (req.spec.proposed, req.spec.accepted)
+        for out in outs:
+            out.speculative = totals
 
     def _plan_decode_steps(self, chunks: list[Chunk]) -> list[int] | None:
         """Decode steps per chunk for a multi-step call, or None for an ordinary step.
@@ -554,8 +661,9 @@ class PagedEngine(Engine):
         self.counters[{"abort": "aborted", "error": "errors"}.get(reason, "finished")] += 1
 
     def _output(self, req: Request, new_tokens: list, logprobs: list | None = None) -> RequestOutput:
+        spec = None if req.spec is None else (req.spec.proposed, req.spec.accepted)
         return RequestOutput(req.request_id, new_tokens, req.finished, req.finish_reason, req.error,
-                             len(req.prompt_ids), len(req.output_ids), logprobs)
+                             len(req.prompt_ids), len(req.output_ids), logprobs, spec)
 
     def _fail_running(self, message: str) -> list[RequestOutput]:
         """After a failed device step: end every request whose keys and values may be lost (running, or

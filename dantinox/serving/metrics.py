@@ -16,6 +16,10 @@ _COUNTERS = {"preemptions": "Sequences preempted (recompute or swap)",
              "prefix_cache_queries": "Prompt blocks looked up in the prefix cache",
              "generated_tokens": "Tokens generated",
              "computed_tokens": "Tokens fed through the model (prefill, re-prefill and decode)"}
+# speculative decoding counters (engine.stats() keys, present with a proposer under "spec_proposer"), labelled
+# by proposer: dantinox_spec_proposed_tokens_total{proposer="ngram"}, dantinox_spec_accepted_tokens_total
+_SPEC_COUNTERS = {"spec_proposed_tokens": "Speculative tokens proposed and verified, by proposer",
+                  "spec_accepted_tokens": "Speculative tokens accepted by the target, by proposer"}
 _GAUGES = {"waiting": "Requests waiting in the queue", "running": "Sequences running (holding KV blocks)",
            "swapped": "Preempted sequences whose KV blocks wait in host memory",
            "blocks_used": "KV blocks in use", "blocks_free": "KV blocks free"}
@@ -37,7 +41,8 @@ class ServerMetrics:
                                   ["reason"], registry=r)
         self.gauges = {k: Gauge(f"dantinox_{k}", text, registry=r) for k, text in _GAUGES.items()}
         self.counters = {k: Counter(f"dantinox_{k}", text, registry=r) for k, text in _COUNTERS.items()}
-        self._last = {k: 0 for k in _COUNTERS}
+        self.spec = {k: Counter(f"dantinox_{k}", text, ["proposer"], registry=r) for k, text in _SPEC_COUNTERS.items()}
+        self._last = {k: 0 for k in (*_COUNTERS, *_SPEC_COUNTERS)}
 
     def token(self, seconds: float, first: bool) -> None:
         (self.ttft if first else self.itl).observe(seconds)
@@ -64,6 +69,12 @@ class ServerMetrics:
             value = stats.get(key, 0)
             if value > self._last[key]:
                 counter.inc(value - self._last[key])
+            self._last[key] = value
+        proposer = stats.get("spec_proposer")
+        for key, counter in self.spec.items():
+            value = stats.get(key, 0)
+            if proposer is not None and value > self._last[key]:
+                counter.labels(proposer=proposer).inc(value - self._last[key])
             self._last[key] = value
 
     def render(self) -> bytes:

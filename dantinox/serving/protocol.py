@@ -190,10 +190,15 @@ def completion_body(request_id: str, model: str, choices: list[dict], usage: dic
     return body
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI's usage object (prompt tokens counted once; completion tokens of every choice)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage_body(prompt_tokens: int, completion_tokens: int, speculative: tuple | None = None) -> dict:
+    """OpenAI's usage object (prompt tokens counted once; completion tokens of every choice); with
+    ``speculative`` (proposed, accepted) summed over the choices, from a speculating engine, also
+    "speculative": {"proposed": ..., "accepted": ...} (tokens proposed by the n-gram lookup and accepted)."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if speculative is not None:
+        body["speculative"] = {"proposed": int(speculative[0]), "accepted": int(speculative[1])}
+    return body
 
 
 def error_body(message: str, param: str | None, kind: str = "invalid_request_error", code=None) -> dict:

@@ -122,6 +122,7 @@ class Request:
     events: list = field(default_factory=list)  # ("chunk", start, n), ("token", id), ("preempt", policy), ...
     matcher: Any = None              # the TokenMatcher of options.constraint, advanced with output_ids; None
                                      # until first needed and after a preemption (then rebuilt from them)
+    spec: Any = None                 # speculation.SpecRowStats of a speculative engine (None until it verifies)
 
     @property
     def all_tokens(self) -> list:
@@ -163,7 +164,8 @@ class RequestOutput:
 
     new_token_ids: tokens generated in this step (0 or 1 of them).  finished: no more output will come;
     finish_reason is then one of FINISH_REASONS and error holds the message for "error".  logprobs: one
-    TokenLogprobs per new token when the request asked for logprobs, else None.
+    TokenLogprobs per new token when the request asked for logprobs, else None.  speculative: (proposed,
+    accepted), the request's speculative proposals so far, from an engine that speculates (None otherwise).
     """
 
     request_id: str
@@ -174,3 +176,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list | None = None
+    speculative: tuple | None = None

@@ -11,6 +11,8 @@ Each step (iteration-level scheduling, no separate prefill and decode phases):
      of the queue) are admitted while there are free running slots, budget and blocks. A request with a
      ``prompt_parent`` (choice i > 0 of an n > 1 completion) is held until the parent's prompt is computed,
      so its full prompt blocks come from the prefix cache instead of being computed n times.
+  3. With ``lookahead`` k > 0 (speculative decoding), each decode chunk then takes up to k more positions from
+     the free blocks, never by preemption (``reserve_lookahead``): admission goes first.
 Copy-on-write copies arise only when an admitted request's prompt is wholly cached (step 2), after every
 preemption of the step, so a preempted request never has a pending copy.
 """
@@ -83,8 +85,9 @@ class Schedule:
 class Scheduler:
     """Waiting queue + running list over a BlockAllocator, under a ContextPolicy."""
 
-    def __init__(self, policy: ContextPolicy, allocator: BlockAllocator):
+    def __init__(self, policy: ContextPolicy, allocator: BlockAllocator, lookahead: int = 0):
         self.policy = policy
+        self.lookahead = lookahead
         self.allocator = allocator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -141,7 +144,24 @@ class Scheduler:
                 budget -= n if want > 1 else 0
         if not out.preempted:
             self._admit(out, budget)
+        if self.lookahead:
+            self.reserve_lookahead(out)
         return out
+
+    def reserve_lookahead(self, out: Schedule) -> None:
+        """Give each decode chunk of ``out`` blocks for up to ``lookahead`` positions past its token (the slots
+        a verify call writes), bounded by the tokens its request may still generate and by the free blocks;
+        copy-on-write copies join the chunk's. Never preempts."""
+        alloc = self.allocator
+        for chunk in out.chunks:
+            req = chunk.request
+            if chunk.num_tokens != 1 or req.remaining != 1:
+                continue
+            extra = min(self.lookahead, req.options.max_new_tokens - len(req.output_ids) - 1)
+            held = len(alloc.table(req.request_id)) * alloc.block_size - chunk.start
+            n = min(1 + extra, held + alloc.num_free * alloc.block_size)
+            copies = alloc.grow(req.request_id, chunk.start, chunk.start + n) if n > held else []
+            chunk.copies += copies or []
 
     def _fit(self, req: Request, want: int, out: Schedule) -> tuple[int, list]:
         """Reserve blocks for up to ``want`` tokens of ``req`` (fewer if only fewer fit); when not even one
