@@ -5,7 +5,10 @@ Layout per layer: k and v of shape [B, K, S, D] (batch, KV heads, max_context sl
 instead (the latent and the shared RoPE key, never per-head keys and values). With cache_dtype="int8" the
 layers are ``QuantLayerKV`` (int8 k, v plus float32 scales [B, K, S, 1] and the float32 rows of the first
 A = cfg.sink_slots tokens, [B, K, A, D]) and ``QuantLatentKV`` (int8 c_kv, k_rope plus scales [B, S, 1] and
-float32 sinks [B, A, C], [B, A, R]); see ``dantinox.quant.kv_rows`` and ``dantinox.quant.kv_sinks``. The cache
+float32 sinks [B, A, C], [B, A, R]); see ``dantinox.quant.kv_rows`` and ``dantinox.quant.kv_sinks``. With
+``cfg.channel_keys`` (kv_keys="channel") the int8 layers are ``ChannelQuantLayerKV`` instead: per-channel int8
+keys over groups of G slots with their scales and a float32 residual of the filling group
+(``dantinox.model.channel_cache``, KIVI). The cache
 holds no write index of its own: the caller passes ``cache_index`` (a scalar or one slot per row, [B] int32) so
 rows of different lengths share a batch.
 
@@ -117,7 +120,10 @@ def layer_cache_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ..
 def cache_field_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], ...]:
     """Shapes of every array of one layer's cache, in field order: ``layer_cache_shapes`` and, for
     cache_dtype="int8", one scale shape per row shape with the last axis 1 ([B, K, S, 1] or [B, S, 1]), then
-    the sink shapes (``sink_shapes``)."""
+    the sink shapes (``sink_shapes``); with cfg.channel_keys ``channel_cache_shapes``."""
+    if cfg.channel_keys:
+        from .channel_cache import channel_cache_shapes
+        return channel_cache_shapes(cfg, batch_size)
     shapes = layer_cache_shapes(cfg, batch_size)
     if cfg.cache_dtype != "int8":
         return shapes
@@ -128,12 +134,16 @@ def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
     """Allocate the whole cache up front, zeros in cfg.cache_dtype, one entry per layer:
     LayerKV(k, v) of [B, K, S, D] each, or for attention="mla" LatentKV(c_kv [B, S, C], k_rope [B, S, R]);
     for cache_dtype="int8" QuantLayerKV / QuantLatentKV, the same int8 arrays plus float32 zero scales of the
-    same shape with a last axis of 1 and float32 zero sinks (``sink_shapes``).
+    same shape with a last axis of 1 and float32 zero sinks (``sink_shapes``); with cfg.channel_keys
+    ChannelQuantLayerKV (``dantinox.model.channel_cache``).
 
     Raises ValueError if batch_size is not a positive integer.
     """
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r} is not allowed: a positive integer")
+    if cfg.channel_keys:
+        from .channel_cache import init_channel_layer
+        return tuple(init_channel_layer(cfg, int(batch_size)) for _ in range(cfg.num_blocks))
     int8 = cfg.cache_dtype == "int8"
     if cfg.attention == "mla":
         layer_type = QuantLatentKV if int8 else LatentKV
@@ -154,6 +164,18 @@ def zero_arrays(shapes, dtype, int8: bool, sinks=()) -> list:
         arrays += [jnp.zeros(tuple(shape[:-1]) + (1,), SCALE_DTYPE) for shape in shapes]
         arrays += [jnp.zeros(shape, SINK_DTYPE) for shape in sinks]
     return arrays
+
+
+def first_slots(layer, L: int):
+    """One layer's cache cut to its first L slots (a copy): every array's slot axis (-2) cut to L, which is
+    every field of LayerKV, LatentKV, QuantLayerKV and QuantLatentKV (their sinks keep min(A, L) rows); a
+    layer with its own ``first_slots`` (ChannelQuantLayerKV: key scales per group, the residual whole) cuts
+    itself. The layer itself when L covers it."""
+    if L >= layer[0].shape[-2]:
+        return layer
+    if hasattr(layer, "first_slots"):
+        return layer.first_slots(L)
+    return type(layer)(*(a[..., :L, :] for a in layer))
 
 
 def cache_nbytes(cache: KVCache) -> int:
