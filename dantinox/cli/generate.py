@@ -83,7 +83,8 @@ def cmd_generate(args) -> int:
     spec = speculative_from_args(args)
     with naming_flag(args.mesh):  # warmed up below, for this prompt's bucket only
         gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
-                        quantize=check_quantize(args.quantize, "--quantize"), draft_run=draft_run_of(args))
+                        quantize=check_quantize(args.quantize, "--quantize"), draft_run=draft_run_of(args),
+                        kv_keys=args.kv_keys, kv_key_group=args.kv_key_group)
     ids = gen.encode(args.prompt, args.unknown)
     constraint = constraint_kwargs(args, gen)  # --json-schema / --regex / --grammar (cli/structured.py)
     if gen.cfg.paradigm == "diffusion":

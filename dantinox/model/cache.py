@@ -73,7 +73,12 @@ def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int
     MLA: (C + R) * bytes_per_element (the latent c_kv and the shared RoPE key).
     int8 adds one float32 scale per row: 2 * K * (D + 4) bytes, or for MLA C + R + 2 * 4 (one scale for the
     latent and one for the RoPE key, kept even when R = 0 so every field has its scale). The float32 sink
-    rows of an int8 cache are per sequence, not per token: ``sink_bytes_per_layer``.
+    rows of an int8 cache are per sequence, not per token: ``sink_bytes_per_layer``. Per-channel keys
+    (cfg.channel_keys with an int8 dtype) store the same 2 K (D + 4) per token: int8 keys and values, one
+    value scale per token and KV head, and for the keys 4 K D / G per token in key scales (G = kv_key_group;
+    whole groups, per sequence ceil(S / G) of them) in place of the key scale per token; that and the
+    residual of G float32 keys per sequence are counted by ``dantinox.budget.kv_cache_bytes``. So this
+    figure is exact for per-channel keys when G = D, and a per-token approximation otherwise.
     dtype: cache dtype name (default cfg.cache_dtype). Raises ConfigError for an unknown dtype name.
     """
     name = canonical_dtype("cache_dtype", dtype or cfg.cache_dtype, CACHE_DTYPES)

@@ -49,6 +49,34 @@ def check_group(group) -> int:
     return group
 
 
+KEY_LAYOUTS = ("token", "channel")   # --kv-keys: ModelConfig.kv_keys
+
+
+def config_with_kv_keys(cfg: ModelConfig, keys: str | None, group: int | None = None) -> ModelConfig:
+    """cfg with kv_keys = ``keys`` and kv_key_group = ``group`` (None keeps each). Raises ValueError naming
+    --kv-keys / --kv-key-group for a value outside the allowed set, for channel keys on a cache that is not an
+    int8 MHA / GQA / MQA one (attention="mla" or a float cache_dtype), and for a group without channel keys."""
+    if keys is not None and keys not in KEY_LAYOUTS:
+        raise ValueError(f"--kv-keys {keys!r} is not allowed: one of {', '.join(KEY_LAYOUTS)}")
+    if group is not None:
+        check_group(group)
+    out = cfg.replace(kv_keys=keys or cfg.kv_keys, kv_key_group=group or cfg.kv_key_group)
+    if out.kv_keys == "channel" and not out.channel_keys:
+        raise ValueError(f"--kv-keys channel needs an int8 MHA / GQA / MQA cache (give --kv-dtype int8); the model "
+                         f"has attention={cfg.attention!r}, cache_dtype={cfg.cache_dtype!r}")
+    if group is not None and out.kv_keys != "channel":
+        raise ValueError(f"--kv-key-group {group} is not allowed with --kv-keys token: it sets the per-channel "
+                         "key groups (give --kv-keys channel)")
+    return out
+
+
+def with_kv_keys(model, keys: str | None, group: int | None = None):
+    """The model with ``config_with_kv_keys(model.cfg, keys, group)`` (the same parameter arrays; the model
+    itself when nothing changes). Raises ValueError as ``config_with_kv_keys``."""
+    from .kv_dtype import with_config
+    return with_config(model, config_with_kv_keys(model.cfg, keys, group))
+
+
 def quantize_channels(k: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
     """Quantize keys per channel over groups of ``group`` slots.
 
@@ -130,5 +158,5 @@ def channel_key_cache_bytes(cfg: ModelConfig, seq_len: int, group: int) -> int:
     return cfg.num_blocks * per_layer
 
 
-__all__ = ["DEFAULT_GROUP", "channel_key_cache_bytes", "channel_roundtrip", "check_group", "dequantize_channels",
+__all__ = ["DEFAULT_GROUP", "KEY_LAYOUTS", "channel_key_cache_bytes", "config_with_kv_keys", "with_kv_keys", "channel_roundtrip", "check_group", "dequantize_channels",
            "group_span", "quantize_channels", "reads_int8", "span_slots"]
