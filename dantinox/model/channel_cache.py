@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..quant.kv_channels import group_span, quantize_channels, reads_int8, span_slots
+from ..quant.kv_channels import group_span, quantize_channels, reads_int8
 from ..quant.kv_rows import SCALE_DTYPE, dequantize_rows
 from ..quant.kv_sinks import SINK_DTYPE, write_sinks
 from .cache import LayerKV, write_layer
@@ -83,10 +83,12 @@ class ChannelQuantLayerKV(NamedTuple):
         return (self.k.astype(jnp.float32) * scale).astype(dtype)
 
 
-def channel_cache_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], ...]:
+def channel_cache_shapes(cfg: ModelConfig, batch_size: int, slots: int | None = None) -> tuple[tuple[int, ...], ...]:
     """Shapes of one ChannelQuantLayerKV's arrays in field order (k, v, k_scale, v_scale, k_residual, k_sink,
-    v_sink) for batch_size rows of cfg.max_context slots."""
-    B, K, S, D, G, A = int(batch_size), cfg.kv_heads, cfg.max_context, cfg.head_size, cfg.kv_key_group, cfg.sink_slots
+    v_sink) for batch_size rows of ``slots`` slots (default cfg.max_context; fewer: a cache cut by
+    ``first_slots``, whose sinks keep min(A, slots) rows)."""
+    S = cfg.max_context if slots is None else int(slots)
+    B, K, D, G, A = int(batch_size), cfg.kv_heads, cfg.head_size, cfg.kv_key_group, min(cfg.sink_slots, S)
     return ((B, K, S, D), (B, K, S, D), (B, K, -(-S // G), D), (B, K, S, 1), (B, K, G, D), (B, K, A, D),
             (B, K, A, D))
 

@@ -22,6 +22,7 @@ from ..config import ModelConfig
 from ..parallel.sharding import constrain_cache, shard_model
 from .attention import Attention
 from .cache import KVCache, LatentCacheView, LayerCacheView, cache_field_shapes, check_cache_capacity, sink_shapes
+from .channel_cache import channel_cache_shapes
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .mla import MLAttention
 
@@ -212,11 +213,10 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
     got = tuple(tuple(a.shape) for a in kv_caches[0])
     window = got[0][-2] if got and len(got[0]) >= 2 else None   # a cache may be cut to its first slots
     if cfg.channel_keys:
-        want = cache_field_shapes(cfg.replace(max_context=window) if window and 1 <= window <= cfg.max_context
-                                  else cfg, batch)
+        want = channel_cache_shapes(cfg, batch, window if window and 1 <= window <= cfg.max_context else None)
     else:
         want = cache_field_shapes(cfg, batch)
-    if not cfg.channel_keys and window is not None and 1 <= window <= cfg.max_context:   # a cut keeps at most `window` sink rows
+    if not cfg.channel_keys and window is not None and 1 <= window <= cfg.max_context:   # a cut keeps <= window sinks
         sinks = len(sink_shapes(cfg, batch))
         want = tuple(w[:-2] + (window if i < len(want) - sinks else min(w[-2], window),) + w[-1:]
                      for i, w in enumerate(want))

@@ -158,5 +158,6 @@ def channel_key_cache_bytes(cfg: ModelConfig, seq_len: int, group: int) -> int:
     return cfg.num_blocks * per_layer
 
 
-__all__ = ["DEFAULT_GROUP", "KEY_LAYOUTS", "channel_key_cache_bytes", "config_with_kv_keys", "with_kv_keys", "channel_roundtrip", "check_group", "dequantize_channels",
-           "group_span", "quantize_channels", "reads_int8", "span_slots"]
+__all__ = ["DEFAULT_GROUP", "KEY_LAYOUTS", "channel_key_cache_bytes", "channel_roundtrip", "check_group",
+           "config_with_kv_keys", "dequantize_channels", "group_span", "quantize_channels", "reads_int8", "span_slots",
+           "with_kv_keys"]
