@@ -107,7 +107,7 @@ class Generator:
         docs/multi-device.md); None: one device.
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
       kv_keys, kv_key_group: the int8 cache's key layout, "token" or "channel" (per-channel keys over groups
-        of kv_key_group slots, KIVI: ``dantinox.model.channel_cache``); None keeps the run's. Channel keys
+        of kv_key_group slots, KIVI: ``dantinox.model.channel_layout``); None keeps the run's. Channel keys
         need an int8 MHA / GQA / MQA cache and rule out speculative decoding (ValueError naming the flag).
       quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
         ``dantinox.quant.weights``.

@@ -218,7 +218,7 @@ def _draft_split(model, draft):
 def check_no_channel_keys(cfg) -> None:
     """Refuse speculation over a per-channel key cache (cfg.channel_keys): a verify call writes the proposals'
     keys, and a rejected proposal that completed a key group has replaced the group's float32 residual with
-    int8 codes the rollback cannot undo (``dantinox.model.channel_cache``, Rollback). ValueError naming
+    int8 codes the rollback cannot undo (``dantinox.model.channel_attention``, Rollback). ValueError naming
     --kv-keys."""
     if cfg.channel_keys:
         raise ValueError("speculative decoding is not allowed with --kv-keys channel (per-channel int8 keys): a "

@@ -8,7 +8,7 @@ A = cfg.sink_slots tokens, [B, K, A, D]) and ``QuantLatentKV`` (int8 c_kv, k_rop
 float32 sinks [B, A, C], [B, A, R]); see ``dantinox.quant.kv_rows`` and ``dantinox.quant.kv_sinks``. With
 ``cfg.channel_keys`` (kv_keys="channel") the int8 layers are ``ChannelQuantLayerKV`` instead: per-channel int8
 keys over groups of G slots with their scales and a float32 residual of the filling group
-(``dantinox.model.channel_cache``, KIVI). The cache
+(``dantinox.model.channel_layout``, KIVI). The cache
 holds no write index of its own: the caller passes ``cache_index`` (a scalar or one slot per row, [B] int32) so
 rows of different lengths share a batch.
 
@@ -28,6 +28,7 @@ import numpy as np
 from ..config import CACHE_DTYPES, ModelConfig, canonical_dtype
 from ..quant.kv_rows import SCALE_BYTES, SCALE_DTYPE, dequantize_rows
 from ..quant.kv_sinks import SINK_BYTES, SINK_DTYPE, write_sinks
+from .channel_layout import channel_cache_shapes, init_channel_layer
 
 
 class CapacityError(ValueError):
@@ -127,7 +128,6 @@ def cache_field_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ..
     cache_dtype="int8", one scale shape per row shape with the last axis 1 ([B, K, S, 1] or [B, S, 1]), then
     the sink shapes (``sink_shapes``); with cfg.channel_keys ``channel_cache_shapes``."""
     if cfg.channel_keys:
-        from .channel_cache import channel_cache_shapes
         return channel_cache_shapes(cfg, batch_size)
     shapes = layer_cache_shapes(cfg, batch_size)
     if cfg.cache_dtype != "int8":
@@ -140,14 +140,13 @@ def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
     LayerKV(k, v) of [B, K, S, D] each, or for attention="mla" LatentKV(c_kv [B, S, C], k_rope [B, S, R]);
     for cache_dtype="int8" QuantLayerKV / QuantLatentKV, the same int8 arrays plus float32 zero scales of the
     same shape with a last axis of 1 and float32 zero sinks (``sink_shapes``); with cfg.channel_keys
-    ChannelQuantLayerKV (``dantinox.model.channel_cache``).
+    ChannelQuantLayerKV (``dantinox.model.channel_layout``).
 
     Raises ValueError if batch_size is not a positive integer.
     """
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r} is not allowed: a positive integer")
     if cfg.channel_keys:
-        from .channel_cache import init_channel_layer
         return tuple(init_channel_layer(cfg, int(batch_size)) for _ in range(cfg.num_blocks))
     int8 = cfg.cache_dtype == "int8"
     if cfg.attention == "mla":

@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from ..parallel.sharding import constrain_cache, shard_model
 from .attention import Attention
 from .cache import KVCache, LatentCacheView, LayerCacheView, cache_field_shapes, check_cache_capacity, sink_shapes
-from .channel_cache import channel_cache_shapes
+from .channel_layout import channel_cache_shapes
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .mla import MLAttention
 

@@ -9,17 +9,18 @@ over the group's G slots, i.e. each (group, KV head, channel) is one row of G el
 (``dantinox.quant.kv_channels``); transposed to [.., D, G] they are rows again, and ``adopt_cached_rounding``
 applies unchanged (a code one step away only at a boundary, a scale within ROW_ULPS ulps; anything else is a
 fault). Keys of the filling group stay float32 and are never adopted. Attention then runs the per-channel
-layout over the new tokens only, as the uncached forward does (``dantinox.model.channel_cache``), so with
+layout over the new tokens only, as the uncached forward does (``dantinox.model.channel_attention``), so with
 nothing to adopt the logits equal ``model(ids, use_cache=False)``.
 
-Shape letters as in ``dantinox.model.channel_cache``; N the complete groups among the T positions.
+Shape letters as in ``dantinox.model.channel_attention``; N the complete groups among the T positions.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..model.channel_cache import ChannelQuantLayerKV, _attend, _sinks
+from ..model.channel_attention import attend_channels, written_sinks
+from ..model.channel_layout import ChannelQuantLayerKV
 from ..quant.kv_channels import group_span
 from ..quant.kv_rows import dequantize_rows, roundtrip
 from .int8_reference import adopt_cached_rounding
@@ -52,8 +53,8 @@ class AdoptingChannelLayerKV:
         zeros = jnp.zeros((B, K, G, D), jnp.float32)
         span = group_span(zeros, keys, jnp.zeros((B,), jnp.int32))
         back = self._adopted_groups(span, T // G)
-        sinks = _sinks(cfg, None, keys, stored, cache_index, key_start)
-        return _attend(cfg, q, v, None, span.astype(q.dtype), back.astype(q.dtype), sinks, cache_index,
+        sinks = written_sinks(cfg, None, keys, stored, cache_index, key_start)
+        return attend_channels(cfg, q, v, None, span.astype(q.dtype), back.astype(q.dtype), sinks, cache_index,
                        key_start), self
 
     def _adopted_groups(self, span, N: int):

@@ -13,7 +13,7 @@ differences) from the cached run's final cache and counts them, and any other di
 rows is a cache fault that fails the check (``dantinox.quality.int8_reference``, ``VerifyReport.rounding_flips``).
 That rule is a float32 one: with compute_dtype="bfloat16" the two runs' rows differ by bfloat16 rounding, far
 beyond any boundary, so the reference is the plain uncached forward and the logits alone decide. Per-channel
-int8 keys (cfg.channel_keys, ``dantinox.model.channel_cache``) get the same treatment, their complete key
+int8 keys (cfg.channel_keys, ``dantinox.model.channel_layout``) get the same treatment, their complete key
 groups adopted per (group, channel) (``dantinox.quality.channel_reference``): the uncached forward runs the
 same layout and read rule over the whole sequence in one call.
 The report then also carries ``float_distance``, the largest |logit difference| between the int8 cached run

@@ -18,11 +18,11 @@ all at once sees the same keys (the cache is exact-able).
 
 Bytes (``channel_key_cache_bytes``), per layer and sequence of S slots: S (2 K D + 4 K) for the int8 keys,
 values and value scales, ceil(S / G) K D 4 for the key scales and G K D 4 for the residual (the static cache
-allocates exactly these arrays, ``dantinox.model.channel_cache``; float32 sinks come on top when A > 0). Per
+allocates exactly these arrays, ``dantinox.model.channel_layout``; float32 sinks come on top when A > 0). Per
 token that is 2 K D + 4 K + 4 K D / G against 2 K (D + 4) for per-token keys: at G = D (64 for SmolLM2)
 exactly the per-token layout's bytes per token; G = 32 at D = 64 costs 4 K bytes more.
 
-Where it runs: the static cache (``dantinox.model.channel_cache.ChannelQuantLayerKV``, so the compiled decode
+Where it runs: the static cache (``dantinox.model.channel_layout.ChannelQuantLayerKV``, so the compiled decode
 loop, ``dantinox generate`` / ``verify`` / ``budget`` / ``eval``) and the eval view
 ``dantinox.quality.channel_keys`` (keys stored in float32 and quantized on read: the same numbers). The shared
 write primitives below (``group_span``, ``reads_int8``, ``span_slots``) serve any cache that stores the layout.

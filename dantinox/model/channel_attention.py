@@ -1,16 +1,6 @@
-"""The static cache's per-channel int8 key layout (KIVI, Liu et al. 2024, sections 3.2-3.3; the layout, read
-rule and bytes are ``dantinox.quant.kv_channels``'s): ``ChannelQuantLayerKV`` and the attention that runs on it.
-
-What one layer stores (B batch, K KV heads, S slots, D head size, G = cfg.kv_key_group, N = ceil(S / G),
-A = cfg.sink_slots):
-  - k: [B, K, S, D] int8, the keys of every *complete* group, quantized per channel over the group's G slots;
-    k_scale: [B, K, N, D] float32, one scale per (group, KV head, channel). Slots of a group still filling
-    hold codes that are never read (they are rewritten when the group completes).
-  - k_residual: [B, K, G, D] float32, the keys of each row's filling group (group cache_index // G; its
-    first cache_index mod G slots are keys, the rest zeros). Rows have their own cache_index, so their own
-    residual.
-  - v: [B, K, S, D] int8 and v_scale: [B, K, S, 1] float32, values per token (``dantinox.quant.kv_rows``).
-  - k_sink, v_sink: [B, K, A, D] float32, the row's first A tokens in full (``dantinox.quant.kv_sinks``).
+"""Attention over the per-channel int8 key cache (KIVI, Liu et al. 2024, sections 3.2-3.3): it reads and
+writes ``dantinox.model.channel_layout.ChannelQuantLayerKV`` (what is stored there; the read rule and bytes
+are ``dantinox.quant.kv_channels``'s). Shape letters as there; Lx the slots of the span a write touches.
 
 Writes. A call writing T tokens at slot c of a row assembles the span of groups it touches, from the start
 r0 = (c // G) G of the group it begins in: the residual's first c - r0 keys, then the new keys
@@ -36,67 +26,18 @@ completed a group whose float keys are then gone, so speculative decoding refuse
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
 from ..quant.kv_channels import group_span, quantize_channels, reads_int8
-from ..quant.kv_rows import SCALE_DTYPE, dequantize_rows
+from ..quant.kv_rows import dequantize_rows
 from ..quant.kv_sinks import SINK_DTYPE, write_sinks
 from .cache import LayerKV, write_layer
+from .channel_layout import ChannelQuantLayerKV
+from .scores import grouped_scores, grouped_values
 
 NEG_INF = -1e30
-
-
-class ChannelQuantLayerKV(NamedTuple):
-    """One layer's int8 cache with per-channel keys (module docstring). k, v: [B, K, S, D] int8; k_scale:
-    [B, K, ceil(S / G), D] float32; v_scale: [B, K, S, 1] float32; k_residual: [B, K, G, D] float32 (G, the
-    key group, is its slot axis); k_sink, v_sink: [B, K, A, D] float32."""
-
-    k: jax.Array
-    v: jax.Array
-    k_scale: jax.Array
-    v_scale: jax.Array
-    k_residual: jax.Array
-    k_sink: jax.Array
-    v_sink: jax.Array
-
-    @property
-    def group(self) -> int:
-        """G, slots per key-scale group."""
-        return self.k_residual.shape[-2]
-
-    def first_slots(self, L: int) -> ChannelQuantLayerKV:
-        """The layer cut to its first L slots (a copy): k, v, v_scale [.., L, ..], k_scale the ceil(L / G)
-        groups that cover them, the residual whole, the sinks their first min(A, L)."""
-        G = self.group
-        return ChannelQuantLayerKV(self.k[..., :L, :], self.v[..., :L, :], self.k_scale[..., :-(-L // G), :],
-                                   self.v_scale[..., :L, :], self.k_residual, self.k_sink[..., :L, :],
-                                   self.v_sink[..., :L, :])
-
-    def keys(self, dtype) -> jax.Array:
-        """Every slot's key read from int8 (codes x their group's scale): [B, K, S, D] ``dtype`` (meaningful
-        for complete groups only)."""
-        scale = jnp.repeat(self.k_scale, self.group, axis=-2)[..., :self.k.shape[-2], :]
-        return (self.k.astype(jnp.float32) * scale).astype(dtype)
-
-
-def channel_cache_shapes(cfg: ModelConfig, batch_size: int, slots: int | None = None) -> tuple[tuple[int, ...], ...]:
-    """Shapes of one ChannelQuantLayerKV's arrays in field order (k, v, k_scale, v_scale, k_residual, k_sink,
-    v_sink) for batch_size rows of ``slots`` slots (default cfg.max_context; fewer: a cache cut by
-    ``first_slots``, whose sinks keep min(A, slots) rows)."""
-    S = cfg.max_context if slots is None else int(slots)
-    B, K, D, G, A = int(batch_size), cfg.kv_heads, cfg.head_size, cfg.kv_key_group, min(cfg.sink_slots, S)
-    return ((B, K, S, D), (B, K, S, D), (B, K, -(-S // G), D), (B, K, S, 1), (B, K, G, D), (B, K, A, D),
-            (B, K, A, D))
-
-
-def init_channel_layer(cfg: ModelConfig, batch_size: int) -> ChannelQuantLayerKV:
-    """One layer's ChannelQuantLayerKV of zeros (``channel_cache_shapes``): int8 k and v, float32 the rest."""
-    dtypes = (jnp.int8, jnp.int8, SCALE_DTYPE, SCALE_DTYPE, jnp.float32, SINK_DTYPE, SINK_DTYPE)
-    return ChannelQuantLayerKV(*(jnp.zeros(s, d) for s, d in zip(channel_cache_shapes(cfg, batch_size), dtypes)))
 
 
 def channel_attention(cfg: ModelConfig, q, k, v, layer: ChannelQuantLayerKV | None, old, cache_index, key_start,
@@ -116,8 +57,8 @@ def channel_attention(cfg: ModelConfig, q, k, v, layer: ChannelQuantLayerKV | No
     span = group_span(_residual(layer, k, G), _unpadded(k, cache_index, key_start), offset, valid)
     codes, scales = quantize_channels(span, G)
     back = (codes.astype(jnp.float32) * jnp.repeat(scales, G, axis=-2)).astype(q.dtype)
-    k_sink, v_sink = _sinks(cfg, layer, k, stored, cache_index, key_start)
-    y = _attend(cfg, q, v, old, span.astype(q.dtype), back, (k_sink, v_sink), cache_index, key_start)
+    k_sink, v_sink = written_sinks(cfg, layer, k, stored, cache_index, key_start)
+    y = attend_channels(cfg, q, v, old, span.astype(q.dtype), back, (k_sink, v_sink), cache_index, key_start)
     if layer is None:
         return y, None
     end = cache_index + (T if valid is None else valid)
@@ -139,7 +80,7 @@ def _unpadded(k, cache_index, key_start) -> jax.Array:
     return jnp.where((slot >= key_start[:, None])[:, None, :, None], k, 0)
 
 
-def _sinks(cfg, layer, k, stored, cache_index, key_start):
+def written_sinks(cfg, layer, k, stored, cache_index, key_start):
     """The sink arrays with the new tokens' sinks written: (k_sink, v_sink) [B, K, A, D] float32."""
     B, K, _, D = k.shape
     A = cfg.sink_slots
@@ -152,14 +93,13 @@ def _sinks(cfg, layer, k, stored, cache_index, key_start):
             write_sinks(old_v, stored[5], cache_index, key_start))
 
 
-def _attend(cfg, q, v, old, span_float, span_int8, sinks, cache_index, key_start):
+def attend_channels(cfg, q, v, old, span_float, span_int8, sinks, cache_index, key_start):
     """Softmax of q over [sinks ; old whole groups ; the span], jointly in float32 (module docstring, Reads).
 
     q: [B, K, G', T, D]; v: [B, K, T, D] new values; old: ChannelQuantLayerKV cut to L slots or None;
     span_float, span_int8: [B, K, Lx, D] the span's keys in full and read back from int8; sinks: (k_sink,
     v_sink) [B, K, A, D]. Returns [B, K, G', T, D] float32.
     """
-    from .attention import grouped_scores, grouped_values
     G, T, Lx, A = cfg.kv_key_group, q.shape[3], span_float.shape[-2], sinks[0].shape[-2]
     query = cache_index[:, None, None] + jnp.arange(T)[None, :, None]           # [B, T, 1]
     start = jnp.zeros_like(cache_index) if key_start is None else key_start
