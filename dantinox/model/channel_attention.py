@@ -81,7 +81,11 @@ def _unpadded(k, cache_index, key_start) -> jax.Array:
 
 
 def written_sinks(cfg, layer, k, stored, cache_index, key_start):
-    """The sink arrays with the new tokens' sinks written: (k_sink, v_sink) [B, K, A, D] float32."""
+    """The sink arrays with the new tokens' sinks written: (k_sink, v_sink) [B, K, A, D] float32 (A =
+    cfg.sink_slots). layer: the ChannelQuantLayerKV whose sinks are updated, or None (zeros: the uncached
+    forward); k: [B, K, T, D] (its shape only); stored: ``channel_attention``'s (stored[4], stored[5]: the new
+    keys and values in full); cache_index: [B] int32; key_start: [B] int32 or None
+    (``dantinox.quant.kv_sinks.write_sinks``)."""
     B, K, _, D = k.shape
     A = cfg.sink_slots
     if layer is None:

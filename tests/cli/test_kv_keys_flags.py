@@ -36,3 +36,13 @@ def test_budget_measures_the_channel_layout_exactly(capsys):
 def test_verify_passes_with_channel_keys_on_the_bundled_model(capsys):
     status, out, _ = run_main(["verify", "--kv-dtype", "int8", "--kv-keys", "channel", "--new_tokens", "140"], capsys)
     assert status == 0 and "PASS" in out and "cache faults (stored values the reference cannot reproduce): 0" in out
+
+
+@pytest.mark.slow
+def test_generate_with_channel_keys_gives_the_uncached_tokens(capsys):
+    common = ["generate", "--prompt", "Nel mezzo del cammin", "--max_new_tokens", "24", "--temperature", "0",
+              "--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "8"]
+    status, cached, _ = run_main(common, capsys)
+    assert status == 0
+    status, uncached, _ = run_main(common + ["--no_cache"], capsys)
+    assert status == 0 and cached == uncached and cached.strip()
