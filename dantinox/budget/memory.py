@@ -9,6 +9,10 @@ allocator's shapes give, so ``kv_cache_bytes(cfg, B, cfg.max_context)`` equals, 
   int8              adds one float32 scale per row (``kv_bytes_per_token``) and, once per sequence, the
                     float32 rows of its A attention-sink tokens: L x A x 2 K D x 4 (MLA L x A x (C + R) x 4),
                     ``kv_sink_bytes`` (``dantinox.quant.kv_sinks``)
+  per-channel keys  (cfg.channel_keys, KIVI) per layer and sequence of S slots S (2 K D + 4 K) for the int8
+                    keys, values and value scales, ceil(S / G) K D 4 for the key scales, G K D 4 for the
+                    filling group's float32 keys (``dantinox.quant.kv_channels.channel_key_cache_bytes``),
+                    plus the sinks as above: ``kv_cache_bytes`` counts them, and equals init_cache's arrays
 
 Device memory is split as  device_bytes = reserve + weights + B x bytes_per_sequence, where
 reserve = ceil(reserve_fraction x device_bytes) is explicit headroom for activations, XLA workspaces and
@@ -82,7 +86,8 @@ def kv_sink_bytes(cfg: ModelConfig | Mapping[str, Any], dtype: str | None = None
 def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: int,
                    dtype: str | None = None) -> int:
     """Exact bytes of the KV cache for `batch` sequences of `seq_len` tokens each:
-    batch x (seq_len x kv_bytes_per_token + kv_sink_bytes).
+    batch x (seq_len x kv_bytes_per_token + kv_sink_bytes), or with per-channel keys (cfg.channel_keys and an
+    int8 dtype) batch x (channel_key_cache_bytes(cfg, seq_len, cfg.kv_key_group) + kv_sink_bytes).
 
     seq_len may exceed cfg.max_context (to budget a longer context for the same shape); init_cache itself
     always allocates cfg.max_context slots, so kv_cache_bytes(cfg, B, cfg.max_context) is its size.
@@ -90,15 +95,24 @@ def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: in
     """
     batch = _positive_int("batch", batch)
     seq_len = _positive_int("seq_len", seq_len)
+    cfg = _as_config(cfg)
+    if channel_layout(cfg, dtype):
+        return batch * (channel_key_cache_bytes(cfg, seq_len, cfg.kv_key_group) + kv_sink_bytes(cfg, dtype))
     return batch * (seq_len * kv_bytes_per_token(cfg, dtype) + kv_sink_bytes(cfg, dtype))
+
+
+def channel_layout(cfg: ModelConfig, dtype: str | None = None) -> bool:
+    """Does a cache of ``cfg`` in ``dtype`` (default cfg.cache_dtype) hold per-channel keys? cfg.channel_keys
+    and an int8 dtype. Raises ConfigError for an unknown dtype name."""
+    return cfg.replace(cache_dtype=dtype).channel_keys if dtype else cfg.channel_keys
 
 
 def kv_channel_key_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: int, group: int) -> int:
     """Exact bytes of ``batch`` sequences of ``seq_len`` tokens in the per-channel int8 key layout (KIVI,
     ``dantinox.quant.kv_channels``: int8 keys and values, value scales per token, key scales per channel and
-    group of ``group`` tokens, the filling group's keys in float32), every layer. Only ``dantinox eval
-    --kv-keys channel`` runs that layout (the static cache and the paged pool hold per-token rows and sinks,
-    ``kv_cache_bytes``). Raises ValueError for a bad batch, seq_len or group, or attention="mla"."""
+    group of ``group`` tokens, the filling group's keys in float32), every layer, sinks not included (a config
+    with channel keys gets its whole static cache, sinks included, from ``kv_cache_bytes``). Raises ValueError
+    for a bad batch, seq_len or group, or attention="mla"."""
     return _positive_int("batch", batch) * channel_key_cache_bytes(_as_config(cfg), _positive_int("seq_len", seq_len),
                                                                    group)
 
@@ -237,17 +251,22 @@ def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
             raise ValueError(f"request (prompt {prompt}, max_new_tokens {new}) needs {prompt + new} cache "
                              f"slots, more than max_context={cfg.max_context}")
     per_token, per_sequence, replicas = kv_bytes_per_token(cfg, dtype), kv_sink_bytes(cfg, dtype), 1
+    ways = 1
     if mesh is not None:  # per device (docs/multi-device.md)
 
         replicas = _sizes(mesh)["data"]
-        per_token /= kv_split(cfg, mesh)
-        per_sequence /= kv_split(cfg, mesh)
+        ways = kv_split(cfg, mesh)
+        per_token /= ways
+        per_sequence /= ways
         weights_bytes = weights_bytes_per_device(cfg, mesh) if weights_bytes is None else weights_bytes
     split = memory_split(cfg, device_bytes, weights_bytes, reserve_fraction)
     requests = sum(c for _, _, c in entries)
     used = sum((p + n) * c for p, n, c in entries)
     reserved = cfg.max_context * requests if admission == "max_context" else used
     mix_bytes = reserved * per_token + requests * per_sequence   # the whole mix, its sink rows included
+    if channel_layout(cfg, dtype):   # key scales per group and a residual per sequence: count each request
+        slots = (lambda p, n: cfg.max_context) if admission == "max_context" else (lambda p, n: p + n)
+        mix_bytes = sum(c * kv_cache_bytes(cfg, 1, slots(p, n), dtype) for p, n, c in entries if c) / ways
     return CapacityPlan(
         admission=admission, split=split, requests=requests, tokens_per_request=reserved / requests,
         bytes_per_request=mix_bytes / requests,

@@ -30,6 +30,7 @@ from ..budget.memory import kv_bytes_per_token, kv_cache_bytes, memory_split, pa
 from ..budget.per_device import plan_mesh
 from ..config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
 from ..model.cache import cache_nbytes, init_cache
+from ..quant.kv_channels import config_with_kv_keys
 from ..parallel.mesh import MeshError, parse_mesh
 
 MIB = 2 ** 20
@@ -64,6 +65,11 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None, metavar="data=D,model=M",
                         help="also print memory per device and the largest batch on a D x M device mesh "
                              "(docs/multi-device.md)")
+    parser.add_argument("--kv-keys", dest="kv_keys", default=None, metavar="token|channel",
+                        help="int8 keys: token (a scale per token and KV head) or channel (a scale per channel and "
+                             "group of --kv-key-group tokens, KIVI; needs --dtype int8; MLA rows stay per token)")
+    parser.add_argument("--kv-key-group", dest="kv_key_group", type=int, default=None, metavar="G",
+                        help="tokens per key-scale group with --kv-keys channel (default 64)")
     parser.add_argument("--measure", action="store_true",
                         help="allocate each cache with init_cache; print measured bytes next to the formula")
 
@@ -79,6 +85,11 @@ def run_budget(args: argparse.Namespace) -> int:
     cfg = load_config(args)
     dtype, device_bytes, contexts = check_budget_args(args, cfg)
     shape = cfg.replace(paradigm="ar", mask_token_id=None, shifted_prediction=False)  # KV sizes: paradigm-free
+    if args.kv_keys is not None or args.kv_key_group is not None:   # checked against the --dtype cache
+        if dtype != "int8" and args.kv_keys == "channel":
+            raise ValueError(f"--kv-keys channel needs --dtype int8 (the cache dtype is {dtype})")
+        shape = config_with_kv_keys(shape.replace(cache_dtype="int8") if dtype == "int8" else shape, args.kv_keys,
+                                    args.kv_key_group)
     rows = attention_variants(shape, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
     heads = [f"{c} tok" + ("^" if c > cfg.max_context else "") for c in contexts]
     per_seq = [[label, str(kv_bytes_per_token(v, dtype))] + [_mib(kv_cache_bytes(v, 1, c, dtype))
@@ -89,7 +100,10 @@ def run_budget(args: argparse.Namespace) -> int:
     print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
           f"vocab {cfg.vocab_size}; cache dtype {dtype}")
     print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes); int8 "
-          "adds a 4-byte scale per token and KV head (MLA: 2 per token)\n")
+          "adds a 4-byte scale per token and KV head (MLA: 2 per token)" + (
+              f"; per-channel keys (G = {shape.kv_key_group}): value scales per token, key scales per channel and "
+              f"group, ceil(S / G) x H_kv x D x 4, and G x H_kv x D x 4 of float32 residual keys, per layer"
+              if shape.channel_keys else "") + "\n")
     if any(c > cfg.max_context for c in contexts):
         print(f"^ longer than the model's max_context={cfg.max_context}: the model cannot run it; the figures "
               "are for the same shape with a longer context\n")

@@ -58,7 +58,8 @@ def run_chat(args) -> int:
     spec = speculative_from_args(args)
     with naming_flag(args.mesh):  # warmed up below, for this conversation's prompt bucket only
         gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
-                        quantize=args.quantize, draft_run=draft_run_of(args))
+                        quantize=args.quantize, draft_run=draft_run_of(args),
+                        kv_keys=getattr(args, "kv_keys", None), kv_key_group=getattr(args, "kv_key_group", None))
     require_chat_format(gen.chat_format, gen.run_dir)  # fail before printing anything
     messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + [
         {"role": "user", "content": args.chat}]

@@ -39,6 +39,7 @@ from ..runs.bundled import DEFAULT_BUNDLED, bundled_root, bundled_slice_names, d
 from ..runs.interrupts import EXIT_STATUS as INTERRUPTED_STATUS
 from .flags import (
     _add_kv_dtype,
+    _add_kv_keys,
     add_distributed_arguments,
     add_mesh_argument,
     add_quantize_argument,
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no_cache", action="store_true", help="recompute the whole sequence for every token")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     _add_kv_dtype(gen)
+    _add_kv_keys(gen)
     gen.add_argument("--unknown", choices=("error", "replace"), default="error",
                      help="characters outside the vocabulary: error (default) or replace with <unk>")
     add_quantize_argument(gen)
@@ -108,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_mesh_argument(ver)
     add_distributed_arguments(ver)
     _add_kv_dtype(ver)
+    _add_kv_keys(ver)
     add_quantize_argument(ver)
     ver.set_defaults(func=cmd_verify)
     from .budget import add_budget_arguments, run_budget

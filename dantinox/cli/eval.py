@@ -168,11 +168,14 @@ def candidate_model(model, kv_dtype: str | None, quantize: str | None, sinks: in
 
 
 def cache_bytes(cfg, slots: int, keys: str, group: int) -> int:
-    """Bytes of one sequence's cache of ``slots`` tokens as the candidate's layout stores it (every layer;
-    ``dantinox.budget.kv_cache_bytes``, sinks included, or ``kv_channel_key_cache_bytes``)."""
-    from ..budget import kv_cache_bytes, kv_channel_key_cache_bytes
+    """Bytes of one sequence's cache of ``slots`` tokens as the candidate's layout stores it (every layer, sinks
+    included; ``dantinox.budget.kv_cache_bytes``, which counts per-channel keys as the static cache allocates
+    them)."""
+    from ..budget import kv_cache_bytes
 
-    return kv_channel_key_cache_bytes(cfg, 1, slots, group) if keys == "channel" else kv_cache_bytes(cfg, 1, slots)
+    if keys == "channel":
+        cfg = cfg.replace(kv_keys="channel", kv_key_group=group)
+    return kv_cache_bytes(cfg, 1, slots)
 
 
 def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict[str, dict]:

@@ -101,6 +101,15 @@ def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
                    "per token and head, float32 scales; default: the run's cache_dtype)")
 
 
+def _add_kv_keys(p: argparse.ArgumentParser) -> None:
+    """--kv-keys token|channel and --kv-key-group G (read with ``dantinox.quant.kv_channels.with_kv_keys``)."""
+    p.add_argument("--kv-keys", default=None, metavar="token|channel",
+                   help="int8 cache keys: token (one scale per token and KV head) or channel (one scale per channel "
+                        "over groups of --kv-key-group tokens, KIVI; needs --kv-dtype int8; default: the run's)")
+    p.add_argument("--kv-key-group", type=int, default=None, metavar="G",
+                   help="tokens per key-scale group with --kv-keys channel (default: the run's, 64)")
+
+
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     """Add --speculative, --spec-tokens, --spec-ngram-max and --spec-ngram-min (read them with
     :func:`speculative_from_args`). The destinations are the library's argument names (spec_tokens, ngram_max,

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..generation.prompts import check_request
 from ..generation.sampling import make_sampling_params
+from ..generation.speculative_generate import check_no_channel_keys
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights
@@ -83,7 +84,8 @@ def cmd_generate(args) -> int:
     spec = speculative_from_args(args)
     with naming_flag(args.mesh):  # warmed up below, for this prompt's bucket only
         gen = Generator(args.run_dir, warmup=False, mesh=mesh_from_flag(args.mesh), kv_dtype=args.kv_dtype,
-                        quantize=check_quantize(args.quantize, "--quantize"), draft_run=draft_run_of(args))
+                        quantize=check_quantize(args.quantize, "--quantize"), draft_run=draft_run_of(args),
+                        kv_keys=args.kv_keys, kv_key_group=args.kv_key_group)
     ids = gen.encode(args.prompt, args.unknown)
     constraint = constraint_kwargs(args, gen)  # --json-schema / --regex / --grammar (cli/structured.py)
     if gen.cfg.paradigm == "diffusion":
@@ -100,6 +102,8 @@ def cmd_generate(args) -> int:
         raise ValueError("--stream needs the cache: drop --no_cache to stream")
     if spec is not None and args.no_cache:
         raise ValueError("--speculative needs the cache: drop --no_cache to speculate")
+    if spec is not None:
+        check_no_channel_keys(gen.cfg)   # before warm-up compiles anything
     started = time.perf_counter()
     gen.warm_up([len(ids)], args.max_new_tokens, speculative=None if constraint else spec)  # grammar: host loop
     gen.load_seconds += time.perf_counter() - started

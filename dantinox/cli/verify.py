@@ -17,6 +17,7 @@ import numpy as np
 from ..model.cache import CapacityError
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..parallel.sharding import shard_model
+from ..quant.kv_channels import with_kv_keys
 from ..quant.kv_dtype import parse_kv_dtype, with_kv_dtype
 from ..quant.weights import check_quantize, describe_weights, quantize_weights
 
@@ -33,7 +34,7 @@ def cmd_verify(args) -> int:
         parse_kv_dtype(args.kv_dtype)
     check_quantize(args.quantize, "--quantize")
     model, cfg, tokenizer, _ = load_run(run_dir)
-    model = with_kv_dtype(model, args.kv_dtype)
+    model = with_kv_keys(with_kv_dtype(model, args.kv_dtype), args.kv_keys, args.kv_key_group)
     quantize_weights(model, args.quantize)
     cfg = model.cfg
     with naming_flag(args.mesh):
@@ -60,10 +61,11 @@ def cmd_verify(args) -> int:
     if getattr(args, "speculative", None) is None:
         report = verify_cache(model, prompt, new_tokens, args.tolerance, args.relative_tolerance)
     else:
-        from ..generation.speculative_generate import check_spec_settings
+        from ..generation.speculative_generate import check_no_channel_keys, check_spec_settings
         from ..quality.verify_speculative import verify_speculative
 
         check_spec_settings(args.spec_tokens, 4, 1)
+        check_no_channel_keys(cfg)
         report, accepted, proposed = verify_speculative(model, prompt, new_tokens, args.spec_tokens, 4,
                                                         args.tolerance, args.relative_tolerance)
         how = (f"greedy tokens decoded by n-gram speculation (k={args.spec_tokens}: {accepted} of {proposed} "

@@ -40,7 +40,8 @@ def masked_prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams
     ids: [B, T] int32; lengths: [B] int32; token_mask: [B, W] int32. Returns (tokens [B] int32, cache)."""
     model = nnx.merge(graphdef, params)
     cache = init_cache(model.cfg, ids.shape[0])
-    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0, logits_at=lengths - 1)
+    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0, logits_at=lengths - 1,
+                             valid_tokens=lengths)
     masked = apply_token_mask(logits[:, 0], token_mask)
     return sample_next(masked, jax.random.fold_in(key, 0), sampling), cache
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..model.cache import KVCache, init_cache
+from ..model.cache import KVCache, first_slots, init_cache
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..parallel.sharding import shard_model
@@ -73,7 +73,8 @@ def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_i
     """
     model = nnx.merge(graphdef, params)
     cache = init_cache(model.cfg, ids.shape[0])
-    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0, logits_at=lengths - 1)
+    logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0, logits_at=lengths - 1,
+                             valid_tokens=lengths)
     last = logits[:, 0]
     first = sample_next(last, jax.random.fold_in(key, 0), sampling)
     out = jnp.full((ids.shape[0], model.cfg.max_context), fill, jnp.int32).at[:, 0].set(first)
@@ -199,10 +200,12 @@ def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: Sampl
 
 def cache_window(cache, width: int):
     """The first ``width`` slots of every layer's cache arrays (a copy; the S axis is -2 in every layout:
-    [B, K, S, D], [B, S, C], [B, S, R] and the int8 scales [..., S, 1]). The cache itself when width covers it."""
+    [B, K, S, D], [B, S, C], [B, S, R] and the int8 scales [..., S, 1]; per-channel key scales keep the groups
+    that cover the width and the key residual stays whole, ``dantinox.model.cache.first_slots``). The cache
+    itself when width covers it."""
     if width >= cache[0][0].shape[-2]:
         return cache
-    return tuple(type(layer)(*(a[..., :width, :] for a in layer)) for layer in cache)
+    return tuple(first_slots(layer, width) for layer in cache)
 
 
 def put_window(cache, window):

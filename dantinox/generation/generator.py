@@ -34,6 +34,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..parallel.sharding import shard_model
+from ..quant.kv_channels import with_kv_keys
 from ..quant.kv_dtype import with_kv_dtype
 from ..quant.weights import check_quantize, quantize_weights
 from ..runs.bundled import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # noqa: F401 (re-exported)
@@ -51,7 +52,8 @@ from .decode import decode_windows, generate_result, one_row_windows, stream_tok
 from .grammar import Constraint, constraint_from, grammar_vocabulary
 from .paradigm import generate
 from .prompts import bucket_length
-from .speculative_generate import (SpecSettings, SpecStats, break_even, check_draft, draft_cost, spec_settings,
+from .speculative_generate import (SpecSettings, SpecStats, break_even, check_draft, check_no_channel_keys, draft_cost,
+                                   spec_settings,
                                    speculative_generate, speculative_stream, verify_cost, warm_up_speculative)
 
 BUNDLED_RUN = DEFAULT_BUNDLED
@@ -104,6 +106,9 @@ class Generator:
       mesh: a ``dantinox.make_mesh`` mesh to shard the parameters over (every generation then runs on it;
         docs/multi-device.md); None: one device.
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
+      kv_keys, kv_key_group: the int8 cache's key layout, "token" or "channel" (per-channel keys over groups
+        of kv_key_group slots, KIVI: ``dantinox.model.channel_layout``); None keeps the run's. Channel keys
+        need an int8 MHA / GQA / MQA cache and rule out speculative decoding (ValueError naming the flag).
       quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
         ``dantinox.quant.weights``.
       draft_run: a run directory (or bundled name) whose model proposes for ``speculative="draft"``: same
@@ -119,12 +124,13 @@ class Generator:
     """
 
     def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, mesh=None,
-                 kv_dtype: str | None = None, quantize: str | None = None, draft_run: str | os.PathLike | None = None):
+                 kv_dtype: str | None = None, quantize: str | None = None, draft_run: str | os.PathLike | None = None,
+                 kv_keys: str | None = None, kv_key_group: int | None = None):
         start = time.perf_counter()
         check_quantize(quantize)
         self.run_dir = resolve_run_dir(run_dir)
         self.model, self.cfg, self.tokenizer, self.summary = load_run(self.run_dir)
-        self.model = with_kv_dtype(self.model, kv_dtype, "kv_dtype")
+        self.model = with_kv_keys(with_kv_dtype(self.model, kv_dtype, "kv_dtype"), kv_keys, kv_key_group)
         self.cfg = self.model.cfg
         self.quantize = quantize
         quantize_weights(self.model, quantize)
@@ -136,7 +142,8 @@ class Generator:
         self._min_accept: dict[tuple, float] = {}
         self.draft = None
         if draft_run is not None:
-            self.draft = with_kv_dtype(load_draft_run(draft_run, self.tokenizer, self.stop_ids), kv_dtype, "kv_dtype")
+            self.draft = with_kv_keys(with_kv_dtype(load_draft_run(draft_run, self.tokenizer, self.stop_ids), kv_dtype,
+                                                    "kv_dtype"), kv_keys, kv_key_group)
             check_draft(self.model, self.draft)
         if warmup:
             self.warm_up()
@@ -190,6 +197,7 @@ class Generator:
         settings = spec_settings(speculative, spec_tokens, spec_ngram_max, spec_ngram_min)
         if settings is None:
             return None
+        check_no_channel_keys(self.cfg)
         if self.cfg.paradigm != "ar":
             raise ValueError(f"speculative={speculative!r} needs an autoregressive model; this one has "
                              f"paradigm={self.cfg.paradigm!r}")

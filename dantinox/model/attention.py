@@ -42,7 +42,9 @@ from flax import nnx
 from ..config import ModelConfig
 from ..quant.kv_rows import roundtrip_for
 from ..quant.kv_sinks import keep_sinks, sink_flags
-from .cache import LayerCacheView, LayerKV, write_layer, write_rows
+from .cache import LayerCacheView, LayerKV, first_slots, write_layer, write_rows
+from .channel_attention import channel_attention
+from .scores import grouped_scores, grouped_values
 from .layers import RMSNorm, apply_rope
 
 NEG_INF = -1e30
@@ -71,7 +73,8 @@ class Attention(nnx.Module):
                               kernel_init=nnx.initializers.normal(stddev=0.02 / math.sqrt(2 * cfg.num_blocks)),
                               rngs=rngs)
 
-    def __call__(self, x, rope, layer_cache: LayerKV | None, cache_index, key_start, read_slots: int | None):
+    def __call__(self, x, rope, layer_cache: LayerKV | None, cache_index, key_start, read_slots: int | None,
+                 valid=None):
         """x: [B, T, E]; rope: (cos, sin) each [B, T, D/2]; layer_cache: LayerKV of [B, K, S, D] or None;
         cache_index: [B] int32 slot of the first new token; key_start: [B] int32 or None;
         read_slots: old cache slots to attend over: None all S, 0 none (prefill at slot 0), L the first L
@@ -81,7 +84,9 @@ class Attention(nnx.Module):
         [B, K, G, T, D] (scaled) and [B, K, T, D]; with cache_dtype="int8" also ``stored=(k_q, v_q, k_scale,
         v_scale, k_full, v_full)``, the int8 rows [B, K, T, D], float32 scales [B, K, T, 1] and the
         full-precision rows [B, K, T, D] for the sink arrays (k, v are then the read-back values, except at the
-        row's first A positions, which keep their full values).
+        row's first A positions, which keep their full values). valid: [B] int32 real tokens among the T (the
+        rest right padding) or None: only the per-channel key cache (cfg.channel_keys) uses it, to keep padding
+        out of its key groups.
 
         Returns (y [B, T, E], the updated layer cache (LayerKV, QuantLayerKV for cache_dtype="int8", or the
         hook's view) or None).
@@ -104,7 +109,10 @@ class Attention(nnx.Module):
             stored = (k_q, v_q, k_s, v_s, k, v)          # k, v in full for the sink arrays
             sinks = sink_flags(cache_index, key_start, T, cfg.sink_slots)
             k, v = keep_sinks(k_back, k, sinks), keep_sinks(v_back, v, sinks)
-        if isinstance(layer_cache, LayerCacheView):  # another cache layout, e.g. dantinox.serving.paged_cache
+        if cfg.channel_keys and not isinstance(layer_cache, LayerCacheView):  # per-channel keys (KIVI)
+            y, new_cache = channel_attention(cfg, q, stored[4], v, layer_cache, old_slots(layer_cache, read_slots),
+                                             cache_index, key_start, stored, valid)
+        elif isinstance(layer_cache, LayerCacheView):  # another cache layout, e.g. dantinox.serving.paged_cache
             extra = {} if stored is None else {"stored": stored}
             y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window,
                                                         **extra)
@@ -121,12 +129,12 @@ class Attention(nnx.Module):
 def old_slots(layer_cache, read_slots: int | None):
     """The part of a static layer cache a call attends over: None when ``layer_cache`` is None or read_slots
     is 0, the whole cache when read_slots is None, else the first read_slots slots of every array (a static
-    slice along S: [B, K, L, D] for LayerKV, [B, L, C] and [B, L, R] for LatentKV)."""
+    slice along S: [B, K, L, D] for LayerKV, [B, L, C] and [B, L, R] for LatentKV; ``cache.first_slots``)."""
     if layer_cache is None or read_slots == 0:
         return None
-    if read_slots is None or read_slots >= layer_cache[0].shape[-2]:
+    if read_slots is None:
         return layer_cache
-    return type(layer_cache)(*(a[..., :read_slots, :] for a in layer_cache))
+    return first_slots(layer_cache, read_slots)
 
 
 def new_token_mask(T: int, cache_index, key_start, window: int | None, causal: bool = True) -> jax.Array:
@@ -213,28 +221,3 @@ def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | N
     if A:
         y = y + grouped_values(sink_probs.astype(q.dtype), sinks.v.astype(q.dtype))
     return y + grouped_values(new_probs, v.astype(f32))
-
-
-def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    """q . k for every query head of a group. q: [B, K, G, T, D]; k: [B, K, S, D] -> [B, K, G, T, S] float32.
-
-    Written as one batched matmul over (B K) with the group's G*T queries as rows, so the cached keys are
-    read in their stored layout; the equivalent 5-D einsum makes XLA transpose them every step (the speed
-    difference on the CPU: docs/performance.md, "Costs behind choices in the code").
-    """
-    B, K, G, T, D = q.shape
-    S = k.shape[2]
-    dims = (((2,), (2,)), ((0,), (0,)))
-    out = jax.lax.dot_general(q.reshape(B * K, G * T, D), k.reshape(B * K, S, D), dims,
-                              preferred_element_type=jnp.float32)
-    return out.reshape(B, K, G, T, S)
-
-
-def grouped_values(probs: jax.Array, v: jax.Array) -> jax.Array:
-    """Probability-weighted values. probs: [B, K, G, T, S]; v: [B, K, S, D] -> [B, K, G, T, D] float32."""
-    B, K, G, T, S = probs.shape
-    D = v.shape[-1]
-    dims = (((2,), (1,)), ((0,), (0,)))
-    out = jax.lax.dot_general(probs.reshape(B * K, G * T, S), v.reshape(B * K, S, D), dims,
-                              preferred_element_type=jnp.float32)
-    return out.reshape(B, K, G, T, D)

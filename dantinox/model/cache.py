@@ -5,7 +5,10 @@ Layout per layer: k and v of shape [B, K, S, D] (batch, KV heads, max_context sl
 instead (the latent and the shared RoPE key, never per-head keys and values). With cache_dtype="int8" the
 layers are ``QuantLayerKV`` (int8 k, v plus float32 scales [B, K, S, 1] and the float32 rows of the first
 A = cfg.sink_slots tokens, [B, K, A, D]) and ``QuantLatentKV`` (int8 c_kv, k_rope plus scales [B, S, 1] and
-float32 sinks [B, A, C], [B, A, R]); see ``dantinox.quant.kv_rows`` and ``dantinox.quant.kv_sinks``. The cache
+float32 sinks [B, A, C], [B, A, R]); see ``dantinox.quant.kv_rows`` and ``dantinox.quant.kv_sinks``. With
+``cfg.channel_keys`` (kv_keys="channel") the int8 layers are ``ChannelQuantLayerKV`` instead: per-channel int8
+keys over groups of G slots with their scales and a float32 residual of the filling group
+(``dantinox.model.channel_layout``, KIVI). The cache
 holds no write index of its own: the caller passes ``cache_index`` (a scalar or one slot per row, [B] int32) so
 rows of different lengths share a batch.
 
@@ -25,6 +28,7 @@ import numpy as np
 from ..config import CACHE_DTYPES, ModelConfig, canonical_dtype
 from ..quant.kv_rows import SCALE_BYTES, SCALE_DTYPE, dequantize_rows
 from ..quant.kv_sinks import SINK_BYTES, SINK_DTYPE, write_sinks
+from .channel_layout import channel_cache_shapes, init_channel_layer
 
 
 class CapacityError(ValueError):
@@ -70,7 +74,12 @@ def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int
     MLA: (C + R) * bytes_per_element (the latent c_kv and the shared RoPE key).
     int8 adds one float32 scale per row: 2 * K * (D + 4) bytes, or for MLA C + R + 2 * 4 (one scale for the
     latent and one for the RoPE key, kept even when R = 0 so every field has its scale). The float32 sink
-    rows of an int8 cache are per sequence, not per token: ``sink_bytes_per_layer``.
+    rows of an int8 cache are per sequence, not per token: ``sink_bytes_per_layer``. Per-channel keys
+    (cfg.channel_keys with an int8 dtype) store the same 2 K (D + 4) per token: int8 keys and values, one
+    value scale per token and KV head, and for the keys 4 K D / G per token in key scales (G = kv_key_group;
+    whole groups, per sequence ceil(S / G) of them) in place of the key scale per token; that and the
+    residual of G float32 keys per sequence are counted by ``dantinox.budget.kv_cache_bytes``. So this
+    figure is exact for per-channel keys when G = D, and a per-token approximation otherwise.
     dtype: cache dtype name (default cfg.cache_dtype). Raises ConfigError for an unknown dtype name.
     """
     name = canonical_dtype("cache_dtype", dtype or cfg.cache_dtype, CACHE_DTYPES)
@@ -117,7 +126,9 @@ def layer_cache_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ..
 def cache_field_shapes(cfg: ModelConfig, batch_size: int) -> tuple[tuple[int, ...], ...]:
     """Shapes of every array of one layer's cache, in field order: ``layer_cache_shapes`` and, for
     cache_dtype="int8", one scale shape per row shape with the last axis 1 ([B, K, S, 1] or [B, S, 1]), then
-    the sink shapes (``sink_shapes``)."""
+    the sink shapes (``sink_shapes``); with cfg.channel_keys ``channel_cache_shapes``."""
+    if cfg.channel_keys:
+        return channel_cache_shapes(cfg, batch_size)
     shapes = layer_cache_shapes(cfg, batch_size)
     if cfg.cache_dtype != "int8":
         return shapes
@@ -128,12 +139,15 @@ def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
     """Allocate the whole cache up front, zeros in cfg.cache_dtype, one entry per layer:
     LayerKV(k, v) of [B, K, S, D] each, or for attention="mla" LatentKV(c_kv [B, S, C], k_rope [B, S, R]);
     for cache_dtype="int8" QuantLayerKV / QuantLatentKV, the same int8 arrays plus float32 zero scales of the
-    same shape with a last axis of 1 and float32 zero sinks (``sink_shapes``).
+    same shape with a last axis of 1 and float32 zero sinks (``sink_shapes``); with cfg.channel_keys
+    ChannelQuantLayerKV (``dantinox.model.channel_layout``).
 
     Raises ValueError if batch_size is not a positive integer.
     """
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r} is not allowed: a positive integer")
+    if cfg.channel_keys:
+        return tuple(init_channel_layer(cfg, int(batch_size)) for _ in range(cfg.num_blocks))
     int8 = cfg.cache_dtype == "int8"
     if cfg.attention == "mla":
         layer_type = QuantLatentKV if int8 else LatentKV
@@ -154,6 +168,18 @@ def zero_arrays(shapes, dtype, int8: bool, sinks=()) -> list:
         arrays += [jnp.zeros(tuple(shape[:-1]) + (1,), SCALE_DTYPE) for shape in shapes]
         arrays += [jnp.zeros(shape, SINK_DTYPE) for shape in sinks]
     return arrays
+
+
+def first_slots(layer, L: int):
+    """One layer's cache cut to its first L slots (a copy): every array's slot axis (-2) cut to L, which is
+    every field of LayerKV, LatentKV, QuantLayerKV and QuantLatentKV (their sinks keep min(A, L) rows); a
+    layer with its own ``first_slots`` (ChannelQuantLayerKV: key scales per group, the residual whole) cuts
+    itself. The layer itself when L covers it."""
+    if L >= layer[0].shape[-2]:
+        return layer
+    if hasattr(layer, "first_slots"):
+        return layer.first_slots(L)
+    return type(layer)(*(a[..., :L, :] for a in layer))
 
 
 def cache_nbytes(cache: KVCache) -> int:

@@ -22,6 +22,7 @@ from ..config import ModelConfig
 from ..parallel.sharding import constrain_cache, shard_model
 from .attention import Attention
 from .cache import KVCache, LatentCacheView, LayerCacheView, cache_field_shapes, check_cache_capacity, sink_shapes
+from .channel_layout import channel_cache_shapes
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .mla import MLAttention
 
@@ -38,9 +39,12 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden, cfg.jnp_compute_dtype, rngs=rngs)
 
-    def __call__(self, x, rope, layer_cache, cache_index, key_start, read_slots):
-        """x: [B, T, E] -> ([B, T, E], updated layer cache or None). read_slots: see Attention."""
-        h, layer_cache = self.attn(self.attn_norm(x), rope, layer_cache, cache_index, key_start, read_slots)
+    def __call__(self, x, rope, layer_cache, cache_index, key_start, read_slots, valid=None):
+        """x: [B, T, E] -> ([B, T, E], updated layer cache or None). read_slots, valid: see Attention (valid
+        reaches only Attention; MLA caches store per token and ignore it)."""
+        extra = {} if valid is None or isinstance(self.attn, MLAttention) else {"valid": valid}
+        h, layer_cache = self.attn(self.attn_norm(x), rope, layer_cache, cache_index, key_start, read_slots,
+                                   **extra)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), layer_cache
 
@@ -63,7 +67,7 @@ class Transformer(nnx.Module):
             kernel_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
 
     def __call__(self, ids, use_cache: bool = False, kv_caches: KVCache | None = None, cache_index=0,
-                 key_start=None, attend_slots: int | None = None, logits_at=None):
+                 key_start=None, attend_slots: int | None = None, logits_at=None, valid_tokens=None):
         """Run the model on T new tokens per row.
 
         Args:
@@ -84,6 +88,10 @@ class Transformer(nnx.Module):
           logits_at: optional [B] int32 position in [0, T) per row: compute the output head at that position
             only and return logits [B, 1, V] (generation needs only each row's last real position; a prefill
             of a T-token bucket then skips T - 1 rows of the [E, V] head). None: logits at every position.
+          valid_tokens: optional [B] int32 in [0, T]: row b's first valid_tokens[b] new tokens are real, the
+            rest right padding that a later call overwrites (prefill's bucketed prompts). Only the per-channel
+            key cache (cfg.channel_keys) needs it: padding must not enter a key group it quantizes. Other
+            caches ignore it (their padding rows are overwritten in place).
         Returns:
           (logits [B, T, V] float32 ([B, 1, V] with logits_at), updated kv_caches or None, aux dict (empty for
           this architecture)).
@@ -114,7 +122,8 @@ class Transformer(nnx.Module):
         new_caches = []
         for n, block in enumerate(self.blocks):
             layer_cache = kv_caches[n] if use_cache else None
-            x, layer_cache = block(x, rope, layer_cache, index, key_start, 0 if fresh else attend_slots)
+            x, layer_cache = block(x, rope, layer_cache, index, key_start, 0 if fresh else attend_slots,
+                                   None if valid_tokens is None else jnp.asarray(valid_tokens, jnp.int32))
             new_caches.append(layer_cache)
         if use_cache and not _attends_itself(kv_caches):  # on a mesh: one cache layout (dantinox.parallel.sharding)
             new_caches = constrain_cache(new_caches, cfg)
@@ -201,16 +210,22 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
         raise ValueError("use_cache=True needs kv_caches: allocate them with dantinox.init_cache(cfg, batch_size)")
     if len(kv_caches) != cfg.num_blocks:
         raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has num_blocks={cfg.num_blocks}")
-    want = cache_field_shapes(cfg, batch)
     got = tuple(tuple(a.shape) for a in kv_caches[0])
     window = got[0][-2] if got and len(got[0]) >= 2 else None   # a cache may be cut to its first slots
-    if window is not None and 1 <= window <= cfg.max_context:   # a cut keeps at most `window` sink rows
+    if cfg.channel_keys:
+        want = channel_cache_shapes(cfg, batch, window if window and 1 <= window <= cfg.max_context else None)
+    else:
+        want = cache_field_shapes(cfg, batch)
+    if not cfg.channel_keys and window is not None and 1 <= window <= cfg.max_context:   # a cut keeps <= window sinks
         sinks = len(sink_shapes(cfg, batch))
         want = tuple(w[:-2] + (window if i < len(want) - sinks else min(w[-2], window),) + w[-1:]
                      for i, w in enumerate(want))
     if got != want:
         layout = "c_kv [B, S, C], k_rope [B, S, R]" if cfg.attention == "mla" else "k, v [B, K, S, D]"
-        if cfg.cache_dtype == "int8":
+        if cfg.channel_keys:
+            layout = ("k, v [B, K, S, D], key scales [B, K, ceil(S / G), D], value scales [B, K, S, 1], the key "
+                      "residual [B, K, G, D] and sinks (kv_keys='channel')")
+        elif cfg.cache_dtype == "int8":
             layout += " and their scales [..., 1] and sinks (cache_dtype='int8')"
         raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}; allocate them with "
                          "dantinox.init_cache(cfg, batch_size)")

@@ -181,7 +181,10 @@ def constrain_cache(cache, cfg: ModelConfig):
 
 def _per_field(specs: tuple[P, P], layer) -> tuple[P, ...]:
     """One spec per field of a layer cache: (k, v) or MLA (c_kv, k_rope) take the two specs; the int8 layouts
-    (QuantLayerKV, QuantLatentKV) add their scales, which have the same rank and split as their values."""
+    (QuantLayerKV, QuantLatentKV) add their scales, which have the same rank and split as their values; every
+    field of the per-channel layout (ChannelQuantLayerKV, seven) is [B, K, ., .] and takes the keys' spec."""
+    if len(layer) % len(specs):
+        return (specs[0],) * len(layer)
     return specs * (len(layer) // len(specs))
 
 

@@ -12,7 +12,10 @@ round to the neighbouring int8 step; the reference adopts exactly those flips (a
 differences) from the cached run's final cache and counts them, and any other disagreement with the stored
 rows is a cache fault that fails the check (``dantinox.quality.int8_reference``, ``VerifyReport.rounding_flips``).
 That rule is a float32 one: with compute_dtype="bfloat16" the two runs' rows differ by bfloat16 rounding, far
-beyond any boundary, so the reference is the plain uncached forward and the logits alone decide.
+beyond any boundary, so the reference is the plain uncached forward and the logits alone decide. Per-channel
+int8 keys (cfg.channel_keys, ``dantinox.model.channel_layout``) get the same treatment, their complete key
+groups adopted per (group, channel) (``dantinox.quality.channel_reference``): the uncached forward runs the
+same layout and read rule over the whole sequence in one call.
 The report then also carries ``float_distance``, the largest |logit difference| between the int8 cached run
 and a float32 cached run of the same parameters fed the same tokens (what int8 costs, not an exactness figure).
 """
@@ -32,6 +35,7 @@ from ..model.cache import init_cache
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..parallel.sharding import shard_cache
 from ..quant.kv_dtype import with_kv_dtype
+from .channel_reference import adopting_channel_layers
 from .int8_reference import RoundingAudit, adopting_layers, audit
 
 
@@ -79,7 +83,8 @@ def _int8_reference(graphdef, params, ids, cache):
     """The uncached forward over ids [1, T] adopting the rounding-boundary flips of ``cache`` (the cached run's
     final int8 cache; ``dantinox.quality.int8_reference``). Returns (logits [1, T, V] float32, counts [5] int32)."""
     model = nnx.merge(graphdef, params)
-    layers = adopting_layers(cache, ids.shape[1])
+    layers = (adopting_channel_layers(model.cfg, cache, ids.shape[1]) if model.cfg.channel_keys
+              else adopting_layers(cache, ids.shape[1]))
     logits = model(ids, use_cache=True, kv_caches=layers, cache_index=0)[0]
     return logits, audit(layers)
 

@@ -16,14 +16,16 @@ A query at slot t reads key slot s from int8 when s's group was complete before 
 and in float32 otherwise. The rule depends on positions only, so a run fed one token at a time, in chunks or
 all at once sees the same keys (the cache is exact-able).
 
-Bytes (``channel_key_cache_bytes``), per layer and sequence of S slots (S rounded up to whole groups):
-S (2 K D + 4 K) for the int8 keys, values and value scales, (S / G) K D 4 for the key scales and G K D 4 for the
-residual. Per token that is 2 K D + 4 K + 4 K D / G against 2 K (D + 4) for per-token keys: at G = D (64 for
-SmolLM2) exactly the per-token layout's bytes per token; G = 32 at D = 64 costs 4 K bytes more.
+Bytes (``channel_key_cache_bytes``), per layer and sequence of S slots: S (2 K D + 4 K) for the int8 keys,
+values and value scales, ceil(S / G) K D 4 for the key scales and G K D 4 for the residual (the static cache
+allocates exactly these arrays, ``dantinox.model.channel_layout``; float32 sinks come on top when A > 0). Per
+token that is 2 K D + 4 K + 4 K D / G against 2 K (D + 4) for per-token keys: at G = D (64 for SmolLM2)
+exactly the per-token layout's bytes per token; G = 32 at D = 64 costs 4 K bytes more.
 
-What exists: the quantizer below and the cache view ``dantinox.quality.channel_keys`` that ``dantinox eval``
-runs (keys stored in float32 and quantized on read, the same numbers as the layout above, not its memory);
-the static cache, the compiled decode loop and the paged pool have no per-channel form (docs/quantization.md).
+Where it runs: the static cache (``dantinox.model.channel_layout.ChannelQuantLayerKV``, so the compiled decode
+loop, ``dantinox generate`` / ``verify`` / ``budget`` / ``eval``) and the eval view
+``dantinox.quality.channel_keys`` (keys stored in float32 and quantized on read: the same numbers). The shared
+write primitives below (``group_span``, ``reads_int8``, ``span_slots``) serve any cache that stores the layout.
 """
 
 from __future__ import annotations
@@ -45,6 +47,34 @@ def check_group(group) -> int:
     if not isinstance(group, int) or isinstance(group, bool) or group < 1:
         raise ValueError(f"--kv-key-group {group!r} is not allowed: an integer >= 1 (tokens per key-scale group)")
     return group
+
+
+KEY_LAYOUTS = ("token", "channel")   # --kv-keys: ModelConfig.kv_keys
+
+
+def config_with_kv_keys(cfg: ModelConfig, keys: str | None, group: int | None = None) -> ModelConfig:
+    """cfg with kv_keys = ``keys`` and kv_key_group = ``group`` (None keeps each). Raises ValueError naming
+    --kv-keys / --kv-key-group for a value outside the allowed set, for channel keys on a cache that is not an
+    int8 MHA / GQA / MQA one (attention="mla" or a float cache_dtype), and for a group without channel keys."""
+    if keys is not None and keys not in KEY_LAYOUTS:
+        raise ValueError(f"--kv-keys {keys!r} is not allowed: one of {', '.join(KEY_LAYOUTS)}")
+    if group is not None:
+        check_group(group)
+    out = cfg.replace(kv_keys=keys or cfg.kv_keys, kv_key_group=group or cfg.kv_key_group)
+    if out.kv_keys == "channel" and not out.channel_keys:
+        raise ValueError(f"--kv-keys channel needs an int8 MHA / GQA / MQA cache (give --kv-dtype int8); the model "
+                         f"has attention={cfg.attention!r}, cache_dtype={cfg.cache_dtype!r}")
+    if group is not None and out.kv_keys != "channel":
+        raise ValueError(f"--kv-key-group {group} is not allowed with --kv-keys token: it sets the per-channel "
+                         "key groups (give --kv-keys channel)")
+    return out
+
+
+def with_kv_keys(model, keys: str | None, group: int | None = None):
+    """The model with ``config_with_kv_keys(model.cfg, keys, group)`` (the same parameter arrays; the model
+    itself when nothing changes). Raises ValueError as ``config_with_kv_keys``."""
+    from .kv_dtype import with_config
+    return with_config(model, config_with_kv_keys(model.cfg, keys, group))
 
 
 def quantize_channels(k: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
@@ -76,9 +106,46 @@ def channel_roundtrip(k: jax.Array, group: int) -> jax.Array:
     return dequantize_channels(*quantize_channels(k, group), group)
 
 
+def reads_int8(key_slots, query_slots, group: int):
+    """The read rule: may the query at slot t read key slot s from its group's int8 codes? True when s's
+    group was complete before t, (s // G + 1) G <= t; otherwise the key is read in float32 (the filling
+    group). key_slots, query_slots: int arrays that broadcast against each other. Returns bool of the
+    broadcast shape."""
+    return (key_slots // group + 1) * group <= query_slots
+
+
+def span_slots(new_tokens: int, group: int) -> int:
+    """Lx, the slots of the span one write of T = new_tokens tokens touches, from the start of the group it
+    begins in: G (ceil(T / G) + 1), enough for any offset 0 <= o < G into that group."""
+    return group * (-(-new_tokens // group) + 1)
+
+
+def group_span(residual: jax.Array, new: jax.Array, offset: jax.Array, count=None) -> jax.Array:
+    """The float32 keys of the groups a write touches, from the start of the group it begins in.
+
+    residual: [B, K, G, D] float32, the filling group's keys (its first ``offset`` slots hold keys);
+    new: [B, K, T, D], the new tokens' keys, the first at slot offset of that group; offset: [B] int32 in
+    [0, G) (cache_index mod G); count: [B] int32 or None (T): only the first count new tokens are kept, the
+    rest (right padding) reads as zeros. Returns [B, K, Lx, D] float32 (Lx = ``span_slots(T, G)``): position j
+    is residual[j] for j < offset, new[j - offset] for offset <= j < offset + count, 0 after.
+    """
+    B, K, G, D = residual.shape
+    T = new.shape[-2]
+    L = span_slots(T, G)
+    o = jnp.reshape(offset, (-1, 1))
+    n = T if count is None else jnp.reshape(count, (-1, 1))
+    j = jnp.arange(L, dtype=jnp.int32)[None]                                   # [1, Lx]
+    at = lambda idx: jnp.reshape(idx, (idx.shape[0], 1, L, 1))  # noqa: E731
+    old = jnp.take_along_axis(residual.astype(jnp.float32), at(jnp.clip(jnp.broadcast_to(j, (B, L)), 0, G - 1)),
+                              axis=-2)
+    fresh = jnp.take_along_axis(new.astype(jnp.float32), at(jnp.clip(j - o, 0, T - 1)), axis=-2)
+    span = jnp.where(at(j < o), old, jnp.where(at((j >= o) & (j < o + n)), fresh, 0.0))
+    return span
+
+
 def channel_key_cache_bytes(cfg: ModelConfig, seq_len: int, group: int) -> int:
-    """Bytes of one sequence's cache in the per-channel key layout (module docstring), every layer:
-    num_blocks x (S (2 K D + 4 K) + (S / G) K D 4 + G K D 4) with S = seq_len rounded up to whole groups.
+    """Bytes of one sequence's cache in the per-channel key layout (module docstring), every layer, sinks not
+    included: num_blocks x (S (2 K D + 4 K) + ceil(S / G) K D 4 + G K D 4) with S = seq_len.
     MHA / GQA / MQA only; raises ValueError for attention="mla" or a bad seq_len / group."""
     if cfg.attention == "mla":
         raise ValueError("per-channel keys (--kv-keys channel) are defined for MHA / GQA / MQA caches, not "
@@ -86,10 +153,11 @@ def channel_key_cache_bytes(cfg: ModelConfig, seq_len: int, group: int) -> int:
     if not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len={seq_len!r} is not allowed: an integer >= 1")
     G, K, D = check_group(group), cfg.kv_heads, cfg.head_size
-    S = math.ceil(seq_len / G) * G
-    per_layer = S * (2 * K * D + SCALE_BYTES * K) + (S // G) * K * D * SCALE_BYTES + G * K * D * 4
+    S = seq_len
+    per_layer = S * (2 * K * D + SCALE_BYTES * K) + math.ceil(S / G) * K * D * SCALE_BYTES + G * K * D * 4
     return cfg.num_blocks * per_layer
 
 
-__all__ = ["DEFAULT_GROUP", "channel_key_cache_bytes", "channel_roundtrip", "check_group", "dequantize_channels",
-           "quantize_channels"]
+__all__ = ["DEFAULT_GROUP", "KEY_LAYOUTS", "channel_key_cache_bytes", "channel_roundtrip", "check_group",
+           "config_with_kv_keys", "dequantize_channels", "group_span", "quantize_channels", "reads_int8", "span_slots",
+           "with_kv_keys"]

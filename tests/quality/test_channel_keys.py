@@ -76,10 +76,10 @@ def test_view_attention_matches_numpy_in_one_call_and_in_chunks(sinks):
 
 def test_channel_key_bytes_count_the_layout_arrays():
     cfg = ModelConfig.from_preset("tiny", attention="gqa", kv_heads=2, cache_dtype="int8")
-    K, D, G, S = 2, 8, 4, 30                                     # 30 slots -> 32, whole groups
-    arrays = [np.zeros((K, 32, D), np.int8)] * 2 + [np.zeros((K, 32, 1), np.float32),
-                                                    np.zeros((K, 32 // G, D), np.float32),
-                                                    np.zeros((K, G, D), np.float32)]
+    K, D, G, S = 2, 8, 4, 30                                     # 30 slots: 8 key-scale groups, the last partial
+    arrays = [np.zeros((K, S, D), np.int8)] * 2 + [np.zeros((K, S, 1), np.float32),
+                                                   np.zeros((K, 8, D), np.float32),
+                                                   np.zeros((K, G, D), np.float32)]
     assert channel_key_cache_bytes(cfg, S, G) == cfg.num_blocks * sum(a.nbytes for a in arrays)
     assert kv_channel_key_cache_bytes(cfg, 3, S, G) == 3 * cfg.num_blocks * sum(a.nbytes for a in arrays)
     with pytest.raises(ValueError, match="attention='mla'"):

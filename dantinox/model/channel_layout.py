@@ -1,0 +1,75 @@
+"""The static cache's per-channel int8 key layout (KIVI, Liu et al. 2024, sections 3.2-3.3; the layout, read
+rule and bytes are ``dantinox.quant.kv_channels``'s): ``ChannelQuantLayerKV``, its shapes and allocation. The
+attention that writes and reads it is ``dantinox.model.channel_attention``.
+
+What one layer stores (B batch, K KV heads, S slots, D head size, G = cfg.kv_key_group, N = ceil(S / G),
+A = cfg.sink_slots):
+  - k: [B, K, S, D] int8, the keys of every *complete* group, quantized per channel over the group's G slots;
+    k_scale: [B, K, N, D] float32, one scale per (group, KV head, channel). Slots of a group still filling
+    hold codes that are never read (they are rewritten when the group completes).
+  - k_residual: [B, K, G, D] float32, the keys of each row's filling group (group cache_index // G; its
+    first cache_index mod G slots are keys, the rest zeros). Rows have their own cache_index, so their own
+    residual.
+  - v: [B, K, S, D] int8 and v_scale: [B, K, S, 1] float32, values per token (``dantinox.quant.kv_rows``).
+  - k_sink, v_sink: [B, K, A, D] float32, the row's first A tokens in full (``dantinox.quant.kv_sinks``).
+S need not be a multiple of G: the last, partial group never completes and stays in the residual.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+from ..quant.kv_rows import SCALE_DTYPE
+from ..quant.kv_sinks import SINK_DTYPE
+
+class ChannelQuantLayerKV(NamedTuple):
+    """One layer's int8 cache with per-channel keys (module docstring). k, v: [B, K, S, D] int8; k_scale:
+    [B, K, ceil(S / G), D] float32; v_scale: [B, K, S, 1] float32; k_residual: [B, K, G, D] float32 (G, the
+    key group, is its slot axis); k_sink, v_sink: [B, K, A, D] float32."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array
+    v_scale: jax.Array
+    k_residual: jax.Array
+    k_sink: jax.Array
+    v_sink: jax.Array
+
+    @property
+    def group(self) -> int:
+        """G, slots per key-scale group."""
+        return self.k_residual.shape[-2]
+
+    def first_slots(self, L: int) -> ChannelQuantLayerKV:
+        """The layer cut to its first L slots (a copy): k, v, v_scale [.., L, ..], k_scale the ceil(L / G)
+        groups that cover them, the residual whole, the sinks their first min(A, L)."""
+        G = self.group
+        return ChannelQuantLayerKV(self.k[..., :L, :], self.v[..., :L, :], self.k_scale[..., :-(-L // G), :],
+                                   self.v_scale[..., :L, :], self.k_residual, self.k_sink[..., :L, :],
+                                   self.v_sink[..., :L, :])
+
+    def keys(self, dtype) -> jax.Array:
+        """Every slot's key read from int8 (codes x their group's scale): [B, K, S, D] ``dtype`` (meaningful
+        for complete groups only)."""
+        scale = jnp.repeat(self.k_scale, self.group, axis=-2)[..., :self.k.shape[-2], :]
+        return (self.k.astype(jnp.float32) * scale).astype(dtype)
+
+
+def channel_cache_shapes(cfg: ModelConfig, batch_size: int, slots: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """Shapes of one ChannelQuantLayerKV's arrays in field order (k, v, k_scale, v_scale, k_residual, k_sink,
+    v_sink) for batch_size rows of ``slots`` slots (default cfg.max_context; fewer: a cache cut by
+    ``first_slots``, whose sinks keep min(A, slots) rows)."""
+    S = cfg.max_context if slots is None else int(slots)
+    B, K, D, G, A = int(batch_size), cfg.kv_heads, cfg.head_size, cfg.kv_key_group, min(cfg.sink_slots, S)
+    return ((B, K, S, D), (B, K, S, D), (B, K, -(-S // G), D), (B, K, S, 1), (B, K, G, D), (B, K, A, D),
+            (B, K, A, D))
+
+
+def init_channel_layer(cfg: ModelConfig, batch_size: int) -> ChannelQuantLayerKV:
+    """One layer's ChannelQuantLayerKV of zeros (``channel_cache_shapes``): int8 k and v, float32 the rest."""
+    dtypes = (jnp.int8, jnp.int8, SCALE_DTYPE, SCALE_DTYPE, jnp.float32, SINK_DTYPE, SINK_DTYPE)
+    return ChannelQuantLayerKV(*(jnp.zeros(s, d) for s, d in zip(channel_cache_shapes(cfg, batch_size), dtypes)))
