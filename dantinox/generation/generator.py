@@ -104,7 +104,8 @@ class Generator:
       mesh: a ``dantinox.make_mesh`` mesh to shard the parameters over (every generation then runs on it;
         docs/multi-device.md); None: one device.
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
-      quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
+      quantize: None (float32 weights), "bf16", "int8" (weight-only, per output channel), "int4" or "q8_0"
+        (Q4_1 / Q8_0 blocks of 32 weights, run by the block kernel); see
         ``dantinox.quant.weights``.
       draft_run: a run directory (or bundled name) whose model proposes for ``speculative="draft"``: same
         tokenizer (vocabulary size, special and stop ids: ``runs.draft_run``), same vocab_size, a max_context at

@@ -37,12 +37,12 @@ latent cache [B, S, C] is replicated over ``model``. Rows (B) go over ``data`` w
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
+from ..quant.block_linear import block_formats_of
 from .mesh import Mesh, MeshError, ambient_mesh_shape, mesh_shape
 
 LOGICAL_RULES = {"batch": "data", "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model",
@@ -123,9 +123,11 @@ def shard_model(model: nnx.Module, mesh: Mesh | None, fsdp: bool = False) -> nnx
     if mesh is None:
         return model
     check_model_fits(model.cfg, mesh)
-    if any(isinstance(n, nnx.Param) and n.get_value().dtype == jnp.uint8 for _, n in nnx.iter_graph(model)):
-        raise MeshError("--mesh: this run's weights are GGUF blocks, which run on one device only; import the "
-                        "file with --dtype float32 to run it on a mesh")
+    formats = block_formats_of(model)
+    if formats:
+        raise MeshError(f"--mesh: this run's weights are {'+'.join(formats)} blocks (a GGUF import, or --quantize "
+                        "int4 / q8_0), which run on one device only; import the file with --dtype float32, or "
+                        "quantize with int8 or bf16, to run it on a mesh")
     shardings = param_shardings(model, mesh, fsdp)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):

@@ -141,7 +141,7 @@ def bad_files(tmp_path):
     (["--slice", "ok={d}/ok.txt", "--gate", "{d}/g_metric.yaml"], "metric 'perplexity' of slice 'ok' is not allowed"),
     (["--slice", "ok={d}/ok.txt", "--gate", "{d}/g_value.yaml"], "ok.agreement_min=-1 is not allowed"),
     (["--slice", "ok={d}/ok.txt", "--gate", "{d}/none.yaml"], "--gate"),
-    (["--slice", "ok={d}/ok.txt", "--quantize", "int4"], "--quantize int4 is not allowed: one of bf16, int8"),
+    (["--slice", "ok={d}/ok.txt", "--quantize", "int3"], "--quantize int3 is not allowed: one of bf16, int8, int4"),
     (["--slice", "ok={d}/ok.txt", "--kv-dtype", "int3"], "--kv-dtype 'int3' is not allowed: one of"),
     (["--slice", "ok={d}/ok.txt", "--baseline", "fp16"], "--baseline fp16 is not allowed: one of default"),
     (["--slice", "ok={d}/ok.txt", "--batch", "0"], "--batch 0 is not allowed"),
