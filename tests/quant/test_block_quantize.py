@@ -3,7 +3,8 @@
 The quantizer against an independent numpy one (the same bytes, and each weight within its block's error bound),
 the stored blocks read back by the ``gguf`` package's own dequantizer, the quantized model against the float
 model of the dequantized weights (logits to float32 rounding, the same greedy tokens through the kernel's decode
-path), byte counts, and the refusals (a width that does not divide by 32, float16 overflow, a mesh)."""
+path), byte counts, and the refusals (a width that does not divide by 32, float16 overflow). On a mesh:
+tests/parallel/multidevice/test_mesh_blocks.py."""
 
 import gguf
 import jax.numpy as jnp
@@ -160,9 +161,3 @@ def test_float16_overflow_is_refused_naming_the_tensor(quantize, value):
     kernel.set_value(kernel[...].at[0, 0].set(value))
     with pytest.raises(ValueError, match=rf"quantize='{quantize}': blocks/0/mlp/down has weights too large for a "):
         quantize_weights(model, quantize)
-
-
-def test_int4_model_on_a_mesh_is_refused_naming_the_format():
-    model = quantize_weights(dx.build_model(dx.ModelConfig(**SMALL)), "int4")
-    with pytest.raises(ValueError, match=r"--mesh: this run's weights are Q4_1 blocks"):
-        dx.shard_model(model, dx.make_mesh(data=1, model=1))
