@@ -153,8 +153,13 @@ def check_eval_args(args) -> None:
 def check_same_tokenizer(run_dir: str, baseline_dir: str) -> None:
     """ValueError naming --baseline unless both run directories hold the same tokenizer.json (byte for byte)."""
     def read(folder):
-        with open(os.path.join(folder, "tokenizer.json"), "rb") as f:
-            return f.read()
+        try:
+            with open(os.path.join(folder, "tokenizer.json"), "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise ValueError(f"--baseline {baseline_dir}: cannot read {folder}'s tokenizer.json "
+                             f"({err.strerror or err})") from None
+
     if read(run_dir) != read(baseline_dir):
         raise ValueError(f"--baseline {baseline_dir}: its tokenizer differs from --run_dir {run_dir}'s; the "
                          "baseline must read the same tokens")
@@ -281,9 +286,9 @@ def run_eval(args) -> int:
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json}: its folder does not exist")
     run_dir = args.run_dir or bundled_run_dir()
-    baseline, cfg, tokenizer, _ = load_run(run_dir if args.baseline in BASELINES else args.baseline)
     if args.baseline not in BASELINES:
         check_same_tokenizer(run_dir, args.baseline)
+    baseline, cfg, tokenizer, _ = load_run(run_dir if args.baseline in BASELINES else args.baseline)
     if cfg.paradigm != "ar":
         raise ValueError(f"--run_dir {run_dir} holds a paradigm={cfg.paradigm!r} model; eval measures "
                          "autoregressive models (teacher forcing through the causal cache)")
