@@ -7,6 +7,9 @@ row of W [N, M] is cut into M / 32 blocks of 32 consecutive input channels x_0 .
   Q4_1 (int4)  lo = min x_j, hi = max x_j; the block stores m = f16(lo) and d = f16((hi - lo) / 15) (f16: the
                nearest float16) and q_j = clip(round((x_j - m) / d), 0, 15) (q_j = 0 when d = 0); the weight
                read back is d q_j + m. 20 bytes per 32 weights (0.625 bytes per weight, 0.156 of float32).
+               int4 keeps the embedding table and the output head (tied or not) in Q8_0 (HEAD_FORMAT): on
+               SmolLM2-135M a Q4_1 head cost +1.2-1.5 % loss per character against the Q8_0 one
+               (docs/performance.md, "Weight formats on SmolLM2").
   Q8_0         d = f16(max |x_j| / 127), q_j = clip(round(x_j / d), -127, 127) (0 when d = 0); weight d q_j.
                34 bytes per 32 weights.
 
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 
 BLOCK = 32
 QUANTIZE_FORMATS = {"int4": "Q4_1", "q8_0": "Q8_0"}   # --quantize value -> the block format it stores
+HEAD_FORMAT = "Q8_0"   # int4's embedding table and output head (what llama.cpp's Q4_1 files keep there too)
 
 
 def _f16_bytes(x: jnp.ndarray) -> jnp.ndarray:

@@ -18,13 +18,13 @@ returns it:
         output channel of the logits share it. MLA's W_UK / W_UV (used inside the absorbed attention
         einsums) stay float32.
 
-  int4  every projection and the embedding table become ggml Q4_1 blocks (32 input channels per block, a
-  q8_0  float16 scale and minimum each: 0.625 bytes per weight) or Q8_0 blocks (a float16 scale per 32: 1.0625
-        bytes per weight), quantized by ``block_quantize``; the modules are the ``block_linear`` ones an
-        imported GGUF file gets, so the compiled block kernel runs decode and the exact dequantization prefill.
-        Every quantized matrix's input width (M, E for the table) must divide by 32: another width is refused
-        naming the tensor (not padded). MLA's W_UK / W_UV stay float32. On a mesh such a run is refused
-        (``dantinox.parallel.sharding.shard_model``), as a GGUF run's blocks are.
+  int4  every projection becomes ggml Q4_1 blocks (32 input channels per block, a float16 scale and minimum
+  q8_0  each: 0.625 bytes per weight), the embedding table and the output head Q8_0 blocks (a float16 scale per
+        32: 1.0625 bytes per weight); q8_0 makes every one of them Q8_0. Quantized by ``block_quantize``; the
+        modules are the ``block_linear`` ones an imported GGUF file gets, so the compiled block kernel runs
+        decode and the exact dequantization prefill. Every quantized matrix's input width (M, E for the table)
+        must divide by 32: another width is refused naming the tensor (not padded). MLA's W_UK / W_UV stay
+        float32. On a mesh the blocks are split by rows (``dantinox.parallel.sharding``), as a GGUF run's are.
 
 RMSNorm scales stay float32 in every mode. Parameters are real nnx.Param leaves, so ``dantinox.param_bytes``
 counts the int8 kernels and their scales as they are allocated. Decoding still compiles once per (batch size,
@@ -42,7 +42,7 @@ from flax import nnx
 
 from .block_formats import check_blocks
 from .block_linear import BlockEmbed, BlockLinear, BlockPart, describe_blocks
-from .block_quantize import QUANTIZE_FORMATS, quantize_to_blocks
+from .block_quantize import HEAD_FORMAT, QUANTIZE_FORMATS, quantize_to_blocks
 
 QUANTIZE_CHOICES = ("bf16", "int8", "int4", "q8_0")
 INT8_MAX = 127.0
@@ -202,10 +202,11 @@ def quantize_weights(model, quantize: str | None):
     return model
 
 
-def _block_part(w, quantize: str, name: str) -> BlockPart:
-    """W [N, M] float as a BlockPart of the blocks ``quantize`` stores; ValueError naming ``name`` for a width
-    that does not divide by 32 or (concrete weights only) a float16 scale that overflows."""
-    fmt = QUANTIZE_FORMATS[quantize]
+def _block_part(w, quantize: str, name: str, head: bool = False) -> BlockPart:
+    """W [N, M] float as a BlockPart of the blocks ``quantize`` stores (HEAD_FORMAT for int4's embedding and
+    output head: ``head``); ValueError naming ``name`` for a width that does not divide by 32 or (concrete
+    weights only) a float16 scale that overflows."""
+    fmt = HEAD_FORMAT if head else QUANTIZE_FORMATS[quantize]
     try:
         data = quantize_to_blocks(w, fmt, name)
     except ValueError as err:
@@ -227,9 +228,11 @@ def _to_blocks(model, nodes, quantize: str):
         if isinstance(node, nnx.Linear):
             if node.bias is not None:
                 raise ValueError(f"{name}: a Linear with a bias is not supported")
-            _replace(parent, path[-1], BlockLinear([_block_part(node.kernel[...].T, quantize, name)]))
+            part = _block_part(node.kernel[...].T, quantize, name, head=path[-1] == "lm_head")
+            _replace(parent, path[-1], BlockLinear([part]))
         else:
-            _replace(parent, path[-1], BlockEmbed(_block_part(node.embedding[...], quantize, name), node.dtype))
+            part = _block_part(node.embedding[...], quantize, name, head=True)
+            _replace(parent, path[-1], BlockEmbed(part, node.dtype))
     return model
 
 

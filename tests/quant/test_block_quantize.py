@@ -110,7 +110,7 @@ def test_int4_logits_equal_the_float_model_of_its_dequantized_weights():
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 200, (1, 8)), jnp.int32)
     got, want = np.asarray(forward(model, ids)[0]), np.asarray(forward(ref, ids)[0])
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-    assert describe_weights(model).startswith("int4 (Q4_1 blocks), ")
+    assert describe_weights(model).startswith("int4 (Q4_1+Q8_0 blocks), ")
 
 
 @pytest.mark.slow   # two models' prefill and decode loops compile per case
@@ -131,16 +131,17 @@ def test_quantized_greedy_tokens_equal_the_float_model_of_its_dequantized_weight
 
 @pytest.mark.parametrize("quantize, per_block", [("int4", 20), ("q8_0", 34)])
 def test_param_bytes_count_the_blocks(quantize, per_block):
+    """Bytes per 32 weights: Q4_1 20, Q8_0 34; int4 keeps the embedding and the untied head in Q8_0."""
     cfg = dx.ModelConfig(**SMALL, tie_embeddings=False)
     float_model = dx.build_model(cfg)
     want = 0
     for path, node in nnx.iter_graph(float_model):
         if isinstance(node, nnx.Linear):
             m, n = node.kernel[...].shape
-            want += n * m // 32 * per_block
+            want += n * m // 32 * (34 if path[-1] == "lm_head" else per_block)
         elif isinstance(node, nnx.Embed):
             v, e = node.embedding[...].shape
-            want += v * e // 32 * per_block
+            want += v * e // 32 * 34
         elif isinstance(node, nnx.Param) and path[-1] not in ("kernel", "embedding"):
             want += 4 * node[...].size   # the norms' scales stay float32
     assert dx.param_bytes(cfg, quantize) == want
@@ -168,7 +169,7 @@ def test_cli_verify_with_int4_weights_passes_and_names_them(capsys):
     from dantinox.cli import entrypoint as cli
 
     assert cli.main(["verify", "--quantize", "int4", "--new_tokens", "8", "--prompt", "Nel mezzo"]) == 0
-    assert "weights=int4 (Q4_1 blocks), " in capsys.readouterr().out
+    assert "weights=int4 (Q4_1+Q8_0 blocks), " in capsys.readouterr().out
 
 
 @pytest.mark.slow   # the paged engine's programs compile
