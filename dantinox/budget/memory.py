@@ -123,7 +123,8 @@ def param_bytes(source: ModelConfig | Mapping[str, Any] | nnx.Module, quantize: 
     source: a built model (counted from its real parameter tree as it is, quantized or not) or a config (the
     Transformer is built with nnx.eval_shape, so only shapes and dtypes exist and nothing is allocated).
     quantize: for a config, count the weights as ``dantinox.quant.weights.quantize_weights`` stores them (None,
-    "bf16" or "int8"). Raises ValueError for another quantize value, or a quantize given with a built model.
+    "bf16", "int8", "int4" or "q8_0": Q4_1 / Q8_0 blocks, uint8). Raises ValueError for another quantize value,
+    a width int4 / q8_0 cannot block (naming the tensor), or a quantize given with a built model.
     """
     check_quantize(quantize)
     if isinstance(source, nnx.Module):

@@ -2,7 +2,7 @@
 
   dantinox eval [--run_dir R] --slice NAME=FILE|NAME [--slice ...] [--kv-dtype D] [--quantize Q]
                 [--kv-sinks A] [--kv-keys token|channel] [--kv-key-group G] [--chunk C] [--window W]
-                [--baseline default]
+                [--baseline default|RUN_DIR]
                 [--gate GATE.yaml] [--json OUT] [--prefix P] [--batch B] [--prompts N]
                 [--prompt-tokens T] [--continuation C] [--mesh data=D,model=M]
                 [--coordinator HOST:PORT --num-processes N --process-id I]
@@ -12,10 +12,12 @@ Walkthrough:
      NAME=FILE, a gate file naming an unknown slice or metric, a --mesh that does not parse or needs more
      devices than there are): one line on stderr, exit status 2. A slice is NAME=FILE, or the name of a slice
      shipped in the package (it-heldout, rare-latin-occitan, en-shakespeare; ``dantinox.runs.bundled``).
-  2. The run is loaded twice: the baseline ("default": the run as saved, float32 weights and its own cache
-     dtype) and the candidate (the cache dtype of --kv-dtype, its int8 sink tokens from --kv-sinks, then the
-     weights of --quantize; --kv-keys channel runs its int8 keys per channel in groups of --kv-key-group tokens,
-     KIVI, ``dantinox.quality.channel_keys``, an eval-only layout). With --mesh both
+  2. The run is loaded twice: the baseline ("default": the run as saved, its weights and its own cache dtype;
+     or --baseline RUN_DIR, another run directory with the same tokenizer.json, e.g. a GGUF file imported with
+     --dtype float32 as the baseline of its blocks) and the candidate (the cache dtype of --kv-dtype, its int8
+     sink tokens from --kv-sinks, then the weights of --quantize; --kv-keys channel runs its int8 keys per
+     channel in groups of --kv-key-group tokens, KIVI, ``dantinox.quality.channel_keys``, an eval-only
+     layout). With --mesh both
      are then sharded over the mesh (``dantinox.parallel.sharding.shard_model``, as generate and verify do; heads not
      divisible by model: exit 2 naming --mesh) and every figure is measured on it (docs/multi-device.md).
   3. Each slice is tokenized with the run's tokenizer (characters outside a char vocabulary become <unk>) and
@@ -69,7 +71,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=None, metavar="W", help="longest teacher-forced window in "
                    "tokens (default: max_context; a slice longer than it is cut into windows)")
     p.add_argument("--baseline", default="default", help="what the candidate is compared with: default (the run "
-                   "as saved: float32 weights, its own cache dtype)")
+                   "as saved: its own weights and cache dtype) or another run directory with the same tokenizer "
+                   "(e.g. a GGUF file imported --dtype float32 against its blocks)")
     p.add_argument("--gate", default=None, metavar="GATE.yaml", help="thresholds per slice and metric")
     p.add_argument("--json", default=None, metavar="OUT", help="write the figures to this JSON file")
     p.add_argument("--prefix", type=int, default=64, help="tokens prefilled per window before feeding one by one")
@@ -142,8 +145,24 @@ def check_eval_args(args) -> None:
         raise ValueError(f"--kv-sinks {args.kv_sinks} is not allowed: an integer >= 0 (0: no float32 sinks)")
     if args.kv_keys not in KEY_LAYOUTS:
         raise ValueError(f"--kv-keys {args.kv_keys} is not allowed: one of {', '.join(KEY_LAYOUTS)}")
-    if args.baseline not in BASELINES:
-        raise ValueError(f"--baseline {args.baseline} is not allowed: one of {', '.join(BASELINES)}")
+    if args.baseline not in BASELINES and not os.path.isdir(args.baseline):
+        raise ValueError(f"--baseline {args.baseline} is not allowed: one of {', '.join(BASELINES)}, or a run "
+                         "directory")
+
+
+def check_same_tokenizer(run_dir: str, baseline_dir: str) -> None:
+    """ValueError naming --baseline unless both run directories hold the same tokenizer.json (byte for byte)."""
+    def read(folder):
+        try:
+            with open(os.path.join(folder, "tokenizer.json"), "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise ValueError(f"--baseline {baseline_dir}: cannot read {folder}'s tokenizer.json "
+                             f"({err.strerror or err})") from None
+
+    if read(run_dir) != read(baseline_dir):
+        raise ValueError(f"--baseline {baseline_dir}: its tokenizer differs from --run_dir {run_dir}'s; the "
+                         "baseline must read the same tokens")
 
 
 def candidate_model(model, kv_dtype: str | None, quantize: str | None, sinks: int | None = None,
@@ -270,7 +289,9 @@ def run_eval(args) -> int:
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json}: its folder does not exist")
     run_dir = args.run_dir or bundled_run_dir()
-    baseline, cfg, tokenizer, _ = load_run(run_dir)
+    if args.baseline not in BASELINES:
+        check_same_tokenizer(run_dir, args.baseline)
+    baseline, cfg, tokenizer, _ = load_run(run_dir if args.baseline in BASELINES else args.baseline)
     if cfg.paradigm != "ar":
         raise ValueError(f"--run_dir {run_dir} holds a paradigm={cfg.paradigm!r} model; eval measures "
                          "autoregressive models (teacher forcing through the causal cache)")

@@ -68,8 +68,9 @@ def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse
 def add_quantize_argument(parser) -> None:
     """Add ``--quantize`` to an argparse parser (checked by check_quantize, so a bad value exits 2 with one
     line naming the flag)."""
-    parser.add_argument("--quantize", default=None, metavar="bf16|int8",
-                        help="low-precision weights: bf16, or int8 per output channel (default float32)")
+    parser.add_argument("--quantize", default=None, metavar="bf16|int8|int4|q8_0",
+                        help="low-precision weights: bf16, int8 per output channel, int4 (Q4_1 blocks of 32) or "
+                             "q8_0 (Q8_0 blocks of 32); default float32")
 
 
 def add_mesh_argument(parser) -> None:

@@ -109,7 +109,8 @@ class Generator:
       kv_keys, kv_key_group: the int8 cache's key layout, "token" or "channel" (per-channel keys over groups
         of kv_key_group slots, KIVI: ``dantinox.model.channel_layout``); None keeps the run's. Channel keys
         need an int8 MHA / GQA / MQA cache and rule out speculative decoding (ValueError naming the flag).
-      quantize: None (float32 weights), "bf16" or "int8" (weight-only, per output channel); see
+      quantize: None (float32 weights), "bf16", "int8" (weight-only, per output channel), "int4" or "q8_0"
+        (Q4_1 / Q8_0 blocks of 32 weights, run by the block kernel); see
         ``dantinox.quant.weights``.
       draft_run: a run directory (or bundled name) whose model proposes for ``speculative="draft"``: same
         tokenizer (vocabulary size, special and stop ids: ``runs.draft_run``), same vocab_size, a max_context at

@@ -12,6 +12,8 @@ Logical axes. Each parameter dimension gets a logical name, and LOGICAL_RULES ma
   attn.down.kernel (MLA)           [E, Q + C + R]      replicated           (the latent is per token, not per head)
   mlp.gate_up.kernel               [E, 2F]             (embed, mlp)         columns over model
   mlp.down.kernel                  [F, E]              (mlp, embed)         rows over model
+  ....parts.<i>.data (blocks)      [N, row bytes]      rows over model      a block part's output channels, whole
+                                                                            rows of blocks (where N divides)
   every RMSNorm scale, anything else                   replicated
 
 This is the Megatron layout (Shoeybi et al. 2019, section 3): the matmul into a sub-layer is split by
@@ -37,7 +39,6 @@ latent cache [B, S, C] is replicated over ``model``. Rows (B) go over ``data`` w
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -90,6 +91,9 @@ def param_spec(path: tuple, shape: tuple, mesh: Mesh | dict | None, fsdp: bool =
     :func:`check_model_fits` rejects the others first). mesh: a Mesh, or its sizes {"data": D, "model": M}
     (to plan for devices this process does not have)."""
     sizes = mesh if isinstance(mesh, dict) else mesh_shape(mesh)
+    if len(path) >= 3 and path[-3] == "parts" and path[-1] == "data" and len(shape) == 2:
+        rows = sizes["model"] > 1 and shape[0] % sizes["model"] == 0   # a block part: whole rows over model
+        return P("model" if rows else None, None)
     rules = FSDP_RULES if fsdp else LOGICAL_RULES
     spec = []
     for dim, name in zip(shape, logical_axes(path, len(shape))):
@@ -115,17 +119,15 @@ def unmatched_params(model: nnx.Module) -> list[tuple]:
 def shard_model(model: nnx.Module, mesh: Mesh | None, fsdp: bool = False) -> nnx.Module:
     """Place every parameter of ``model`` on ``mesh`` (in place; returns the model). None is a no-op.
 
-    Raises MeshError (see :func:`check_model_fits`), and for a model with GGUF block weights (uint8
-    parameters, ``dantinox.quant.block_linear``): their kernel runs on one device, so such a run is refused on
-    a mesh rather than silently computed another way. Later calls to generate, verify or the trainer then run
+    Raises MeshError (see :func:`check_model_fits`). Block weights (a GGUF import or --quantize int4 / q8_0:
+    ``dantinox.quant.block_linear``, each part's data [N, row bytes]) are split by whole rows (output channels)
+    over ``model`` where N divides by its size, replicated otherwise; the block kernel then runs per device
+    inside a shard_map (``dantinox.quant.block_kernel``). Later calls to generate, verify or the trainer then run
     on the mesh (they read it from the parameters, ``dantinox.parallel.mesh.mesh_of``).
     """
     if mesh is None:
         return model
     check_model_fits(model.cfg, mesh)
-    if any(isinstance(n, nnx.Param) and n.get_value().dtype == jnp.uint8 for _, n in nnx.iter_graph(model)):
-        raise MeshError("--mesh: this run's weights are GGUF blocks, which run on one device only; import the "
-                        "file with --dtype float32 to run it on a mesh")
     shardings = param_shardings(model, mesh, fsdp)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):

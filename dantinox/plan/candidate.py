@@ -1,7 +1,7 @@
 """A candidate deployment: the serving settings the planner sweeps, and its serve flags.
 
 Fields: kv_dtype (cache dtype: float32, bfloat16, or int8 where available), quantize (weights: none, bf16,
-int8), block_size P (tokens), max_running (sequences), max_batched_tokens (prefill tokens per step),
+int8, int4, q8_0), block_size P (tokens), max_running (sequences), max_batched_tokens (prefill tokens per step),
 max_decode_steps (multi-step decode, 1 = off), preemption (recompute or swap), prefix_caching, replicas
 (engines, one device each) and routing (round_robin, least_tokens, prefix_affinity).
 """
@@ -46,9 +46,9 @@ class Candidate:
                              "recompute or swap")
         if self.routing not in ROUTING:
             raise ValueError(f"candidate {self.name!r}: routing={self.routing!r} is not allowed: one of {ROUTING}")
-        if self.quantize not in ("none", "bf16", "int8"):
+        if self.quantize not in ("none", "bf16", "int8", "int4", "q8_0"):
             raise ValueError(f"candidate {self.name!r}: quantize={self.quantize!r} is not allowed: none, bf16, "
-                             "int8")
+                             "int8, int4, q8_0")
 
     def engine_config(self, num_blocks: int | None = None):
         """The EngineConfig of one replica (pool of num_blocks blocks, or the engine's default sizing)."""

@@ -1,8 +1,9 @@
 """Model variants a candidate deployment may use: the KV cache dtype and the weight quantization.
 
 ``apply_variant`` returns the model to serve for (kv_dtype, quantize). KV dtypes are those ModelConfig accepts
-(float32, bfloat16, int8); weight quantization is "none", "bf16" or "int8" (``dantinox.quant.weights``). A
-variant that cannot be built raises ValueError naming it, and the planner drops the candidate with that reason
+(float32, bfloat16, int8); weight quantization is "none", "bf16", "int8", "int4" or "q8_0"
+(``dantinox.quant.weights``; int4 / q8_0 are ggml Q4_1 / Q8_0 blocks, run by the block kernel, on one device
+only). A variant that cannot be built raises ValueError naming it, and the planner drops the candidate with that reason
 instead of guessing its cost or quality.
 """
 
@@ -15,12 +16,13 @@ from ..config import ConfigError
 from ..quant.kv_dtype import with_kv_dtype
 from ..quant.weights import quantize_weights
 
-QUANTIZE = ("none", "bf16", "int8")
+QUANTIZE = ("none", "bf16", "int8", "int4", "q8_0")
 
 
 def weight_bytes_factor(quantize: str) -> float:
-    """Weight bytes relative to float32: none 1, bf16 1/2, int8 1/4 (+ per-channel scales, ignored)."""
-    return {"none": 1.0, "bf16": 0.5, "int8": 0.25}[quantize]
+    """Weight bytes relative to float32: none 1, bf16 1/2, int8 1/4 (+ per-channel scales, ignored), int4
+    (Q4_1: 20 bytes per 32 weights) 5/32, q8_0 (34 bytes per 32) 17/64."""
+    return {"none": 1.0, "bf16": 0.5, "int8": 0.25, "int4": 20 / 128, "q8_0": 34 / 128}[quantize]
 
 
 def apply_variant(model, cfg, kv_dtype: str = "float32", quantize: str = "none"):

@@ -14,8 +14,9 @@ when the call is traced (the choice is static, so the decode loop still compiles
 
 Both paths compute each output as a float32 sum of the same float32 products (the dequantized weights equal
 ``gguf.quants.dequantize``'s); only the order of the additions differs, so results agree to float32 rounding.
-The path in use is logged once (logger ``dantinox.quant``; a fallback at WARNING) and reported by
-``kernel_status()``.
+On a mesh (an ambient ``jax.set_mesh`` with a "model" axis) the kernel runs inside a ``jax.shard_map``: each
+device multiplies its own rows of W (``_kernel_on_mesh``). The path in use is logged once (logger
+``dantinox.quant``; a fallback at WARNING) and reported by ``kernel_status()``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from .block_formats import block_format, dequantize_blocks
 
@@ -88,6 +90,20 @@ def kernel_matmul(x2: jax.Array, data: jax.Array, fmt: str, isa: str = "auto") -
                 isa=np.int64(ISA_CODES[isa]))
 
 
+def _kernel_on_mesh(x2: jax.Array, data: jax.Array, fmt: str) -> jax.Array:
+    """kernel_matmul, split by rows of W over the ambient mesh's "model" axis when one is in scope (the mesh
+    ``jax.set_mesh`` entered; ``dantinox.parallel.sharding`` places block weights [N, row bytes] with N over
+    "model", whole rows of blocks per device) and N divides by its size: a ``jax.shard_map`` in which each
+    device runs the kernel on its N / M rows against the whole x2 [R, M] (replicated), the outputs [R, N / M]
+    laid side by side over "model". Without such a mesh: the plain call."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "model" not in mesh.axis_names or data.shape[0] % mesh.shape["model"]:
+        return kernel_matmul(x2, data, fmt)
+    local = jax.shard_map(lambda a, d: kernel_matmul(a, d, fmt), mesh=mesh, in_specs=(P(), P("model", None)),
+                          out_specs=P(None, "model"), check_vma=False)
+    return local(x2, data)
+
+
 def block_matmul(x: jax.Array, data: jax.Array, fmt: str, n_in: int) -> jax.Array:
     """x [..., M] (M = n_in) . W^T with W [N, M] stored as blocks ``data`` uint8 [N, row bytes] -> [..., N]
     float32. The kernel for R = prod(x.shape[:-1]) <= 16 where available, else the pure-JAX path (module
@@ -98,7 +114,7 @@ def block_matmul(x: jax.Array, data: jax.Array, fmt: str, n_in: int) -> jax.Arra
     use, text = kernel_status()
     _announce(use, text)
     if use and rows <= KERNEL_MAX_ROWS:
-        out = kernel_matmul(x.reshape(rows, n_in), data, fmt)
+        out = _kernel_on_mesh(x.reshape(rows, n_in), data, fmt)
         return out.reshape(*x.shape[:-1], data.shape[0])
     w = dequantize_blocks(data, fmt, n_in)
     dims = (((x.ndim - 1,), (1,)), ((), ()))

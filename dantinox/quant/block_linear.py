@@ -30,12 +30,14 @@ EMBED = "embed"
 
 
 class BlockPart(nnx.Module):
-    """W [n_out, n_in] in ``fmt``: data uint8 [n_out, row bytes] (a block format) or float32 [n_out, n_in]."""
+    """W [n_out, n_in] in ``fmt``: data uint8 [n_out, row bytes] (a block format) or float32 [n_out, n_in].
+    ``origin``: "GGUF" (blocks read from a file) or the ``--quantize`` setting that made them ("int4", "q8_0"),
+    for reports only."""
 
-    def __init__(self, data, fmt: str, n_out: int, n_in: int):
+    def __init__(self, data, fmt: str, n_out: int, n_in: int, origin: str = "GGUF"):
         if fmt != "F32":
             block_format(fmt)
-        self.fmt, self.n_out, self.n_in = fmt, int(n_out), int(n_in)
+        self.fmt, self.n_out, self.n_in, self.origin = fmt, int(n_out), int(n_in), origin
         self.data = nnx.Param(jnp.asarray(data))
 
     def weights(self) -> jax.Array:
@@ -145,8 +147,13 @@ def block_formats_of(model) -> list[str]:
 
 
 def describe_blocks(model) -> str | None:
-    """'GGUF blocks Q4_1+Q8_0, compiled kernel (avx512)' for a model with block weights, else None."""
+    """'GGUF blocks Q4_1+Q8_0, compiled kernel (avx512)' for a model with block weights ('int4 (Q4_1 blocks),
+    ...' when --quantize made them), else None."""
     formats = block_formats_of(model)
     if not formats:
         return None
-    return f"GGUF blocks {'+'.join(formats)}, {kernel_status()[1]}"
+    origins = {n.origin for _, n in nnx.iter_graph(model) if isinstance(n, BlockPart) and n.fmt in FORMATS}
+    names = "+".join(formats)
+    quantized = len(origins) == 1 and origins != {"GGUF"}
+    label = f"{origins.pop()} ({names} blocks)" if quantized else f"GGUF blocks {names}"
+    return f"{label}, {kernel_status()[1]}"

@@ -1,6 +1,7 @@
-"""Low-precision weights: bf16 weights and weight-only int8 (one scale per output channel), fp32 accumulation.
+"""Low-precision weights: bf16, weight-only int8 (one scale per output channel), or int4 / Q8_0 blocks.
 
-``quantize_weights(model, "bf16" | "int8")`` rewrites a built Transformer in place and returns it:
+``quantize_weights(model, "bf16" | "int8" | "int4" | "q8_0")`` rewrites a built Transformer in place and
+returns it:
 
   bf16  every projection kernel (attention, MLP, lm_head), the embedding table and MLA's W_UK / W_UV are stored
         bfloat16; each matmul converts the kernel to float32 (exact) right before the dot and accumulates in
@@ -17,7 +18,15 @@
         output channel of the logits share it. MLA's W_UK / W_UV (used inside the absorbed attention
         einsums) stay float32.
 
-RMSNorm scales stay float32 in both modes. Parameters are real nnx.Param leaves, so ``dantinox.param_bytes``
+  int4  every projection becomes ggml Q4_1 blocks (32 input channels per block, a float16 scale and minimum
+  q8_0  each: 0.625 bytes per weight), the embedding table and the output head Q8_0 blocks (a float16 scale per
+        32: 1.0625 bytes per weight); q8_0 makes every one of them Q8_0. Quantized by ``block_quantize``; the
+        modules are the ``block_linear`` ones an imported GGUF file gets, so the compiled block kernel runs
+        decode and the exact dequantization prefill. Every quantized matrix's input width (M, E for the table)
+        must divide by 32: another width is refused naming the tensor (not padded). MLA's W_UK / W_UV stay
+        float32. On a mesh the blocks are split by rows (``dantinox.parallel.sharding``), as a GGUF run's are.
+
+RMSNorm scales stay float32 in every mode. Parameters are real nnx.Param leaves, so ``dantinox.param_bytes``
 counts the int8 kernels and their scales as they are allocated. Decoding still compiles once per (batch size,
 model shape, dtype): the rewritten modules are ordinary pytrees.
 
@@ -31,9 +40,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .block_linear import BlockEmbed, BlockLinear, describe_blocks
+from .block_formats import check_blocks
+from .block_linear import BlockEmbed, BlockLinear, BlockPart, describe_blocks
+from .block_quantize import HEAD_FORMAT, QUANTIZE_FORMATS, quantize_to_blocks
 
-QUANTIZE_CHOICES = ("bf16", "int8")
+QUANTIZE_CHOICES = ("bf16", "int8", "int4", "q8_0")
 INT8_MAX = 127.0
 
 
@@ -153,12 +164,15 @@ def describe_weights(model) -> str:
 
 
 def quantize_weights(model, quantize: str | None):
-    """Rewrite ``model``'s weights for ``quantize`` ("bf16", "int8" or None = leave float32); returns model.
+    """Rewrite ``model``'s weights for ``quantize`` ("bf16", "int8", "int4", "q8_0" or None = leave float32);
+    returns model.
 
-    Every bias-free nnx.Linear becomes a Bf16Linear / Int8Linear, the embedding a LowPrecisionEmbed; for
-    "bf16" any other matrix parameter (MLA's W_UK / W_UV) is stored bfloat16 as well. Works on a real model and
-    under ``nnx.eval_shape`` (for byte counts). Raises ValueError for another quantize value or a model
-    already quantized (GGUF block weights included: ``dantinox.quant.block_linear``).
+    Every bias-free nnx.Linear becomes a Bf16Linear / Int8Linear (a one-part BlockLinear of Q4_1 / Q8_0 blocks
+    for int4 / q8_0), the embedding a LowPrecisionEmbed (a BlockEmbed); for "bf16" any other matrix parameter
+    (MLA's W_UK / W_UV) is stored bfloat16 as well. Works on a real model and under ``nnx.eval_shape`` (for
+    byte counts). Raises ValueError for another quantize value, a model already quantized (GGUF block weights
+    included: ``dantinox.quant.block_linear``), and for int4 / q8_0 a matrix whose input width does not divide
+    by 32 or whose block scales overflow float16 (naming the tensor).
     """
     check_quantize(quantize)
     if quantize is None:
@@ -169,6 +183,8 @@ def quantize_weights(model, quantize: str | None):
                          "the file with --dtype float32 to quantize its dequantized weights instead")
     if any(isinstance(n, (Bf16Linear, Int8Linear, LowPrecisionEmbed)) for _, n in nodes):
         raise ValueError("this model's weights are already quantized; load it again to choose another setting")
+    if quantize in QUANTIZE_FORMATS:
+        return _to_blocks(model, nodes, quantize)
     for path, node in nodes:
         if not path:
             continue
@@ -183,6 +199,40 @@ def quantize_weights(model, quantize: str | None):
         elif (quantize == "bf16" and isinstance(node, nnx.Param) and node[...].ndim >= 2
               and node[...].dtype == jnp.float32 and not _inside_replaced(parent)):
             node.set_value(node[...].astype(jnp.bfloat16))
+    return model
+
+
+def _block_part(w, quantize: str, name: str, head: bool = False) -> BlockPart:
+    """W [N, M] float as a BlockPart of the blocks ``quantize`` stores (HEAD_FORMAT for int4's embedding and
+    output head: ``head``); ValueError naming ``name`` for a width that does not divide by 32 or (concrete
+    weights only) a float16 scale that overflows."""
+    fmt = HEAD_FORMAT if head else QUANTIZE_FORMATS[quantize]
+    try:
+        data = quantize_to_blocks(w, fmt, name)
+    except ValueError as err:
+        raise ValueError(f"quantize={quantize!r}: {err}; use int8 or bf16 for this model") from None
+    if not isinstance(data, jax.core.Tracer) and check_blocks(jax.device_get(data), fmt):
+        raise ValueError(f"quantize={quantize!r}: {name} has weights too large for a {fmt} block's float16 "
+                         "scale (beyond 65504 for int4, 127 x 65504 for q8_0); use int8 or bf16 for this model")
+    return BlockPart(data, fmt, w.shape[0], w.shape[1], origin=quantize)
+
+
+def _to_blocks(model, nodes, quantize: str):
+    """Every bias-free nnx.Linear -> a one-part BlockLinear, the embedding -> a BlockEmbed (``quantize``'s
+    blocks); the model, rewritten in place."""
+    for path, node in nodes:
+        if not path or not isinstance(node, (nnx.Linear, nnx.Embed)):
+            continue
+        name = "/".join(map(str, path))
+        parent = _node_at(model, path[:-1])
+        if isinstance(node, nnx.Linear):
+            if node.bias is not None:
+                raise ValueError(f"{name}: a Linear with a bias is not supported")
+            part = _block_part(node.kernel[...].T, quantize, name, head=path[-1] == "lm_head")
+            _replace(parent, path[-1], BlockLinear([part]))
+        else:
+            part = _block_part(node.embedding[...], quantize, name, head=True)
+            _replace(parent, path[-1], BlockEmbed(part, node.dtype))
     return model
 
 

@@ -122,7 +122,7 @@ def test_generate_chat_applies_the_model_flags(chat_run, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--kv-dtype", "int4"], "--kv-dtype"), (["--quantize", "int4"], "--quantize"),
+    (["--kv-dtype", "int4"], "--kv-dtype"), (["--quantize", "int3"], "--quantize"),
     (["--mesh", "data=2,model=4"], "--mesh 'data=2,model=4'"), (["--mesh", "rows=2"], "--mesh"),
 ])
 def test_generate_chat_refuses_bad_model_flags(chat_run, capsys, flags, message):

@@ -103,6 +103,22 @@ def test_eval_prints_table_writes_json_and_gate_passes(run_dir, slices, tmp_path
                                100 * (row["loss_candidate"] - row["loss_baseline"]) / row["loss_baseline"])
 
 
+@pytest.mark.slow   # two eval runs
+def test_baseline_run_dir_is_that_run_as_saved(run_dir, slices, tmp_path, capsys):
+    """--baseline RUN_DIR (same tokenizer): the baseline figures are that run's own, the candidate this run's."""
+    tok = train_tokenizer(TEXT, "char")
+    cfg = ModelConfig.from_preset("tiny", vocab_size=tok.vocab_size)
+    other = tmp_path / "other"
+    save_run(other, build_model(cfg, seed=4), cfg, tok)
+    pair, alone = tmp_path / "pair.json", tmp_path / "alone.json"
+    assert run(run_dir, "--slice", f"it={slices[0]}", "--baseline", str(other), "--json", str(pair)) == 0
+    assert run(str(other), "--slice", f"it={slices[0]}", "--json", str(alone)) == 0
+    capsys.readouterr()
+    a, b = json.loads(pair.read_text())["slices"]["it"], json.loads(alone.read_text())["slices"]["it"]
+    assert a["loss_baseline"] == pytest.approx(b["loss_baseline"], rel=1e-6)
+    assert a["max_logit_diff"] > 0 and a["loss_candidate"] != a["loss_baseline"]
+
+
 def test_gate_failure_names_every_failing_slice_and_metric(run_dir, slices, tmp_path, capsys):
     gate = tmp_path / "gate.yaml"
     gate.write_text("slices:\n  it: {max_logit_diff: 0.0, loss_change_pct: 100}\n  rev: {max_logit_diff: 0}\n")
@@ -141,9 +157,10 @@ def bad_files(tmp_path):
     (["--slice", "ok={d}/ok.txt", "--gate", "{d}/g_metric.yaml"], "metric 'perplexity' of slice 'ok' is not allowed"),
     (["--slice", "ok={d}/ok.txt", "--gate", "{d}/g_value.yaml"], "ok.agreement_min=-1 is not allowed"),
     (["--slice", "ok={d}/ok.txt", "--gate", "{d}/none.yaml"], "--gate"),
-    (["--slice", "ok={d}/ok.txt", "--quantize", "int4"], "--quantize int4 is not allowed: one of bf16, int8"),
+    (["--slice", "ok={d}/ok.txt", "--quantize", "int3"], "--quantize int3 is not allowed: one of bf16, int8, int4"),
     (["--slice", "ok={d}/ok.txt", "--kv-dtype", "int3"], "--kv-dtype 'int3' is not allowed: one of"),
     (["--slice", "ok={d}/ok.txt", "--baseline", "fp16"], "--baseline fp16 is not allowed: one of default"),
+    (["--slice", "ok={d}/ok.txt", "--baseline", bundled_run_dir()], "its tokenizer differs from --run_dir"),
     (["--slice", "ok={d}/ok.txt", "--batch", "0"], "--batch 0 is not allowed"),
     (["--slice", "ok={d}/ok.txt", "--chunk", "0"], "--chunk 0 is not allowed"),
     (["--slice", "ok={d}/ok.txt", "--kv-keys", "row"], "--kv-keys row is not allowed: one of token, channel"),

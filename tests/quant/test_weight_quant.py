@@ -110,8 +110,8 @@ def test_quantize_twice_or_unknown_value_is_rejected():
     model = quantize_weights(dx.build_model(small_config()), "int8")
     with pytest.raises(ValueError, match="already quantized"):
         quantize_weights(model, "bf16")
-    with pytest.raises(ValueError, match=r"quantize='int4' is not allowed: one of bf16, int8"):
-        quantize_weights(dx.build_model(small_config()), "int4")
+    with pytest.raises(ValueError, match=r"quantize='int3' is not allowed: one of bf16, int8, int4, q8_0"):
+        quantize_weights(dx.build_model(small_config()), "int3")
     with pytest.raises(ValueError, match="quantize='fp8'"):
         dx.param_bytes(small_config(), "fp8")
 
@@ -121,19 +121,19 @@ def test_generator_with_int8_weights_generates_text():
     assert gen.quantize == "int8"
     text = gen.generate("Nel mezzo del cammin", 12, temperature=0.0)
     assert isinstance(text, str) and text
-    with pytest.raises(ValueError, match="quantize='int4'"):
-        dx.Generator(quantize="int4", warmup=False)
+    with pytest.raises(ValueError, match="quantize='int3'"):
+        dx.Generator(quantize="int3", warmup=False)
 
 
 @pytest.mark.parametrize("argv", [
-    ["generate", "--prompt", "Nel", "--quantize", "int4"],
+    ["generate", "--prompt", "Nel", "--quantize", "int3"],
     ["verify", "--quantize", "fp16"],
     ["serve", "--quantize", "q4"],
 ])
 def test_cli_rejects_unknown_quantize_with_one_line(argv, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"--quantize {argv[-1]} is not allowed: one of bf16, int8" in err[0]
+    assert len(err) == 1 and f"--quantize {argv[-1]} is not allowed: one of bf16, int8, int4, q8_0" in err[0]
 
 
 def test_cli_verify_with_int8_weights_passes(capsys):
