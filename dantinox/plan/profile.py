@@ -225,11 +225,17 @@ def fit_cost_model(points: dict) -> CostModel:
 _CALIBRATED = ("forward_overhead", "scale", "decode_overhead", "decode_scale")
 
 
+CALIBRATION_CONTEXT = 1024   # the calibration workload's lengths stop growing with the context here
+
+
 def _burst(tag: str, vocab: int, max_context: int, requests: int = 24) -> list:
     """[(request id, prompt ids, options)]: a calibration workload of distinct prompts (no prefix hits) of 8 to
-    about max_context / 4 tokens, asking 4 to about max_context / 8 new tokens; calibrate_steps adds one every
-    ``ARRIVAL_STEPS`` engine steps, so prefill chunks, mixed steps and multi-step decode calls over a range of
-    batch sizes all occur."""
+    about L / 4 tokens, asking 4 to about L / 8 new tokens, L = min(max_context, CALIBRATION_CONTEXT);
+    calibrate_steps adds one every ``ARRIVAL_STEPS`` engine steps, so prefill chunks, mixed steps and
+    multi-step decode calls over a range of batch sizes all occur. L is capped because the workload fits two
+    numbers per step kind, which its mix of calls decides, not its lengths: uncapped, an 8192-token model
+    (SmolLM2) ran 24 requests of up to 2048 + 1024 tokens three times per sample, tens of minutes on a CPU."""
+    max_context = min(max_context, CALIBRATION_CONTEXT)
     prompt_span, new_span = max(max_context // 4 - 8, 1), max(max_context // 8 - 4, 1)
     out = []
     for i in range(requests):
