@@ -41,6 +41,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", default=None, help="quality gate YAML for dantinox eval")
     p.add_argument("--slice", action="append", default=[], help="NAME=FILE quality slice, FILE a path or a bundled "
                    "slice name (e.g. rare=rare-latin-occitan), or NAME alone for a bundled slice (repeatable)")
+    p.add_argument("--gate-window", type=int, default=None, metavar="W", help="dantinox eval --window W for the gate")
+    p.add_argument("--gate-chunk", type=int, default=None, metavar="C", help="dantinox eval --chunk C for the gate")
+    p.add_argument("--gate-prompts", type=int, default=None, metavar="N", help="dantinox eval --prompts N for the "
+                   "gate")
+    p.add_argument("--gate-timeout", type=float, default=600.0, metavar="S", help="seconds one dantinox eval may "
+                   "take before its variant counts as not measured (default 600)")
     p.add_argument("--candidates", default=None, help="YAML list of candidates (default: the built-in sweep)")
     p.add_argument("--baseline", default="baseline", help="fallback: a candidate name or a last known-good plan.json")
     p.add_argument("--profile", action="append", default=None,

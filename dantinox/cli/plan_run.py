@@ -48,6 +48,7 @@ def build_plan(args) -> tuple[dict, dict, str]:
 
     slo = parse_slo(args.slo)
     check_confirm_flags(args)
+    gate_extra = gate_eval_flags(args)
     price = positive_number("--price-per-hour", args.price_per_hour)
     device = parse_memory("--device-memory", args.device_memory)
     candidates = load_candidates(args.candidates) if args.candidates else default_candidates()
@@ -61,7 +62,8 @@ def build_plan(args) -> tuple[dict, dict, str]:
     costs, prof = _costs(args, run_dir, model, cfg)
     interval, confidence = interval_flags(args, costs)
     gates = gate_variants([(c.kv_dtype, c.quantize) for c in candidates],
-                          lambda kv, q: run_eval_gate(args.run_dir, args.gate, slices, kv, q))
+                          lambda kv, q: run_eval_gate(args.run_dir, args.gate, slices, kv, q,
+                                                      getattr(args, "gate_timeout", 600.0), gate_extra))
     inp = PlanInputs(cfg, requests, prompts, costs, slo, device, price, weights, gates, baseline, last_good,
                      interval=interval, confidence=confidence, decide_at=args.decide_at,
                      spec_acceptance=getattr(args, "spec_acceptance", None))
@@ -98,6 +100,21 @@ def _with_speculation(args, candidates: list, requests: list) -> list:
         raise ValueError(f"--confirm: candidate {spec[0]!r} speculates, and the replay on the real engine does "
                          "not speculate yet: confirm without speculating candidates (--candidates)")
     return candidates
+
+
+def gate_eval_flags(args) -> tuple:
+    """The ``dantinox eval`` flags the quality gate passes on: --window / --chunk / --prompts from --gate-window
+    / --gate-chunk / --gate-prompts when given (a long-context model's eval at its full window is slow).
+    ValueError naming the flag for a value < 1."""
+    out = ()
+    for flag, name in (("--window", "gate_window"), ("--chunk", "gate_chunk"), ("--prompts", "gate_prompts")):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={value} is not allowed: an integer >= 1")
+        out += (flag, str(value))
+    return out
 
 
 def check_confirm_flags(args) -> None:
