@@ -41,6 +41,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate", default=None, help="quality gate YAML for dantinox eval")
     p.add_argument("--slice", action="append", default=[], help="NAME=FILE quality slice, FILE a path or a bundled "
                    "slice name (e.g. rare=rare-latin-occitan), or NAME alone for a bundled slice (repeatable)")
+    p.add_argument("--gate-window", type=int, default=None, metavar="W", help="dantinox eval --window W for the gate")
+    p.add_argument("--gate-chunk", type=int, default=None, metavar="C", help="dantinox eval --chunk C for the gate")
+    p.add_argument("--gate-prompts", type=int, default=None, metavar="N", help="dantinox eval --prompts N for the "
+                   "gate")
+    p.add_argument("--gate-timeout", type=float, default=600.0, metavar="S", help="seconds one dantinox eval may "
+                   "take before its variant counts as not measured (default 600)")
     p.add_argument("--candidates", default=None, help="YAML list of candidates (default: the built-in sweep)")
     p.add_argument("--baseline", default="baseline", help="fallback: a candidate name or a last known-good plan.json")
     p.add_argument("--profile", action="append", default=None,
@@ -59,6 +65,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--confirm", type=int, default=0, metavar="N",
                    help="replay the N cheapest passing candidates (and the baseline) on the real engine and recommend "
                         "the first whose measured latencies meet the SLO (default 0: simulation only)")
+    p.add_argument("--spec-acceptance", type=float, default=None, metavar="A",
+                   help="speculative acceptance rate in [0, 1] of trace lines without spec_acceptance; with it (or "
+                        "a trace that gives one) the default sweep adds spec-2, spec-4, spec-8")
     p.add_argument("--confirm-repeats", type=int, default=3, metavar="R", help="replays per confirmed candidate")
     add_mesh_argument(p)   # the mesh of the profile taken when no --profile is given
     p.set_defaults(func=run_plan)
@@ -84,6 +93,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--repeats", type=int, default=3, help="independent profile samples, --cooldown apart")
     pr.add_argument("--cooldown", default="10", help="seconds between two samples")
     pr.add_argument("--call-repeats", type=int, default=15, help="timed runs per call in a sample (median)")
+    pr.add_argument("--spec-tokens", type=int, default=0, metavar="K",
+                    help="also time the speculative verify call, forward_step B x (K + 1) (default 0: not timed)")
     pr.add_argument("--out", required=True)
     add_mesh_argument(pr)
     add_distributed_arguments(pr)
@@ -96,6 +107,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         s.add_argument("--profile", default=None, help="profile.json" + (" (default: profile now)" if name ==
                                                                           "simulate" else " (also simulate)"))
         s.add_argument("--slo", default="ttft_p99=1000,tpot_p99=200")
+        s.add_argument("--spec-acceptance", type=float, default=None, metavar="A",
+                       help="speculative acceptance rate in [0, 1] of trace lines without spec_acceptance")
         s.add_argument("--out", default=None, help="metrics JSON (default: stdout)")
         s.set_defaults(func=func)
     g = sub.add_parser("gate", help="release gate: re-check a plan against the last known-good one")
@@ -164,7 +177,7 @@ def run_profile_cmd(args) -> int:
     with naming_flag(args.mesh):       # heads or MLP width not dividing over model: before any timing
         check_model_fits(cfg, mesh)
     prof = _profile(run_dir, model, cfg, args.kv_dtype, args.quantize, args.call_repeats, mesh, args.mesh,
-                    samples, cooldown)
+                    samples, cooldown, args.spec_tokens)
     _write(args.out, _json_bytes(prof))
     md = ["# Bottleneck report", ""] + bottleneck_markdown(prof["bottleneck"], prof["rates"])
     _write(os.path.splitext(args.out)[0] + "_bottleneck.md", ("\n".join(md) + "\n").encode())
@@ -190,7 +203,7 @@ def run_simulate_cmd(args) -> int:
     requests, prompts = load_trace(args.trace, cfg, tok)
     costs, _ = _costs(args, run_dir, model, cfg)
     cost = (costs.get((cand.kv_dtype, cand.quantize)) or next(iter(costs.values())))[0]   # its first sample
-    result = simulate(cfg, cand, cost, requests, prompts, slo)
+    result = simulate(cfg, cand, cost, requests, prompts, slo, spec_acceptance=args.spec_acceptance)
     result.pop("records")
     _emit(args.out, {"candidate": cand.to_dict(), "simulated": result})
     return 0

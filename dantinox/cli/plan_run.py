@@ -48,6 +48,7 @@ def build_plan(args) -> tuple[dict, dict, str]:
 
     slo = parse_slo(args.slo)
     check_confirm_flags(args)
+    gate_extra = gate_eval_flags(args)
     price = positive_number("--price-per-hour", args.price_per_hour)
     device = parse_memory("--device-memory", args.device_memory)
     candidates = load_candidates(args.candidates) if args.candidates else default_candidates()
@@ -57,12 +58,15 @@ def build_plan(args) -> tuple[dict, dict, str]:
     weights = param_bytes(model)
     check_weights_fit(cfg, candidates, weights, device)
     requests, prompts = load_trace(args.trace, cfg, tok)
+    candidates = _with_speculation(args, candidates, requests)
     costs, prof = _costs(args, run_dir, model, cfg)
     interval, confidence = interval_flags(args, costs)
     gates = gate_variants([(c.kv_dtype, c.quantize) for c in candidates],
-                          lambda kv, q: run_eval_gate(args.run_dir, args.gate, slices, kv, q))
+                          lambda kv, q: run_eval_gate(args.run_dir, args.gate, slices, kv, q,
+                                                      getattr(args, "gate_timeout", 600.0), gate_extra))
     inp = PlanInputs(cfg, requests, prompts, costs, slo, device, price, weights, gates, baseline, last_good,
-                     interval=interval, confidence=confidence, decide_at=args.decide_at)
+                     interval=interval, confidence=confidence, decide_at=args.decide_at,
+                     spec_acceptance=getattr(args, "spec_acceptance", None))
     result = make_plan(inp, candidates)
     if getattr(args, "confirm", 0):
         result = _confirm(args, inp, result, model, costs)
@@ -73,8 +77,44 @@ def build_plan(args) -> tuple[dict, dict, str]:
                 inputs={"trace": os.path.basename(args.trace), "trace_sha256": file_sha256(args.trace),
                         "trace_requests": len(requests), "slo": slo, "device_bytes": device,
                         "price_per_hour": price, "baseline": baseline,
+                        **({"spec_acceptance": args.spec_acceptance}
+                           if getattr(args, "spec_acceptance", None) is not None else {}),
                         "profile_sha256": [file_sha256(p) for p in args.profile or []]})
     return plan, ttfts, run_dir
+
+
+def _with_speculation(args, candidates: list, requests: list) -> list:
+    """The default sweep gains speculative_candidates when an acceptance rate is given (--spec-acceptance or
+    a trace line's spec_acceptance); a --candidates list is kept as given. ValueError naming the flag: a bad
+    --spec-acceptance, or --confirm with a speculating candidate (the replay engine does not speculate)."""
+    from ..plan.candidate import speculative_candidates
+    from ..plan.speculation import check_acceptance
+
+    accept = getattr(args, "spec_acceptance", None)
+    if accept is not None:
+        check_acceptance("--spec-acceptance", accept)
+    if not args.candidates and (accept is not None or any(q.spec_acceptance is not None for q in requests)):
+        candidates = candidates + speculative_candidates()
+    spec = [c.name for c in candidates if c.spec_tokens]
+    if getattr(args, "confirm", 0) and spec:
+        raise ValueError(f"--confirm: candidate {spec[0]!r} speculates, and the replay on the real engine does "
+                         "not speculate yet: confirm without speculating candidates (--candidates)")
+    return candidates
+
+
+def gate_eval_flags(args) -> tuple:
+    """The ``dantinox eval`` flags the quality gate passes on: --window / --chunk / --prompts from --gate-window
+    / --gate-chunk / --gate-prompts when given (a long-context model's eval at its full window is slow).
+    ValueError naming the flag for a value < 1."""
+    out = ()
+    for flag, name in (("--window", "gate_window"), ("--chunk", "gate_chunk"), ("--prompts", "gate_prompts")):
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={value} is not allowed: an integer >= 1")
+        out += (flag, str(value))
+    return out
 
 
 def check_confirm_flags(args) -> None:
@@ -137,13 +177,14 @@ def interval_flags(args, costs: dict) -> tuple:
 
 
 def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=15, mesh=None, mesh_flag=None,
-             samples=1, cooldown_s=0.0) -> dict:
+             samples=1, cooldown_s=0.0, spec_tokens=0) -> dict:
     from ..plan.profile import take_profile
 
     print(f"profiling kv_dtype={kv_dtype} quantize={quantize}{f' mesh {mesh_flag}' if mesh else ''}, "
           f"{samples} sample(s) {cooldown_s:g} s apart ...", file=sys.stderr)
     with naming_flag(mesh_flag):
-        return take_profile(run_dir, model, cfg, kv_dtype, quantize, repeats, mesh, samples, cooldown_s)
+        return take_profile(run_dir, model, cfg, kv_dtype, quantize, repeats, mesh, samples, cooldown_s,
+                            spec_tokens)
 
 
 def _samples_flags(args) -> tuple[int, float]:

@@ -3,7 +3,8 @@
 Fields: kv_dtype (cache dtype: float32, bfloat16, or int8 where available), quantize (weights: none, bf16,
 int8, int4, q8_0), block_size P (tokens), max_running (sequences), max_batched_tokens (prefill tokens per step),
 max_decode_steps (multi-step decode, 1 = off), preemption (recompute or swap), prefix_caching, replicas
-(engines, one device each) and routing (round_robin, least_tokens, prefix_affinity).
+(engines, one device each), routing (round_robin, least_tokens, prefix_affinity) and spec_tokens (k proposed
+tokens per speculative verify call, n-gram proposals; 0 = no speculation; plan/speculation.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..serving.engine import EngineConfig
+from .speculation import check_spec_tokens
 
 ROUTING = ("round_robin", "least_tokens", "prefix_affinity")
 _INTS = ("block_size", "max_running", "max_batched_tokens", "max_decode_steps", "replicas")
@@ -32,6 +34,7 @@ class Candidate:
     prefix_caching: bool = True
     replicas: int = 1
     routing: str = "round_robin"
+    spec_tokens: int = 0
 
     def __post_init__(self):
         for name in _INTS:
@@ -46,6 +49,7 @@ class Candidate:
                              "recompute or swap")
         if self.routing not in ROUTING:
             raise ValueError(f"candidate {self.name!r}: routing={self.routing!r} is not allowed: one of {ROUTING}")
+        check_spec_tokens(f"candidate {self.name!r}: spec_tokens", self.spec_tokens)
         if self.quantize not in ("none", "bf16", "int8", "int4", "q8_0"):
             raise ValueError(f"candidate {self.name!r}: quantize={self.quantize!r} is not allowed: none, bf16, "
                              "int8, int4, q8_0")
@@ -60,11 +64,15 @@ class Candidate:
         """The ``dantinox serve --config`` keys for one replica (flag names without dashes)."""
         return {"block_size": self.block_size, "max_running": self.max_running,
                 "max_batched_tokens": self.max_batched_tokens, "max_decode_steps": self.max_decode_steps,
-                "policy": self.preemption, "no_prefix_caching": not self.prefix_caching}
+                "policy": self.preemption, "no_prefix_caching": not self.prefix_caching,
+                **({"speculative": "ngram", "spec_tokens": self.spec_tokens} if self.spec_tokens else {})}
 
     def to_dict(self) -> dict:
-        """Every field (JSON-ready)."""
-        return dataclasses.asdict(self)
+        """Every field (JSON-ready); spec_tokens only when speculating (plans without it keep their bytes)."""
+        d = dataclasses.asdict(self)
+        if not self.spec_tokens:
+            del d["spec_tokens"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Candidate":
@@ -99,3 +107,9 @@ def default_candidates() -> list[Candidate]:
         C("max-throughput", kv_dtype="int8", quantize="int8", max_running=64, max_batched_tokens=256,
           max_decode_steps=16),
     ]
+
+
+def speculative_candidates(ks: tuple = (2, 4, 8)) -> list[Candidate]:
+    """The baseline with n-gram speculation at each k (added to the default sweep when an acceptance rate is
+    given: ``dantinox plan --spec-acceptance A`` or a trace's spec_acceptance)."""
+    return [Candidate(f"spec-{k}", spec_tokens=k) for k in ks]

@@ -9,6 +9,10 @@ of a multi-step decode call.
                            between the measured S (both measured per B: one row runs a matrix-vector kernel,
                            two or more a matrix-matrix one, so cost is not linear in B); else
                            c0 + n (d0 + d1 B + d2 B S)
+  verify(B, k)             a speculative verify call: forward_step over B rows x (k + 1) tokens: the measured
+                           "B,k+1" point of ``plan profile --spec-tokens k`` (verify_points) when there is one,
+                           else forward_step(B, k + 1) above (derived: T = k + 1 <= 17 lies between the
+                           measured B x 1 decode points and the B x 8.. chunk points the fit is made on)
   swap out / swap in       seconds per preempted (read) / resumed (written) request
   copy_blocks              seconds per copy-on-write call
   step                     seconds every step costs besides its calls (0 from a profile)
@@ -32,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per call (see the module docstring). ``points``: measured forward_step seconds by "B,T";
-    ``decode_points``: measured decode_steps seconds by "B,S,n"."""
+    ``decode_points``: measured decode_steps seconds by "B,S,n"; ``verify_points``: measured verify calls
+    (forward_step seconds) by "B,T", T = k + 1."""
 
     forward: tuple = (0.0, 0.0, 0.0)
     decode_call: float = 0.0
@@ -49,6 +54,7 @@ class CostModel:
     cold_window: float = 0.0
     points: dict = field(default_factory=dict)
     decode_points: dict = field(default_factory=dict)
+    verify_points: dict = field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "_grid", _decode_grid(self.decode_points))   # not a field: not serialized
@@ -60,6 +66,15 @@ class CostModel:
             return hit
         a0, a1, a2 = self.forward
         return a0 + a1 * B + a2 * B * T
+
+    def verify_cost(self, B: int, k: int) -> float:
+        """Seconds of one speculative verify call: B rows x (k + 1) tokens (the module docstring)."""
+        hit = self.verify_points.get(f"{B},{k + 1}")
+        return hit if hit is not None else self.forward_cost(B, k + 1)
+
+    def verify_measured(self, k: int) -> bool:
+        """True when a verify call of k proposals was profiled (at any batch), False when it is derived."""
+        return any(key.split(",")[1] == str(k + 1) for key in self.verify_points)
 
     def decode_cost(self, B: int, S: int, n: int) -> float:
         """Seconds of one decode_steps call: B rows, S attended slots (M x P), n iterations."""
@@ -98,10 +113,13 @@ class CostModel:
         return v0 + (v1 - v0) * (idle - g0) / (g1 - g0)
 
     def to_dict(self) -> dict:
-        """Every field (JSON-ready; tuples as lists)."""
+        """Every field (JSON-ready; tuples as lists); verify_points only when measured (profiles without
+        speculation keep their bytes)."""
         d = asdict(self)
         d["forward"], d["decode_iter"] = list(self.forward), list(self.decode_iter)
         d["wake"] = [list(p) for p in self.wake]
+        if not self.verify_points:
+            del d["verify_points"]
         return d
 
     @classmethod
@@ -123,7 +141,8 @@ class CostModel:
 _FIELD_KINDS = {"forward": "triple", "decode_call": "number", "decode_iter": "triple", "swap_out": "number",
                 "swap_in": "number", "copy": "number", "step": "number", "forward_overhead": "number",
                 "scale": "number", "decode_overhead": "number", "decode_scale": "number", "wake": "points",
-                "cold_window": "number", "points": "seconds", "decode_points": "seconds"}
+                "cold_window": "number", "points": "seconds", "decode_points": "seconds",
+                "verify_points": "seconds"}
 
 
 def _number(x) -> float:

@@ -54,6 +54,7 @@ from ..serving.request import SamplingOptions
 from ..serving.runner import decode_steps, forward_step
 from ..serving.sharded_engine import ShardedPagedEngine
 from .cost_model import CostModel
+from .speculation import check_spec_tokens
 from .variants import apply_variant
 
 PROFILE_FORMAT = 3
@@ -217,17 +218,24 @@ def fit_cost_model(points: dict) -> CostModel:
                      **{k: float(v) for k, v in calibration.items() if k in _CALIBRATED},
                      wake=tuple(tuple(p) for p in points.get("wake", ())),
                      cold_window=float(points.get("cold_window", 0.0)),
-                     points=dict(fwd), decode_points=dict(points["decode"]))
+                     points=dict(fwd), decode_points=dict(points["decode"]),
+                     verify_points=dict(points.get("verify", {})))
 
 
 _CALIBRATED = ("forward_overhead", "scale", "decode_overhead", "decode_scale")
 
 
+CALIBRATION_CONTEXT = 1024   # the calibration workload's lengths stop growing with the context here
+
+
 def _burst(tag: str, vocab: int, max_context: int, requests: int = 24) -> list:
     """[(request id, prompt ids, options)]: a calibration workload of distinct prompts (no prefix hits) of 8 to
-    about max_context / 4 tokens, asking 4 to about max_context / 8 new tokens; calibrate_steps adds one every
-    ``ARRIVAL_STEPS`` engine steps, so prefill chunks, mixed steps and multi-step decode calls over a range of
-    batch sizes all occur."""
+    about L / 4 tokens, asking 4 to about L / 8 new tokens, L = min(max_context, CALIBRATION_CONTEXT);
+    calibrate_steps adds one every ``ARRIVAL_STEPS`` engine steps, so prefill chunks, mixed steps and
+    multi-step decode calls over a range of batch sizes all occur. L is capped because the workload fits two
+    numbers per step kind, which its mix of calls decides, not its lengths: uncapped, an 8192-token model
+    (SmolLM2) ran 24 requests of up to 2048 + 1024 tokens three times per sample, tens of minutes on a CPU."""
+    max_context = min(max_context, CALIBRATION_CONTEXT)
     prompt_span, new_span = max(max_context // 4 - 8, 1), max(max_context // 8 - 4, 1)
     out = []
     for i in range(requests):
@@ -382,24 +390,37 @@ def repeat_samples(measure, samples: int, cooldown_s: float = 0.0, sleep=time.sl
     return out
 
 
-def _measure_points(engine, repeats: int) -> dict:
-    """One sample: time_engine's points with the wake-up cost and the calibration of real steps."""
+def time_verify(engine, k: int, repeats: int = 15) -> dict:
+    """{"B,k+1": seconds} of a speculative verify call, forward_step over B rows x (k + 1) tokens (the last
+    token and k proposals), at every decode batch bucket B (``_time_forward``: distinct blocks, median of
+    ``repeats``). Compiles one forward_step shape per B that the serving engine does not otherwise compile."""
+    return {f"{B},{k + 1}": _time_forward(engine, B, k + 1, repeats) for B in engine.decode_buckets}
+
+
+def _measure_points(engine, repeats: int, spec_tokens: int = 0) -> dict:
+    """One sample: time_engine's points with the wake-up cost and the calibration of real steps (and the
+    verify calls of spec_tokens proposals when > 0)."""
     points = time_engine(engine, repeats)
+    if spec_tokens:
+        points["verify"] = time_verify(engine, spec_tokens, repeats)
     points["wake"], points["cold_window"] = measure_wake(engine)
     points["calibration"] = calibrate_steps(engine, fit_cost_model(points))
     return points
 
 
 def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: str = "none",
-                 repeats: int = 15, mesh=None, samples: int = 1, cooldown_s: float = 0.0) -> dict:
+                 repeats: int = 15, mesh=None, samples: int = 1, cooldown_s: float = 0.0,
+                 spec_tokens: int = 0) -> dict:
     """Profile the model's engine at block size 16 (decode buckets up to 16 rows, chunks up to 64 tokens),
     on ``mesh`` (a jax Mesh from ``dantinox.parallel.mesh.make_mesh``) when given, else on one device;
     ``samples`` independent samples ``cooldown_s`` seconds apart after a warm-up (see the module docstring),
-    each call timed as the median of ``repeats`` runs. Returns the profile dict (JSON-ready): identity,
+    each call timed as the median of ``repeats`` runs; with ``spec_tokens`` k >= 1 also the speculative verify
+    call at B x (k + 1) (``time_verify``). Returns the profile dict (JSON-ready): identity,
     machine, mesh, rates, points, cost model, samples, bottleneck rows. Raises ValueError for a kv_dtype /
-    quantize this version cannot build or a bad samples / cooldown_s, MeshError (a ValueError) when the model
-    does not divide over the mesh."""
+    quantize this version cannot build or a bad samples / cooldown_s / spec_tokens, MeshError (a ValueError)
+    when the model does not divide over the mesh."""
     repeat_samples(lambda: None, samples, cooldown_s, sleep=lambda _: None)   # check the arguments first
+    check_spec_tokens("--spec-tokens", spec_tokens)
     model, cfg = apply_variant(model, cfg, kv_dtype, quantize)
     config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, max_decode_steps=8)  # a full pool
     engine = PagedEngine(model, config) if mesh is None else ShardedPagedEngine(model, config, mesh)
@@ -407,7 +428,7 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
         if samples > 1:
             engine.warmup()
             time_engine(engine, 1)   # untimed: the first runs after compiling are slow on a CPU
-        all_points = repeat_samples(lambda: _measure_points(engine, repeats), samples, cooldown_s)
+        all_points = repeat_samples(lambda: _measure_points(engine, repeats, spec_tokens), samples, cooldown_s)
     rates = machine_rates()
     weights = param_bytes(model)
     n_params = param_bytes(dataclasses.replace(cfg, cache_dtype="float32")) // 4   # float32 build: 4 B each
@@ -422,7 +443,7 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
             "mesh": mesh_shape(mesh),
             "rates": rates, "points": points, "cost_model": fit_cost_model(points).to_dict(),
             "samples": [{"points": p, "cost_model": fit_cost_model(p).to_dict()} for p in all_points],
-            "cooldown_s": float(cooldown_s),
+            "cooldown_s": float(cooldown_s), **({"spec_tokens": spec_tokens} if spec_tokens else {}),
             "bottleneck": bottleneck_rows(cfg, points, rates, weights, kv_bpt, n_params)}
 
 

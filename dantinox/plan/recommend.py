@@ -33,7 +33,8 @@ class PlanInputs:
     device_bytes: bytes per replica; price_per_hour: USD per replica-hour; baseline: a candidate name;
     last_good: a plan dict (or None); interval: "t", "range" or None (point estimates; see uncertainty.py);
     confidence: the t interval's level; decide_at: "edge" (the interval's pessimistic edge) or "median";
-    attainment_target: the SLO attainment the load sweep's goodput rate must keep."""
+    attainment_target: the SLO attainment the load sweep's goodput rate must keep; spec_acceptance: the
+    speculative acceptance rate of trace requests that give none (speculating candidates only)."""
 
     cfg: object
     requests: list
@@ -51,6 +52,7 @@ class PlanInputs:
     confidence: float = 0.9
     decide_at: str = "edge"
     attainment_target: float = 0.9
+    spec_acceptance: float | None = None
 
 
 def cost_per_million(replicas: int, price_per_hour: float, tokens_per_s: float) -> float | None:
@@ -72,7 +74,8 @@ def _cost_models(inp: PlanInputs, cand: Candidate) -> tuple[list, str | None]:
 
 def simulate_samples(inp: PlanInputs, cand: Candidate, costs: list, requests=None) -> tuple[list, list]:
     """(one metrics dict per cost model, the records of the median run by p99 TTFT) for ``cand``."""
-    runs = [simulate(inp.cfg, cand, c, requests or inp.requests, inp.prompts, inp.slo) for c in costs]
+    runs = [simulate(inp.cfg, cand, c, requests or inp.requests, inp.prompts, inp.slo,
+                     spec_acceptance=inp.spec_acceptance) for c in costs]
     records = [r.pop("records") for r in runs]
     order = sorted(range(len(runs)), key=lambda i: (runs[i]["ttft"]["p99"] or 0.0, i))
     return runs, records[order[(len(order) - 1) // 2]]
@@ -103,11 +106,23 @@ def evaluate_candidate(inp: PlanInputs, cand: Candidate) -> dict:
     row["metrics"] = result = median_metrics(runs)
     row["samples"] = len(runs)
     row["intervals"] = latency_intervals(runs, inp.interval, inp.confidence)
+    if cand.spec_tokens:
+        row["notes"].append(_speculation_note(cand.spec_tokens, costs, result))
     row["cost_per_million_usd"] = cost_per_million(cand.replicas, inp.price_per_hour, result["output_tokens_per_s"])
     failures = slo_failures(result, inp.slo, row["intervals"], inp.decide_at)
     row["passes_only_at_median"] = bool(failures) and not row["dropped"] and not slo_failures(result, inp.slo)
     row["dropped"] += failures
     return row
+
+
+def _speculation_note(k: int, costs: list, metrics: dict) -> str:
+    """What a speculating candidate's row says: how its verify cost was had (profiled in some sample, or
+    derived in all), the simulated tokens per verify call and the rows the switch-off rule stopped."""
+    how = "profiled" if any(c.verify_measured(k) for c in costs) else "derived from the forward_step fit"
+    calls = metrics.get("spec_verify_calls") or 0
+    per_call = f"{1 + metrics.get('spec_accepted', 0) / calls:.2f}" if calls else "-"
+    return (f"speculation k={k}: verify B x {k + 1} {how}; {per_call} tokens per verify call; "
+            f"{metrics.get('spec_switched_off', 0)} requests switched off")
 
 
 def slo_failures(metrics: dict, slo: dict, intervals: dict | None = None, decide_at: str = "median") -> list[str]:

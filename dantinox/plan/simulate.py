@@ -6,7 +6,11 @@ built exactly as ``PagedEngine`` builds them (``step_plan.engine_policy`` / ``po
 multi-step decode (``plan_decode_steps``), pick the compiled calls (``forward_calls`` / ``decode_step_calls``)
 and advance every request (``advance`` / ``finish_reason``); instead of running the calls it adds up their
 profiled cost (a CostModel). No model runs. Generated tokens are id 0 and requests never stop early (the
-trace's max_tokens are generated), as in a replay with no stop tokens.
+trace's max_tokens are generated), as in a replay with no stop tokens. A speculating candidate
+(``spec_tokens`` k >= 1) verifies its decode rows instead (``Speculation``, plan/speculation.py): one verify
+call per decode-bucket group of rows (B x (k + 1) tokens) beside the step's other forward_step calls, each row
+emitting 1 + accepted tokens; a step with no verified row runs as without speculation (multi-step decode
+included).
 
 The event loop (``run_trace``) is discrete-event over several replicas: the next event is the next arrival
 or the end of a replica's step, whichever is first (arrivals first on a tie, then replicas by index). An
@@ -22,11 +26,12 @@ import math
 from ..serving.allocator import BlockAllocator
 from ..serving.request import QueueFullError, Request, RequestError, RequestStatus, SamplingOptions
 from ..serving.scheduler import Scheduler
-from ..serving.step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason,
+from ..serving.step_plan import (advance, bucket, decode_step_calls, engine_buckets, engine_policy, finish_reason,
                                  forward_calls, plan_decode_steps, pool_blocks, resume_align)
 from .cost_model import CostModel
 from .metrics import RequestRecord, summarize
 from .router import Router
+from .speculation import Speculation, check_acceptance
 
 
 class ReplicaView:
@@ -63,10 +68,11 @@ class ReplicaView:
 
 
 class SimReplica(ReplicaView):
-    """One simulated engine. cfg: the ModelConfig (max_context); config: EngineConfig; cost: CostModel."""
+    """One simulated engine. cfg: the ModelConfig (max_context); config: EngineConfig; cost: CostModel;
+    spec: its Speculation (None: no speculation)."""
 
-    def __init__(self, cfg, config, cost: CostModel):
-        self.config, self.cost = config, cost
+    def __init__(self, cfg, config, cost: CostModel, spec: Speculation | None = None):
+        self.config, self.cost, self.spec, self.max_context = config, cost, spec, cfg.max_context
         self.allocator = BlockAllocator(pool_blocks(cfg, config), config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(engine_policy(config, cfg.max_context, resume_align(cfg)), self.allocator)
         self.buckets = engine_buckets(config, cfg.max_context)
@@ -94,6 +100,11 @@ class SimReplica(ReplicaView):
         c = self.cost
         seconds = c.swap_out * len(sched.swap_out) + c.swap_in * len(sched.swap_in)
         seconds += c.copy * math.ceil(len(sched.copies) / self.scheduler.policy.max_running)
+        if self.spec is not None:
+            verified = [ch for ch in sched.chunks if self.spec.speculates(ch, self.max_context)]
+            if verified:
+                seconds, counts = self._verify(sched.chunks, verified, seconds)
+                return c.step_seconds(False, seconds, idle, warming), self._advance_all(sched.chunks, counts)
         counts, copies = plan_decode_steps(sched.chunks, self.allocator, self.config.max_decode_steps,
                                            bool(self.scheduler.waiting))
         seconds += c.copy * math.ceil(len(copies) / self.scheduler.policy.max_running)
@@ -105,6 +116,34 @@ class SimReplica(ReplicaView):
         for _, B, T in forward_calls(sched.chunks, self.buckets):
             seconds += c.forward_cost(B, T)
         return c.step_seconds(False, seconds, idle, warming), self._advance_all(sched.chunks, counts)
+
+    def _verify(self, chunks: list, verified: list, seconds: float) -> tuple[float, list]:
+        """(the step's seconds, tokens per chunk) for a step whose ``verified`` decode rows run verify calls
+        (one per decode-bucket group of rows) and whose other chunks run their forward_step calls. Each verified
+        row takes blocks for its k + 1 written slots (a row that cannot get them emits only what its blocks
+        hold) and emits 1 + its drawn accepted proposals; the switch-off rule sees each draw."""
+        c, spec, alloc = self.cost, self.spec, self.allocator
+        ids = {id(ch) for ch in verified}
+        for _, B, T in forward_calls([ch for ch in chunks if id(ch) not in ids], self.buckets):
+            seconds += c.forward_cost(B, T)
+        emit, copies, width = {}, 0, self.buckets.decode[-1]
+        for i in range(0, len(verified), width):
+            part = verified[i:i + width]
+            B = bucket(len(part), self.buckets.decode)
+            seconds += c.verify_cost(B, spec.k)
+            threshold = spec.min_accept(c, B)
+            for ch in part:
+                rid = ch.request.request_id
+                n = spec.draw(rid)
+                spec.record(rid, n - 1, threshold)
+                grown = alloc.grow(rid, ch.start, ch.start + spec.k + 1)
+                if grown is None:
+                    n = max(1, min(n, len(alloc.table(rid)) * alloc.block_size - ch.start))
+                else:
+                    copies += len(grown)
+                emit[id(ch)] = n
+        seconds += c.copy * math.ceil(copies / self.scheduler.policy.max_running)
+        return seconds, [emit.get(id(ch), 1) for ch in chunks]
 
     def _advance_all(self, chunks: list, counts: list) -> list:
         emitted = []
@@ -126,9 +165,10 @@ class SimReplica(ReplicaView):
 
     def counters(self) -> dict:
         """Preemptions, prefix-cache hits and queries, peak and total KV blocks."""
-        return {"preemptions": self.scheduler.num_preemptions, "prefix_cache_hits": self.allocator.prefix_hits,
-                "prefix_cache_queries": self.allocator.prefix_queries, "peak_kv_blocks": self.peak_blocks,
-                "kv_blocks": self.allocator.num_blocks}
+        out = {"preemptions": self.scheduler.num_preemptions, "prefix_cache_hits": self.allocator.prefix_hits,
+               "prefix_cache_queries": self.allocator.prefix_queries, "peak_kv_blocks": self.peak_blocks,
+               "kv_blocks": self.allocator.num_blocks}
+        return out if self.spec is None else dict(out, **self.spec.counters())
 
 
 def options_for(req) -> SamplingOptions:
@@ -204,8 +244,32 @@ def _merge_counters(replicas: list) -> dict:
 
 
 def simulate(cfg, candidate, cost: CostModel, requests: list, prompts: list, slo: dict | None = None,
-             num_blocks: int | None = None) -> dict:
-    """Simulate ``candidate`` (replicas, routing, engine settings) on a trace. Returns run_trace's dict."""
+             num_blocks: int | None = None, spec_acceptance: float | None = None, spec_seed: int = 0) -> dict:
+    """Simulate ``candidate`` (replicas, routing, engine settings, speculation) on a trace. Returns run_trace's
+    dict. spec_acceptance: the acceptance rate of requests whose trace line gives none (used only when the
+    candidate speculates); spec_seed: the seed of the accepted-count draws. Raises ValueError when a
+    speculating candidate meets a request with no acceptance rate."""
     config = candidate.engine_config(num_blocks)
-    replicas = [SimReplica(cfg, config, cost) for _ in range(candidate.replicas)]
+    spec = spec_inputs(candidate, requests, spec_acceptance)
+    replicas = [SimReplica(cfg, config, cost, None if spec is None else Speculation(candidate.spec_tokens, *spec,
+                                                                                    seed=spec_seed))
+                for _ in range(candidate.replicas)]
     return run_trace(replicas, Router(candidate.routing), requests, prompts, slo)
+
+
+def spec_inputs(candidate, requests: list, default: float | None) -> tuple[dict, dict] | None:
+    """({request id: acceptance rate}, {request id: trace index}) for a speculating candidate, else None.
+    ValueError naming --spec-acceptance and the trace line of the first request without a rate."""
+    if not getattr(candidate, "spec_tokens", 0):
+        return None
+    if default is not None:
+        check_acceptance("--spec-acceptance", default)
+    rates = {}
+    for q in requests:
+        rate = q.spec_acceptance if q.spec_acceptance is not None else default
+        if rate is None:
+            raise ValueError(f"--spec-acceptance: candidate {candidate.name!r} speculates (spec_tokens="
+                             f"{candidate.spec_tokens}) but trace line {q.index + 1} has no spec_acceptance: give "
+                             "--spec-acceptance A (A in [0, 1]) or spec_acceptance per trace line")
+        rates[f"r{q.index}"] = rate
+    return rates, {f"r{q.index}": q.index for q in requests}

@@ -49,7 +49,7 @@ import numpy as np
 
 ARRIVAL_PROCESSES = ("poisson", "gamma")
 _KNOWN = {"arrival", "prompt", "prompt_ids", "prompt_tokens", "max_tokens", "temperature", "top_p", "top_k",
-          "seed", "slice", "prefix", "prefix_tokens", "hash_ids", "block_tokens"}
+          "seed", "slice", "prefix", "prefix_tokens", "hash_ids", "block_tokens", "spec_acceptance"}
 OBSERVED = ("source", "cached_tokens", "ttft_s", "tpot_s", "finish_reason", "model_sha256", "dantinox_version")
 REQUEST_LOG = "request-log"
 MOONCAKE_BLOCK_TOKENS = 512
@@ -79,6 +79,7 @@ class TraceRequest:
     hash_ids: tuple | None = None
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     source: str = "trace"
+    spec_acceptance: float | None = None     # speculative acceptance rate in [0, 1] (plan/speculation.py)
 
 
 def _is_int(v) -> bool:
@@ -124,13 +125,17 @@ def parse_line(text: str, lineno: int, max_context: int | None = None) -> TraceR
                          f"{length + obj['max_tokens']} exceeds the model's context of {max_context} tokens")
     _check_sampling(obj, where)
     hash_ids, block_tokens = _check_hash_ids(obj, given[0], where)
+    accept = obj.get("spec_acceptance")
+    if accept is not None and (not _is_num(accept) or not 0 <= accept <= 1):
+        raise TraceError(f"{where}: field 'spec_acceptance' = {accept!r} is not allowed: a number in [0, 1]")
     return TraceRequest(
         index=lineno - 1, arrival=float(obj["arrival"]), max_tokens=obj["max_tokens"], prompt=obj.get("prompt"),
         prompt_ids=tuple(obj["prompt_ids"]) if "prompt_ids" in obj else None,
         prompt_tokens=obj.get("prompt_tokens"), temperature=float(obj.get("temperature", 0.0)),
         top_p=float(obj.get("top_p", 1.0)), top_k=obj.get("top_k", 0), seed=obj.get("seed", 0),
         slice=str(obj.get("slice", "default")), prefix=obj.get("prefix"), prefix_tokens=prefix_tokens,
-        hash_ids=hash_ids, block_tokens=block_tokens, source=REQUEST_LOG if logged else "trace")
+        hash_ids=hash_ids, block_tokens=block_tokens, source=REQUEST_LOG if logged else "trace",
+        spec_acceptance=None if accept is None else float(accept))
 
 
 def _check_hash_ids(obj: dict, kind: str, where: str) -> tuple:

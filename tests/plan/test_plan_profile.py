@@ -174,3 +174,19 @@ def test_profile_with_two_samples_keeps_both(tmp_path):
     assert prof["samples"][0]["points"] == prof["points"] and prof["cost_model"] == prof["samples"][0]["cost_model"]
     costs = profile_cost_models(prof)
     assert len(costs) == 2 and all(set(c.points) == set(prof["points"]["forward"]) for c in costs)
+
+
+def test_calibration_workload_stops_growing_with_the_context():
+    """A long-context model (SmolLM2: 8192) calibrates on the workload of a 1024-token one, not on prompts of
+    up to 2048 tokens; a short-context model's workload is as before (L / 4 prompt, L / 8 new tokens)."""
+    from dantinox.plan.profile import CALIBRATION_CONTEXT, _burst
+
+    def longest(work):
+        return max(len(ids) for _, ids, _ in work), max(o.max_new_tokens for _, _, o in work)
+
+    assert longest(_burst("t", 100, 8192)) == longest(_burst("t", 100, CALIBRATION_CONTEXT))
+    prompt, new = longest(_burst("t", 100, 8192))
+    assert prompt <= CALIBRATION_CONTEXT // 4 and new <= CALIBRATION_CONTEXT // 8
+    short = _burst("t", 100, 256)
+    assert [len(ids) for _, ids, _ in short] == [8 + (37 * i) % 56 for i in range(24)]
+    assert [o.max_new_tokens for _, _, o in short] == [4 + (23 * i) % 28 for i in range(24)]

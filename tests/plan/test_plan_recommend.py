@@ -218,3 +218,18 @@ def test_plan_refuses_to_overwrite_an_earlier_plan_unless_forced(cli_inputs, cap
     assert "is a file" in capsys.readouterr().err
     assert cli.main(_plan_args(d, trace, profile, out, "--force")) == 0
     assert json.loads((out / "plan.json").read_text())["recommendation"]
+
+
+def test_gate_eval_flags_are_passed_on_and_checked():
+    """--gate-window / --gate-chunk / --gate-prompts reach the gate's dantinox eval command; a bad one is named."""
+    import argparse
+
+    from dantinox.cli.plan_run import gate_eval_flags
+    from dantinox.plan.quality_gate import eval_command
+
+    extra = gate_eval_flags(argparse.Namespace(gate_window=1024, gate_chunk=256, gate_prompts=None))
+    assert extra == ("--window", "1024", "--chunk", "256")
+    cmd = eval_command("run", "g.yaml", [], "int8", "none", "o.json", extra)
+    assert cmd[cmd.index("--window") + 1] == "1024" and cmd[cmd.index("--chunk") + 1] == "256"
+    with pytest.raises(ValueError, match="--gate-chunk=0 is not allowed: an integer >= 1"):
+        gate_eval_flags(argparse.Namespace(gate_window=None, gate_chunk=0, gate_prompts=None))
