@@ -10,9 +10,10 @@ input-grounded: "Repeat this passage: <400 tokens of ../shared/data/tinyshakespe
 template, so the answer copies the prompt and prompt lookup finds what comes next. --concurrency C sends C such
 requests at once (each its own passage), greedy, at most --new-tokens tokens each, stopping at the model's stop
 ids; the speculative run is checked to give the plain run's tokens. --task chat sends a free question instead
-(bench_speculative's CHAT prompt: nothing to copy, the case where speculation costs). --verify-cost C gives
-the engine a verify call's cost in plain steps (``SpecConfig.verify_costs``, serve's --spec-verify-cost), so the
-switch-off rule can stop speculating where it loses.
+(bench_speculative's CHAT prompt: nothing to copy, the case where speculation costs). Without --verify-cost
+the engine measures a verify call's cost in plain steps itself (``dantinox.serving.verify_cost``) and its
+switch-off rule stops speculating where it loses; --verify-cost C gives the cost by hand instead
+(``SpecConfig.verify_costs``, serve's --spec-verify-cost).
 
 Per (C, mode), medians over rounds in which the modes alternate (plain first in even rounds): served tokens/s
 (generated tokens over the wall time from submitting to the last completion, prefill included) and decode
