@@ -10,9 +10,10 @@ input-grounded: "Repeat this passage: <400 tokens of ../shared/data/tinyshakespe
 template, so the answer copies the prompt and prompt lookup finds what comes next. --concurrency C sends C such
 requests at once (each its own passage), greedy, at most --new-tokens tokens each, stopping at the model's stop
 ids; the speculative run is checked to give the plain run's tokens. --task chat sends a free question instead
-(bench_speculative's CHAT prompt: nothing to copy, the case where speculation costs). --verify-cost C gives
-the engine a verify call's cost in plain steps (``SpecConfig.verify_costs``, serve's --spec-verify-cost), so the
-switch-off rule can stop speculating where it loses.
+(bench_speculative's CHAT prompt: nothing to copy, the case where speculation costs). Without --verify-cost
+the engine measures a verify call's cost in plain steps itself (``dantinox.serving.verify_cost``) and its
+switch-off rule stops speculating where it loses; --verify-cost C gives the cost by hand instead
+(``SpecConfig.verify_costs``, serve's --spec-verify-cost).
 
 Per (C, mode), medians over rounds in which the modes alternate (plain first in even rounds): served tokens/s
 (generated tokens over the wall time from submitting to the last completion, prefill included) and decode
@@ -76,6 +77,13 @@ def serve_once(engine, prompts: list, n: int, stop_ids) -> dict:
                 verify_calls=stats["spec_verify_calls"] - before["spec_verify_calls"])
 
 
+def measured_cost(engine, rows: int) -> float:
+    """The engine's measured c(B) for ``rows`` decode rows (``VerifyCostMeter``; 1.0 while unmeasured)."""
+    from dantinox.serving.step_plan import bucket
+
+    return engine.verify_meter.cost(bucket(min(rows, engine.decode_buckets[-1]), engine.decode_buckets))
+
+
 def measure(gen, concurrency: int, args) -> list[dict]:
     """Rows for one concurrency: plain and speculative, alternating timed rounds."""
     from dantinox.serving import EngineConfig, PagedEngine
@@ -108,7 +116,7 @@ def measure(gen, concurrency: int, args) -> list[dict]:
                    decode_tok_s=statistics.median(x["decode"] for x in results))
         if m == "speculative":
             row.update(proposed=results[0]["proposed"], accepted=results[0]["accepted"],
-                       verify_calls=results[0]["verify_calls"])
+                       verify_calls=results[0]["verify_calls"], verify_cost=measured_cost(engines[m], concurrency))
         rows.append(row)
     return rows
 
@@ -140,7 +148,8 @@ def main() -> None:
         else:
             ref = plain[row["concurrency"]]
             rate = row["accepted"] / row["proposed"] if row["proposed"] else 0.0
-            extra = (f"{row['accepted']}/{row['proposed']} ({100 * rate:.0f}%), {row['verify_calls']} verify calls; "
+            extra = (f"{row['accepted']}/{row['proposed']} ({100 * rate:.0f}%), {row['verify_calls']} verify calls, "
+                     f"c = {row['verify_cost']:.2f}; "
                      f"x{row['served_tok_s'] / ref['served_tok_s']:.2f} served, "
                      f"x{row['decode_tok_s'] / ref['decode_tok_s']:.2f} decode")
         print(f"{row['concurrency']:>3} {row['mode']:<12} {row['tokens']:>6} {row['served_tok_s']:>12.1f} "

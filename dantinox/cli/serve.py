@@ -125,7 +125,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-verify-cost", default=None, metavar="C|N:C,...",
                    help="with --speculative: a verify call's cost in plain decode steps (measured wall-time ratio), "
                         "one number or per batch size, e.g. 1:1.3,4:2.5; speculation switches off where it loses "
-                        "(default: unknown, only acceptance counts)")
+                        "(default: measured by the engine on its own calls)")
 
 
 def kv_summary(engine) -> str:

@@ -45,9 +45,10 @@ from .runner import (StepLogprobs, copy_blocks, copy_sinks, decode_steps, forwar
                      read_sinks, static_graph, write_blocks, write_residual, write_sinks)
 from .scheduler import Chunk, Schedule, Scheduler
 from .sink_slots import SinkSlots
-from .speculation import SpecConfig, plan_speculation, record
+from .speculation import SpecConfig, eligible, plan_speculation, record
 from .step_plan import (advance, bucket, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
                         plan_decode_steps, pool_size, resume_align)
+from .verify_cost import VerifyCostMeter
 from .verify_step import verify_step
 from .warmup import WarmupItem
 
@@ -161,6 +162,7 @@ class PagedEngine(Engine):
         self.residuals = ResidualSlots(self.pool_size.residual_slots) if cfg.channel_keys else None
         self.policy = engine_policy(config, cfg.max_context, resume_align(cfg))
         self.speculative = config.speculative
+        self.verify_meter = VerifyCostMeter()  # c(B) from timed calls when SpecConfig.verify_costs is empty
         self.scheduler = Scheduler(self.policy, self.allocator,
                                    self.speculative.spec_tokens if self.speculative else 0)
         self.table_width = -(-cfg.max_context // P)  # M
@@ -445,11 +447,13 @@ class PagedEngine(Engine):
             limits = {}
         sampled: dict[int, tuple] = {}
         verified = [c for c in chunks if id(c) in limits]
+        started = time.perf_counter()
         # every call is dispatched before any result is fetched, so host work overlaps the device's
-        checks = [(part, self._call_verify(part, [limits[id(c)] for c in part], B, M))
-                  for part, B, M in self._verify_calls(verified, limits)]
+        plan = self._verify_calls(verified, limits)
+        checks = [(part, self._call_verify(part, [limits[id(c)] for c in part], B, M)) for part, B, M in plan]
         rest = [c for c in chunks if id(c) not in limits]
-        calls = [(part, self._call_forward(part, B, T)) for part, B, T in forward_calls(rest, self.buckets)]
+        shapes = forward_calls(rest, self.buckets)
+        calls = [(part, self._call_forward(part, B, T)) for part, B, T in shapes]
         for part, (out, logprobs) in calls:
             tokens = np.asarray(out)
             logprobs = None if logprobs is None else jax.device_get(logprobs)
@@ -458,7 +462,19 @@ class PagedEngine(Engine):
                 sampled[id(chunk)] = ([int(tokens[b])], None if lp is None else [lp], None)
         for part, out in checks:
             sampled.update(self._verified_rows(part, limits, out))
+        self._time_call(plan, shapes, chunks, time.perf_counter() - started)
         return [sampled[id(c)] for c in chunks]
+
+    def _time_call(self, verifies: list, forwards: list, chunks: list[Chunk], seconds: float) -> None:
+        """Book a step that ran one call, a verify call or a decode-only forward call, in the verify-cost
+        meter (``verify_cost``); steps with several calls or prefill rows are not timed."""
+        if len(verifies) + len(forwards) != 1 or not self.speculative:
+            return
+        if verifies:
+            _, B, M = verifies[0]
+            self.verify_meter.verify(B, M, seconds)
+        elif all(c.num_tokens == 1 for c in chunks) and forwards[0][2] == 1:
+            self.verify_meter.plain(forwards[0][1], -1, seconds)
 
     # Speculative decoding ---------------------------------------------------------------------------
     def _plan_speculation(self, chunks: list[Chunk]) -> dict | None:
@@ -466,8 +482,14 @@ class PagedEngine(Engine):
         if self.speculative is None:
             return None
         P = self.allocator.block_size
-        return plan_speculation(chunks, self.speculative,
-                                lambda c: len(self.allocator.table(c.request.request_id)) * P - c.start)
+        held = lambda c: len(self.allocator.table(c.request.request_id)) * P - c.start  # noqa: E731
+        if self.speculative.verify_costs:   # --spec-verify-cost: the user's c(n)
+            return plan_speculation(chunks, self.speculative, held)
+        rows = sum(map(eligible, chunks))
+        B = bucket(min(rows, self.decode_buckets[-1]), self.decode_buckets) if rows else 0
+        if not rows or self.verify_meter.needs_plain(B):   # probe: a plain step gets its time measured
+            return None
+        return plan_speculation(chunks, self.speculative, held, self.verify_meter.cost(B))
 
     def _verify_calls(self, chunks: list[Chunk], limits: dict) -> list[tuple[list, int, int]]:
         """The verify calls: [(chunks, B, M)], B at most the largest decode bucket, M the table bucket covering
@@ -549,7 +571,10 @@ class PagedEngine(Engine):
         """Run the multi-step decode call(s); returns each chunk's counts[i] sampled tokens."""
         out = []
         for part, part_counts, B, M in decode_step_calls(chunks, counts, self.buckets, self.allocator):
+            started = time.perf_counter()
             tokens = self._call_decode_steps(part, part_counts, B, M)
+            if self.speculative:   # a plain decode step's time, for the verify-cost meter
+                self.verify_meter.plain(B, M, time.perf_counter() - started, max(part_counts))
             out += [tokens[b, :n].tolist() for b, n in enumerate(part_counts)]
         return out
 

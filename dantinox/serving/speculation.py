@@ -11,13 +11,14 @@ row, from free blocks only, after admission: speculation never preempts and neve
 
 Switch-off rule, the Generator's (``dantinox.generation.speculative``, ``speculative_generate.break_even``) as a
 host rule. A verify call over a batch of n decode rows costs c(n) plain decode steps (``SpecConfig.verify_costs``,
-the measured ratio at that batch; 1.0 where unknown) and gives row r 1 + a_r tokens, a_r its accepted proposals;
-a plain step gives 1 per row. Per row: after PROBE_VERIFIES verify calls (calls in which it could accept), a row
-whose measured mean a_r falls below min_accept = c(n) - 1 stops proposing (limit 0). Per step: the step verifies
-only when sum_r (1 + est_r) > c(n) * n, est_r the row's measured mean (k before its probes are done, so each row
-is probed), 0 for rows not proposing; else it is an ordinary step (multi-step decoding included). A larger batch
-makes the verify call dearer (c grows towards k + 1 as the step becomes compute-bound), so speculation turns
-itself off where the batch makes it a loss, and on again when the batch shrinks.
+serve's --spec-verify-cost, when given; else the engine measures it on its own calls, ``verify_cost``) and gives row
+r 1 + a_r tokens, a_r its accepted proposals; a plain step gives 1 per row. Per row: after PROBE_VERIFIES verify
+calls (calls in which it could accept), a row whose measured mean a_r falls below min_accept = c(n) - 1 stops
+proposing (limit 0). Per step: the step verifies only when sum_r (1 + est_r) > c(n) * n, est_r the row's measured
+mean (k before its probes are done, so each row is probed), 0 for rows not proposing; else it is an ordinary step
+(multi-step decoding included). A larger batch makes the verify call dearer (c grows towards k + 1 as the step
+becomes compute-bound), so speculation turns itself off where the batch makes it a loss, and on again when the batch
+shrinks.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ class SpecConfig:
     1..MAX_SPEC_TOKENS; ngram_max / ngram_min: the n-gram lengths looked up (1 <= ngram_min <= ngram_max <= 16);
     verify_costs: ((n, c), ...) the time of a verify call over n decode rows divided by a plain decode step's over
     the same rows (wall-time ratio, > 0); the cost of a batch of n is that of the smallest listed n' >= n (the
-    largest listed beyond them; 1.0 with none: speculation then switches off only on measured acceptance when
-    c > 1 is known). Raises ValueError naming the field."""
+    largest listed beyond them); with none listed the engine measures c(n) itself (``verify_cost``). Raises
+    ValueError naming the field."""
 
     proposer: str = "ngram"
     spec_tokens: int = 4
@@ -100,14 +101,15 @@ def row_limit(chunk, k: int, held: int) -> int:
     return max(0, min(k, req.options.max_new_tokens - len(req.output_ids) - 1, held - 1))
 
 
-def plan_speculation(chunks: list, spec: SpecConfig, held) -> dict | None:
+def plan_speculation(chunks: list, spec: SpecConfig, held, cost: float | None = None) -> dict | None:
     """{id(chunk): limit} for the step's verify call(s), or None for an ordinary step (module docstring).
 
-    held: a function chunk -> the positions its request's blocks hold from chunk.start on."""
+    held: a function chunk -> the positions its request's blocks hold from chunk.start on. cost: c(n) for the
+    step's n eligible rows (the engine's measured ``verify_cost.VerifyCostMeter``); None: ``spec.cost(n)``."""
     rows = [c for c in chunks if eligible(c)]
     if not rows:
         return None
-    k, c = spec.spec_tokens, spec.cost(len(rows))
+    k, c = spec.spec_tokens, spec.cost(len(rows)) if cost is None else cost
     min_accept = break_even(c, k)
     limits, estimate = {}, 0.0
     for chunk in rows:

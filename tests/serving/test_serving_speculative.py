@@ -19,7 +19,7 @@ from dantinox.serving.scheduler import Chunk, ContextPolicy, Scheduler
 from dantinox.serving.speculation import SpecConfig, SpecRowStats, plan_speculation
 
 CFG = tiny_config(attention="gqa", kv_heads=2, max_context=64)
-SPEC = SpecConfig(spec_tokens=3)
+SPEC = SpecConfig(spec_tokens=3, verify_costs=((1, 1.0),))   # priced: no timing in the tests
 ENGINE = dict(num_blocks=40, max_decode_steps=1, decode_buckets=(4,))   # the engine tests' pool: shared programs
 
 
@@ -292,3 +292,18 @@ def test_speculation_with_per_channel_int8_keys_is_refused_naming_the_flags():
                                        kv_keys="channel", kv_key_group=4))
     with pytest.raises(ValueError, match="--kv-keys channel"):
         make_engine(model, speculative=SPEC)
+
+
+def test_unpriced_speculation_probes_plain_steps_then_measures_its_cost(model):
+    """Without verify_costs the engine first runs plain decode steps (timed), then verify calls (timed); the
+    output is plain greedy's whatever the measured cost decides."""
+    requests = [(BATCH[2][0], greedy(25))]
+    _, expected, _ = serve(model, requests, spec=None)
+    kinds = []
+    engine = make_engine(model, **ENGINE, speculative=SpecConfig(spec_tokens=3))
+    rid = engine.add_request(*requests[0])
+    got = drain(engine, on_step=lambda step, tokens: kinds.append([c[0] for c in engine.step_calls]))
+    assert [got[rid]] == expected
+    decode = [k for k in kinds if k][1:]             # the steps after the prefill step
+    assert decode[:3] == [["forward"]] * 3          # probing: 1 untimed + MIN_SAMPLES timed plain steps
+    assert ["verify"] in decode and not engine.verify_meter.needs_plain(4)   # bucket B = 4
