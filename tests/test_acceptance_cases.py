@@ -85,7 +85,8 @@ def test_K02_left_padded_batch_matches_solo_runs(kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("kv_heads", [8, 4, 2, 1])
+@pytest.mark.parametrize("kv_heads", [pytest.param(8, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow),
+                                      2, pytest.param(1, marks=pytest.mark.slow)])   # 2 in the default tier
 def test_K03_grouped_heads_map_to_kv_head_h_div_group(kv_heads, kv_dtype):
     attention = {8: "mha", 1: "mqa"}.get(kv_heads, "gqa")
     cfg = tiny_config(attention=attention, kv_heads=kv_heads, cache_dtype=kv_dtype)

@@ -78,6 +78,7 @@ def test_seed_reference_table_corrected():
             assert dx.kv_cache_bytes(cfg, 1, tokens, "bf16") == expected, (name, tokens)
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_param_bytes_from_config_equals_the_real_parameter_tree():
     for cfg in (tiny(), tiny(**KINDS["mla"]), tiny(**KINDS["mla-q-norope"])):
         model = dx.build_model(cfg)

@@ -62,6 +62,7 @@ def test_block_run_stores_the_blocks_and_decodes_the_float32_tokens(tmp_path, ca
     assert np.array_equal(greedy(block_model, PROMPTS), greedy(float_model, PROMPTS))  # B = 3
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_tied_mixed_formats_one_decode_program_and_the_fallback(tmp_path, capsys, monkeypatch):
     """SmolLM2's shape in miniature: Q4_1 matrices, a Q8_0 embedding that is also the head; plus a fused
     q | k | v of three formats (Q4_1, F16 widened to an F32 part, Q8_0) and a gate | up of two."""

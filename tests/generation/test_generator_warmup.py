@@ -34,7 +34,8 @@ print(json.dumps({"warmup": gen.warmup.compilations, "after": counts, "after_hit
 """
 
 
-@pytest.mark.parametrize("max_context", [64, 1024])   # 1024: one-row requests decode in 512 or 1024 slots
+# 1024: one-row requests decode in 512 or 1024 slots (slow tier)
+@pytest.mark.parametrize("max_context", [64, pytest.param(1024, marks=pytest.mark.slow)])
 def test_generator_warmup_covers_prefill_buckets_and_the_decode_loop(tmp_path, max_context):
     run_dir = make_run(tmp_path / "tiny", attention="gqa", kv_heads=2, max_context=max_context)  # char tokenizer
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -51,7 +51,8 @@ accepted_any: dict = {}
 
 
 SLOW = pytest.mark.slow
-GREEDY_CASES = [("mha", "float32"), ("gqa", "float32"), ("mla", "int8"), pytest.param("mha", "int8", marks=SLOW),
+GREEDY_CASES = [("mha", "float32"), ("gqa", "float32"), pytest.param("mla", "int8", marks=SLOW),
+                pytest.param("mha", "int8", marks=SLOW),
                 pytest.param("gqa", "int8", marks=SLOW), pytest.param("mla", "float32", marks=SLOW)]
 GQA_CFG = tiny_config(max_context=128, **ATTENTION["gqa"])
 
@@ -176,6 +177,7 @@ def test_cache_after_rejections_equals_a_plain_runs_cache(gqa_model):
             np.testing.assert_allclose(np.asarray(got.v)[b, :, :end], np.asarray(want.v)[0, :, :end], atol=2e-5)
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_sampling_draws_from_the_target_distribution():
     """Chi-square over 2000 independent rows: the second generated token's histogram against its exact
     marginal sum_t1 p(t1) p(t2 | t1). The prompt holds every token once, so every row has a proposal (the

@@ -388,6 +388,7 @@ def test_attend_slots_gives_the_same_logits_and_rejects_bad_values(attention):
         model(new, use_cache=True, kv_caches=cache, cache_index=index, attend_slots=19)
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_windowed_mla_decode_equals_one_window_and_the_uncached_path_across_window_edges():
     gen = __import__("sys").modules["dantinox.generation.decode"]
     model = spiky_mla(mla_config(max_context=300))

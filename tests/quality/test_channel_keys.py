@@ -52,6 +52,7 @@ def numpy_attention(q, k, v, group, sinks):
     return np.einsum("bkgts,bksd->bkgtd", p / p.sum(-1, keepdims=True), v)
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 @pytest.mark.parametrize("sinks", [0, 2])
 def test_view_attention_matches_numpy_in_one_call_and_in_chunks(sinks):
     rng = np.random.default_rng(1)

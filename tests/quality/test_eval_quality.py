@@ -54,6 +54,7 @@ def test_teacher_forced_loss_equals_uncached_forward(model, n):
     assert q.agreement == 1.0 and q.max_logit_diff == 0.0 and q.tokens == n - 1
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_int8_weights_change_the_figures(model):
     candidate = quantize_weights(build_model(model.cfg, seed=1), "int8")
     ids = np.random.default_rng(0).integers(0, 128, 60)

@@ -233,7 +233,7 @@ def test_k13_sink_slots_are_shared_by_a_prefix_hit_and_kept_for_the_prefix_cache
         slots.share("g", 7)
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("preemption", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
 def test_k13_engine_with_prefix_hits_and_preemption_equals_the_static_int8_cache(preemption):
     """Requests sharing a prompt prefix (prefix-cache hits on their first block) in a pool small enough to
     preempt: every request's greedy tokens equal the static int8 cache's (batch 1, ``dx.generate``), so each

@@ -122,9 +122,10 @@ def test_uncached_int8_forward_differs_from_the_float_forward():
     assert 1e-4 < diff < 1.0, diff
 
 
-# MLA's int8 windows run in the slow tier (~11 s); its int8 exactness (K01-K03, ragged) and its float windows
-# (tests/test_mla.py) stay in the default tier with GQA's int8 windows here.
-@pytest.mark.parametrize("kind", ["gqa", pytest.param("mla", marks=pytest.mark.slow)])
+# Both kinds in the slow tier (11-15 s each); int8 exactness (K01-K03, ragged) and the float windows
+# (tests/model/test_cache_exactness.py) stay in the default tier.
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
 def test_int8_compiled_decode_across_attention_windows_equals_the_uncached_run(kind):
     """max_context 300: batches decode in windows of 128, 256 and 300 slots inside the compiled loop; rows
     cross the window edges. Greedy tokens equal the quantize-dequantize uncached run and the batch-1 run."""

@@ -9,6 +9,7 @@ leaves the quantization error of every other row unchanged.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from dantinox import ModelConfig, build_model
 from dantinox.cli.eval import candidate_model
@@ -61,6 +62,7 @@ def gate_results(baseline, candidate):
                          max_logit_diff=q.max_logit_diff)}
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_gate_fails_per_tensor_scale_and_passes_per_token_scale(monkeypatch):
     """Measured: loss change -0.16 % with the per-token quantizer, +1.24 % with the per-tensor one."""
     baseline = sink_model()

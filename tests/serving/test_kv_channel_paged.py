@@ -90,7 +90,8 @@ def test_served_greedy_tokens_equal_the_eval_view_chunked_and_multi_step(model, 
     assert engine.residuals.of_seq == {} and engine.stats()["blocks_used"] == 0
 
 
-@pytest.mark.parametrize("policy", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
+@pytest.mark.parametrize("policy", ["recompute", "swap"])
 def test_preempted_requests_resume_with_the_eval_view_tokens(model, policy):
     engine = make_engine(model, num_blocks=10, preemption=policy, enable_prefix_caching=False, max_running=3)
     batch = prompts([6, 7, 9], seed=4)

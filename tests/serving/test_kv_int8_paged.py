@@ -102,7 +102,7 @@ def test_copy_on_write_copies_the_scales():
             np.testing.assert_array_equal(np.asarray(a)[:7], b[:7])
 
 
-@pytest.mark.parametrize("policy", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
 def test_int8_preempted_requests_resume_with_the_int8_static_output(model, policy):
     engine = make_engine(model, num_blocks=10, preemption=policy, enable_prefix_caching=False, max_running=3)
     batch = prompts([6, 7, 9])

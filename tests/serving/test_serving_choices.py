@@ -51,7 +51,7 @@ def check_token_logprobs(model, prompt, tokens, logprobs, k):
         assert all(abs(want[t, i] - v) <= TOL for i, v in lp.top)  # each id carries its own figure
 
 
-@pytest.mark.parametrize("attention", ["gqa", "mla"])
+@pytest.mark.parametrize("attention", ["gqa", pytest.param("mla", marks=pytest.mark.slow)])
 def test_engine_logprobs_equal_log_softmax_of_an_uncached_forward(attention):
     if attention == "mla":
         model = lively_mla_model(dx.ModelConfig.from_preset("tiny-mla", max_context=64))

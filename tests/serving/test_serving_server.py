@@ -161,6 +161,7 @@ def test_k05_prompt_longer_than_context_gets_a_4xx_then_the_server_still_works(l
     assert after["choices"][0]["text"] == reference_text(loaded, list(range(10, 20)), 8)
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_64_concurrent_greedy_prompts_equal_batch_one_generate(server, loaded):
     rng = np.random.default_rng(0)
     vocab = loaded[1].vocab_size
