@@ -95,6 +95,7 @@ def test_model_call_errors(model):
         dx.init_cache(cfg, 0)
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_sliding_window_masks_old_positions():
     """With a window of 4 and one layer, logits depend only on the last 4 tokens; cached == uncached."""
     cfg = tiny_config(sliding_window=4, num_blocks=1)

@@ -229,6 +229,7 @@ def test_shifted_prediction_cache_paths_equal_no_cache():
         tiny_config(shifted_prediction=True)
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_shifted_objective_scores_token_i_at_position_i_minus_1():
     from dantinox.train.trainer import masked_nll
 

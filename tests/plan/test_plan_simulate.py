@@ -3,6 +3,7 @@ finishes the same requests in the same order as the real engine; it is determini
 affinity raises prefix-cache hits."""
 
 import numpy as np
+import pytest
 from conftest import tiny_config
 from serving_util import SMALL_BUCKETS, lively_model
 
@@ -31,6 +32,7 @@ def _events(req):
     return [e for e in req.events if e[0] != "token"]
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_simulator_and_engine_same_order_with_equal_step_costs():
     cfg = tiny_config(max_context=48)
     model = lively_model(cfg)

@@ -86,6 +86,7 @@ def run(run_dir, *extra):
                      "--continuation", "8", *extra])
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_eval_prints_table_writes_json_and_gate_passes(run_dir, slices, tmp_path, capsys):
     gate = tmp_path / "gate.yaml"
     gate.write_text("slices:\n  it: {loss_change_pct: 50, agreement_min: 0.0}\n  rev: {max_logit_diff: 10}\n")

@@ -141,6 +141,7 @@ def test_cli_verify_with_int8_weights_passes(capsys):
     assert "weights=int8" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_paged_engine_with_int8_weights_matches_batch_one_generate():
     from conftest import tiny_config
     from serving_util import drain, greedy, lively_model, make_engine, solo

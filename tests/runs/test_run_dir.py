@@ -24,6 +24,7 @@ def _save(tmp_path, name="run"):
     return out, model, cfg, tok
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_round_trip_gives_identical_logits(tmp_path):
     out, model, cfg, tok = _save(tmp_path)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "model_summary.json",

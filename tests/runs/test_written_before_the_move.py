@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 from paths import REPO
 
 import dantinox as dx
@@ -17,6 +18,7 @@ from dantinox.runs.run_dir import load_run
 EXAMPLE = os.path.join(REPO, "docs", "planning-example", "profile.json")
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_bundled_runs_written_before_the_move_load_and_answer():
     for name in bundled_names():
         model, cfg, tok, summary = load_run(bundled_run_dir(name))

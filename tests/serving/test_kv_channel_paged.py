@@ -80,7 +80,8 @@ def test_paged_logits_equal_the_eval_view_in_ragged_chunks(P, sinks):
     assert max(errors) <= 2e-6 and layout_gap > 50 * max(max(errors), 1e-7)
 
 
-@pytest.mark.parametrize("steps", [8, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
+@pytest.mark.parametrize("steps", [8, 1])
 def test_served_greedy_tokens_equal_the_eval_view_chunked_and_multi_step(model, steps):
     batch = prompts([5, 11, 23], seed=3)                              # 23 tokens: two prefill chunks of 16
     engine = make_engine(model, num_blocks=40, max_decode_steps=steps)   # the pool of the tests below
@@ -168,6 +169,7 @@ def test_block_sizes_that_split_a_key_group_are_refused_naming_the_flags(model):
         init_pool(CFG, 4, 2)
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_no_recompilation_after_warmup(model):
     engine = make_engine(model, num_blocks=14, preemption="swap", decode_buckets=(4,), prefill_buckets=(4,),
                          chunk_buckets=(16,), max_decode_steps=4)        # few programs: a cheap warm-up

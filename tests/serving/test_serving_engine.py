@@ -42,7 +42,7 @@ def check_resumed_requests_reprefilled(req):
             assert chunks[0][1] == swap_in[1] == len(req.prompt_ids) + generated - 1
 
 
-@pytest.mark.parametrize("policy", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
 def test_k06_preempted_requests_resume_with_the_right_output(model, policy):
     engine = make_engine(model, num_blocks=10, preemption=policy, enable_prefix_caching=False, max_running=3)
     batch = prompts([6, 7, 9])

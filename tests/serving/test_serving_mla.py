@@ -91,7 +91,7 @@ def test_mla_engine_greedy_outputs_equal_batch_one_generate(model):
     assert engine.stats()["blocks_used"] == 0
 
 
-@pytest.mark.parametrize("policy", ["recompute", "swap"])
+@pytest.mark.parametrize("policy", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
 def test_mla_preempted_requests_resume_with_the_right_output(model, policy):
     engine = make_engine(model, num_blocks=10, preemption=policy, enable_prefix_caching=False, max_running=3)
     batch = prompts(model.cfg.vocab_size, [6, 7, 9])

@@ -64,6 +64,7 @@ def reference_text(loaded, prompt_ids, n, **sampling) -> str:
     return tokenizer.decode(np.asarray(dx.generate(model, prompt_ids, n, **sampling)).tolist())
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_openai_client_completions_and_streaming(server, loaded):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["tiny"]

@@ -103,6 +103,7 @@ def test_logprobs_are_of_the_masked_distribution(model, tokenizer, vocabulary):
     assert rid not in engine.requests
 
 
+@pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 def test_preempted_constrained_requests_rebuild_their_matchers(model, tokenizer, vocabulary):
     schema = json_schema_constraint(SCHEMA, vocabulary)
     options = [SamplingOptions(64, temperature=1.0, seed=s, stop_token_ids=(STOP,), constraint=schema)
