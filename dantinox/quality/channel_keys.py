@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ..config import ModelConfig
 from ..model.attention import NEG_INF, grouped_scores, grouped_values
 from ..model.cache import LayerKV, write_layer
-from ..quant.kv_channels import channel_roundtrip, check_group
+from ..quant.kv_channels import channel_roundtrip, check_group, reads_int8
 
 
 @jax.tree_util.register_pytree_node_class
@@ -57,7 +57,7 @@ class ChannelKeyKV:
         T, S = q.shape[3], full.k.shape[2]
         t = cache_index[:, None, None] + jnp.arange(T)[None, :, None]          # [B, T, 1] query slots
         s = jnp.arange(S)[None, None, :]                                       # [1, 1, S] key slots
-        from_int8 = ((s // self.group + 1) * self.group <= t) & (s >= self.sinks)
+        from_int8 = reads_int8(s, t, self.group) & (s >= self.sinks)
         scores = jnp.where(from_int8[:, None, None],
                            grouped_scores(q, channel_roundtrip(full.k, self.group).astype(q.dtype)),
                            grouped_scores(q, full.k.astype(q.dtype)))

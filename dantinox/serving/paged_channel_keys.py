@@ -44,8 +44,9 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..model.attention import NEG_INF, grouped_scores, grouped_values
-from ..quant.kv_channels import dequantize_channels, quantize_channels
+from ..model.attention import NEG_INF
+from ..model.scores import grouped_scores, grouped_values
+from ..quant.kv_channels import dequantize_channels, quantize_channels, reads_int8
 from ..quant.kv_rows import SCALE_BYTES, SCALE_DTYPE, dequantize_rows
 from ..quant.kv_sinks import SINK_DTYPE
 
@@ -165,7 +166,7 @@ class PagedChannelView(NamedTuple):
                            _with_sinks(old(in_sink), sinks_v, s, A,
                                        dequantize_rows(_rows(pool.v, table), _rows(pool.v_scale, table))))
         t = c[:, None, None] + jnp.arange(T, dtype=jnp.int32)[None, :, None]     # [B, T, 1] query slots
-        from_int8 = ((s[:, None] // G + 1) * G <= t) & (s[:, None] >= A)          # [B, T, S]
+        from_int8 = reads_int8(s[:, None], t, G) & (s[:, None] >= A)             # [B, T, S]
         if T == 1:   # one query per row (decode): choose each slot's key first, one matmul
             keys = jnp.where(old(from_int8[:, 0]), int8_keys, full)
             scores = grouped_scores(q, keys.astype(q.dtype))

@@ -170,18 +170,3 @@ def test_cli_verify_with_int4_weights_passes_and_names_them(capsys):
 
     assert cli.main(["verify", "--quantize", "int4", "--new_tokens", "8", "--prompt", "Nel mezzo"]) == 0
     assert "weights=int4 (Q4_1+Q8_0 blocks), " in capsys.readouterr().out
-
-
-@pytest.mark.slow   # the paged engine's programs compile
-def test_paged_engine_with_int4_weights_matches_batch_one_generate():
-    from conftest import tiny_config
-    from serving_util import drain, greedy, lively_model, make_engine, solo
-
-    model = quantize_weights(lively_model(tiny_config()), "int4")
-    engine = make_engine(model)
-    rng = np.random.default_rng(4)
-    batch = [rng.integers(0, 128, n).tolist() for n in (3, 9)]
-    ids = [engine.add_request(p, greedy(10)) for p in batch]
-    out = drain(engine)
-    for rid, prompt in zip(ids, batch):
-        assert out[rid][0] == solo(model, prompt, 10, temperature=0.0)

@@ -142,11 +142,12 @@ def test_cli_verify_with_int8_weights_passes(capsys):
 
 
 @pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
-def test_paged_engine_with_int8_weights_matches_batch_one_generate():
+@pytest.mark.parametrize("scheme", ["int8", "int4"])   # int4: Q4_1 blocks run by the block kernel
+def test_paged_engine_with_quantized_weights_matches_batch_one_generate(scheme):
     from conftest import tiny_config
     from serving_util import drain, greedy, lively_model, make_engine, solo
 
-    model = quantize_weights(lively_model(tiny_config()), "int8")
+    model = quantize_weights(lively_model(tiny_config()), scheme)
     engine = make_engine(model)
     rng = np.random.default_rng(4)
     batch = [rng.integers(0, 128, n).tolist() for n in (3, 9)]
