@@ -25,8 +25,8 @@ import numpy as np
 
 from ..generation.prompts import check_request
 from ..generation.sampling import make_sampling_params
-from ..generation.speculative_generate import check_no_channel_keys
 from ..parallel.mesh import mesh_from_flag, naming_flag
+from ..quant.kv_channels import check_spec_group
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights
 from .flags import describe_spec_stats, draft_run_of, spec_kwargs, speculative_from_args
@@ -103,7 +103,7 @@ def cmd_generate(args) -> int:
     if spec is not None and args.no_cache:
         raise ValueError("--speculative needs the cache: drop --no_cache to speculate")
     if spec is not None:
-        check_no_channel_keys(gen.cfg)   # before warm-up compiles anything
+        check_spec_group(gen.cfg, spec.spec_tokens)   # per-channel keys: --spec-tokens + 1 <= --kv-key-group
     started = time.perf_counter()
     gen.warm_up([len(ids)], args.max_new_tokens, speculative=None if constraint else spec)  # grammar: host loop
     gen.load_seconds += time.perf_counter() - started

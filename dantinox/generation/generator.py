@@ -34,7 +34,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..parallel.sharding import shard_model
-from ..quant.kv_channels import with_kv_keys
+from ..quant.kv_channels import check_spec_group, with_kv_keys
 from ..quant.kv_dtype import with_kv_dtype
 from ..quant.weights import check_quantize, quantize_weights
 from ..runs.bundled import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # noqa: F401 (re-exported)
@@ -52,7 +52,7 @@ from .decode import decode_windows, generate_result, one_row_windows, stream_tok
 from .grammar import Constraint, constraint_from, grammar_vocabulary
 from .paradigm import generate
 from .prompts import bucket_length
-from .speculative_generate import (SpecSettings, SpecStats, break_even, check_draft, check_no_channel_keys, draft_cost,
+from .speculative_generate import (SpecSettings, SpecStats, break_even, check_draft, draft_cost,
                                    spec_settings,
                                    speculative_generate, speculative_stream, verify_cost, warm_up_speculative)
 
@@ -198,7 +198,7 @@ class Generator:
         settings = spec_settings(speculative, spec_tokens, spec_ngram_max, spec_ngram_min)
         if settings is None:
             return None
-        check_no_channel_keys(self.cfg)
+        check_spec_group(self.cfg, settings.spec_tokens)
         if self.cfg.paradigm != "ar":
             raise ValueError(f"speculative={speculative!r} needs an autoregressive model; this one has "
                              f"paradigm={self.cfg.paradigm!r}")

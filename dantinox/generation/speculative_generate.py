@@ -29,6 +29,7 @@ from flax import nnx
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..model.cache import init_cache
+from ..quant.kv_channels import check_spec_group
 from .decode import (SINGLE_ROW_WINDOW, DecodeState, _finish, _prepare, _windows, cache_window, decode, place_on_mesh,
                      prefill, split_model)
 from .speculative import MAX_SPEC_TOKENS, spec_state, speculative_decode
@@ -111,7 +112,7 @@ def speculative_generate(model, prompt_ids, max_new_tokens: int = 64, *, spec_to
     same vocabulary, ``check_draft``) is given. Returns (GenerationResult, SpecStats); see the module
     docstring. min_accept: the switch-off threshold (SpecSettings; 0.0 never switches off)."""
     settings = spec_settings("ngram" if draft is None else "draft", spec_tokens, ngram_max, ngram_min, min_accept)
-    check_no_channel_keys(model.cfg)
+    check_spec_group(model.cfg, settings.spec_tokens)
     req = _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, eos_id)
     place_on_mesh(model, mesh)
     graphdef, params = split_model(model)
@@ -133,7 +134,7 @@ def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings:
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
     settings = spec_settings(*settings)
-    check_no_channel_keys(model.cfg)
+    check_spec_group(model.cfg, settings.spec_tokens)
     if (settings.proposer == "draft") != (draft is not None):
         raise ValueError(f"speculative={settings.proposer!r} is not allowed with draft="
                          f"{'None' if draft is None else 'a model'}: a draft model goes with speculative='draft'")
@@ -216,14 +217,13 @@ def _draft_split(model, draft):
 
 
 def check_no_channel_keys(cfg) -> None:
-    """Refuse speculation over a per-channel key cache (cfg.channel_keys): a verify call writes the proposals'
-    keys, and a rejected proposal that completed a key group has replaced the group's float32 residual with
-    int8 codes the rollback cannot undo (``dantinox.model.channel_attention``, Rollback). ValueError naming
-    --kv-keys."""
+    """``dantinox verify --speculative`` only: its reference adopts per-token int8 rounding
+    (``dantinox.quality.verify_speculative``), so it refuses a per-channel key cache (cfg.channel_keys) with a
+    ValueError naming --kv-keys. Speculative generation and serving do run over channel keys
+    (``dantinox.quant.kv_channels.check_spec_group``)."""
     if cfg.channel_keys:
-        raise ValueError("speculative decoding is not allowed with --kv-keys channel (per-channel int8 keys): a "
-                         "rejected proposal may have completed a key group the rollback cannot restore; use "
-                         "--kv-keys token or decode without --speculative")
+        raise ValueError("dantinox verify --speculative is not allowed with --kv-keys channel (per-channel int8 "
+                         "keys, the int8 default): its reference checks per-token keys; give --kv-keys token")
 
 
 def _start(graphdef, params, req, drafted=None) -> SpecRun:

@@ -20,8 +20,11 @@ The uncached forward (layer cache None) runs the same attention over an empty ca
 uncached runs see the same keys (what ``dantinox verify`` compares).
 
 Rollback. A write past the slot a row later continues from (speculative decoding's rejected tokens) may have
-completed a group whose float keys are then gone, so speculative decoding refuses channel keys
-(``dantinox.generation.speculative_generate``). Slots are grouped from slot 0, not from key_start.
+completed a group the row then continues inside. The residual is a ring of 2 G slots holding the groups the
+last write ended in and the one before (``_write``), so the next write still assembles that group from its
+float keys and quantizes it again when it completes; the group's stale codes are never read meanwhile (the
+read rule). This needs the rolled-back write to span at most G slots: spec_tokens + 1 <= G
+(``dantinox.quant.kv_channels.check_spec_group``). Slots are grouped from slot 0, not from key_start.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..quant.kv_channels import group_span, quantize_channels, reads_int8
+from ..quant.kv_channels import group_span, quantize_channels, reads_int8, ring_group
 from ..quant.kv_rows import dequantize_rows
 from ..quant.kv_sinks import SINK_DTYPE, write_sinks
 from .cache import LayerKV, write_layer
@@ -54,7 +57,7 @@ def channel_attention(cfg: ModelConfig, q, k, v, layer: ChannelQuantLayerKV | No
     """
     G, T = cfg.kv_key_group, q.shape[3]
     offset = cache_index % G
-    span = group_span(_residual(layer, k, G), _unpadded(k, cache_index, key_start), offset, valid)
+    span = group_span(_residual(layer, k, cache_index, G), _unpadded(k, cache_index, key_start), offset, valid)
     codes, scales = quantize_channels(span, G)
     back = (codes.astype(jnp.float32) * jnp.repeat(scales, G, axis=-2)).astype(q.dtype)
     k_sink, v_sink = written_sinks(cfg, layer, k, stored, cache_index, key_start)
@@ -65,10 +68,11 @@ def channel_attention(cfg: ModelConfig, q, k, v, layer: ChannelQuantLayerKV | No
     return y, _write(layer, codes, scales, span, stored, cache_index, end, k_sink, v_sink)
 
 
-def _residual(layer, k, G: int) -> jax.Array:
-    """The filling groups' float32 keys: layer.k_residual, or zeros [B, K, G, D] for the uncached forward."""
+def _residual(layer, k, cache_index, G: int) -> jax.Array:
+    """The filling groups' float32 keys [B, K, G, D]: out of layer.k_residual's ring (``ring_group``), or zeros
+    for the uncached forward."""
     if layer is not None:
-        return layer.k_residual
+        return ring_group(layer.k_residual, cache_index, G)
     return jnp.zeros(k.shape[:2] + (G, k.shape[-1]), jnp.float32)
 
 
@@ -152,16 +156,18 @@ def _span_values(old_values, v, span_slot, cache_index) -> jax.Array:
 
 def _write(layer: ChannelQuantLayerKV, codes, scales, span, stored, cache_index, end, k_sink, v_sink):
     """Store a write (module docstring, Writes): the span's codes for slots before ``end`` ([B] int32, the
-    slot after each row's last real new token), the scales of the groups it completes, the new residual
-    (the group ``end`` falls in), the value rows and the sinks. Returns the updated ChannelQuantLayerKV."""
+    slot after each row's last real new token), the scales of the groups it completes, the span's float keys
+    of the groups end // G - 1 and end // G into the residual ring (slot s at s mod R; module docstring,
+    Rollback), the value rows and the sinks. Returns the updated ChannelQuantLayerKV."""
     G, S, N, Lx = layer.group, layer.k.shape[-2], layer.k_scale.shape[-2], span.shape[-2]
+    R = layer.k_residual.shape[-2]
     begin = cache_index - cache_index % G
     slot = begin[:, None] + jnp.arange(Lx)[None]                                  # [B, Lx]
     group = begin[:, None] // G + jnp.arange(Lx // G)[None]                       # [B, Lx / G]
     put = jax.vmap(lambda cache, rows, idx: cache.at[:, idx].set(rows, mode="drop"))
     k = put(layer.k, codes, jnp.where(slot < end[:, None], slot, S))
     k_scale = put(layer.k_scale, scales, jnp.where((group + 1) * G <= end[:, None], group, N))
-    last = (end // G - begin // G) * G                                            # the new residual's place
-    residual = jax.vmap(lambda s, o: jax.lax.dynamic_slice_in_dim(s, o, G, axis=1))(span, last)
+    kept = (slot < end[:, None]) & (slot >= (end // G - 1)[:, None] * G)         # < 2 G slots, distinct mod R
+    residual = put(layer.k_residual, span, jnp.where(kept, slot % R, R))
     values = write_layer(LayerKV(layer.v, layer.v_scale), stored[1], stored[3], cache_index)
     return ChannelQuantLayerKV(k, values.k, k_scale, values.v, residual, k_sink, v_sink)

@@ -7,9 +7,10 @@ A = cfg.sink_slots):
   - k: [B, K, S, D] int8, the keys of every *complete* group, quantized per channel over the group's G slots;
     k_scale: [B, K, N, D] float32, one scale per (group, KV head, channel). Slots of a group still filling
     hold codes that are never read (they are rewritten when the group completes).
-  - k_residual: [B, K, G, D] float32, the keys of each row's filling group (group cache_index // G; its
-    first cache_index mod G slots are keys, the rest zeros). Rows have their own cache_index, so their own
-    residual.
+  - k_residual: [B, K, R, D] float32 with R = 2 G (``kv_channels.ring_slots``), a ring: slot s at s mod R.
+    After a write ending at slot e it holds the float keys of the groups e // G - 1 and e // G (the filling
+    one), so a speculative rollback into the group before still finds its keys (``kv_channels``, Rollback).
+    Rows have their own cache_index, so their own ring.
   - v: [B, K, S, D] int8 and v_scale: [B, K, S, 1] float32, values per token (``dantinox.quant.kv_rows``).
   - k_sink, v_sink: [B, K, A, D] float32, the row's first A tokens in full (``dantinox.quant.kv_sinks``).
 S need not be a multiple of G: the last, partial group never completes and stays in the residual.
@@ -23,13 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
+from ..quant.kv_channels import RING_GROUPS, ring_slots
 from ..quant.kv_rows import SCALE_DTYPE
 from ..quant.kv_sinks import SINK_DTYPE
 
 class ChannelQuantLayerKV(NamedTuple):
     """One layer's int8 cache with per-channel keys (module docstring). k, v: [B, K, S, D] int8; k_scale:
-    [B, K, ceil(S / G), D] float32; v_scale: [B, K, S, 1] float32; k_residual: [B, K, G, D] float32 (G, the
-    key group, is its slot axis); k_sink, v_sink: [B, K, A, D] float32."""
+    [B, K, ceil(S / G), D] float32; v_scale: [B, K, S, 1] float32; k_residual: [B, K, 2 G, D] float32 (the
+    residual ring); k_sink, v_sink: [B, K, A, D] float32."""
 
     k: jax.Array
     v: jax.Array
@@ -42,7 +44,7 @@ class ChannelQuantLayerKV(NamedTuple):
     @property
     def group(self) -> int:
         """G, slots per key-scale group."""
-        return self.k_residual.shape[-2]
+        return self.k_residual.shape[-2] // RING_GROUPS
 
     def first_slots(self, L: int) -> ChannelQuantLayerKV:
         """The layer cut to its first L slots (a copy): k, v, v_scale [.., L, ..], k_scale the ceil(L / G)
@@ -65,7 +67,7 @@ def channel_cache_shapes(cfg: ModelConfig, batch_size: int, slots: int | None = 
     ``first_slots``, whose sinks keep min(A, slots) rows)."""
     S = cfg.max_context if slots is None else int(slots)
     B, K, D, G, A = int(batch_size), cfg.kv_heads, cfg.head_size, cfg.kv_key_group, min(cfg.sink_slots, S)
-    return ((B, K, S, D), (B, K, S, D), (B, K, -(-S // G), D), (B, K, S, 1), (B, K, G, D), (B, K, A, D),
+    return ((B, K, S, D), (B, K, S, D), (B, K, -(-S // G), D), (B, K, S, 1), (B, K, ring_slots(G), D), (B, K, A, D),
             (B, K, A, D))
 
 

@@ -10,17 +10,28 @@ The layout (G = ``group``; slots are grouped from slot 0: group g holds slots g 
   - keys of a *complete* group: int8 codes with one float32 scale per (group, KV head, channel),
     scale = max over the group's G tokens of |k| / 127 (symmetric absmax, as ``kv_rows``; 0 for an all-zero
     channel, read back as exact zeros);
-  - keys of the group still filling (KIVI's full-precision residual): float32, at most G tokens per sequence;
+  - keys of the group still filling (KIVI's full-precision residual): float32, in a ring of R = 2 G slots per
+    sequence (``RING_GROUPS``; slot s at ring position s mod R) that also keeps the group before it, so a
+    speculative rollback that un-completes a group still finds its float keys (below, Rollback);
   - values: int8 rows with one float32 scale per (token, KV head), exactly ``kv_rows``.
 A query at slot t reads key slot s from int8 when s's group was complete before t, i.e. (s // G + 1) G <= t,
 and in float32 otherwise. The rule depends on positions only, so a run fed one token at a time, in chunks or
 all at once sees the same keys (the cache is exact-able).
 
+Rollback (speculative decoding). A verify call writes k + 1 tentative tokens at slots c .. c + k and the row
+continues from some t' in (c, c + k + 1]; the rejected slots are rewritten later. With k + 1 <= G
+(``check_spec_group``) the write spans at most two groups and t' // G >= (c + k + 1) // G - 1, so the ring,
+which after every write holds the float keys of the groups e // G - 1 and e // G (e = the slot after the
+write), still holds the keys of t''s group. A group is quantized from the ring and the new keys whenever a
+write completes it, also again after a rollback un-completed it; its stale codes meanwhile are never read,
+since the read rule asks (s // G + 1) G <= t of the reading query.
+
 Bytes (``channel_key_cache_bytes``), per layer and sequence of S slots: S (2 K D + 4 K) for the int8 keys,
-values and value scales, ceil(S / G) K D 4 for the key scales and G K D 4 for the residual (the static cache
-allocates exactly these arrays, ``dantinox.model.channel_layout``; float32 sinks come on top when A > 0). Per
-token that is 2 K D + 4 K + 4 K D / G against 2 K (D + 4) for per-token keys: at G = D (64 for SmolLM2)
-exactly the per-token layout's bytes per token; G = 32 at D = 64 costs 4 K bytes more.
+values and value scales, ceil(S / G) K D 4 for the key scales and 2 G K D 4 for the residual ring (the static
+cache allocates exactly these arrays, ``dantinox.model.channel_layout``; float32 sinks come on top when A > 0).
+Per token that is 2 K D + 4 K + 4 K D / G against 2 K (D + 4) for per-token keys: at G = D (64 for SmolLM2)
+exactly the per-token layout's bytes per token; G = 32 at D = 64 costs 4 K bytes more. The ring is a fixed
+2 G K D 4 per layer and sequence (SmolLM2, G = 64: 96 KiB per layer, 2.8 MiB over its 30 layers).
 
 Where it runs: the static cache (``dantinox.model.channel_layout.ChannelQuantLayerKV``, so the compiled decode
 loop, ``dantinox generate`` / ``verify`` / ``budget`` / ``eval``) and the eval view
@@ -40,6 +51,22 @@ from .kv_rows import QMAX, SCALE_BYTES, SCALE_DTYPE
 
 DEFAULT_GROUP = 64   # G: key scales then cost 4 K bytes per token, as per-token rows do (KIVI uses 32 and 128;
                      # on SmolLM2 G = 64 measured better than 32, docs/quantization.md)
+RING_GROUPS = 2      # the float32 residual keeps the last 2 groups a write touched (module docstring, Rollback)
+
+
+def ring_slots(group: int) -> int:
+    """R, the slots of one sequence's residual ring: RING_GROUPS x group."""
+    return RING_GROUPS * int(group)
+
+
+def check_spec_group(cfg: ModelConfig, spec_tokens: int) -> None:
+    """With per-channel keys (cfg.channel_keys) a verify call's k + 1 tokens must fit one key group, so a
+    rollback finds its group's float keys in the residual ring (module docstring, Rollback): ValueError naming
+    --spec-tokens and --kv-key-group unless spec_tokens + 1 <= cfg.kv_key_group. Nothing for other caches."""
+    if cfg.channel_keys and int(spec_tokens) + 1 > cfg.kv_key_group:
+        raise ValueError(f"--spec-tokens {spec_tokens} is not allowed with --kv-key-group {cfg.kv_key_group} "
+                         f"(per-channel int8 keys): spec_tokens + 1 must be <= the key group, so give --spec-tokens "
+                         f"<= {cfg.kv_key_group - 1} or a larger --kv-key-group (or --kv-keys token)")
 
 
 def check_group(group) -> int:
@@ -123,7 +150,8 @@ def span_slots(new_tokens: int, group: int) -> int:
 def group_span(residual: jax.Array, new: jax.Array, offset: jax.Array, count=None) -> jax.Array:
     """The float32 keys of the groups a write touches, from the start of the group it begins in.
 
-    residual: [B, K, G, D] float32, the filling group's keys (its first ``offset`` slots hold keys);
+    residual: [B, K, G, D] float32, the filling group's keys (its first ``offset`` slots hold keys; a
+    ring's group: ``ring_group``);
     new: [B, K, T, D], the new tokens' keys, the first at slot offset of that group; offset: [B] int32 in
     [0, G) (cache_index mod G); count: [B] int32 or None (T): only the first count new tokens are kept, the
     rest (right padding) reads as zeros. Returns [B, K, Lx, D] float32 (Lx = ``span_slots(T, G)``): position j
@@ -143,9 +171,19 @@ def group_span(residual: jax.Array, new: jax.Array, offset: jax.Array, count=Non
     return span
 
 
+def ring_group(ring: jax.Array, cache_index: jax.Array, group: int) -> jax.Array:
+    """The filling group's float32 keys out of a residual ring: ring [B, K, R, D] (slot s at s mod R);
+    cache_index: [B] int32. Returns [B, K, G, D]: slots (c // G) G + j, j < G, of each row (G = group; only
+    the first c mod G are keys, ``group_span`` reads no more)."""
+    R = ring.shape[-2]
+    j = (cache_index - cache_index % group)[:, None] + jnp.arange(group, dtype=jnp.int32)[None]     # [B, G]
+    return jnp.take_along_axis(ring, (j % R)[:, None, :, None], axis=-2)
+
+
 def channel_key_cache_bytes(cfg: ModelConfig, seq_len: int, group: int) -> int:
     """Bytes of one sequence's cache in the per-channel key layout (module docstring), every layer, sinks not
-    included: num_blocks x (S (2 K D + 4 K) + ceil(S / G) K D 4 + G K D 4) with S = seq_len.
+    included: num_blocks x (S (2 K D + 4 K) + ceil(S / G) K D 4 + 2 G K D 4) with S = seq_len (the
+    residual is a ring of 2 G slots).
     MHA / GQA / MQA only; raises ValueError for attention="mla" or a bad seq_len / group."""
     if cfg.attention == "mla":
         raise ValueError("per-channel keys (--kv-keys channel) are defined for MHA / GQA / MQA caches, not "
@@ -154,10 +192,11 @@ def channel_key_cache_bytes(cfg: ModelConfig, seq_len: int, group: int) -> int:
         raise ValueError(f"seq_len={seq_len!r} is not allowed: an integer >= 1")
     G, K, D = check_group(group), cfg.kv_heads, cfg.head_size
     S = seq_len
-    per_layer = S * (2 * K * D + SCALE_BYTES * K) + math.ceil(S / G) * K * D * SCALE_BYTES + G * K * D * 4
+    per_layer = (S * (2 * K * D + SCALE_BYTES * K) + math.ceil(S / G) * K * D * SCALE_BYTES
+                 + ring_slots(G) * K * D * 4)
     return cfg.num_blocks * per_layer
 
 
-__all__ = ["DEFAULT_GROUP", "KEY_LAYOUTS", "channel_key_cache_bytes", "channel_roundtrip", "check_group",
-           "config_with_kv_keys", "dequantize_channels", "group_span", "quantize_channels", "reads_int8", "span_slots",
-           "with_kv_keys"]
+__all__ = ["DEFAULT_GROUP", "KEY_LAYOUTS", "RING_GROUPS", "channel_key_cache_bytes", "channel_roundtrip",
+           "check_group", "check_spec_group", "config_with_kv_keys", "dequantize_channels", "group_span",
+           "quantize_channels", "reads_int8", "ring_group", "ring_slots", "span_slots", "with_kv_keys"]

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from ..generation.sampling import SamplingParams
+from ..quant.kv_channels import check_spec_group
 from ..runs.interrupts import deferred_interrupts
 from ..xla import CompileCounter
 from .allocator import BlockAllocator
@@ -141,10 +142,8 @@ class PagedEngine(Engine):
         if cfg.paradigm != "ar":
             raise ValueError(f"the serving engine decodes autoregressive models; this model has paradigm="
                              f"{cfg.paradigm!r} (masked diffusion is served by dantinox generate, not serve)")
-        if config.speculative is not None and cfg.channel_keys:
-            raise ValueError("speculative decoding (--speculative) is not served with per-channel int8 keys "
-                             "(kv_keys='channel', --kv-keys channel): a rejected proposal can complete a key "
-                             "group; use --kv-keys token with --speculative")
+        if config.speculative is not None:   # per-channel keys: k + 1 tokens must fit one key group
+            check_spec_group(cfg, config.speculative.spec_tokens)
         self.cfg, self.config = cfg, config
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_context
         graphdef, self.params = nnx.split(model)

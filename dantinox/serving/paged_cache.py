@@ -20,8 +20,8 @@ Layout per layer, the static cache's layout with the slot axis cut into blocks, 
                     Sinks live in a sequence's first block, so A <= P is required.
   int8 with per-channel keys (cfg.channel_keys, KIVI) ``PagedChannelKV(k, v, k_scale, v_scale, k_sink, v_sink,
                     k_resid)``: key scales per (group of G slots, KV head, channel) [N, P/G, K, D] (P a multiple
-                    of G) and a float32 residual slot [Q, G, K, D] per running sequence for its filling key
-                    group; its attention and writes are ``dantinox.serving.paged_channel_keys``.
+                    of G) and a float32 residual slot [Q, 2 G, K, D] per running sequence (a ring: its filling
+                    key group and the one before); its attention and writes are ``dantinox.serving.paged_channel_keys``.
 Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
 The pool is sized from a memory budget with ``dantinox.model.cache.bytes_per_token_per_layer``, the figure
 ``dantinox.budget.memory`` sums (2 K D or C + R elements per token and layer), so N x ``block_bytes`` plus,

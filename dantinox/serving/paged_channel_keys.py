@@ -10,9 +10,10 @@ Layout of one layer (``PagedChannelKV``), P a multiple of G so a group never str
   k_scale  [N, P/G, K, D] f32    one scale per (group, KV head, channel): max over the group's G keys of |k| / 127
   v_scale  [N, P, K, 1] f32      one scale per (token, KV head)
   k_sink, v_sink [R, A, K, D] f32 the sequence's first A tokens in full (``dantinox.serving.sink_slots``)
-  k_resid  [Q, G, K, D] f32      per running SEQUENCE: the keys of its group still filling, in full (KIVI's
-                                 residual); the group of slots g G .. g G + G - 1 with g = (length // G)
-                                 (``dantinox.serving.residual_slots``)
+  k_resid  [Q, 2G, K, D] f32     per running SEQUENCE: a ring of 2 G slots (slot s at s mod 2 G) with the
+                                 full keys of its group still filling (KIVI's residual) and of the group
+                                 before it, so a speculative rollback into that group still finds them
+                                 (``dantinox.quant.kv_channels``, Rollback; ``residual_slots``)
 The first four fields have the block axis, so copy-on-write, swap and prefix sharing move a block's key
 scales with it (``paged_cache.BLOCK_FIELDS``). A block in the prefix cache is full, so all its groups are
 complete and its keys are all int8: a prefix hit never needs a residual. The residual goes with its
@@ -27,13 +28,13 @@ from the sink slot). One call (a prefill chunk, a decode step) with cache_index 
      new keys (c <= s < c + T), and quantizes their groups (``quantize_channels``);
   3. attends with the rule above, one softmax over the M P slots, causal;
   4. writes: the codes and scales of every group that completes in this call (its slots below
-     e = ((c + n) // G) G), the keys of slots e .. c + n - 1 into the residual, the values and value scales
-     per token, and the sinks of slots below A.
+     e = ((c + n) // G) G), the keys of slots max(g0, e - G) .. c + n - 1 into the residual ring, the values
+     and value scales per token, and the sinks of slots below A.
 Because a group's codes are computed once, from exactly its G full keys, by the same function the eval view
 uses, the served numbers equal the eval view's (tests/serving/test_kv_channel_paged.py).
 
-Bytes, per layer: N (P (2 K D + 4 K) + (P / G) 4 K D) for the blocks, R 2 A K D 4 for the sinks, Q G K D 4
-for the residual slots (``channel_block_bytes``, ``residual_set_bytes``); ``init_pool`` allocates exactly that.
+Bytes, per layer: N (P (2 K D + 4 K) + (P / G) 4 K D) for the blocks, R 2 A K D 4 for the sinks, Q 2 G K D 4
+for the residual rings (``channel_block_bytes``, ``residual_set_bytes``); ``init_pool`` allocates exactly that.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 from ..config import ModelConfig
 from ..model.attention import NEG_INF
 from ..model.scores import grouped_scores, grouped_values
-from ..quant.kv_channels import dequantize_channels, quantize_channels, reads_int8
+from ..quant.kv_channels import RING_GROUPS, dequantize_channels, quantize_channels, reads_int8, ring_slots
 from ..quant.kv_rows import SCALE_BYTES, SCALE_DTYPE, dequantize_rows
 from ..quant.kv_sinks import SINK_DTYPE
 
@@ -57,7 +58,7 @@ RESIDUAL_BYTES = 4
 class PagedChannelKV(NamedTuple):
     """One MHA / GQA / MQA layer's int8 pool with per-channel keys (module docstring). k, v: [N, P, K, D] int8;
     k_scale: [N, P/G, K, D] float32; v_scale: [N, P, K, 1] float32; k_sink, v_sink: [R, A, K, D] float32;
-    k_resid: [Q, G, K, D] float32."""
+    k_resid: [Q, 2 G, K, D] float32 (residual rings)."""
 
     k: jax.Array
     v: jax.Array
@@ -88,10 +89,11 @@ def channel_block_bytes(cfg: ModelConfig, block_size: int) -> int:
 
 
 def residual_set_bytes(cfg: ModelConfig) -> int:
-    """Bytes of one residual slot over all layers, L G K D 4 (0 unless ``cfg.channel_keys``)."""
+    """Bytes of one residual slot (a ring of 2 G slots) over all layers, L 2 G K D 4 (0 unless
+    ``cfg.channel_keys``)."""
     if not cfg.channel_keys:
         return 0
-    return cfg.num_blocks * cfg.kv_key_group * cfg.kv_heads * cfg.head_size * RESIDUAL_BYTES
+    return cfg.num_blocks * ring_slots(cfg.kv_key_group) * cfg.kv_heads * cfg.head_size * RESIDUAL_BYTES
 
 
 def init_channel_layer(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int,
@@ -104,7 +106,7 @@ def init_channel_layer(cfg: ModelConfig, num_blocks: int, block_size: int, sink_
     return PagedChannelKV(jnp.zeros((N, P, K, D), jnp.int8), jnp.zeros((N, P, K, D), jnp.int8),
                           jnp.zeros((N, P // G, K, D), SCALE_DTYPE), jnp.zeros((N, P, K, 1), SCALE_DTYPE),
                           jnp.zeros((sink_slots, A, K, D), SINK_DTYPE), jnp.zeros((sink_slots, A, K, D), SINK_DTYPE),
-                          jnp.zeros((residual_slots, G, K, D), RESIDUAL_DTYPE))
+                          jnp.zeros((residual_slots, ring_slots(G), K, D), RESIDUAL_DTYPE))
 
 
 def _rows(pool: jax.Array, table: jax.Array) -> jax.Array:
@@ -149,15 +151,16 @@ class PagedChannelView(NamedTuple):
             raise ValueError("the pool holds PagedChannelKV (int8, per-channel keys) but the model does not "
                              "write an int8 layer: build the pool from the model's config")
         pool, table, c = self.pool, self.block_table, cache_index
-        G, A, T, S = pool.k_resid.shape[1], pool.k_sink.shape[1], q.shape[3], table.shape[1] * pool.k.shape[1]
+        R, A, T, S = pool.k_resid.shape[1], pool.k_sink.shape[1], q.shape[3], table.shape[1] * pool.k.shape[1]
+        G = R // RING_GROUPS
         s = jnp.arange(S, dtype=jnp.int32)[None]                                  # [1, S] key slots
         g0 = (c // G * G)[:, None]                                                # [B, 1] filling group
         sinks_k, sinks_v = (_tokens(a[self.sink_slot]) for a in (pool.k_sink, pool.v_sink))  # [B, K, A, D]
-        resid = _tokens(pool.k_resid[self.residual_slot])                         # [B, K, G, D]
+        resid = _tokens(pool.k_resid[self.residual_slot])                         # [B, K, R, D] rings
         is_new, in_sink = (s >= c[:, None]) & (s < c[:, None] + T), (s < A) & (s < c[:, None])
         new_at, old = s - c[:, None], lambda x: x[:, None, :, None]
         full = jnp.where(old(is_new), _at(stored[4].astype(jnp.float32), new_at),
-                         jnp.where(old((s >= g0) & (s < c[:, None])), _at(resid, s - g0),
+                         jnp.where(old((s >= g0) & (s < c[:, None])), _at(resid, s % R),
                                    _with_sinks(old(in_sink), sinks_k, s, A, 0.0)))
         codes, scales = quantize_channels(full, G)
         stored_keys = dequantize_channels(_rows(pool.k, table), _rows(pool.k_scale, table), G)
@@ -182,7 +185,8 @@ class PagedChannelView(NamedTuple):
         call's quantized and full-precision keys by slot."""
         pool, table, n = self.pool, self.block_table, self.num_new
         N, P = pool.k.shape[:2]
-        Q, G, A = pool.k_resid.shape[0], pool.k_resid.shape[1], pool.k_sink.shape[1]
+        Q, R, A = pool.k_resid.shape[0], pool.k_resid.shape[1], pool.k_sink.shape[1]
+        G = R // RING_GROUPS
         g0, end = c // G * G, c + n
         done = end // G * G                                                       # complete groups end here
         width = -(-(T + G - 1) // G) * G                                          # slots g0 .. touched
@@ -202,9 +206,10 @@ class PagedChannelView(NamedTuple):
             sink_at = jnp.clip(new, 0, A - 1)
             k_sink, v_sink = (_put(a, _tokens(x), sink_row, sink_at)
                               for a, x in ((pool.k_sink, stored[4]), (pool.v_sink, stored[5])))
-        rest = done[:, None] + jnp.arange(G, dtype=jnp.int32)[None]             # [B, G] the filling group
-        resid_row = jnp.where(rest < end[:, None], self.residual_slot[:, None], Q)
-        k_resid = _put(pool.k_resid, _tokens(_at(full, rest)), resid_row, rest % G)
+        rest = (done - G)[:, None] + jnp.arange(R, dtype=jnp.int32)[None]       # [B, R] the last two groups
+        kept = (rest >= g0[:, None]) & (rest < end[:, None])
+        k_resid = _put(pool.k_resid, _tokens(_at(full, rest)), jnp.where(kept, self.residual_slot[:, None], Q),
+                       rest % R)
         return PagedChannelKV(k, v, k_scale, v_scale, k_sink, v_sink, k_resid)
 
 

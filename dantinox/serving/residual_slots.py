@@ -2,8 +2,9 @@
 Python).
 
 With per-channel int8 keys (KIVI, ``dantinox.serving.paged_channel_keys``) the keys of a sequence's group still
-filling (fewer than G tokens) stay in float32, in a residual slot of the pool ([Q, G, K, D] per layer), until
-the group completes and is quantized into its block. Unlike the sink slots (``dantinox.serving.sink_slots``) a
+filling (fewer than G tokens) stay in float32, in a residual slot of the pool ([Q, 2 G, K, D] per layer: a ring
+that also keeps the group before, for speculative rollbacks), until the group completes and is quantized into
+its block. Unlike the sink slots (``dantinox.serving.sink_slots``) a
 residual is never shared: only full blocks enter the prefix cache, and all their groups are complete, so a
 prefix hit starts with an empty residual (a hit on a whole prompt resumes at a group boundary,
 ``ContextPolicy.resume_align``), and n > 1 choices take their prompt blocks from the prefix cache. So a slot

@@ -152,7 +152,7 @@ def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num
 # The block moves work on every block array of every layer alike (k and v [N, P, K, D], or for MLA c_kv [N, P, C]
 # and k_rope [N, P, R], and the int8 scales): the first BLOCK_FIELDS fields of each layer NamedTuple have the
 # block axis first. The int8 sinks (the next SINK_FIELDS fields, [R, A, ...]) are per sequence: read_sinks /
-# write_sinks; so is the per-channel keys' residual (the last field, [Q, G, K, D]): read_residual / write_residual.
+# write_sinks; so is the per-channel keys' residual (the last field, [Q, 2 G, K, D]): read_residual / write_residual.
 
 def _with_blocks(layer, blocks) -> tuple:
     """The layer with its block arrays replaced by ``blocks`` and its other arrays kept."""
@@ -209,8 +209,8 @@ _RESIDUAL = BLOCK_FIELDS + SINK_FIELDS  # the per-channel key pool's residual fi
 
 @jax.jit
 def read_residual(pool: PagedPool, slot):
-    """One residual slot (``slot``, int32 scalar) of a per-channel key pool: per layer its [G, K, D] float32
-    keys (``dantinox.serving.paged_channel_keys``)."""
+    """One residual slot (``slot``, int32 scalar) of a per-channel key pool: per layer its [2 G, K, D] float32
+    residual ring (``dantinox.serving.paged_channel_keys``)."""
     return tuple(layer[_RESIDUAL][slot] for layer in pool)
 
 

@@ -166,8 +166,9 @@ def test_one_layer_stores_and_reads_back_as_numpy_does(sinks):
     N = S // G                                                # 3 complete groups, slots 12, 13 filling
     np.testing.assert_array_equal(np.asarray(layer.k)[:, :, :N * G], codes.reshape(B, K, N * G, D))
     np.testing.assert_allclose(np.asarray(layer.k_scale)[:, :, :N], scales, rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(layer.k_residual)[:, :, :2], k[:, :, N * G:])
-    assert not np.asarray(layer.k_residual)[:, :, 2:].any()
+    ring = np.asarray(layer.k_residual)                      # slot s at s mod 2 G: groups 2 and 3 (slots 8..13)
+    assert ring.shape[2] == 2 * G
+    np.testing.assert_array_equal(ring[:, :, np.arange(8, S) % (2 * G)], k[:, :, 8:])
     np.testing.assert_array_equal(np.asarray(layer.k_sink), k[:, :, :sinks])
 
 
@@ -178,7 +179,7 @@ def test_budget_counts_the_allocated_arrays(group, sinks, slots):
     assert isinstance(cache[0], ChannelQuantLayerKV)
     assert cache_nbytes(cache) == kv_cache_bytes(cfg, 3, slots) == 3 * kv_cache_bytes(cfg, 1, slots)
     K, D, A = cfg.kv_heads, cfg.head_size, cfg.sink_slots
-    per_layer = slots * (2 * K * D + 4 * K) + -(-slots // group) * K * D * 4 + group * K * D * 4 + A * 2 * K * D * 4
+    per_layer = slots * (2 * K * D + 4 * K) + -(-slots // group) * K * D * 4 + 2 * group * K * D * 4 + A * 2 * K * D * 4
     assert kv_cache_bytes(cfg, 1, slots) == cfg.num_blocks * per_layer
     assert kv_cache_bytes(cfg, 1, slots, "float32") == slots * cfg.num_blocks * 2 * K * D * 4   # no int8: no layout
     plan = plan_capacity(cfg, 2 ** 30, [(5, 3)], admission="request")
@@ -188,7 +189,7 @@ def test_budget_counts_the_allocated_arrays(group, sinks, slots):
 def test_a_cut_cache_keeps_the_residual_and_the_groups_covering_it():
     cfg = channel_cfg(kv_key_group=8)
     cut = first_slots(dx.init_cache(cfg, 1)[0], 12)
-    assert [a.shape[-2] for a in cut] == [12, 12, 2, 12, 8, 4, 4]
+    assert [a.shape[-2] for a in cut] == [12, 12, 2, 12, 16, 4, 4]   # the residual ring: 2 G
 
 
 @pytest.mark.slow

@@ -136,7 +136,7 @@ def test_pool_bytes_equal_the_engines_accounting_and_kv_memory_counts_the_residu
     K, D, L, P, R, Q = 2, 8, 2, 8, slots_for(3), 3
     per_block = L * (P * (2 * K * D + 4 * K) + (P // G) * K * D * 4)   # int8 k, v; value scales; key scales
     assert block_bytes(CFG, P) == per_block
-    assert residual_set_bytes(CFG) == L * G * K * D * 4 and sink_set_bytes(CFG) == L * 4 * 2 * K * D * 4
+    assert residual_set_bytes(CFG) == L * 2 * G * K * D * 4 and sink_set_bytes(CFG) == L * 4 * 2 * K * D * 4
     pool = init_pool(CFG, 5, P, sink_slots=R, residual_slots=Q)
     assert pool_nbytes(pool) == 5 * per_block + R * sink_set_bytes(CFG) + Q * residual_set_bytes(CFG)
     fixed = R * sink_set_bytes(CFG) + Q * residual_set_bytes(CFG)
@@ -205,7 +205,7 @@ def test_serve_kv_keys_channel_builds_a_channel_pool_with_the_group_as_block_siz
 
     engine = build_engine(serve_args(run_dir, "--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "8"))[0]
     assert engine.cfg.channel_keys and engine.cfg.kv_key_group == 8 and engine.allocator.block_size == 8
-    assert isinstance(engine.pool[0], PagedChannelKV) and engine.pool[0].k_resid.shape == (2, 8, 2, 8)
+    assert isinstance(engine.pool[0], PagedChannelKV) and engine.pool[0].k_resid.shape == (2, 16, 2, 8)
     assert "keys per channel in groups of 8" in kv_summary(engine)
     token = build_engine(serve_args(run_dir, "--kv-dtype", "int8"))[0]       # default: the run's own (token)
     assert not token.cfg.channel_keys and token.allocator.block_size == 16
