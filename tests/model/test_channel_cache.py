@@ -207,8 +207,8 @@ def test_the_compiled_decode_loop_matches_the_uncached_run_and_compiles_once():
     assert again.compilations == 0, again
 
 
-def test_speculation_and_bad_layouts_are_refused_naming_the_flag(model):
-    with pytest.raises(ValueError, match="--kv-keys channel"):
+def test_oversized_speculation_and_bad_layouts_are_refused_naming_the_flag(model):
+    with pytest.raises(ValueError, match="--spec-tokens 4 is not allowed with --kv-key-group 4"):
         speculative_generate(model, [[1, 2, 3]], 4)
     with pytest.raises(ValueError, match="--kv-keys channel needs an int8"):
         config_with_kv_keys(tiny_config(attention="gqa", kv_heads=2), "channel")

@@ -182,6 +182,36 @@ def test_no_recompilation_after_warmup(model):
     assert engine.stats()["preemptions"] >= 1   # the swap path ran too
 
 
+@pytest.mark.slow
+def test_served_greedy_speculation_equals_plain_served_greedy(model):
+    """n-gram speculation (k = 3 at G = 4: rejected proposals complete key groups the rollback un-completes)
+    serves the plain served greedy tokens, and the verify calls reject proposals (6 s: slow tier)."""
+    from dantinox.serving.speculation import SpecConfig
+
+    base = np.random.default_rng(8).integers(0, CFG.vocab_size, 3).tolist()
+    batch = [(base * 4)[:n] for n in (7, 10)]
+    plain = make_engine(model, num_blocks=40, max_decode_steps=1, decode_buckets=(4,))
+    spec = make_engine(model, num_blocks=40, max_decode_steps=1, decode_buckets=(4,),
+                       speculative=SpecConfig(spec_tokens=3, verify_costs=((1, 1.0),)))
+    want, got = ([drain_ids(e, batch, 14)] for e in (plain, spec))
+    assert got == want
+    finished = [r.spec for r in spec.finished if r.spec is not None]
+    assert sum(s.proposed for s in finished) > sum(s.accepted for s in finished)   # rejected: rolled back
+
+
+def drain_ids(engine, batch, n):
+    ids = [engine.add_request(p, greedy(n)) for p in batch]
+    results = drain(engine)
+    return [results[i][0] for i in ids]
+
+
+def test_spec_tokens_past_the_key_group_are_refused_naming_both_flags(model):
+    from dantinox.serving.speculation import SpecConfig
+
+    with pytest.raises(ValueError, match="--spec-tokens 4 is not allowed with --kv-key-group 4"):
+        make_engine(model, num_blocks=40, speculative=SpecConfig(spec_tokens=4))
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     from dantinox.runs.run_dir import save_run
