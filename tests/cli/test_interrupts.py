@@ -48,6 +48,16 @@ def test_what_a_library_kept_is_on_the_same_line(monkeypatch, capsys):
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals: main thread")
 def test_deferred_interrupts_sets_a_flag_then_raises_on_the_second():
+    # an earlier test in this worker may have left its own SIGINT handler (deferred_interrupts then changes
+    # nothing, by design): start from Python's default handler and restore whatever was there
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _deferred_interrupts_case()
+    finally:
+        signal.signal(signal.SIGINT, outer)
+
+
+def _deferred_interrupts_case():
     before = signal.getsignal(signal.SIGINT)
     with deferred_interrupts() as flag:
         assert not flag.requested
