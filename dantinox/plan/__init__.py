@@ -10,6 +10,7 @@ on the real engine, a sweep of candidate deployments behind SLOs and quality gat
   metrics.py       TTFT / TPOT / ITL percentiles, tokens/s, goodput, SLO attainment
   uncertainty.py   one simulation per profile sample: medians and t / range intervals
   load_sweep.py    the load sweep's knee, saturation point and goodput rate
+  fidelity.py      simulated intervals against replays, cell by cell, and the fidelity verdict
   candidate.py     a deployment to sweep; ledger.py its memory; variants.py kv dtype / weight quantization
   quality_gate.py  dantinox eval --gate per model variant
   recommend.py     drop by memory, quality and SLO; cheapest survivor by cost per million tokens
