@@ -286,12 +286,13 @@ def test_multi_step_decoding_takes_over_when_speculation_stops_paying(model):
     assert got == expected and engine.stats()["multi_step_calls"] > 0
 
 
-def test_speculation_with_per_channel_int8_keys_is_refused_naming_the_flags():
-    """A rejected proposal can complete a per-channel key group, so the engine refuses the pair up front."""
+def test_speculation_over_per_channel_keys_needs_spec_tokens_below_the_key_group():
+    """The residual ring holds two groups, so a verify write of k + 1 tokens must fit one group: k + 1 > G is
+    refused naming both flags."""
     model = dx.build_model(tiny_config(attention="gqa", kv_heads=2, max_context=64, cache_dtype="int8",
                                        kv_keys="channel", kv_key_group=4))
-    with pytest.raises(ValueError, match="--kv-keys channel"):
-        make_engine(model, speculative=SPEC)
+    with pytest.raises(ValueError, match="--spec-tokens.*--kv-key-group|--kv-key-group.*--spec-tokens"):
+        make_engine(model, speculative=SpecConfig(spec_tokens=4))
 
 
 def test_unpriced_speculation_probes_plain_steps_then_measures_its_cost(model):
