@@ -80,7 +80,7 @@ def test_channel_key_bytes_count_the_layout_arrays():
     K, D, G, S = 2, 8, 4, 30                                     # 30 slots: 8 key-scale groups, the last partial
     arrays = [np.zeros((K, S, D), np.int8)] * 2 + [np.zeros((K, S, 1), np.float32),
                                                    np.zeros((K, 8, D), np.float32),
-                                                   np.zeros((K, G, D), np.float32)]
+                                                   np.zeros((K, 2 * G, D), np.float32)]  # the residual ring: 2 groups
     assert channel_key_cache_bytes(cfg, S, G) == cfg.num_blocks * sum(a.nbytes for a in arrays)
     assert kv_channel_key_cache_bytes(cfg, 3, S, G) == 3 * cfg.num_blocks * sum(a.nbytes for a in arrays)
     with pytest.raises(ValueError, match="attention='mla'"):
