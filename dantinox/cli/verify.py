@@ -61,11 +61,10 @@ def cmd_verify(args) -> int:
     if getattr(args, "speculative", None) is None:
         report = verify_cache(model, prompt, new_tokens, args.tolerance, args.relative_tolerance)
     else:
-        from ..generation.speculative_generate import check_no_channel_keys, check_spec_settings
+        from ..generation.speculative_generate import check_spec_settings
         from ..quality.verify_speculative import verify_speculative
 
         check_spec_settings(args.spec_tokens, 4, 1)
-        check_no_channel_keys(cfg)
         report, accepted, proposed = verify_speculative(model, prompt, new_tokens, args.spec_tokens, 4,
                                                         args.tolerance, args.relative_tolerance)
         how = (f"greedy tokens decoded by n-gram speculation (k={args.spec_tokens}: {accepted} of {proposed} "

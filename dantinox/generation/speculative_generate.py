@@ -216,16 +216,6 @@ def _draft_split(model, draft):
     return split_model(draft)
 
 
-def check_no_channel_keys(cfg) -> None:
-    """``dantinox verify --speculative`` only: its reference adopts per-token int8 rounding
-    (``dantinox.quality.verify_speculative``), so it refuses a per-channel key cache (cfg.channel_keys) with a
-    ValueError naming --kv-keys. Speculative generation and serving do run over channel keys
-    (``dantinox.quant.kv_channels.check_spec_group``)."""
-    if cfg.channel_keys:
-        raise ValueError("dantinox verify --speculative is not allowed with --kv-keys channel (per-channel int8 "
-                         "keys, the int8 default): its reference checks per-token keys; give --kv-keys token")
-
-
 def _start(graphdef, params, req, drafted=None) -> SpecRun:
     """Prefill ``req`` (into the draft's cache too, when ``drafted``) and return the SpecRun after it."""
     state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)

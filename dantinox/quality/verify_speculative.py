@@ -31,11 +31,15 @@ def verify_speculative(model, prompt_ids, new_tokens: int = 64, spec_tokens: int
 
     prompt_ids: one prompt (ints); spec_tokens k (1..16) and ngram_max as ``speculative_generate``'s. Returns
     (VerifyReport over the prompt's and every emitted position, proposals accepted, proposals made).
-    Raises ValueError / CapacityError as ``verify_cache`` (a diffusion model, a bad prompt, no room)."""
+    Raises ValueError / CapacityError as ``verify_cache`` (a diffusion model, a bad prompt, no room), and
+    ValueError naming --kv-keys for a per-channel key cache: the int8 reference adopts per-token rounding."""
     cfg = model.cfg
     if cfg.paradigm != "ar":
         raise ValueError(f"verify --speculative checks the autoregressive static cache; this model has "
                          f"paradigm={cfg.paradigm!r}")
+    if cfg.channel_keys:
+        raise ValueError("dantinox verify --speculative is not allowed with --kv-keys channel (per-channel int8 "
+                         "keys): its reference checks per-token keys; give --kv-keys token")
     ids, lengths, _ = prepare_prompts(list(prompt_ids), cfg.vocab_size, cfg.max_context)
     check_request(lengths, new_tokens, cfg.max_context)
     prompt = ids[0, : int(lengths[0])]

@@ -19,6 +19,8 @@ def _error(capsys, argv) -> str:
     (["verify", "--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "0"], "--kv-key-group 0 is not"),
     (["generate", "--prompt", "Nel", "--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "4",
       "--speculative", "ngram", "--spec-tokens", "4"], "--spec-tokens 4 is not allowed with --kv-key-group 4"),
+    (["verify", "--kv-dtype", "int8", "--kv-keys", "channel", "--speculative", "ngram"],
+     "verify --speculative is not allowed with --kv-keys channel"),
     (["budget", "--preset", "tiny", "--kv-keys", "channel"], "--kv-keys channel needs --dtype int8"),
     (["budget", "--preset", "tiny-mla", "--dtype", "int8", "--kv-keys", "channel"], "attention='mla'"),
 ])
