@@ -143,7 +143,7 @@ def _values_per_layer(cfg, positions: int) -> tuple[int, int]:
     return 2 * cfg.kv_heads * positions * cfg.head_size, 2 * cfg.kv_heads * positions
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in ("mha", "mla") else k for k in KINDS])
 def test_verify_cache_passes_int8_at_1e5_over_120_tokens_for_every_attention_kind(kind):
     seed = FLIP_SEEDS[kind]
     model = _model(kind, seed)

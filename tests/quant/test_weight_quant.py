@@ -50,9 +50,12 @@ def test_int8_error_per_channel_is_at_most_half_a_step():
     assert np.asarray(scale)[quiet].max() < 0.1
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("tie", [True, False])
-@pytest.mark.parametrize("quantize, tol", [("bf16", 0.02), ("int8", 0.05)])
+# Every kind and quantization in the default tier; MLA with a tied head only in the slow tier (the heaviest).
+CASES = [pytest.param(kind, tie, quantize, tol, marks=[pytest.mark.slow] if (kind, tie) == ("mla", True) else [])
+         for kind in sorted(KINDS) for tie in (True, False) for quantize, tol in (("bf16", 0.02), ("int8", 0.05))]
+
+
+@pytest.mark.parametrize("kind, tie, quantize, tol", CASES)
 def test_quantized_logits_close_to_float_and_cache_exact(kind, tie, quantize, tol):
     cfg = small_config(kind, tie_embeddings=tie)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 200, (2, 12)), jnp.int32)
