@@ -10,7 +10,9 @@ K values x_1..x_K and is reported as their median and one of two intervals:
            Methods, section 7.2.2.1). It needs K >= 2.
   "range"  [min x_i, max x_i] (c is not used). It needs K >= 2.
 
-With K identical samples both intervals have zero width. The interval's pessimistic edge (the high end for a
+With K identical samples both intervals have zero width. The t interval is clipped to the quantity's own range
+(latencies and rates are >= 0, attainment fractions lie in [0, 1]): with K = 3 and a wide spread its low edge can
+otherwise fall below zero, a value no run can have. The interval's pessimistic edge (the high end for a
 latency) is what the SLO check uses by default. Every float is rounded to 9 significant digits (as metrics.py
 does) so the same inputs serialize to the same bytes.
 """
@@ -39,9 +41,10 @@ def check_interval_request(samples: int, method: str, confidence: float) -> None
                          "(dantinox plan profile --repeats K, K >= 2)")
 
 
-def interval(values: list, method: str = "t", confidence: float = 0.9) -> dict:
+def interval(values: list, method: str = "t", confidence: float = 0.9, bounds: tuple = (None, None)) -> dict:
     """{"median", "low", "high", "n"} of ``values`` (floats; None entries are dropped; all None -> every field
-    None but n). With one value, or method None (a point estimate), low = high = median. Raises ValueError for
+    None but n). With one value, or method None (a point estimate), low = high = median. ``bounds`` (low, high;
+    None: unbounded) is the range the quantity can take; the interval is clipped to it. Raises ValueError for
     an unknown method."""
     xs = [float(v) for v in values if v is not None]
     if not xs:
@@ -56,11 +59,15 @@ def interval(values: list, method: str = "t", confidence: float = 0.9) -> dict:
 
         half = float(student_t.ppf((1 + confidence) / 2, len(xs) - 1)) * float(a.std(ddof=1)) / math.sqrt(len(xs))
         low, high = float(a.mean()) - half, float(a.mean()) + half
+        low = low if bounds[0] is None else max(low, float(bounds[0]))
+        high = high if bounds[1] is None else min(high, float(bounds[1]))
     else:
         raise ValueError(f"interval method={method!r} is not allowed: one of {INTERVAL_METHODS}")
     return {"median": round_figure(median), "low": round_figure(low), "high": round_figure(high), "n": len(xs)}
 
 
+NON_NEGATIVE = (0.0, None)   # seconds, tokens/s, requests/s
+FRACTION = (0.0, 1.0)        # SLO attainment
 LATENCY_KEYS = tuple(f"{m}_p{p}" for m in ("ttft", "tpot", "itl") for p in (50, 90, 99))
 
 
@@ -71,11 +78,11 @@ def latency_intervals(runs: list, method: str = "t", confidence: float = 0.9) ->
     out = {}
     for key in LATENCY_KEYS:
         metric, pct = key.rsplit("_", 1)
-        out[key] = interval([r[metric][pct] for r in runs], method, confidence)
+        out[key] = interval([r[metric][pct] for r in runs], method, confidence, NON_NEGATIVE)
     for key in ("output_tokens_per_s", "goodput_rps"):
-        out[key] = interval([r[key] for r in runs], method, confidence)
+        out[key] = interval([r[key] for r in runs], method, confidence, NON_NEGATIVE)
     for key in ("ttft", "tpot", "all"):
-        out[f"attainment_{key}"] = interval([r["slo_attainment"][key] for r in runs], method, confidence)
+        out[f"attainment_{key}"] = interval([r["slo_attainment"][key] for r in runs], method, confidence, FRACTION)
     return out
 
 

@@ -17,7 +17,7 @@ from dantinox.plan.profile import PROFILE_FORMAT, model_identity, profile_cost_m
 from dantinox.plan.recommend import PlanInputs, make_plan
 from dantinox.plan.report import plan_json_bytes, plan_markdown
 from dantinox.plan.trace import TraceSpec, default_classes, generate_trace, prompt_token_ids, read_trace, trace_text
-from dantinox.plan.uncertainty import interval, median_metrics
+from dantinox.plan.uncertainty import interval, latency_intervals, median_metrics
 from dantinox.runs.bundled import bundled_run_dir
 from dantinox.runs.run_dir import load_run
 
@@ -46,6 +46,22 @@ def test_t_interval_matches_the_formula_and_range_is_min_max():
     assert math.isclose(wide["high"] - wide["low"], 2 * (iv["high"] - iv["low"]), rel_tol=1e-6)
     with pytest.raises(ValueError, match="interval method='sd' is not allowed"):
         interval([1.0, 2.0], "sd")
+
+
+def test_t_interval_is_clipped_to_the_range_the_quantity_can_take():
+    # mean 17, s = 20.22: half width 2.919986 * 20.22 / sqrt(3) = 34.09 > 17, so the raw low edge is -17.09
+    raw = interval([1.0, 10.0, 40.0], "t", 0.9)
+    assert raw["low"] < 0
+    clipped = interval([1.0, 10.0, 40.0], "t", 0.9, bounds=(0.0, None))
+    assert clipped["low"] == 0.0 and clipped["high"] == raw["high"] and clipped["median"] == 10.0
+    fraction = interval([0.9, 1.0, 1.0], "t", 0.9, bounds=(0.0, 1.0))
+    assert fraction["high"] == 1.0 and 0 < fraction["low"] < 0.9
+    runs = [{"ttft": {"p50": v, "p90": v, "p99": v}, "tpot": {"p50": v, "p90": v, "p99": v},
+             "itl": {"p50": v, "p90": v, "p99": v}, "output_tokens_per_s": v, "goodput_rps": v,
+             "slo_attainment": {"ttft": a, "tpot": a, "all": a}} for v, a in ((1.0, 0.9), (10.0, 1.0), (40.0, 1.0))]
+    out = latency_intervals(runs, "t", 0.9)
+    assert all(out[k]["low"] == 0.0 for k in ("ttft_p99", "tpot_p50", "output_tokens_per_s", "goodput_rps"))
+    assert out["attainment_all"]["high"] == 1.0
 
 
 def test_median_metrics_keeps_agreeing_integers_and_takes_medians():
