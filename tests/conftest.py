@@ -98,6 +98,13 @@ def uncached_logits(model, seqs) -> np.ndarray:
     return np.asarray(forward(model, ids, use_cache=False)[0])
 
 
+def tiered(cases, slow=()) -> list:
+    """pytest parameters for ``cases`` (values, or tuples for several arguments): those in ``slow`` carry the
+    slow mark (heavy tier only), the rest run in the default tier."""
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=[pytest.mark.slow] * (c in slow))
+            for c in cases]
+
+
 def tiny_config(**overrides) -> dx.ModelConfig:
     """The acceptance cases' tiny model, float32, with overrides."""
     return dx.ModelConfig.from_preset("tiny", **overrides)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import KV_DTYPES, forward, reference_logits, spiky_model, tiny_config, uncached_logits
+from conftest import KV_DTYPES, forward, reference_logits, spiky_model, tiered, tiny_config, uncached_logits
 
 import dantinox as dx
 
@@ -67,7 +67,7 @@ def left_padded_run(model, prompts, pad_id, steps):
     return np.stack(tokens, 1), np.stack(all_logits, 1)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", pytest.param("int8", marks=pytest.mark.slow)])  # int8: slow tier
+@pytest.mark.parametrize("kv_dtype", tiered(KV_DTYPES, slow=["int8"]))
 def test_K02_left_padded_batch_matches_solo_runs(kv_dtype):
     model = spiky_model(tiny_config(cache_dtype=kv_dtype))
     prompts = [[11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -145,7 +145,7 @@ def test_K05_prompt_longer_than_context_is_rejected():
         model(np.array([prompt], np.int32), use_cache=True, kv_caches=dx.init_cache(model.cfg, 1), cache_index=0)
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", pytest.param("int8", marks=pytest.mark.slow)])  # int8: slow tier
+@pytest.mark.parametrize("kv_dtype", tiered(KV_DTYPES, slow=["int8"]))
 def test_K05_prompt_plus_new_tokens_beyond_context_never_writes_past_last_slot(kv_dtype):
     model = spiky_model(tiny_config(cache_dtype=kv_dtype))
     with pytest.raises(dx.CapacityError, match=r"28 tokens \+ max_new_tokens=10 = 38 exceeds max_context=32"):

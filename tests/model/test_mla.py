@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import KV_DTYPES, forward, qdq_after_sinks, spiky_mla
+from conftest import KV_DTYPES, forward, qdq_after_sinks, spiky_mla, tiered
 from flax import nnx
 
 import dantinox as dx
@@ -241,8 +241,8 @@ def test_query_latent_sliding_window_and_no_rope_key_cached_match_uncached():
 # Acceptance cases K01-K03 with attention="mla"
 
 
-@pytest.mark.parametrize("prompt_len, kv_dtype", [pytest.param(n, d, marks=[pytest.mark.slow] * ((n, d) == (6, "int8")))
-                                                  for d in KV_DTYPES for n in (6, 1, 22)])
+@pytest.mark.parametrize("prompt_len, kv_dtype",
+                         tiered([(n, d) for d in KV_DTYPES for n in (6, 1, 22)], slow=[(6, "int8")]))
 def test_K01_mla_decode_positions_follow_cache_index(prompt_len, kv_dtype):
     model = spiky_mla(mla_config(cache_dtype=kv_dtype))
     prompt = list(np.random.default_rng(prompt_len).integers(0, 128, prompt_len))
@@ -269,8 +269,8 @@ def left_padded_run(model, prompts, pad_id, steps):
     return all_logits.argmax(-1), all_logits
 
 
-@pytest.mark.parametrize("path, kv_dtype", [pytest.param(p, d, marks=[pytest.mark.slow] * (p + d == "absorbedint8"))
-                                            for d in KV_DTYPES for p in PATHS])
+@pytest.mark.parametrize("path, kv_dtype",
+                         tiered([(p, d) for d in KV_DTYPES for p in PATHS], slow=[("absorbed", "int8")]))
 def test_K02_mla_left_padded_batch_matches_solo_runs(path, kv_dtype):
     model = spiky_mla(mla_config(mla_absorb=PATHS[path], cache_dtype=kv_dtype))
     prompts = [[11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9]]

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import spiky_mla, spiky_model, tiny_config
+from conftest import spiky_mla, spiky_model, tiered, tiny_config
 from flax import nnx
 
 import dantinox as dx
@@ -115,7 +115,7 @@ def test_zero_rows_and_an_empty_rope_key_compare_equal():
 # The reference in the model
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "mha" else k for k in KINDS])
+@pytest.mark.parametrize("kind", tiered(KINDS, slow=["mha"]))
 def test_with_nothing_to_adopt_the_reference_is_the_uncached_forward_bit_for_bit(kind):
     """Fed the int8 cache of a one-call prefill over the same ids (the same matmul shapes, so the same rows),
     the adopting reference adopts nothing and its logits equal model(ids, use_cache=False) exactly."""
@@ -143,7 +143,7 @@ def _values_per_layer(cfg, positions: int) -> tuple[int, int]:
     return 2 * cfg.kv_heads * positions * cfg.head_size, 2 * cfg.kv_heads * positions
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k != "mqa" else k for k in KINDS])
+@pytest.mark.parametrize("kind", tiered(KINDS, slow=["mha", "gqa", "mla"]))
 def test_verify_cache_passes_int8_at_1e5_over_120_tokens_for_every_attention_kind(kind):
     seed = FLIP_SEEDS[kind]
     model = _model(kind, seed)

@@ -9,7 +9,7 @@ cache dtype); MLA in tests/model/test_mla.py; the paged pool in tests/serving/te
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import forward, qdq_rows, spiky_mla, spiky_model, tiny_config
+from conftest import forward, qdq_rows, spiky_mla, spiky_model, tiered, tiny_config
 
 import dantinox as dx
 from dantinox.model.cache import QuantLatentKV
@@ -137,7 +137,7 @@ def test_int8_compiled_decode_across_attention_windows_equals_the_uncached_run(k
     np.testing.assert_array_equal(on[1], dx.generate(model, prompts[1], 185))
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in ("mha", "mqa") else k for k in KINDS])
+@pytest.mark.parametrize("kind", tiered(KINDS, slow=["mha", "mqa"]))
 def test_verify_cache_passes_for_int8_and_reports_the_distance_to_the_float_cache(kind):
     model = kind_model(kind_config(kind, cache_dtype="int8"))
     report = dx.verify_cache(model, [5, 17, 3, 99, 42, 8], new_tokens=12, tolerance=EQ)

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import forward
+from conftest import forward, tiered
 from flax import nnx
 
 import dantinox as dx
@@ -51,11 +51,11 @@ def test_int8_error_per_channel_is_at_most_half_a_step():
 
 
 # Every kind and quantization in the default tier; MLA with a tied head only in the slow tier (the heaviest).
-CASES = [pytest.param(kind, tie, quantize, tol, marks=[pytest.mark.slow] if (kind, tie) == ("mla", True) else [])
-         for kind in sorted(KINDS) for tie in (True, False) for quantize, tol in (("bf16", 0.02), ("int8", 0.05))]
+CASES = [(kind, tie, quantize, tol) for kind in sorted(KINDS) for tie in (True, False)
+         for quantize, tol in (("bf16", 0.02), ("int8", 0.05))]
 
 
-@pytest.mark.parametrize("kind, tie, quantize, tol", CASES)
+@pytest.mark.parametrize("kind, tie, quantize, tol", tiered(CASES, slow=[c for c in CASES if c[:2] == ("mla", True)]))
 def test_quantized_logits_close_to_float_and_cache_exact(kind, tie, quantize, tol):
     cfg = small_config(kind, tie_embeddings=tie)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 200, (2, 12)), jnp.int32)

@@ -7,7 +7,7 @@ flag."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import spiky_mla, spiky_model, tiny_config, uncached_logits
+from conftest import spiky_mla, spiky_model, tiered, tiny_config, uncached_logits
 from serving_util import chunked_paged_run, drain, greedy, lively_model, make_engine, solo, static_logits
 from test_serving_engine import check_resumed_requests_reprefilled, run_k08_schedule
 
@@ -38,7 +38,7 @@ def prompts(lengths, seed=0):
     return [rng.integers(0, CFG.vocab_size, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in ("mha", "mqa") else k for k in KINDS])
+@pytest.mark.parametrize("kind", tiered(KINDS, slow=["mha", "mqa"]))
 def test_int8_paged_logits_equal_the_int8_static_cache_ragged_chunked(kind):
     cfg = tiny_config(cache_dtype="int8", **KINDS[kind])
     model = spiky_mla(cfg) if kind == "mla" else spiky_model(cfg)
@@ -117,7 +117,7 @@ def test_int8_preempted_requests_resume_with_the_int8_static_output(model, polic
             check_resumed_requests_reprefilled(req)
 
 
-@pytest.mark.parametrize("max_decode_steps", [pytest.param(1, marks=pytest.mark.slow), 8])  # 1: slow tier
+@pytest.mark.parametrize("max_decode_steps", tiered([1, 8], slow=[1]))
 def test_K08_int8_requests_join_and_leave_the_batch(model, max_decode_steps):
     runs = [run_k08_schedule(model, max_decode_steps) for _ in range(2)]
     assert runs[0] == runs[1]
