@@ -51,8 +51,11 @@ def _extensions():
         _warn("DANTINOX_SKIP_KERNEL is set")
         return []
     flags = [] if sys.platform == "win32" else ["-std=c++17", "-O3", "-fvisibility=hidden", "-Wno-sign-compare",
-                                                "-Wno-return-type", "-Wno-attributes"]
-    return [Extension(KERNEL, [SOURCE], language="c++", extra_compile_args=flags, optional=True)]
+                                                "-Wno-return-type", "-Wno-attributes", "-ffp-contract=off"]
+    csrc = os.path.dirname(SOURCE)
+    includes = sorted(os.path.join(csrc, name) for name in os.listdir(csrc) if name.endswith(".inc"))
+    return [Extension(KERNEL, [SOURCE], depends=includes, language="c++", extra_compile_args=flags,
+                      optional=True)]
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -113,3 +113,43 @@ def test_unknown_format_and_bad_width():
     with pytest.raises(ValueError, match="multiples of 256"):
         row_bytes("Q4_K", 64)
     assert block_kernel.KERNEL_MAX_ROWS == 16
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_a_row_does_not_depend_on_the_rows_beside_it(fmt):
+    """Each activation row's outputs are the same float32 values, bit for bit, whether the call has 1, 3, 6 or 17
+    rows (every instruction set): a decode step and a verification call of k + 1 rows agree exactly."""
+    rows, cols = 45, 576
+    data = weights(fmt, rows, cols, seed=6)
+    x = np.random.default_rng(7).standard_normal((17, cols)).astype(np.float32)
+    for isa in ISAS:
+        alone = np.asarray(jax.jit(lambda x, d, isa=isa: kernel_matmul(x, d, fmt, isa))(x[:1], data))
+        for batch in (3, 6, 17):
+            got = np.asarray(jax.jit(lambda x, d, isa=isa: kernel_matmul(x, d, fmt, isa))(x[:batch], data))
+            assert np.array_equal(got[0], alone[0]), (isa, batch)
+
+
+@needs_kernel
+def test_concurrent_calls_from_several_threads():
+    """Calls made at once from several Python threads (each a separate jitted program) share the kernel's helper
+    threads through its job queue; every result matches the reference."""
+    import threading
+
+    rows, cols = 3000, 576
+    data = weights("Q4_1", rows, cols, seed=8)
+    xs = [np.random.default_rng(9 + i).standard_normal((1 + i % 3, cols)).astype(np.float32) for i in range(4)]
+    fn = jax.jit(lambda x, d: jax.lax.fori_loop(0, 20, lambda i, acc: acc + kernel_matmul(x, d, "Q4_1"),
+                                                jnp.zeros((x.shape[0], rows), jnp.float32)))
+    results = [None] * len(xs)
+
+    def work(i):
+        results[i] = np.asarray(fn(xs[i], data))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for x, got in zip(xs, results):
+        assert close(got / 20, reference(x, data, "Q4_1")) < 2e-6

@@ -8,7 +8,8 @@
 // atomic counter, so the call never waits for a task that has not started. The loops are compiled three
 // times (AVX-512, AVX2 + FMA, and portable) and the CPU picks one at run time (__builtin_cpu_supports); the
 // 32-value formats (Q8_0, Q4_0, Q4_1) have hand-vectorised AVX2 / AVX-512 loops that keep each block in
-// registers (block_simd32.inc), the K-quants the compiler-vectorised loops of block_formats.inc.
+// registers (block_simd32.inc; on AVX-512 the 4-bit ones decode through a 16-entry table of weights,
+// block_avx512.inc), the K-quants the compiler-vectorised loops of block_formats.inc.
 //
 // The Python module _block_matmul exposes handler() (a PyCapsule of the FFI handler for
 // jax.ffi.register_ffi_target) and isa() (the instruction set chosen on this CPU).
@@ -21,6 +22,10 @@
 #include <memory>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -161,6 +166,7 @@ inline void load_q4(const uint8_t* p, VEC* q, int offset) {
       _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)), off));
 }
 #include "block_simd32.inc"
+#include "block_avx512.inc"
 }  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -170,6 +176,16 @@ inline void load_q4(const uint8_t* p, VEC* q, int offset) {
 #endif
 
 namespace {
+
+// CPUs this process may run on (its affinity mask on Linux), at least 1.
+int64_t usable_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set) > 0 ? CPU_COUNT(&set) : 1;
+#endif
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? n : 1;
+}
 
 int detected_isa() {
 #ifdef DANTINOX_X86
@@ -188,7 +204,7 @@ using RowsFn = void (*)(int, const uint8_t*, int64_t, int64_t, const float*, int
 
 RowsFn rows_for(int isa) {
 #ifdef DANTINOX_X86
-  if (isa == ISA_AVX512) return avx512::run_rows;
+  if (isa == ISA_AVX512) return avx512::run_rows_avx512;
   if (isa == ISA_AVX2) return avx2::run_rows;
 #endif
   return scalar::run_rows;
@@ -240,7 +256,11 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   job->x = x.typed_data();
   job->y = y->typed_data();
   job->R = R;
-  const int64_t threads = pool.num_threads() > 0 ? pool.num_threads() : 1;
+  // The pool reports num_threads() = 1 on a 2-CPU host, yet a task scheduled on it runs on another thread: so
+  // the call splits the rows for as many threads as the process has CPUs. A task that starts late finds no
+  // chunk left and returns; the caller never waits for a task, only for the chunks.
+  static const int64_t cpus = usable_cpus();
+  const int64_t threads = pool.num_threads() > cpus ? pool.num_threads() : cpus;
   const int64_t parts = threads * 4;
   job->chunk = (N + parts - 1) / parts < 8 ? 8 : (N + parts - 1) / parts;
   job->chunks = (N + job->chunk - 1) / job->chunk;
