@@ -109,31 +109,34 @@ def decode_windows(cfg, batch_size: int, bound: int | None = None) -> tuple[int,
     """Attention windows (tokens) of the decode loop for a ModelConfig, batch size B and the request's bound
     (the largest prompt length + max_new_tokens, in slots; None: unknown).
 
-    B >= 2, or attention="mla": multiples of 128 up to 512, then doubling, ending at max_context, e.g.
-    (128, 256, 384, 512) for S = 512 (and (S,) for S <= 128); one program serves every request. Each window's
-    loop attends over the first L slots only, skipping the empty tail of the cache; ``decode`` cuts the
-    window's slots out once when it begins.
-    B = 1 (not MLA): one window, because each window is one more loop body to compile and a single row gains
-    little from early windows: (S,) without a bound or for S <= 512, else the smallest of 512, 1024, 2048, ...
-    that holds ``bound`` slots, so a short request on a long-context model (SmolLM2: S = 8192) attends over
-    hundreds of slots, not S, at the cost of one program per window size used.
+    The last window ("top") is max_context S when the bound is unknown or S <= 512, else the smallest of 512,
+    1024, 2048, ... that holds ``bound`` slots (at most S): a short request on a long-context model (SmolLM2:
+    S = 8192) never touches the cache past it, at the cost of one program per top used.
+    B >= 2, or attention="mla": multiples of 128 up to 512, then doubling, ending at top, e.g. (128, 256, 384,
+    512) for S = 512 (and (S,) for S <= 128). Each window's loop attends over the first L slots only, skipping
+    the empty tail of the cache; ``decode`` cuts the window's slots out once when it begins (so windows past the
+    bound, which no step would use, would cost a cut and a write-back of the cache's slots each: for SmolLM2 at
+    B = 8 and S = 8192 up to 1.5 GB per window, which dominated a 256-token generation before the bound applied
+    to batches).
+    B = 1 (not MLA): the one window top, because each window is one more loop body to compile and a single row
+    gains little from early windows.
     The measurements behind the rule are in docs/performance.md ("Attention windows");
     ``benchmarks/bench_decode.py --windows-ab`` repeats them on the reference shape.
     """
     S = cfg.max_context
+    top = S
+    if bound is not None and S > SINGLE_ROW_WINDOW:
+        top = SINGLE_ROW_WINDOW
+        while top < min(bound, S):
+            top *= 2
+        top = min(top, S)
     if cfg.attention != "mla" and batch_size < 2:
-        if bound is None or S <= SINGLE_ROW_WINDOW:
-            return (S,)
-        width = SINGLE_ROW_WINDOW
-        while width < min(bound, S):
-            width *= 2
-        return (min(width, S),)
+        return (top,)
     windows, width = [], WINDOW_STEP
-    while width < S:
+    while width < top:
         windows.append(width)
         width = width + WINDOW_STEP if width < 4 * WINDOW_STEP else 2 * width
-    return (*windows, S)
-
+    return (*windows, top)
 
 
 def one_row_windows(cfg) -> list[tuple[int, ...]]:

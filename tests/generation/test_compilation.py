@@ -49,7 +49,9 @@ def test_one_row_on_a_long_context_attends_over_a_window_its_request_needs():
     assert gen.decode_windows(cfg, 1, 300) == (512,)
     assert gen.decode_windows(cfg, 1, 513) == (1024,)
     assert gen.decode_windows(tiny_config(max_context=384), 1, 10) == (384,)   # short contexts: unchanged
-    assert gen.decode_windows(cfg, 2, 10) == (128, 256, 384, 512, 1024)       # batches: the ladder, as before
+    assert gen.decode_windows(cfg, 2) == (128, 256, 384, 512, 1024)          # batches: the ladder up to S ...
+    assert gen.decode_windows(cfg, 2, 10) == (128, 256, 384, 512)            # ... or up to the bound's top
+    assert gen.decode_windows(cfg, 2, 600) == (128, 256, 384, 512, 1024)
     model = dx.build_model(cfg)
     prompt = [[5, 9, 2, 7, 1]]
     with dx.CompileCounter() as first:
@@ -64,6 +66,22 @@ def test_one_row_on_a_long_context_attends_over_a_window_its_request_needs():
     np.testing.assert_array_equal(streamed, cached)
     np.testing.assert_array_equal(sampled, dx.generate(model, prompt, 60, temperature=0.8, top_k=7, seed=3,
                                                        use_cache=False))
+    np.testing.assert_array_equal(tail[:, :40], cached)
+
+
+def test_a_batch_on_a_long_context_stops_its_windows_at_the_request_bound():
+    """B = 2 on S = 1024: a short request's windows end at 512 (no cut of the slots past it), greedy tokens equal
+    the uncached forward's, and a longer request (bound over 512) needs exactly one more decode program."""
+    model = dx.build_model(tiny_config(max_context=1024))
+    prompts = [[5, 9, 2, 7, 1], [3, 8]]
+    with dx.CompileCounter() as first:
+        cached = dx.generate(model, prompts, 40)
+    with dx.CompileCounter() as same_top:
+        dx.generate(model, prompts, 90, temperature=0.8, seed=1)
+    with dx.CompileCounter() as longer:
+        tail = dx.generate(model, prompts, 600)
+    assert first.compilations >= 2 and same_top.compilations == 0 and longer.compilations == 1, (first, longer)
+    np.testing.assert_array_equal(cached, dx.generate(model, prompts, 40, use_cache=False))
     np.testing.assert_array_equal(tail[:, :40], cached)
 
 
