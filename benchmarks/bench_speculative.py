@@ -185,7 +185,8 @@ def main() -> None:
                 verify_cost(gen.model, k) + k * ratio, k), "draft") for k in args.spec_tokens}
         rows = measure(gen, tasks, modes, args.rounds, args.new_tokens)
     from dantinox.quant.weights import describe_weights
-    print(f"SmolLM2-135M-Instruct, B = 1, weights {describe_weights(gen.model)}, float32 cache, greedy, at most {args.new_tokens} new tokens, "
+    print(f"SmolLM2-135M-Instruct, B = 1, weights {describe_weights(gen.model)}, float32 cache, greedy, "
+          f"at most {args.new_tokens} new tokens, "
           f"n-gram {args.ngram_max}..1, medians of {args.rounds} alternating rounds, {os.cpu_count()} CPU cores")
     for k, c in costs.items():
         print(f"k={k}: measured verify cost {c:.2f} plain steps, min_accept {off[k]:.2f}"
