@@ -1,5 +1,6 @@
 """dantinox: fast, memory-honest text generation with small decoder-only transformers, built around the KV cache."""
 
+from . import _launch  # noqa: F401  (first: the dantinox command's Ctrl-C while JAX imports is one line, exit 130)
 from . import xla as _xla_setup  # noqa: F401  (XLA flags and the persistent compilation cache, before jax is used)
 from ._version import __version__  # noqa: F401  (dantinox.__version__)
 from .budget.memory import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, max_batch_size,

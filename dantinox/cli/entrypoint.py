@@ -32,6 +32,7 @@ import argparse
 import os
 import sys
 
+from .._launch import release_imports
 from .._version import __version__
 from ..config import ConfigError
 from ..model.cache import CapacityError
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     2 of 3 tries on a cold XLA cache). Every file is written atomically (``dantinox.runs.files``) and the
     server's request log is flushed per line, so nothing is lost by skipping the interpreter's teardown.
     """
+    release_imports()  # from here on a Ctrl-C is main's own one line (dantinox._launch)
     try:
         parser = build_parser()  # imports the subcommands' libraries (JAX among them): seconds
         args = parser.parse_args(argv)

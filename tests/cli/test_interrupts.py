@@ -164,3 +164,29 @@ def test_serve_interrupted_while_listening(tmp_path):
     assert err.splitlines() == ["dantinox serve: interrupted"], err
     assert sum("listening on" in line or "running on" in line.lower() for line in before) == 1
     assert len(set(before)) == len(before), before  # no start line logged twice
+
+
+def _jax_loading(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+            return "jaxlib" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT") or not __import__("os").path.exists("/proc/self/maps"),
+                    reason="needs /proc to see the child importing JAX")
+def test_interrupted_while_the_command_still_imports():
+    """A Ctrl-C in the first seconds, while ``python -m dantinox.cli`` is still importing JAX (seen in the child's
+    memory map: jaxlib mapped), is one line and status 130, not the import's traceback (dantinox._launch)."""
+    import time
+
+    child = start_cli("generate", "--prompt", "Nel", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _jax_loading(child.pid) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err
+    assert "Traceback" not in err and err.count("\n") == 1 and err.rstrip().endswith("interrupted"), err
+    assert out in ("", "Nel"), out
