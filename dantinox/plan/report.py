@@ -17,8 +17,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import tempfile
 
-from ..runs.files import atomic_write_bytes
 from .candidate import Candidate
 
 PLOTS = ("ttft_cdf.png", "rate_sweep.png", "memory_ledger.png", "pareto.png")
@@ -307,14 +308,31 @@ def _ledger_plot(plt, plan: dict) -> bytes:
 
 
 def write_plan(out_dir: str, plan: dict, ttfts: dict, run_dir: str | None) -> list[str]:
-    """Write plan.json, plan.md, the plots and serve.yaml under out_dir (created). Returns the paths."""
-    os.makedirs(out_dir, exist_ok=True)
+    """Write plan.json, plan.md, the plots and serve.yaml under out_dir. Returns the paths.
+
+    Everything is rendered first, then written into a temporary directory beside out_dir, which becomes out_dir
+    by one rename when out_dir does not exist yet (else each file replaces its namesake, one rename each): a
+    Ctrl-C while the plots render or the files are written leaves no out_dir and no half-written file.
+    """
     files = {"plan.json": plan_json_bytes(plan), "plan.md": plan_markdown(plan).encode(),
              "serve.yaml": serve_config(plan["recommendation"]["candidate"], run_dir).encode()}
     files.update(plot_files(plan, ttfts))
-    paths = []
-    for name, data in files.items():
-        path = os.path.join(out_dir, name)
-        atomic_write_bytes(path, data)
-        paths.append(path)
-    return paths
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+    try:
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would become out_dir's mode
+        for name, data in files.items():
+            with open(os.path.join(staging, name), "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        if not os.path.exists(out_dir):
+            os.rename(staging, out_dir)
+        else:
+            for name in files:
+                os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [os.path.join(out_dir, name) for name in files]

@@ -233,3 +233,26 @@ def test_gate_eval_flags_are_passed_on_and_checked():
     assert cmd[cmd.index("--window") + 1] == "1024" and cmd[cmd.index("--chunk") + 1] == "256"
     with pytest.raises(ValueError, match="--gate-chunk=0 is not allowed: an integer >= 1"):
         gate_eval_flags(argparse.Namespace(gate_window=None, gate_chunk=0, gate_prompts=None))
+
+
+def test_an_interrupted_plan_leaves_no_directory_behind(cli_inputs, capsys, monkeypatch):
+    """Ctrl-C while the plots render (issue 19's new-user walk-through found an empty --out left behind): exit 130,
+    no --out directory and no staging directory; a plan written into an existing --out (with --force) keeps
+    what was there until every new file is ready."""
+    from dantinox.plan import report
+
+    d, trace, profile = cli_inputs
+    before = set(os.listdir(d))
+
+    def interrupted(plan, ttfts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "plot_files", interrupted)
+    assert cli.main(_plan_args(d, trace, profile, d / "interrupted")) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert set(os.listdir(d)) == before
+    kept = d / "kept"
+    kept.mkdir()
+    (kept / "plan.json").write_text("{}")
+    assert cli.main(_plan_args(d, trace, profile, kept, "--force")) == 130
+    assert (kept / "plan.json").read_text() == "{}" and set(os.listdir(d)) == before | {"kept"}
