@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 
 import numpy as np
 
@@ -79,7 +80,19 @@ def open_reader(path: str | os.PathLike):
     except _TruncatedTensor as err:
         raise GGUFError(f"{path}: {err}") from None
     except Exception as err:  # the reader raises ValueError, struct.error, IndexError... on damaged files
-        raise GGUFError(f"{path}: corrupt or truncated GGUF file ({type(err).__name__}: {err})") from None
+        raise GGUFError(f"{path}: {_header_problem(path)} ({type(err).__name__}: {err})") from None
+
+
+def _header_problem(path: str) -> str:
+    """What a GGUF file that the reader could not open declares against what it holds: its 24-byte header
+    (magic, version, tensor count, metadata count, little-endian) and its size in bytes."""
+    size = os.path.getsize(path)
+    if size < 24:
+        return f"truncated GGUF file: {size} bytes, shorter than the 24-byte GGUF header"
+    with open(path, "rb") as f:
+        version, tensors, entries = struct.unpack("<IQQ", f.read(24)[4:])
+    return (f"truncated or corrupt GGUF file: its header (version {version}) declares {entries} metadata "
+            f"entries and {tensors} tensors, but their descriptions do not fit or do not parse in its {size} bytes")
 
 
 class _TruncatedTensor(ValueError):

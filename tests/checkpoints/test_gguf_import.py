@@ -84,8 +84,14 @@ def test_truncated_gguf(tmp_path, capsys):
     write_tiny_gguf(path, Q.Q8_0)
     data = path.read_bytes()
     tensors = gguf.GGUFReader(str(path)).tensors  # the intact file's table: where each tensor's bytes lie
+    reader = gguf.GGUFReader(str(path))
+    entries = len(reader.fields) - 3  # the reader lists the header's version and two counts as fields too
     path.write_bytes(data[:40])
-    assert "corrupt or truncated" in bad_import(tmp_path, capsys, path)
+    assert (f"truncated or corrupt GGUF file: its header (version 3) declares {entries} metadata entries and "
+            f"{len(tensors)} tensors, but their descriptions do not fit or do not parse in its 40 bytes"
+            ) in bad_import(tmp_path, capsys, path)
+    path.write_bytes(data[:20])
+    assert "truncated GGUF file: 20 bytes, shorter than the 24-byte GGUF header" in bad_import(tmp_path, capsys, path)
     for cut in (len(data) // 2, len(data) - 100):
         path.write_bytes(data[:cut])
         first = next(t for t in tensors if t.data_offset + t.n_bytes > cut)
@@ -104,7 +110,7 @@ def test_not_gguf_and_corrupt_header(tmp_path, capsys):
     data = bytearray(path.read_bytes())
     data[8:16] = (10**9).to_bytes(8, "little")  # tensor count far beyond the file
     path.write_bytes(bytes(data))
-    assert "corrupt or truncated" in bad_import(tmp_path, capsys, path)
+    assert "1000000000 tensors, but their descriptions do not fit" in bad_import(tmp_path, capsys, path)
 
 
 def test_unsupported_quantization_type(tmp_path, capsys):
