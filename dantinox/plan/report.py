@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 
+from ..runs.files import atomic_write_bytes
 from .candidate import Candidate
 
 PLOTS = ("ttft_cdf.png", "rate_sweep.png", "memory_ledger.png", "pareto.png")
@@ -310,29 +311,26 @@ def _ledger_plot(plt, plan: dict) -> bytes:
 def write_plan(out_dir: str, plan: dict, ttfts: dict, run_dir: str | None) -> list[str]:
     """Write plan.json, plan.md, the plots and serve.yaml under out_dir. Returns the paths.
 
-    Everything is rendered first, then written into a temporary directory beside out_dir, which becomes out_dir
-    by one rename when out_dir does not exist yet (else each file replaces its namesake, one rename each): a
-    Ctrl-C while the plots render or the files are written leaves no out_dir and no half-written file.
+    Everything is rendered first. A new out_dir is written as a temporary directory beside it that becomes
+    out_dir by one rename; an existing one (``--force``) has each file replaced atomically
+    (``dantinox.runs.files.atomic_write_bytes``). A Ctrl-C while the plots render or the files are written
+    leaves no out_dir and no half-written file.
     """
     files = {"plan.json": plan_json_bytes(plan), "plan.md": plan_markdown(plan).encode(),
              "serve.yaml": serve_config(plan["recommendation"]["candidate"], run_dir).encode()}
     files.update(plot_files(plan, ttfts))
     out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=parent)
+    if os.path.isdir(out_dir):
+        for name, data in files.items():
+            atomic_write_bytes(os.path.join(out_dir, name), data)
+        return [os.path.join(out_dir, name) for name in files]
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", dir=os.path.dirname(out_dir))
     try:
         os.chmod(staging, 0o755)  # mkdtemp's 0700 would become out_dir's mode
         for name, data in files.items():
-            with open(os.path.join(staging, name), "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        if not os.path.exists(out_dir):
-            os.rename(staging, out_dir)
-        else:
-            for name in files:
-                os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+            atomic_write_bytes(os.path.join(staging, name), data)
+        os.rename(staging, out_dir)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after the rename
     return [os.path.join(out_dir, name) for name in files]
