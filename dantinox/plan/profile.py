@@ -152,7 +152,7 @@ def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
     def call():
         out, engine.pool = decode_steps(engine.graph, engine.params, engine.pool, z, start, np.full(B, n, np.int32),
                                         table, np.zeros(B, np.uint32), z, sampling, engine._sink_rows([], B),
-                                        max_steps=max_steps)
+                                        engine._residual_rows([], B), max_steps=max_steps)
         return jax.device_get(out)
     return call
 
@@ -167,7 +167,8 @@ def _time_forward(engine, B: int, T: int, repeats: int) -> float:
     def call():
         out, _, engine.pool = forward_step(engine.graph, engine.params, engine.pool, ids, z, num_new, table,
                                            np.zeros(B, np.uint32), z, sampling, np.bool_(False),
-                                           all_allowed_mask(B, engine.vocab_size), engine._sink_rows([], B))
+                                           all_allowed_mask(B, engine.vocab_size), engine._sink_rows([], B),
+                                           engine._residual_rows([], B))
         return np.asarray(out)
     return _median_seconds(call, repeats)
 

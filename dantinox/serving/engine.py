@@ -511,7 +511,7 @@ class PagedEngine(Engine):
         start, table, seeds, steps, sampling = self._row_inputs(part, B, M)
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
         return (self.graph, self.params, self.pool, seq, start, limit, table, seeds, steps, sampling,
-                with_logprobs, self._sink_rows(part, B))
+                with_logprobs, self._sink_rows(part, B), self._residual_rows(part, B))
 
     def _spec_statics(self) -> dict:
         spec = self.speculative
