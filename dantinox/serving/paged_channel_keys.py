@@ -141,12 +141,12 @@ class PagedChannelView(NamedTuple):
         q: [B, K, G', T, D] scaled queries; k: unused (the per-token read-back keys); v: [B, K, T, D] the new
         values read back from int8 (sinks in full); cache_index: [B] int32; stored: the int8 layer's (k_q, v_q,
         k_scale, v_scale, k_full, v_full), of which k_full, v_full [B, K, T, D] and v_q, v_scale are used.
-        Returns (y [B, K, G', T, D] float32, the view with the new tokens written). Raises ValueError for a
-        key_start, a sliding window or a missing ``stored`` (a pool built for another cache dtype).
+        window: the sliding window (a query sees the slots t - window < s <= t, sinks included, as the static
+        cache) or None. Returns (y [B, K, G', T, D] float32, the view with the new tokens written). Raises
+        ValueError for a key_start or a missing ``stored`` (a pool built for another cache dtype).
         """
-        if key_start is not None or window is not None:
-            raise ValueError("per-channel keys (--kv-keys channel) are served without left padding and without "
-                             "a sliding window")
+        if key_start is not None:
+            raise ValueError("per-channel keys (--kv-keys channel) are served without left padding")
         if stored is None or len(stored) != 6:
             raise ValueError("the pool holds PagedChannelKV (int8, per-channel keys) but the model does not "
                              "write an int8 layer: build the pool from the model's config")
@@ -176,7 +176,10 @@ class PagedChannelView(NamedTuple):
         else:        # a prefill chunk: a group completing inside it is read both ways
             scores = jnp.where(from_int8[:, None, None], grouped_scores(q, int8_keys.astype(q.dtype)),
                                grouped_scores(q, full.astype(q.dtype)))
-        probs = jax.nn.softmax(jnp.where((s[:, None] <= t)[:, None, None], scores, NEG_INF), axis=-1)
+        visible = s[:, None] <= t                                                # [B, T, S]
+        if window is not None:
+            visible = visible & (t - s[:, None] < window)
+        probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, NEG_INF), axis=-1)
         y = grouped_values(probs, values)
         return y, self._replace(pool=self._written(stored, codes, scales, full, c, T))
 
