@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..model.channel_attention import attend_channels, written_sinks
+from ..model.channel_attention import attend_channels, quantized_keys, written_sinks
 from ..model.channel_layout import ChannelQuantLayerKV
 from ..quant.kv_channels import group_span
 from ..quant.kv_rows import dequantize_rows, roundtrip
@@ -51,7 +51,8 @@ class AdoptingChannelLayerKV:
         keys = stored[4]
         B, K, T, D = keys.shape
         zeros = jnp.zeros((B, K, G, D), jnp.float32)
-        span = group_span(zeros, keys, jnp.zeros((B,), jnp.int32))
+        span = group_span(zeros, quantized_keys(keys, jnp.zeros((B,), jnp.int32), key_start, cfg.sink_slots),
+                          jnp.zeros((B,), jnp.int32))
         back = self._adopted_groups(span, T // G)
         sinks = written_sinks(cfg, None, keys, stored, cache_index, key_start)
         return attend_channels(cfg, q, v, None, span.astype(q.dtype), back.astype(q.dtype), sinks, cache_index,

@@ -9,7 +9,9 @@ consecutive tokens follows them instead. Values have no fixed outlier channels a
 The layout (G = ``group``; slots are grouped from slot 0: group g holds slots g G .. g G + G - 1):
   - keys of a *complete* group: int8 codes with one float32 scale per (group, KV head, channel),
     scale = max over the group's G tokens of |k| / 127 (symmetric absmax, as ``kv_rows``; 0 for an all-zero
-    channel, read back as exact zeros);
+    channel, read back as exact zeros), the row's float32 attention sinks (``kv_sinks``: always read from
+    their float32 copy) and left padding counting as zeros, so an outlier sink token (K13) cannot coarsen the
+    other keys of its group;
   - keys of the group still filling (KIVI's full-precision residual): float32, in a ring of R = 2 G slots per
     sequence (``RING_GROUPS``; slot s at ring position s mod R) that also keeps the group before it, so a
     speculative rollback that un-completes a group still finds its float keys (below, Rollback);

@@ -25,7 +25,9 @@ s >= A; in float32 otherwise (the filling group from the residual or the call's 
 from the sink slot). One call (a prefill chunk, a decode step) with cache_index c and n new tokens:
   1. gathers the row's blocks: codes and scales read back ([B, K, M P, D]), values read back, sinks;
   2. builds the full-precision keys of the slots from g0 = (c // G) G on: the residual (g0 <= s < c) and the
-     new keys (c <= s < c + T), and quantizes their groups (``quantize_channels``);
+     new keys (c <= s < c + T), and quantizes their groups (``quantize_channels``), the A sinks counted as
+     zeros (they are read from the sink slot, never from their codes, so an outlier sink token does not
+     coarsen the rest of its group);
   3. attends with the rule above, one softmax over the M P slots, causal;
   4. writes: the codes and scales of every group that completes in this call (its slots below
      e = ((c + n) // G) G), the keys of slots max(g0, e - G) .. c + n - 1 into the residual ring, the values
@@ -162,7 +164,7 @@ class PagedChannelView(NamedTuple):
         full = jnp.where(old(is_new), _at(stored[4].astype(jnp.float32), new_at),
                          jnp.where(old((s >= g0) & (s < c[:, None])), _at(resid, s % R),
                                    _with_sinks(old(in_sink), sinks_k, s, A, 0.0)))
-        codes, scales = quantize_channels(full, G)
+        codes, scales = quantize_channels(jnp.where(old(s < A), 0.0, full), G)   # sinks: never read as int8
         stored_keys = dequantize_channels(_rows(pool.k, table), _rows(pool.k_scale, table), G)
         int8_keys = jnp.where(old(s < g0), stored_keys, dequantize_channels(codes, scales, G))
         values = jnp.where(old(is_new), _at(v.astype(jnp.float32), new_at),

@@ -123,11 +123,14 @@ def test_real_cache_equals_the_eval_view_on_the_same_inputs(model):
 
 
 def numpy_layer(q, k, v, sinks):
-    """Numpy reference of one layer: keys of complete groups per-channel absmax int8, the filling group and
-    the sinks in float, values per-token absmax int8 (sinks in float). Returns (y, codes, scales)."""
+    """Numpy reference of one layer: keys of complete groups per-channel absmax int8 (the sinks, read in float,
+    counting as zeros in their group's scale), the filling group and the sinks in float, values per-token
+    absmax int8 (sinks in float). Returns (y, codes, scales)."""
     B, K, S, D = k.shape
     N = S // G
-    x = k[:, :, :N * G].astype(np.float64).reshape(B, K, N, G, D)
+    x = k[:, :, :N * G].astype(np.float64)
+    x[:, :, :sinks] = 0.0
+    x = x.reshape(B, K, N, G, D)
     scale = (np.abs(x).max(axis=-2) / 127.0).astype(np.float32)
     codes = np.clip(np.round(x / np.where(scale > 0, scale, 1)[..., None, :]), -127, 127)
     k_int8 = (codes * scale[..., None, :]).reshape(B, K, N * G, D)
