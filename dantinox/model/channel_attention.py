@@ -57,7 +57,7 @@ def channel_attention(cfg: ModelConfig, q, k, v, layer: ChannelQuantLayerKV | No
     real tokens among the T (right padding after them) or None (all). Returns (y [B, K, G', T, D] float32, the
     updated layer or None).
     """
-    G, T = cfg.kv_key_group, q.shape[3]
+    G, T = cfg.key_group, q.shape[3]
     offset = cache_index % G
     span = group_span(_residual(layer, k, cache_index, G), quantized_keys(k, cache_index, key_start, cfg.sink_slots),
                       offset, valid)
@@ -114,7 +114,7 @@ def attend_channels(cfg, q, v, old, span_float, span_int8, sinks, cache_index, k
     span_float, span_int8: [B, K, Lx, D] the span's keys in full and read back from int8; sinks: (k_sink,
     v_sink) [B, K, A, D]. Returns [B, K, G', T, D] float32.
     """
-    G, T, Lx, A = cfg.kv_key_group, q.shape[3], span_float.shape[-2], sinks[0].shape[-2]
+    G, T, Lx, A = cfg.key_group, q.shape[3], span_float.shape[-2], sinks[0].shape[-2]
     query = cache_index[:, None, None] + jnp.arange(T)[None, :, None]           # [B, T, 1]
     start = jnp.zeros_like(cache_index) if key_start is None else key_start
     begin = (cache_index - cache_index % G)[:, None, None]                       # r0, [B, 1, 1]

@@ -47,7 +47,7 @@ class AdoptingChannelLayerKV:
         """Per-channel attention over the new tokens only (cache_index 0), keys of complete groups read back
         from the adopted codes and scales; writes nothing. q: [B, K, G', T, D]; v: [B, K, T, D]; stored: the
         int8 layer's tuple (stored[4]: the full keys). Returns (y [B, K, G', T, D] float32, this layer)."""
-        cfg, G = self.cfg, self.cfg.kv_key_group
+        cfg, G = self.cfg, self.cfg.key_group
         keys = stored[4]
         B, K, T, D = keys.shape
         zeros = jnp.zeros((B, K, G, D), jnp.float32)
@@ -63,7 +63,7 @@ class AdoptingChannelLayerKV:
         run's flips adopted (one row per (group, channel) of G elements), the rest from the reference's own
         quantization (never read as int8 before they complete)."""
         from ..quant.kv_channels import channel_roundtrip
-        G = self.cfg.kv_key_group
+        G = self.cfg.key_group
         own = channel_roundtrip(span, G)
         if N == 0:
             return own

@@ -2,7 +2,7 @@
 pool: the layer type, its attention over block tables, its writes and its bytes.
 
 Letters as in ``dantinox.serving.paged_cache`` (N blocks, P tokens per block, M block-table entries, R sink
-slots, A sink tokens) plus G = cfg.kv_key_group tokens per key-scale group and Q residual slots.
+slots, A sink tokens) plus G = cfg.key_group tokens per key-scale group and Q residual slots.
 
 Layout of one layer (``PagedChannelKV``), P a multiple of G so a group never straddles two blocks:
   k        [N, P, K, D] int8     keys of complete groups, per-channel codes
@@ -72,13 +72,14 @@ class PagedChannelKV(NamedTuple):
 
 
 def check_channel_block_size(cfg: ModelConfig, block_size: int) -> None:
-    """ValueError naming --block-size and --kv-key-group unless block_size is a multiple of cfg.kv_key_group
+    """ValueError naming --block-size and --kv-key-group unless block_size is a multiple of cfg.key_group
     (a key group must lie in one block)."""
-    G = cfg.kv_key_group
+    G = cfg.key_group
     if block_size % G:
-        raise ValueError(f"--block-size {block_size} is not allowed with --kv-keys channel --kv-key-group {G}: "
-                         f"the block size must be a multiple of the key group (e.g. --block-size {G}), so a "
-                         "group of keys never straddles two blocks")
+        raise ValueError(f"--block-size {block_size} is not allowed with per-channel int8 keys (--kv-keys channel, "
+                         f"the int8 default) and --kv-key-group {G}: the block size must be a multiple of the key "
+                         f"group (e.g. --block-size {G}, serve's default here), so a group of keys never straddles "
+                         "two blocks; or give --kv-keys token")
 
 
 def channel_block_bytes(cfg: ModelConfig, block_size: int) -> int:
@@ -86,7 +87,7 @@ def channel_block_bytes(cfg: ModelConfig, block_size: int) -> int:
     scales per token, key scales per group and channel). Raises ValueError (``check_channel_block_size``)
     for a block size that is not a multiple of G."""
     check_channel_block_size(cfg, block_size)
-    P, G, K, D = int(block_size), cfg.kv_key_group, cfg.kv_heads, cfg.head_size
+    P, G, K, D = int(block_size), cfg.key_group, cfg.kv_heads, cfg.head_size
     return cfg.num_blocks * (P * (2 * K * D + SCALE_BYTES * K) + (P // G) * K * D * SCALE_BYTES)
 
 
@@ -95,7 +96,7 @@ def residual_set_bytes(cfg: ModelConfig) -> int:
     ``cfg.channel_keys``)."""
     if not cfg.channel_keys:
         return 0
-    return cfg.num_blocks * ring_slots(cfg.kv_key_group) * cfg.kv_heads * cfg.head_size * RESIDUAL_BYTES
+    return cfg.num_blocks * ring_slots(cfg.key_group) * cfg.kv_heads * cfg.head_size * RESIDUAL_BYTES
 
 
 def init_channel_layer(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int,
@@ -103,7 +104,7 @@ def init_channel_layer(cfg: ModelConfig, num_blocks: int, block_size: int, sink_
     """Zeros of one layer (shapes in the module docstring). Raises ValueError for a block size that is not a
     multiple of the key group."""
     check_channel_block_size(cfg, block_size)
-    N, P, G, K, D = num_blocks, block_size, cfg.kv_key_group, cfg.kv_heads, cfg.head_size
+    N, P, G, K, D = num_blocks, block_size, cfg.key_group, cfg.kv_heads, cfg.head_size
     A = cfg.sink_slots
     return PagedChannelKV(jnp.zeros((N, P, K, D), jnp.int8), jnp.zeros((N, P, K, D), jnp.int8),
                           jnp.zeros((N, P // G, K, D), SCALE_DTYPE), jnp.zeros((N, P, K, 1), SCALE_DTYPE),

@@ -182,7 +182,9 @@ def test_budget_counts_the_allocated_arrays(group, sinks, slots):
     assert isinstance(cache[0], ChannelQuantLayerKV)
     assert cache_nbytes(cache) == kv_cache_bytes(cfg, 3, slots) == 3 * kv_cache_bytes(cfg, 1, slots)
     K, D, A = cfg.kv_heads, cfg.head_size, cfg.sink_slots
-    per_layer = slots * (2 * K * D + 4 * K) + -(-slots // group) * K * D * 4 + 2 * group * K * D * 4 + A * 2 * K * D * 4
+    G = min(group, slots)            # a group longer than the context is clipped to it (64 -> 48: cfg.key_group)
+    assert cfg.key_group == G and cache[0].k_residual.shape[-2] == 2 * G
+    per_layer = slots * (2 * K * D + 4 * K) + -(-slots // G) * K * D * 4 + 2 * G * K * D * 4 + A * 2 * K * D * 4
     assert kv_cache_bytes(cfg, 1, slots) == cfg.num_blocks * per_layer
     assert kv_cache_bytes(cfg, 1, slots, "float32") == slots * cfg.num_blocks * 2 * K * D * 4   # no int8: no layout
     plan = plan_capacity(cfg, 2 ** 30, [(5, 3)], admission="request")
