@@ -266,8 +266,9 @@ def test_greedy_equality_across_attention_kinds_and_int8(attention, cache_dtype)
     if attention == "mla":
         cfg = dx.ModelConfig.from_preset("tiny-mla", max_context=64, cache_dtype=cache_dtype)
     else:
-        cfg = tiny_config(attention=attention, max_context=64, cache_dtype=cache_dtype,
-                          **({"kv_heads": 2} if attention == "gqa" else {}))
+        cfg = tiny_config(attention=attention, max_context=64, cache_dtype=cache_dtype,   # int8: per-token keys
+                          **({"kv_heads": 2, "kv_keys": "token"} if attention == "gqa" else {}))   # (channel keys:
+        #                           test_speculation_over_per_channel_keys_equals_plain_served_greedy)
     net = lively_mla_model(cfg) if attention == "mla" else lively_model(cfg)
     requests = [(p, greedy(n)) for p, n in BATCH]
     _, expected, _ = serve(net, requests, spec=None)
