@@ -78,20 +78,23 @@ class ModelConfig:
       tie_embeddings: the output projection is the transposed token embedding.
       compute_dtype: "float32" or "bfloat16" (activations and matmuls; parameters stay float32).
       cache_dtype: "float32", "bfloat16" or "int8" (dtype of the stored keys and values; int8 stores symmetric
-        absmax int8 with one float32 scale per token and KV head, see dantinox.quant.kv_rows; not with
-        paradigm="diffusion").
+        absmax int8 values with one float32 scale per token and KV head, see dantinox.quant.kv_rows, and keys
+        as kv_keys says; not with paradigm="diffusion").
       kv_sink_tokens: int8 cache only: the first kv_sink_tokens positions of every sequence (its attention
         sinks) are also kept in float32 and attention reads them from there, so one outlier token does not
         move every later score (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks",
         section 3; see dantinox.quant.kv_sinks and docs/quantization.md, "Attention sinks"). 0 turns it off.
         An integer >= 0 (at most max_context are kept: ``sink_slots``); no effect on float caches.
-      kv_keys: int8 cache only: how keys are quantized. "token" (one scale per token and KV head, as values;
-        ``dantinox.quant.kv_rows``) or "channel" (one scale per KV head and channel over each group of
-        kv_key_group consecutive slots, the group still filling kept in float32: KIVI, Liu et al. 2024,
-        sections 3.2-3.3; ``dantinox.quant.kv_channels``). "channel" is for MHA / GQA / MQA (MLA's latent has
-        no per-head keys and stays per token). No effect on float caches.
-      kv_key_group: G, slots per key-scale group with kv_keys="channel": an integer >= 1 (default 64, where the
-        key scales cost 4 K bytes per token as per-token scales do at D = 64).
+      kv_keys: int8 cache only: how keys are quantized. "channel" (the default: one scale per KV head and
+        channel over each group of kv_key_group consecutive slots, the group still filling kept in float32:
+        KIVI, Liu et al. 2024, sections 3.2-3.3; ``dantinox.quant.kv_channels``; ``dantinox eval`` on SmolLM2's
+        slices measured it ahead of per-token keys with sinks on every figure at equal bytes per token,
+        docs/quantization.md) or "token" (one scale per token and KV head, as values; ``dantinox.quant.kv_rows``).
+        Channel keys are for MHA / GQA / MQA: an MLA cache stays per token whatever kv_keys says (its latent has
+        no per-head keys), see ``channel_keys``. No effect on float caches.
+      kv_key_group: slots per key-scale group with kv_keys="channel": an integer >= 1 (default 64, where the
+        key scales cost 4 K bytes per token as per-token scales do at D = 64). The cache uses ``key_group``,
+        this value clipped to max_context.
       sliding_window: if set, a query attends only to the last `sliding_window` positions (itself included).
         The static cache still holds max_context slots.
       kv_latent_dim: MLA only (required there, None otherwise): d_c, the width C of the per-token latent c_kv
@@ -142,7 +145,7 @@ class ModelConfig:
     compute_dtype: str = "float32"
     cache_dtype: str = "float32"
     kv_sink_tokens: int = 4
-    kv_keys: str = "token"
+    kv_keys: str = "channel"
     kv_key_group: int = 64
     sliding_window: int | None = None
     kv_latent_dim: int | None = None
@@ -295,6 +298,15 @@ class ModelConfig:
         """True when the cache holds per-channel int8 keys (KIVI): cache_dtype="int8", kv_keys="channel" and an
         MHA / GQA / MQA model (an MLA cache stays per token whatever kv_keys says)."""
         return self.cache_dtype == "int8" and self.kv_keys == "channel" and self.attention != "mla"
+
+    @property
+    def key_group(self) -> int:
+        """G, the slots per key-scale group the per-channel key cache uses: min(kv_key_group, max_context). A
+        group completes only once all its G slots are written and is read from int8 only by later slots, so in
+        a context of S <= G slots no group is ever read from int8 (every key stays in the float32 residual,
+        ``dantinox.quant.kv_channels``); clipping G to S changes no number and keeps the residual ring at
+        2 S slots instead of 2 G (the tiny test configs, max_context 32 < 64)."""
+        return min(self.kv_key_group, self.max_context)
 
     @property
     def rope_dim(self) -> int:

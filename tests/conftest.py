@@ -133,8 +133,11 @@ def reference_logits(model, ids: np.ndarray) -> np.ndarray:
     """Independent reference: numpy forward with an explicit causal mask and naive per-head GQA mapping
     (query head h reads KV head h // (H / K)). ids: [B, T] -> logits [B, T, V] float64. With
     cache_dtype="int8" every key and value row (per token and KV head) after the first cfg.sink_slots tokens
-    goes through ``qdq_rows`` (``qdq_after_sinks``)."""
+    goes through ``qdq_rows`` (``qdq_after_sinks``): the per-token layout, so an int8 model must have
+    kv_keys="token" (per-channel keys, the int8 default, have their numpy reference in
+    tests/quality/test_channel_keys.py)."""
     cfg = model.cfg
+    assert not cfg.channel_keys, "reference_logits quantizes keys per token: give the model kv_keys='token'"
     p = lambda x: np.asarray(x[...], np.float64)  # noqa: E731
     emb = p(model.embed.embedding)
     x = emb[ids]

@@ -35,7 +35,8 @@ def decode_greedy(model, prompt, steps, cache=None):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("prompt_len", [6, 1, 22])
 def test_K01_decode_positions_follow_cache_index(prompt_len, kv_dtype):
-    model = spiky_model(tiny_config(cache_dtype=kv_dtype))
+    # kv_keys="token": the numpy reference quantizes keys per token (per-channel keys: test_channel_cache.py)
+    model = spiky_model(tiny_config(cache_dtype=kv_dtype, kv_keys="token"))
     prompt = list(np.random.default_rng(prompt_len).integers(0, 128, prompt_len))
     tokens, step_logits, cache = decode_greedy(model, prompt, 10)
     # step t saw prompt + tokens[: t + 1]: its logits are position prompt_len + t of the final sequence's forward
@@ -89,7 +90,7 @@ def test_K02_left_padded_batch_matches_solo_runs(kv_dtype):
                                       2, pytest.param(1, marks=pytest.mark.slow)])   # 2 in the default tier
 def test_K03_grouped_heads_map_to_kv_head_h_div_group(kv_heads, kv_dtype):
     attention = {8: "mha", 1: "mqa"}.get(kv_heads, "gqa")
-    cfg = tiny_config(attention=attention, kv_heads=kv_heads, cache_dtype=kv_dtype)
+    cfg = tiny_config(attention=attention, kv_heads=kv_heads, cache_dtype=kv_dtype, kv_keys="token")  # as K01
     model = spiky_model(cfg)
     for batch in ([1, 3] if kv_heads == 1 else [1]):
         prompts = np.random.default_rng(batch).integers(0, 128, (batch, 5))

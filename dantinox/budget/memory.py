@@ -87,7 +87,8 @@ def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: in
                    dtype: str | None = None) -> int:
     """Exact bytes of the KV cache for `batch` sequences of `seq_len` tokens each:
     batch x (seq_len x kv_bytes_per_token + kv_sink_bytes), or with per-channel keys (cfg.channel_keys and an
-    int8 dtype) batch x (channel_key_cache_bytes(cfg, seq_len, cfg.kv_key_group) + kv_sink_bytes).
+    int8 dtype) batch x (channel_key_cache_bytes(cfg, seq_len, G) + kv_sink_bytes), G = min(kv_key_group,
+    seq_len): the key group of a cache of seq_len slots (``ModelConfig.key_group``).
 
     seq_len may exceed cfg.max_context (to budget a longer context for the same shape); init_cache itself
     always allocates cfg.max_context slots, so kv_cache_bytes(cfg, B, cfg.max_context) is its size.
@@ -97,7 +98,8 @@ def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: in
     seq_len = _positive_int("seq_len", seq_len)
     cfg = _as_config(cfg)
     if channel_layout(cfg, dtype):
-        return batch * (channel_key_cache_bytes(cfg, seq_len, cfg.kv_key_group) + kv_sink_bytes(cfg, dtype))
+        return batch * (channel_key_cache_bytes(cfg, seq_len, min(cfg.kv_key_group, seq_len))
+                        + kv_sink_bytes(cfg, dtype))
     return batch * (seq_len * kv_bytes_per_token(cfg, dtype) + kv_sink_bytes(cfg, dtype))
 
 

@@ -66,10 +66,11 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also print memory per device and the largest batch on a D x M device mesh "
                              "(docs/multi-device.md)")
     parser.add_argument("--kv-keys", dest="kv_keys", default=None, metavar="token|channel",
-                        help="int8 keys: token (a scale per token and KV head) or channel (a scale per channel and "
-                             "group of --kv-key-group tokens, KIVI; needs --dtype int8; MLA rows stay per token)")
+                        help="int8 keys: channel (a scale per channel and group of --kv-key-group tokens, KIVI; "
+                             "MLA rows stay per token) or token (a scale per token and KV head); default: the "
+                             "config's, channel unless set")
     parser.add_argument("--kv-key-group", dest="kv_key_group", type=int, default=None, metavar="G",
-                        help="tokens per key-scale group with --kv-keys channel (default 64)")
+                        help="tokens per key-scale group with per-channel keys (default: the config's, 64)")
     parser.add_argument("--measure", action="store_true",
                         help="allocate each cache with init_cache; print measured bytes next to the formula")
 
@@ -99,11 +100,12 @@ def run_budget(args: argparse.Namespace) -> int:
     diffusion = diffusion_rows(cfg, contexts, dtype, args.gen_len) if wants_diffusion and dtype != "int8" else None
     print(f"Model: {cfg.num_blocks} blocks, dim {cfg.dim}, {cfg.n_heads} heads x {cfg.head_size}, "
           f"vocab {cfg.vocab_size}; cache dtype {dtype}")
+    channel = shape.replace(cache_dtype=dtype).channel_keys   # per-channel int8 keys: the int8 default (not MLA)
     print("KV bytes per sequence = L x 2 x S x H_kv x D x bytes (MLA: L x S x (d_c + d_rope) x bytes); int8 "
           "adds a 4-byte scale per token and KV head (MLA: 2 per token)" + (
-              f"; per-channel keys (G = {shape.kv_key_group}): value scales per token, key scales per channel and "
-              f"group, ceil(S / G) x H_kv x D x 4, and G x H_kv x D x 4 of float32 residual keys, per layer"
-              if shape.channel_keys else "") + "\n")
+              f"; per-channel keys (G = {shape.key_group}; --kv-keys token for per-token keys): value scales per "
+              f"token, key scales per channel and group, ceil(S / G) x H_kv x D x 4, and a ring of 2 G x H_kv x D "
+              f"x 4 float32 residual keys, per layer (MLA rows stay per token)" if channel else "") + "\n")
     if any(c > cfg.max_context for c in contexts):
         print(f"^ longer than the model's max_context={cfg.max_context}: the model cannot run it; the figures "
               "are for the same shape with a longer context\n")

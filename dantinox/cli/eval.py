@@ -15,9 +15,10 @@ Walkthrough:
   2. The run is loaded twice: the baseline ("default": the run as saved, its weights and its own cache dtype;
      or --baseline RUN_DIR, another run directory with the same tokenizer.json, e.g. a GGUF file imported with
      --dtype float32 as the baseline of its blocks) and the candidate (the cache dtype of --kv-dtype, its int8
-     sink tokens from --kv-sinks, then the weights of --quantize; --kv-keys channel runs its int8 keys per
-     channel in groups of --kv-key-group tokens, KIVI, ``dantinox.quality.channel_keys``, an eval-only
-     layout). With --mesh both
+     sink tokens from --kv-sinks, its int8 key layout from --kv-keys / --kv-key-group, then the weights of
+     --quantize). An int8 MHA / GQA / MQA candidate keeps its keys per channel in groups of G tokens (KIVI,
+     the default; --kv-keys token: per token), measured through ``dantinox.quality.channel_keys``'s view,
+     which holds float32 keys and reads them back as that layout does (the same numbers). With --mesh both
      are then sharded over the mesh (``dantinox.parallel.sharding.shard_model``, as generate and verify do; heads not
      divisible by model: exit 2 naming --mesh) and every figure is measured on it (docs/multi-device.md).
   3. Each slice is tokenized with the run's tokenizer (characters outside a char vocabulary become <unk>) and
@@ -61,11 +62,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     add_quantize_argument(p)
     p.add_argument("--kv-sinks", type=int, default=None, metavar="A", help="int8 cache: the candidate's first A "
                    "tokens kept in float32 (kv_sink_tokens; default: the run's own, 4 unless set)")
-    p.add_argument("--kv-keys", default="token", help="int8 cache keys of the candidate: token (one scale per "
-                   "token and head, the cache generate and serve use) or channel (one scale per channel over "
-                   "groups of --kv-key-group tokens, KIVI; measured by eval only)")
-    p.add_argument("--kv-key-group", type=int, default=DEFAULT_GROUP, metavar="G",
-                   help=f"tokens per key-scale group with --kv-keys channel (default {DEFAULT_GROUP})")
+    p.add_argument("--kv-keys", default=None, help="int8 cache keys of the candidate: channel (one scale per "
+                   "channel over groups of --kv-key-group tokens, KIVI; MHA / GQA / MQA, MLA stays per token) or "
+                   "token (one scale per token and head); default: the run's kv_keys, channel unless set")
+    p.add_argument("--kv-key-group", type=int, default=None, metavar="G",
+                   help=f"tokens per key-scale group with per-channel keys (default: the run's, {DEFAULT_GROUP})")
     p.add_argument("--chunk", type=int, default=1, metavar="C", help="tokens per cached call after the prefix "
                    "(1: one-token decode steps; larger runs C times fewer steps, same figures up to rounding)")
     p.add_argument("--window", type=int, default=None, metavar="W", help="longest teacher-forced window in "
@@ -134,7 +135,7 @@ def read_slice(name: str, path: str) -> str:
 def check_eval_args(args) -> None:
     """Raise ValueError naming the flag for a bad number, quantize, kv dtype or baseline."""
     for flag in ("prefix", "batch", "prompts", "prompt_tokens", "continuation", "chunk", "kv_key_group"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not allowed: an integer >= 1")
     check_quantize(args.quantize, "--quantize")
     if args.kv_dtype is not None:
@@ -143,7 +144,7 @@ def check_eval_args(args) -> None:
         raise ValueError(f"--window {args.window} is not allowed: at least --prefix + 2 = {args.prefix + 2}")
     if args.kv_sinks is not None and args.kv_sinks < 0:
         raise ValueError(f"--kv-sinks {args.kv_sinks} is not allowed: an integer >= 0 (0: no float32 sinks)")
-    if args.kv_keys not in KEY_LAYOUTS:
+    if args.kv_keys is not None and args.kv_keys not in KEY_LAYOUTS:
         raise ValueError(f"--kv-keys {args.kv_keys} is not allowed: one of {', '.join(KEY_LAYOUTS)}")
     if args.baseline not in BASELINES and not os.path.isdir(args.baseline):
         raise ValueError(f"--baseline {args.baseline} is not allowed: one of {', '.join(BASELINES)}, or a run "
@@ -166,34 +167,30 @@ def check_same_tokenizer(run_dir: str, baseline_dir: str) -> None:
 
 
 def candidate_model(model, kv_dtype: str | None, quantize: str | None, sinks: int | None = None,
-                    keys: str = "token"):
+                    keys: str | None = None, group: int | None = None):
     """``model`` with the cache dtype ``kv_dtype`` (the same parameters; ``dantinox.quant.kv_dtype.with_kv_dtype``),
-    ``sinks`` int8 sink tokens (None: its own) and the weights of ``quantize``. Raises KVDtypeError / ValueError
-    naming --kv-dtype, --kv-sinks, --kv-keys or --quantize (sinks or channel keys on a cache that is not int8,
-    channel keys on MLA)."""
+    ``sinks`` int8 sink tokens (None: its own), the int8 key layout ``keys`` / ``group`` (None: its own; by
+    default per-channel keys in groups of 64 on MHA / GQA / MQA, ``dantinox.quant.kv_channels.with_kv_keys``)
+    and the weights of ``quantize``. Raises KVDtypeError / ValueError naming --kv-dtype, --kv-sinks, --kv-keys,
+    --kv-key-group or --quantize (sinks or channel keys on a cache that is not int8, channel keys on MLA)."""
+    from ..quant.kv_channels import with_kv_keys
     from ..quant.kv_dtype import with_config, with_kv_dtype
 
     model = with_kv_dtype(model, kv_dtype)
-    int8 = model.cfg.cache_dtype == "int8"
     if sinks is not None:
-        if not int8:
+        if model.cfg.cache_dtype != "int8":
             raise ValueError(f"--kv-sinks {sinks} needs an int8 cache (give --kv-dtype int8); the candidate's "
                              f"cache is {model.cfg.cache_dtype}")
         model = with_config(model, model.cfg.replace(kv_sink_tokens=sinks))
-    if keys == "channel" and (not int8 or model.cfg.attention == "mla"):
-        raise ValueError(f"--kv-keys channel needs an int8 MHA / GQA / MQA cache (give --kv-dtype int8); the "
-                         f"candidate has cache {model.cfg.cache_dtype}, attention {model.cfg.attention}")
-    return quantize_weights(model, quantize)
+    return quantize_weights(with_kv_keys(model, keys, group), quantize)
 
 
-def cache_bytes(cfg, slots: int, keys: str, group: int) -> int:
+def cache_bytes(cfg, slots: int) -> int:
     """Bytes of one sequence's cache of ``slots`` tokens as the candidate's layout stores it (every layer, sinks
     included; ``dantinox.budget.kv_cache_bytes``, which counts per-channel keys as the static cache allocates
     them)."""
     from ..budget import kv_cache_bytes
 
-    if keys == "channel":
-        cfg = cfg.replace(kv_keys="channel", kv_key_group=group)
     return kv_cache_bytes(cfg, 1, slots)
 
 
@@ -221,7 +218,8 @@ def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict
             q = slice_quality(baseline, candidate, ids, chars, prefix=args.prefix, batch=args.batch,
                               prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                               continuation=args.continuation, chunk=args.chunk,
-                              key_group=args.kv_key_group if args.kv_keys == "channel" else 0, window=args.window,
+                              key_group=candidate.cfg.key_group if candidate.cfg.channel_keys else 0,
+                              window=args.window,
                               tick=lambda: bar.update(1))
             bar.update(1)
             base, cand = q.loss
@@ -231,15 +229,15 @@ def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict
     return rows
 
 
-def describe_cache(cfg, args) -> str:
-    """The candidate's cache in words with its bytes per sequence at max_context, e.g. "int8, per-token keys,
-    4 float32 sinks (97.50 MiB per 8192-token sequence)"."""
+def describe_cache(cfg) -> str:
+    """The candidate's cache in words with its bytes per sequence at max_context, e.g. "int8, keys per channel
+    in groups of 64, 4 float32 sinks (98.62 MiB per 8192-token sequence)"."""
     words = [cfg.cache_dtype]
     if cfg.cache_dtype == "int8":
-        words.append(f"keys per channel in groups of {args.kv_key_group}" if args.kv_keys == "channel"
+        words.append(f"keys per channel in groups of {cfg.key_group}" if cfg.channel_keys
                      else "per-token keys")
         words.append(f"{cfg.sink_slots} float32 sinks")
-    size = cache_bytes(cfg, cfg.max_context, args.kv_keys, args.kv_key_group) / 2 ** 20
+    size = cache_bytes(cfg, cfg.max_context) / 2 ** 20
     return f"{', '.join(words)} ({size:.2f} MiB per {cfg.max_context}-token sequence)"
 
 
@@ -295,19 +293,20 @@ def run_eval(args) -> int:
     if cfg.paradigm != "ar":
         raise ValueError(f"--run_dir {run_dir} holds a paradigm={cfg.paradigm!r} model; eval measures "
                          "autoregressive models (teacher forcing through the causal cache)")
-    candidate = candidate_model(load_run(run_dir)[0], args.kv_dtype, args.quantize, args.kv_sinks, args.kv_keys)
+    candidate = candidate_model(load_run(run_dir)[0], args.kv_dtype, args.quantize, args.kv_sinks, args.kv_keys,
+                                args.kv_key_group)
     with naming_flag(args.mesh):  # after --kv-dtype and --quantize, as generate and verify
         shard_model(baseline, mesh)
         shard_model(candidate, mesh)
     rows = measure(args, texts, baseline, candidate, tokenizer)
     print(f"{run_dir}: baseline {args.baseline} (weights {describe_weights(baseline)}, cache {cfg.cache_dtype}); "
-          f"candidate weights {describe_weights(candidate)}, cache {describe_cache(candidate.cfg, args)}"
+          f"candidate weights {describe_weights(candidate)}, cache {describe_cache(candidate.cfg)}"
           f"{'' if mesh is None else f'; on the mesh {args.mesh}'}")
     print(format_table(rows, gate))
     failures = check_gate(gate, rows)
     if args.json:
         write_json_atomic(args.json, dict(run_dir=run_dir, baseline=args.baseline, kv_dtype=candidate.cfg.cache_dtype,
-                                          kv_cache=describe_cache(candidate.cfg, args), quantize=args.quantize,
+                                          kv_cache=describe_cache(candidate.cfg), quantize=args.quantize,
                                           weights=describe_weights(candidate),
                                           mesh=mesh_shape(mesh), slices=rows, gate=gate,
                                           failures=failures, gate_metrics=list(GATE_METRICS)))

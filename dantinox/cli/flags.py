@@ -105,10 +105,12 @@ def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
 def _add_kv_keys(p: argparse.ArgumentParser) -> None:
     """--kv-keys token|channel and --kv-key-group G (read with ``dantinox.quant.kv_channels.with_kv_keys``)."""
     p.add_argument("--kv-keys", default=None, metavar="token|channel",
-                   help="int8 cache keys: token (one scale per token and KV head) or channel (one scale per channel "
-                        "over groups of --kv-key-group tokens, KIVI; needs --kv-dtype int8; default: the run's)")
+                   help="int8 cache keys: channel (one scale per channel over groups of --kv-key-group tokens, "
+                        "KIVI; MHA / GQA / MQA, MLA stays per token) or token (one scale per token and KV head, "
+                        "with float32 sinks); default: the run's, channel unless set")
     p.add_argument("--kv-key-group", type=int, default=None, metavar="G",
-                   help="tokens per key-scale group with --kv-keys channel (default: the run's, 64)")
+                   help="tokens per key-scale group with per-channel keys (default: the run's, 64; at most "
+                        "max_context)")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:

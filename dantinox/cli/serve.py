@@ -14,9 +14,11 @@ tokens per request (M MiB = B bytes, ...)" (L = max_context; C = min(N // blocks
 --kv-dtype (float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same
 --kv-memory holds 4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D
 (3.6x at D = 32; the float32 scales included, dantinox.quant.kv_rows), up to the max-running cap.
---kv-keys channel (int8 MHA / GQA / MQA only; default: the run's kv_keys) stores the keys per channel over
-groups of --kv-key-group tokens (KIVI; ``dantinox.serving.paged_channel_keys``); the block size must be a
-multiple of the group and defaults to it.
+An int8 pool of an MHA / GQA / MQA model stores the keys per channel over groups of --kv-key-group tokens
+(KIVI, the default: --kv-keys channel, or the run's kv_keys; ``dantinox.serving.paged_channel_keys``); the
+block size must then be a multiple of the group and defaults to it (64 unless set), and a --block-size that
+is not is refused naming both flags. --kv-keys token keeps one scale per token (with the float32 sinks); MLA
+pools are always per token.
 --max-request-bytes (default 1 MiB) is the largest HTTP request body accepted; a larger one is answered 413
 before it is read (``dantinox.serving.request_limits``).
 It listens as soon as the model is loaded; the warm-up compiles the engine's programs in the background,
@@ -42,6 +44,7 @@ import re
 import socket
 
 from ..parallel.mesh import mesh_from_flag, naming_flag, parse_mesh
+from ..quant.kv_channels import with_kv_keys
 from ..quant.weights import check_quantize, quantize_weights
 from .flags import add_mesh_argument, add_quantize_argument, add_speculative_arguments, speculative_from_args
 
@@ -54,7 +57,6 @@ _INT_FLAGS = (("--block-size", "block_size", 1), ("--kv-key-group", "kv_key_grou
               ("--max-decode-steps", "max_decode_steps", 1))
 
 
-DEFAULT_BLOCK_SIZE = 16  # --block-size when not given (with --kv-keys channel: the key group)
 # serve flags whose default None means "not given" and the type their value has (for --config files)
 _INT_VALUED = {"block_size": int, "kv_key_group": int, "spec_tokens": int, "ngram_max": int, "ngram_min": int,
                "spec_verify_cost": str}
@@ -94,14 +96,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default=None,
                    help="KV cache dtype: float32, bfloat16 or int8 (default: the run's cache_dtype)")
     p.add_argument("--kv-keys", choices=("token", "channel"), default=None,
-                   help="int8 cache keys: token (one scale per token) or channel (per channel over groups of "
-                        "--kv-key-group tokens, KIVI; MHA / GQA / MQA only; default: the run's kv_keys)")
+                   help="int8 cache keys: channel (per channel over groups of --kv-key-group tokens, KIVI; MHA / "
+                        "GQA / MQA; MLA stays per token) or token (one scale per token); default: the run's "
+                        "kv_keys, channel unless set")
     p.add_argument("--kv-key-group", type=int, default=None, metavar="G",
-                   help="tokens per key-scale group with --kv-keys channel (default: the run's kv_key_group, 64)")
+                   help="tokens per key-scale group with per-channel keys (default: the run's kv_key_group, 64)")
     p.add_argument("--policy", choices=("recompute", "swap"), default="recompute",
                    help="what a preempted sequence does with its KV blocks (default recompute)")
     p.add_argument("--block-size", type=int, default=None,
-                   help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}; with --kv-keys channel the key group)")
+                   help="tokens per KV block (default 16; with per-channel int8 keys, the int8 default, the key "
+                        "group; a block size must then be a multiple of it)")
     p.add_argument("--max-running", type=int, default=16, help="sequences decoding at once")
     p.add_argument("--max-queued", type=int, default=256, help="waiting requests before answering 429")
     p.add_argument("--max-batched-tokens", type=int, default=64, help="prefill tokens per engine step")
@@ -137,7 +141,7 @@ def kv_summary(engine) -> str:
     fit = alloc.num_blocks // alloc.blocks_for(L)
     concurrency = min(fit, engine.config.max_running)
     nbytes = engine.stats()["kv_cache_bytes"]
-    keys = f", keys per channel in groups of {engine.cfg.kv_key_group}" if engine.cfg.channel_keys else ""
+    keys = f", keys per channel in groups of {engine.cfg.key_group}" if engine.cfg.channel_keys else ""
     line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
             f"tokens per request ({nbytes / 2**20:.2f} MiB = {nbytes} bytes, block size {alloc.block_size}, "
             f"{engine.cfg.cache_dtype}{keys})")
@@ -278,27 +282,14 @@ def build_engine(args: argparse.Namespace):
     return PagedEngine(model, config), tokenizer, name
 
 
-def with_kv_keys(model, keys: str | None, group: int | None):
-    """``model`` with the int8 key layout of --kv-keys / --kv-key-group (None: the run's own). Raises ValueError
-    naming the flag for channel keys on a cache that is not int8 or on MLA, or a group without channel keys."""
-    from ..quant.kv_dtype import with_config
-
-    cfg = model.cfg
-    keys = cfg.kv_keys if keys is None else keys
-    if keys == "channel" and (cfg.cache_dtype != "int8" or cfg.attention == "mla"):
-        raise ValueError(f"--kv-keys channel needs an int8 MHA / GQA / MQA cache (give --kv-dtype int8); the model "
-                         f"has cache {cfg.cache_dtype}, attention {cfg.attention}")
-    if group is not None and keys != "channel":
-        raise ValueError(f"--kv-key-group {group} needs --kv-keys channel (an int8 MHA / GQA / MQA cache); the "
-                         f"keys are per {keys}")
-    return with_config(model, cfg.replace(kv_keys=keys, kv_key_group=cfg.kv_key_group if group is None else group))
-
-
 def block_size(args: argparse.Namespace, cfg) -> int:
-    """--block-size, or when not given DEFAULT_BLOCK_SIZE (the key group with per-channel keys)."""
+    """--block-size, or when not given ``step_plan.default_block_size``: 16, or the key group with per-channel
+    int8 keys (the int8 default on MHA / GQA / MQA)."""
+    from ..serving.step_plan import default_block_size
+
     if getattr(args, "block_size", None) is not None:
         return args.block_size
-    return cfg.kv_key_group if cfg.channel_keys else DEFAULT_BLOCK_SIZE
+    return default_block_size(cfg)
 
 
 def bind_address(host: str, port: int) -> socket.socket:

@@ -106,9 +106,10 @@ class Generator:
       mesh: a ``dantinox.make_mesh`` mesh to shard the parameters over (every generation then runs on it;
         docs/multi-device.md); None: one device.
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
-      kv_keys, kv_key_group: the int8 cache's key layout, "token" or "channel" (per-channel keys over groups
-        of kv_key_group slots, KIVI: ``dantinox.model.channel_layout``); None keeps the run's. Channel keys
-        need an int8 MHA / GQA / MQA cache and rule out speculative decoding (ValueError naming the flag).
+      kv_keys, kv_key_group: the int8 cache's key layout, "channel" (per-channel keys over groups of
+        kv_key_group slots, KIVI: ``dantinox.model.channel_layout``; the default of an int8 MHA / GQA / MQA
+        cache) or "token"; None keeps the run's. An explicit "channel" needs an int8 MHA / GQA / MQA cache,
+        and speculation over channel keys needs spec_tokens + 1 <= the key group (ValueError naming the flag).
       quantize: None (float32 weights), "bf16", "int8" (weight-only, per output channel), "int4" or "q8_0"
         (Q4_1 / Q8_0 blocks of 32 weights, run by the block kernel); see
         ``dantinox.quant.weights``.

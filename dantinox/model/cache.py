@@ -76,9 +76,9 @@ def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int
     latent and one for the RoPE key, kept even when R = 0 so every field has its scale). The float32 sink
     rows of an int8 cache are per sequence, not per token: ``sink_bytes_per_layer``. Per-channel keys
     (cfg.channel_keys with an int8 dtype) store the same 2 K (D + 4) per token: int8 keys and values, one
-    value scale per token and KV head, and for the keys 4 K D / G per token in key scales (G = kv_key_group;
+    value scale per token and KV head, and for the keys 4 K D / G per token in key scales (G = cfg.key_group;
     whole groups, per sequence ceil(S / G) of them) in place of the key scale per token; that and the
-    residual of G float32 keys per sequence are counted by ``dantinox.budget.kv_cache_bytes``. So this
+    residual ring of 2 G float32 keys per sequence are counted by ``dantinox.budget.kv_cache_bytes``. So this
     figure is exact for per-channel keys when G = D, and a per-token approximation otherwise.
     dtype: cache dtype name (default cfg.cache_dtype). Raises ConfigError for an unknown dtype name.
     """

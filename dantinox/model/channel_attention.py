@@ -8,7 +8,9 @@ r0 = (c // G) G of the group it begins in: the residual's first c - r0 keys, the
 its codes and scales stored; the group the write ends in becomes the new residual. A group is quantized once,
 from all G of its float keys, whatever the chunking, so a run fed all at once, in chunks or one token at a
 time stores the same codes and scales. Right padding past a row's real tokens (``valid``: prefill's
-bucketed prompts) and left padding before key_start never enter a group: their keys count as zeros.
+bucketed prompts), left padding before key_start and the row's A sink tokens (read from the float32 sink
+arrays, never from their codes) never enter a group: their keys count as zeros, so an outlier sink token
+(K13) does not coarsen the other keys of its group.
 
 Reads (before the write, so XLA can update the cache in place). The query at slot t sees
   - the sinks, from the sink arrays (updated with the new tokens' sinks first);
@@ -55,9 +57,10 @@ def channel_attention(cfg: ModelConfig, q, k, v, layer: ChannelQuantLayerKV | No
     real tokens among the T (right padding after them) or None (all). Returns (y [B, K, G', T, D] float32, the
     updated layer or None).
     """
-    G, T = cfg.kv_key_group, q.shape[3]
+    G, T = cfg.key_group, q.shape[3]
     offset = cache_index % G
-    span = group_span(_residual(layer, k, cache_index, G), _unpadded(k, cache_index, key_start), offset, valid)
+    span = group_span(_residual(layer, k, cache_index, G), quantized_keys(k, cache_index, key_start, cfg.sink_slots),
+                      offset, valid)
     codes, scales = quantize_channels(span, G)
     back = (codes.astype(jnp.float32) * jnp.repeat(scales, G, axis=-2)).astype(q.dtype)
     k_sink, v_sink = written_sinks(cfg, layer, k, stored, cache_index, key_start)
@@ -76,12 +79,15 @@ def _residual(layer, k, cache_index, G: int) -> jax.Array:
     return jnp.zeros(k.shape[:2] + (G, k.shape[-1]), jnp.float32)
 
 
-def _unpadded(k, cache_index, key_start) -> jax.Array:
-    """k with the left-padding slots (before key_start) zeroed, so they never set a group's scale."""
-    if key_start is None:
+def quantized_keys(k, cache_index, key_start, sinks: int) -> jax.Array:
+    """k [B, K, T, D] (the first at slot cache_index [B]) with the left-padding slots (before key_start, [B] or
+    None: 0) and the row's first ``sinks`` tokens zeroed, so they never set a group's scale: padding is no
+    token, and the sinks are always read from the float32 sink arrays (their codes never are)."""
+    if key_start is None and not sinks:
         return k
+    start = jnp.zeros_like(cache_index) if key_start is None else key_start
     slot = cache_index[:, None] + jnp.arange(k.shape[-2])[None]                   # [B, T]
-    return jnp.where((slot >= key_start[:, None])[:, None, :, None], k, 0)
+    return jnp.where((slot >= start[:, None] + sinks)[:, None, :, None], k, 0)
 
 
 def written_sinks(cfg, layer, k, stored, cache_index, key_start):
@@ -108,7 +114,7 @@ def attend_channels(cfg, q, v, old, span_float, span_int8, sinks, cache_index, k
     span_float, span_int8: [B, K, Lx, D] the span's keys in full and read back from int8; sinks: (k_sink,
     v_sink) [B, K, A, D]. Returns [B, K, G', T, D] float32.
     """
-    G, T, Lx, A = cfg.kv_key_group, q.shape[3], span_float.shape[-2], sinks[0].shape[-2]
+    G, T, Lx, A = cfg.key_group, q.shape[3], span_float.shape[-2], sinks[0].shape[-2]
     query = cache_index[:, None, None] + jnp.arange(T)[None, :, None]           # [B, T, 1]
     start = jnp.zeros_like(cache_index) if key_start is None else key_start
     begin = (cache_index - cache_index % G)[:, None, None]                       # r0, [B, 1, 1]

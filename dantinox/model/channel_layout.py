@@ -2,7 +2,7 @@
 rule and bytes are ``dantinox.quant.kv_channels``'s): ``ChannelQuantLayerKV``, its shapes and allocation. The
 attention that writes and reads it is ``dantinox.model.channel_attention``.
 
-What one layer stores (B batch, K KV heads, S slots, D head size, G = cfg.kv_key_group, N = ceil(S / G),
+What one layer stores (B batch, K KV heads, S slots, D head size, G = cfg.key_group, N = ceil(S / G),
 A = cfg.sink_slots):
   - k: [B, K, S, D] int8, the keys of every *complete* group, quantized per channel over the group's G slots;
     k_scale: [B, K, N, D] float32, one scale per (group, KV head, channel). Slots of a group still filling
@@ -66,12 +66,15 @@ def channel_cache_shapes(cfg: ModelConfig, batch_size: int, slots: int | None = 
     v_sink) for batch_size rows of ``slots`` slots (default cfg.max_context; fewer: a cache cut by
     ``first_slots``, whose sinks keep min(A, slots) rows)."""
     S = cfg.max_context if slots is None else int(slots)
-    B, K, D, G, A = int(batch_size), cfg.kv_heads, cfg.head_size, cfg.kv_key_group, min(cfg.sink_slots, S)
+    B, K, D, G, A = int(batch_size), cfg.kv_heads, cfg.head_size, cfg.key_group, min(cfg.sink_slots, S)
     return ((B, K, S, D), (B, K, S, D), (B, K, -(-S // G), D), (B, K, S, 1), (B, K, ring_slots(G), D), (B, K, A, D),
             (B, K, A, D))
 
 
-def init_channel_layer(cfg: ModelConfig, batch_size: int) -> ChannelQuantLayerKV:
-    """One layer's ChannelQuantLayerKV of zeros (``channel_cache_shapes``): int8 k and v, float32 the rest."""
+def init_channel_layer(cfg: ModelConfig, batch_size: int, slots: int | None = None) -> ChannelQuantLayerKV:
+    """One layer's ChannelQuantLayerKV of zeros (``channel_cache_shapes``): int8 k and v, float32 the rest.
+    slots: fewer than max_context gives the layout of a cache cut to them (``first_slots``: the model's key
+    group, its ring whole), which the model reads like a cut cache (eval's windows)."""
     dtypes = (jnp.int8, jnp.int8, SCALE_DTYPE, SCALE_DTYPE, jnp.float32, SINK_DTYPE, SINK_DTYPE)
-    return ChannelQuantLayerKV(*(jnp.zeros(s, d) for s, d in zip(channel_cache_shapes(cfg, batch_size), dtypes)))
+    shapes = channel_cache_shapes(cfg, batch_size, slots)
+    return ChannelQuantLayerKV(*(jnp.zeros(s, d) for s, d in zip(shapes, dtypes)))

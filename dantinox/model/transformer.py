@@ -224,7 +224,8 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
         layout = "c_kv [B, S, C], k_rope [B, S, R]" if cfg.attention == "mla" else "k, v [B, K, S, D]"
         if cfg.channel_keys:
             layout = ("k, v [B, K, S, D], key scales [B, K, ceil(S / G), D], value scales [B, K, S, 1], the key "
-                      "residual [B, K, G, D] and sinks (kv_keys='channel')")
+                      "residual ring [B, K, 2 G, D] and sinks (cache_dtype='int8' with per-channel keys, "
+                      "kv_keys='channel')")
         elif cfg.cache_dtype == "int8":
             layout += " and their scales [..., 1] and sinks (cache_dtype='int8')"
         raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}; allocate them with "

@@ -1,10 +1,12 @@
 """A candidate deployment: the serving settings the planner sweeps, and its serve flags.
 
 Fields: kv_dtype (cache dtype: float32, bfloat16, or int8 where available), quantize (weights: none, bf16,
-int8, int4, q8_0), block_size P (tokens), max_running (sequences), max_batched_tokens (prefill tokens per step),
-max_decode_steps (multi-step decode, 1 = off), preemption (recompute or swap), prefix_caching, replicas
-(engines, one device each), routing (round_robin, least_tokens, prefix_affinity) and spec_tokens (k proposed
-tokens per speculative verify call, n-gram proposals; 0 = no speculation; plan/speculation.py).
+int8, int4, q8_0), block_size P (tokens; None: serve's default for the model and kv_dtype, 16 or, with
+per-channel int8 keys, the key group: ``for_model``), max_running (sequences), max_batched_tokens (prefill
+tokens per step), max_decode_steps (multi-step decode, 1 = off), preemption (recompute or swap),
+prefix_caching, replicas (engines, one device each), routing (round_robin, least_tokens, prefix_affinity) and
+spec_tokens (k proposed tokens per speculative verify call, n-gram proposals; 0 = no speculation;
+plan/speculation.py).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..serving.engine import EngineConfig
+from ..serving.step_plan import default_block_size
 from .speculation import check_spec_tokens
 
 ROUTING = ("round_robin", "least_tokens", "prefix_affinity")
-_INTS = ("block_size", "max_running", "max_batched_tokens", "max_decode_steps", "replicas")
+_INTS = ("block_size", "max_running", "max_batched_tokens", "max_decode_steps", "replicas")   # block_size: or None
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,7 @@ class Candidate:
     name: str = "baseline"
     kv_dtype: str = "float32"
     quantize: str = "none"
-    block_size: int = 16
+    block_size: int | None = None
     max_running: int = 16
     max_batched_tokens: int = 64
     max_decode_steps: int = 8
@@ -39,6 +42,8 @@ class Candidate:
     def __post_init__(self):
         for name in _INTS:
             v = getattr(self, name)
+            if v is None and name == "block_size":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"candidate {self.name!r}: {name}={v!r} is not allowed: an integer >= 1")
         if self.max_decode_steps > 64:
@@ -54,6 +59,14 @@ class Candidate:
             raise ValueError(f"candidate {self.name!r}: quantize={self.quantize!r} is not allowed: none, bf16, "
                              "int8, int4, q8_0")
 
+    def for_model(self, cfg) -> "Candidate":
+        """This candidate with its block size settled for model config ``cfg``: a None block_size becomes
+        ``dantinox.serving.step_plan.default_block_size`` of the kv_dtype cache (16, or the key group with
+        per-channel int8 keys, the int8 default on MHA / GQA / MQA, whose blocks must hold whole groups)."""
+        if self.block_size is not None:
+            return self
+        return dataclasses.replace(self, block_size=default_block_size(cfg.replace(cache_dtype=self.kv_dtype)))
+
     def engine_config(self, num_blocks: int | None = None):
         """The EngineConfig of one replica (pool of num_blocks blocks, or the engine's default sizing)."""
         return EngineConfig(block_size=self.block_size, num_blocks=num_blocks, max_running=self.max_running,
@@ -62,9 +75,10 @@ class Candidate:
 
     def serve_flags(self) -> dict:
         """The ``dantinox serve --config`` keys for one replica (flag names without dashes)."""
-        return {"block_size": self.block_size, "max_running": self.max_running,
-                "max_batched_tokens": self.max_batched_tokens, "max_decode_steps": self.max_decode_steps,
-                "policy": self.preemption, "no_prefix_caching": not self.prefix_caching,
+        sized = {} if self.block_size is None else {"block_size": self.block_size}   # None: serve's own default
+        return {**sized, "max_running": self.max_running, "max_batched_tokens": self.max_batched_tokens,
+                "max_decode_steps": self.max_decode_steps, "policy": self.preemption,
+                "no_prefix_caching": not self.prefix_caching,
                 **({"speculative": "ngram", "spec_tokens": self.spec_tokens} if self.spec_tokens else {})}
 
     def to_dict(self) -> dict:
@@ -89,7 +103,8 @@ class Candidate:
 
 def default_candidates() -> list[Candidate]:
     """The default sweep: a float baseline, batch / chunk / multi-step / preemption variations, two replicas
-    under each router, and the maximum-throughput configuration (largest batch and chunks, int8 everything)."""
+    under each router, and the maximum-throughput configuration (largest batch and chunks, int8 everything).
+    Block sizes are serve's defaults for the model (``Candidate.for_model``) except block-32's."""
     C = Candidate
     return [
         C("baseline"),

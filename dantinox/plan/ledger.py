@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from ..budget.memory import kv_bytes_per_token, kv_sink_bytes, memory_split
 from ..serving.paged_cache import pool_bytes
 from ..serving.sink_slots import slots_for
+from ..serving.step_plan import default_block_size
 from .variants import quantized_weight_bytes
 
 
@@ -55,18 +56,25 @@ def kv_bytes_per_token_for(cfg, kv_dtype: str) -> tuple[int, bool]:
 def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,
                   reserve_fraction: float = 0.1) -> Ledger:
     """The candidate's ledger per replica. Raises ValueError for a bad device size or dtype, or a block size
-    that splits the per-channel key groups (kv_keys="channel" with an int8 candidate)."""
+    that splits the per-channel key groups (an int8 candidate of a model with kv_keys="channel", the default;
+    the message names the candidate and the block sizes that work)."""
     weights, w_estimated = quantized_weight_bytes(cfg, weights_f32_bytes, candidate.quantize)
     try:
         reserve = memory_split(cfg, device_bytes, weights, reserve_fraction).reserve_bytes
     except ValueError:  # weights + reserve exceed the device: the ledger shows by how much
         reserve = memory_split(cfg, device_bytes, 0, reserve_fraction).reserve_bytes
     per_token, estimated = kv_bytes_per_token_for(cfg, candidate.kv_dtype)
-    blocks = candidate.max_running * -(-cfg.max_context // candidate.block_size)
-    sinks = kv_sink_bytes(cfg, candidate.kv_dtype)
-    kv = blocks * candidate.block_size * per_token + (slots_for(candidate.max_running) * sinks if sinks else 0)
     variant = cfg.replace(cache_dtype=candidate.kv_dtype)
-    if variant.channel_keys:   # raises ValueError for a block_size that is not a multiple of kv_key_group
-        kv = pool_bytes(variant, blocks, candidate.block_size, slots_for(candidate.max_running),
-                        candidate.max_running)
+    P = candidate.block_size or default_block_size(variant)         # None: serve's default for the model
+    blocks = candidate.max_running * -(-cfg.max_context // P)
+    sinks = kv_sink_bytes(cfg, candidate.kv_dtype)
+    kv = blocks * P * per_token + (slots_for(candidate.max_running) * sinks if sinks else 0)
+    if variant.channel_keys:   # per-channel int8 keys (the int8 default on MHA / GQA / MQA): a key group per block
+        if P % variant.key_group:
+            raise ValueError(f"candidate {getattr(candidate, 'name', '?')!r}: block_size={P} is not allowed with "
+                             f"kv_dtype=int8: the int8 cache keeps keys per channel in groups of "
+                             f"{variant.key_group} tokens (kv_key_group), and a block must hold whole groups (give "
+                             f"block_size={default_block_size(variant)} or another multiple of {variant.key_group}, "
+                             "or leave it out)")
+        kv = pool_bytes(variant, blocks, P, slots_for(candidate.max_running), candidate.max_running)
     return Ledger(device_bytes, weights, kv, reserve, blocks, estimated or w_estimated)

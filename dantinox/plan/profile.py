@@ -53,6 +53,7 @@ from ..serving.engine import EngineConfig, PagedEngine
 from ..serving.request import SamplingOptions
 from ..serving.runner import decode_steps, forward_step
 from ..serving.sharded_engine import ShardedPagedEngine
+from ..serving.step_plan import default_block_size
 from .cost_model import CostModel
 from .speculation import check_spec_tokens
 from .variants import apply_variant
@@ -152,7 +153,7 @@ def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
     def call():
         out, engine.pool = decode_steps(engine.graph, engine.params, engine.pool, z, start, np.full(B, n, np.int32),
                                         table, np.zeros(B, np.uint32), z, sampling, engine._sink_rows([], B),
-                                        max_steps=max_steps)
+                                        engine._residual_rows([], B), max_steps=max_steps)
         return jax.device_get(out)
     return call
 
@@ -167,7 +168,8 @@ def _time_forward(engine, B: int, T: int, repeats: int) -> float:
     def call():
         out, _, engine.pool = forward_step(engine.graph, engine.params, engine.pool, ids, z, num_new, table,
                                            np.zeros(B, np.uint32), z, sampling, np.bool_(False),
-                                           all_allowed_mask(B, engine.vocab_size), engine._sink_rows([], B))
+                                           all_allowed_mask(B, engine.vocab_size), engine._sink_rows([], B),
+                                           engine._residual_rows([], B))
         return np.asarray(out)
     return _median_seconds(call, repeats)
 
@@ -411,7 +413,8 @@ def _measure_points(engine, repeats: int, spec_tokens: int = 0) -> dict:
 def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: str = "none",
                  repeats: int = 15, mesh=None, samples: int = 1, cooldown_s: float = 0.0,
                  spec_tokens: int = 0) -> dict:
-    """Profile the model's engine at block size 16 (decode buckets up to 16 rows, chunks up to 64 tokens),
+    """Profile the model's engine at serve's default block size (16, or the key group G with per-channel int8
+    keys: ``step_plan.default_block_size``; decode buckets up to 16 rows, chunks up to 64 tokens),
     on ``mesh`` (a jax Mesh from ``dantinox.parallel.mesh.make_mesh``) when given, else on one device;
     ``samples`` independent samples ``cooldown_s`` seconds apart after a warm-up (see the module docstring),
     each call timed as the median of ``repeats`` runs; with ``spec_tokens`` k >= 1 also the speculative verify
@@ -422,7 +425,8 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     repeat_samples(lambda: None, samples, cooldown_s, sleep=lambda _: None)   # check the arguments first
     check_spec_tokens("--spec-tokens", spec_tokens)
     model, cfg = apply_variant(model, cfg, kv_dtype, quantize)
-    config = EngineConfig(block_size=16, max_running=16, max_batched_tokens=64, max_decode_steps=8)  # a full pool
+    P = default_block_size(cfg)   # 16, or the key group of per-channel int8 keys (the int8 default)
+    config = EngineConfig(block_size=P, max_running=16, max_batched_tokens=64, max_decode_steps=8)  # a full pool
     engine = PagedEngine(model, config) if mesh is None else ShardedPagedEngine(model, config, mesh)
     with mesh_scope(mesh):  # the engine's own steps enter it too; the direct calls below need it
         if samples > 1:
@@ -435,7 +439,7 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     kv_bpt = kv_bytes_per_token(cfg)
     points = all_points[0]
     return {"format": PROFILE_FORMAT, "identity": model_identity(run_dir, cfg), "kv_dtype": kv_dtype,
-            "quantize": quantize, "block_size": 16,
+            "quantize": quantize, "block_size": P,
             "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                         "device": str(jax.devices()[0].device_kind), "cpus": os.cpu_count(),
                         "devices": jax.device_count(),

@@ -192,6 +192,7 @@ def make_plan(inp: PlanInputs, candidates: list) -> dict:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"candidates: name {dup[0]!r} is used twice; names must be unique")
+    candidates = [c.for_model(inp.cfg) for c in candidates]   # a block size of None: serve's default for the model
     rows = [evaluate_candidate(inp, c) for c in candidates]
     rec = choose(rows, inp.baseline, inp.last_good)
     if rec["fallback"] and rec["name"] not in names:  # show what the fallback does on this trace too

@@ -249,6 +249,7 @@ def simulate(cfg, candidate, cost: CostModel, requests: list, prompts: list, slo
     dict. spec_acceptance: the acceptance rate of requests whose trace line gives none (used only when the
     candidate speculates); spec_seed: the seed of the accepted-count draws. Raises ValueError when a
     speculating candidate meets a request with no acceptance rate."""
+    candidate = candidate.for_model(cfg)           # a block size of None: serve's default for the model
     config = candidate.engine_config(num_blocks)
     spec = spec_inputs(candidate, requests, spec_acceptance)
     replicas = [SimReplica(cfg, config, cost, None if spec is None else Speculation(candidate.spec_tokens, *spec,

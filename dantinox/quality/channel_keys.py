@@ -5,7 +5,8 @@ the new tokens' queries, their int8 read-back values and (in ``stored``) their f
 attends and writes. It keeps the keys in float32 and reads each one back the way the layout of
 ``dantinox.quant.kv_channels`` would give it to a query at slot t: from its group's per-channel int8 codes when
 the group was complete before t ((s // G + 1) G <= t), in full precision otherwise (the filling group), and in
-full precision for the row's first A = cfg.sink_slots tokens when the candidate also keeps sinks. Values are
+full precision for the row's first A = cfg.sink_slots tokens when the candidate also keeps sinks (which then
+count as zeros in their group's scales: their codes are never read). Values are
 the model's per-token int8 read-back (``dantinox.quant.kv_rows``; the sinks' in full). So the numbers are the
 per-channel layout's; its memory is not (float32 keys are held here; the bytes that layout takes are
 ``dantinox.quant.kv_channels.channel_key_cache_bytes``).
@@ -58,8 +59,9 @@ class ChannelKeyKV:
         t = cache_index[:, None, None] + jnp.arange(T)[None, :, None]          # [B, T, 1] query slots
         s = jnp.arange(S)[None, None, :]                                       # [1, 1, S] key slots
         from_int8 = reads_int8(s, t, self.group) & (s >= self.sinks)
+        quantized = jnp.where((s >= self.sinks)[..., None], full.k, 0.0)      # sinks never set a group's scale
         scores = jnp.where(from_int8[:, None, None],
-                           grouped_scores(q, channel_roundtrip(full.k, self.group).astype(q.dtype)),
+                           grouped_scores(q, channel_roundtrip(quantized, self.group).astype(q.dtype)),
                            grouped_scores(q, full.k.astype(q.dtype)))
         probs = jax.nn.softmax(jnp.where((s <= t)[:, None, None], scores, NEG_INF), axis=-1)
         return grouped_values(probs, full.v.astype(jnp.float32)), ChannelKeyKV(full.k, full.v, self.group,

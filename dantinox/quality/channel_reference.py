@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..model.channel_attention import attend_channels, written_sinks
+from ..model.channel_attention import attend_channels, quantized_keys, written_sinks
 from ..model.channel_layout import ChannelQuantLayerKV
 from ..quant.kv_channels import group_span
 from ..quant.kv_rows import dequantize_rows, roundtrip
@@ -47,11 +47,12 @@ class AdoptingChannelLayerKV:
         """Per-channel attention over the new tokens only (cache_index 0), keys of complete groups read back
         from the adopted codes and scales; writes nothing. q: [B, K, G', T, D]; v: [B, K, T, D]; stored: the
         int8 layer's tuple (stored[4]: the full keys). Returns (y [B, K, G', T, D] float32, this layer)."""
-        cfg, G = self.cfg, self.cfg.kv_key_group
+        cfg, G = self.cfg, self.cfg.key_group
         keys = stored[4]
         B, K, T, D = keys.shape
         zeros = jnp.zeros((B, K, G, D), jnp.float32)
-        span = group_span(zeros, keys, jnp.zeros((B,), jnp.int32))
+        span = group_span(zeros, quantized_keys(keys, jnp.zeros((B,), jnp.int32), key_start, cfg.sink_slots),
+                          jnp.zeros((B,), jnp.int32))
         back = self._adopted_groups(span, T // G)
         sinks = written_sinks(cfg, None, keys, stored, cache_index, key_start)
         return attend_channels(cfg, q, v, None, span.astype(q.dtype), back.astype(q.dtype), sinks, cache_index,
@@ -62,7 +63,7 @@ class AdoptingChannelLayerKV:
         run's flips adopted (one row per (group, channel) of G elements), the rest from the reference's own
         quantization (never read as int8 before they complete)."""
         from ..quant.kv_channels import channel_roundtrip
-        G = self.cfg.kv_key_group
+        G = self.cfg.key_group
         own = channel_roundtrip(span, G)
         if N == 0:
             return own

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from ..model.cache import init_cache
+from ..model.channel_layout import init_channel_layer
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from .channel_keys import channel_key_cache
@@ -56,6 +57,9 @@ def new_cache(model, batch: int, spec: CacheSpec) -> tuple:
     """A fresh cache of ``spec`` for ``model``'s config, ``batch`` rows."""
     if spec.key_group:
         return channel_key_cache(model.cfg, batch, spec.slots, spec.key_group)
+    if model.cfg.channel_keys:   # the model's own key group (cfg.key_group depends on max_context): a cut cache
+        return tuple(init_channel_layer(model.cfg, batch, min(spec.slots, model.cfg.max_context))
+                     for _ in range(model.cfg.num_blocks))
     return init_cache(model.cfg.replace(max_context=spec.slots), batch)
 
 

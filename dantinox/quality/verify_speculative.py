@@ -7,8 +7,10 @@ move the slot by the tokens emitted, and leave the rejected proposals' keys past
 overwrite. It keeps the logits at each emitted position (the accepted proposals' and the target's own token's),
 then compares them position by position with one plain causal forward (use_cache=False) over prompt + generated
 tokens, with ``verify.verify_cache``'s tolerance rule; an int8 cache is compared against the reference that
-adopts its rounding flips (``quality.int8_reference``), as there. Where fewer than k + 1 slots are left, the run
-finishes with one-token steps. Shape letters: T tokens, V vocabulary.
+adopts its rounding flips (``quality.int8_reference``; per (group, channel) for per-channel keys, the int8
+default, ``quality.channel_reference``: a rejected proposal that completed a key group is re-quantized when
+the group completes again, so the final cache's groups are the accepted tokens'), as there. Where fewer than
+k + 1 slots are left, the run finishes with one-token steps. Shape letters: T tokens, V vocabulary.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..generation.ngram import propose_ngram
 from ..generation.prompts import check_request, prepare_prompts
 from ..model.cache import init_cache
 from ..parallel.mesh import mesh_of, mesh_scope
+from ..quant.kv_channels import check_spec_group
 from .int8_reference import RoundingAudit
 from .verify import VerifyReport, _int8_reference, _reference, _step
 
@@ -32,14 +35,13 @@ def verify_speculative(model, prompt_ids, new_tokens: int = 64, spec_tokens: int
     prompt_ids: one prompt (ints); spec_tokens k (1..16) and ngram_max as ``speculative_generate``'s. Returns
     (VerifyReport over the prompt's and every emitted position, proposals accepted, proposals made).
     Raises ValueError / CapacityError as ``verify_cache`` (a diffusion model, a bad prompt, no room), and
-    ValueError naming --kv-keys for a per-channel key cache: the int8 reference adopts per-token rounding."""
+    ValueError naming --spec-tokens and --kv-key-group for per-channel keys with spec_tokens + 1 > the key group
+    (``check_spec_group``)."""
     cfg = model.cfg
     if cfg.paradigm != "ar":
         raise ValueError(f"verify --speculative checks the autoregressive static cache; this model has "
                          f"paradigm={cfg.paradigm!r}")
-    if cfg.channel_keys:
-        raise ValueError("dantinox verify --speculative is not allowed with --kv-keys channel (per-channel int8 "
-                         "keys): its reference checks per-token keys; give --kv-keys token")
+    check_spec_group(cfg, spec_tokens)
     ids, lengths, _ = prepare_prompts(list(prompt_ids), cfg.vocab_size, cfg.max_context)
     check_request(lengths, new_tokens, cfg.max_context)
     prompt = ids[0, : int(lengths[0])]

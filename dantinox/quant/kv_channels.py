@@ -1,6 +1,7 @@
 """Per-channel int8 keys over groups of tokens (KIVI, Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit
-Quantization for KV Cache", sections 3.2-3.3): the second int8 key layout ``dantinox eval --kv-keys channel``
-measures against the per-token rows of ``dantinox.quant.kv_rows`` with attention sinks.
+Quantization for KV Cache", sections 3.2-3.3): the default int8 key layout of MHA / GQA / MQA caches
+(``ModelConfig.kv_keys="channel"``); ``dantinox eval`` on SmolLM2's slices measured it ahead of the per-token rows
+of ``dantinox.quant.kv_rows`` with attention sinks (``kv_keys="token"``, docs/quantization.md).
 
 Why per channel. Key outliers sit in a few fixed channels for every token (KIVI, figure 2), so one scale per
 token (row) is set by those channels and coarsens the rest of the row; one scale per channel over a group of G
@@ -9,7 +10,9 @@ consecutive tokens follows them instead. Values have no fixed outlier channels a
 The layout (G = ``group``; slots are grouped from slot 0: group g holds slots g G .. g G + G - 1):
   - keys of a *complete* group: int8 codes with one float32 scale per (group, KV head, channel),
     scale = max over the group's G tokens of |k| / 127 (symmetric absmax, as ``kv_rows``; 0 for an all-zero
-    channel, read back as exact zeros);
+    channel, read back as exact zeros), the row's float32 attention sinks (``kv_sinks``: always read from
+    their float32 copy) and left padding counting as zeros, so an outlier sink token (K13) cannot coarsen the
+    other keys of its group;
   - keys of the group still filling (KIVI's full-precision residual): float32, in a ring of R = 2 G slots per
     sequence (``RING_GROUPS``; slot s at ring position s mod R) that also keeps the group before it, so a
     speculative rollback that un-completes a group still finds its float keys (below, Rollback);
@@ -62,11 +65,12 @@ def ring_slots(group: int) -> int:
 def check_spec_group(cfg: ModelConfig, spec_tokens: int) -> None:
     """With per-channel keys (cfg.channel_keys) a verify call's k + 1 tokens must fit one key group, so a
     rollback finds its group's float keys in the residual ring (module docstring, Rollback): ValueError naming
-    --spec-tokens and --kv-key-group unless spec_tokens + 1 <= cfg.kv_key_group. Nothing for other caches."""
-    if cfg.channel_keys and int(spec_tokens) + 1 > cfg.kv_key_group:
-        raise ValueError(f"--spec-tokens {spec_tokens} is not allowed with --kv-key-group {cfg.kv_key_group} "
+    --spec-tokens and --kv-key-group unless spec_tokens + 1 <= cfg.key_group. Nothing for other caches."""
+    G = cfg.key_group
+    if cfg.channel_keys and int(spec_tokens) + 1 > G:
+        raise ValueError(f"--spec-tokens {spec_tokens} is not allowed with --kv-key-group {G} "
                          f"(per-channel int8 keys): spec_tokens + 1 must be <= the key group, so give --spec-tokens "
-                         f"<= {cfg.kv_key_group - 1} or a larger --kv-key-group (or --kv-keys token)")
+                         f"<= {G - 1} or a larger --kv-key-group (or --kv-keys token)")
 
 
 def check_group(group) -> int:
@@ -80,20 +84,28 @@ KEY_LAYOUTS = ("token", "channel")   # --kv-keys: ModelConfig.kv_keys
 
 
 def config_with_kv_keys(cfg: ModelConfig, keys: str | None, group: int | None = None) -> ModelConfig:
-    """cfg with kv_keys = ``keys`` and kv_key_group = ``group`` (None keeps each). Raises ValueError naming
-    --kv-keys / --kv-key-group for a value outside the allowed set, for channel keys on a cache that is not an
-    int8 MHA / GQA / MQA one (attention="mla" or a float cache_dtype), and for a group without channel keys."""
+    """cfg with kv_keys = ``keys`` and kv_key_group = ``group`` (None keeps each: the run's, by default
+    "channel" and 64). Raises ValueError naming --kv-keys / --kv-key-group for a value outside the allowed set,
+    for an explicit --kv-keys channel on a cache that is not an int8 MHA / GQA / MQA one (attention="mla" or a
+    float cache_dtype; a run's own "channel" there simply means per-token or float keys, ``cfg.channel_keys``),
+    for a group on such a cache or with token keys, and for a group longer than max_context (no group would
+    ever complete, so the keys would stay in float32)."""
     if keys is not None and keys not in KEY_LAYOUTS:
         raise ValueError(f"--kv-keys {keys!r} is not allowed: one of {', '.join(KEY_LAYOUTS)}")
     if group is not None:
         check_group(group)
     out = cfg.replace(kv_keys=keys or cfg.kv_keys, kv_key_group=group or cfg.kv_key_group)
-    if out.kv_keys == "channel" and not out.channel_keys:
-        raise ValueError(f"--kv-keys channel needs an int8 MHA / GQA / MQA cache (give --kv-dtype int8); the model "
+    if (keys == "channel" or group is not None) and out.kv_keys == "channel" and not out.channel_keys:
+        given = "--kv-keys channel" if keys == "channel" else f"--kv-key-group {group}"
+        raise ValueError(f"{given} needs an int8 MHA / GQA / MQA cache (give --kv-dtype int8); the model "
                          f"has attention={cfg.attention!r}, cache_dtype={cfg.cache_dtype!r}")
     if group is not None and out.kv_keys != "channel":
         raise ValueError(f"--kv-key-group {group} is not allowed with --kv-keys token: it sets the per-channel "
                          "key groups (give --kv-keys channel)")
+    if group is not None and group > cfg.max_context:
+        raise ValueError(f"--kv-key-group {group} is not allowed: longer than the model's max_context="
+                         f"{cfg.max_context}, so no key group would ever complete (give at most "
+                         f"{cfg.max_context}, or --kv-keys token)")
     return out
 
 
@@ -183,7 +195,7 @@ def ring_group(ring: jax.Array, cache_index: jax.Array, group: int) -> jax.Array
 def channel_key_cache_bytes(cfg: ModelConfig, seq_len: int, group: int) -> int:
     """Bytes of one sequence's cache in the per-channel key layout (module docstring), every layer, sinks not
     included: num_blocks x (S (2 K D + 4 K) + ceil(S / G) K D 4 + 2 G K D 4) with S = seq_len (the
-    residual is a ring of 2 G slots).
+    residual is a ring of 2 G slots; the caches pass G = ``cfg.key_group``).
     MHA / GQA / MQA only; raises ValueError for attention="mla" or a bad seq_len / group."""
     if cfg.attention == "mla":
         raise ValueError("per-channel keys (--kv-keys channel) are defined for MHA / GQA / MQA caches, not "

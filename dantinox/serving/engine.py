@@ -23,6 +23,7 @@ Not thread-safe: one thread drives an engine (the server runs it in a background
 from __future__ import annotations
 
 import abc
+import dataclasses
 import itertools
 import logging
 import time
@@ -48,7 +49,7 @@ from .scheduler import Chunk, Schedule, Scheduler
 from .sink_slots import SinkSlots
 from .speculation import SpecConfig, eligible, plan_speculation, record
 from .step_plan import (advance, bucket, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
-                        plan_decode_steps, pool_size, resume_align)
+                        default_block_size, plan_decode_steps, pool_size, resume_align)
 from .verify_cost import VerifyCostMeter
 from .verify_step import verify_step
 from .warmup import WarmupItem
@@ -108,9 +109,11 @@ class EngineConfig:
     max_running, and (1, 2, 4)); chunk_buckets: prefill chunk lengths (default: powers of two from 8 up to
     min(max_batched_tokens, max_context)).
     speculative: None (plain decoding) or a ``speculation.SpecConfig``: n-gram speculative decoding of the decode
-    rows (the greedy output is unchanged; sampled output keeps the target's distribution)."""
+    rows (the greedy output is unchanged; sampled output keeps the target's distribution).
+    block_size: tokens per KV block; None (the default) takes ``step_plan.default_block_size`` of the model:
+    16, or the key group G with per-channel int8 keys (a block size must then be a multiple of G)."""
 
-    block_size: int = 16
+    block_size: int | None = None
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
     kv_memory_all: bool = False
@@ -144,6 +147,8 @@ class PagedEngine(Engine):
                              f"{cfg.paradigm!r} (masked diffusion is served by dantinox generate, not serve)")
         if config.speculative is not None:   # per-channel keys: k + 1 tokens must fit one key group
             check_spec_group(cfg, config.speculative.spec_tokens)
+        if config.block_size is None:
+            config = dataclasses.replace(config, block_size=default_block_size(cfg))
         self.cfg, self.config = cfg, config
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_context
         graphdef, self.params = nnx.split(model)
@@ -511,7 +516,7 @@ class PagedEngine(Engine):
         start, table, seeds, steps, sampling = self._row_inputs(part, B, M)
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
         return (self.graph, self.params, self.pool, seq, start, limit, table, seeds, steps, sampling,
-                with_logprobs, self._sink_rows(part, B))
+                with_logprobs, self._sink_rows(part, B), self._residual_rows(part, B))
 
     def _spec_statics(self) -> dict:
         spec = self.speculative

@@ -182,7 +182,7 @@ def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: in
 
     Raises ValueError for a non-positive num_blocks, block_size, sink_slots or residual_slots, an int8 cache
     whose sink tokens (cfg.kv_sink_tokens) do not fit in one block, or per-channel keys with a block size that
-    is not a multiple of cfg.kv_key_group.
+    is not a multiple of cfg.key_group.
     """
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("sink_slots", sink_slots),
                         ("residual_slots", residual_slots)):

@@ -2,7 +2,7 @@
 pool: the layer type, its attention over block tables, its writes and its bytes.
 
 Letters as in ``dantinox.serving.paged_cache`` (N blocks, P tokens per block, M block-table entries, R sink
-slots, A sink tokens) plus G = cfg.kv_key_group tokens per key-scale group and Q residual slots.
+slots, A sink tokens) plus G = cfg.key_group tokens per key-scale group and Q residual slots.
 
 Layout of one layer (``PagedChannelKV``), P a multiple of G so a group never straddles two blocks:
   k        [N, P, K, D] int8     keys of complete groups, per-channel codes
@@ -25,7 +25,9 @@ s >= A; in float32 otherwise (the filling group from the residual or the call's 
 from the sink slot). One call (a prefill chunk, a decode step) with cache_index c and n new tokens:
   1. gathers the row's blocks: codes and scales read back ([B, K, M P, D]), values read back, sinks;
   2. builds the full-precision keys of the slots from g0 = (c // G) G on: the residual (g0 <= s < c) and the
-     new keys (c <= s < c + T), and quantizes their groups (``quantize_channels``);
+     new keys (c <= s < c + T), and quantizes their groups (``quantize_channels``), the A sinks counted as
+     zeros (they are read from the sink slot, never from their codes, so an outlier sink token does not
+     coarsen the rest of its group);
   3. attends with the rule above, one softmax over the M P slots, causal;
   4. writes: the codes and scales of every group that completes in this call (its slots below
      e = ((c + n) // G) G), the keys of slots max(g0, e - G) .. c + n - 1 into the residual ring, the values
@@ -70,13 +72,14 @@ class PagedChannelKV(NamedTuple):
 
 
 def check_channel_block_size(cfg: ModelConfig, block_size: int) -> None:
-    """ValueError naming --block-size and --kv-key-group unless block_size is a multiple of cfg.kv_key_group
+    """ValueError naming --block-size and --kv-key-group unless block_size is a multiple of cfg.key_group
     (a key group must lie in one block)."""
-    G = cfg.kv_key_group
+    G = cfg.key_group
     if block_size % G:
-        raise ValueError(f"--block-size {block_size} is not allowed with --kv-keys channel --kv-key-group {G}: "
-                         f"the block size must be a multiple of the key group (e.g. --block-size {G}), so a "
-                         "group of keys never straddles two blocks")
+        raise ValueError(f"--block-size {block_size} is not allowed with per-channel int8 keys (--kv-keys channel, "
+                         f"the int8 default) and --kv-key-group {G}: the block size must be a multiple of the key "
+                         f"group (e.g. --block-size {G}, serve's default here), so a group of keys never straddles "
+                         "two blocks; or give --kv-keys token")
 
 
 def channel_block_bytes(cfg: ModelConfig, block_size: int) -> int:
@@ -84,7 +87,7 @@ def channel_block_bytes(cfg: ModelConfig, block_size: int) -> int:
     scales per token, key scales per group and channel). Raises ValueError (``check_channel_block_size``)
     for a block size that is not a multiple of G."""
     check_channel_block_size(cfg, block_size)
-    P, G, K, D = int(block_size), cfg.kv_key_group, cfg.kv_heads, cfg.head_size
+    P, G, K, D = int(block_size), cfg.key_group, cfg.kv_heads, cfg.head_size
     return cfg.num_blocks * (P * (2 * K * D + SCALE_BYTES * K) + (P // G) * K * D * SCALE_BYTES)
 
 
@@ -93,7 +96,7 @@ def residual_set_bytes(cfg: ModelConfig) -> int:
     ``cfg.channel_keys``)."""
     if not cfg.channel_keys:
         return 0
-    return cfg.num_blocks * ring_slots(cfg.kv_key_group) * cfg.kv_heads * cfg.head_size * RESIDUAL_BYTES
+    return cfg.num_blocks * ring_slots(cfg.key_group) * cfg.kv_heads * cfg.head_size * RESIDUAL_BYTES
 
 
 def init_channel_layer(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int,
@@ -101,7 +104,7 @@ def init_channel_layer(cfg: ModelConfig, num_blocks: int, block_size: int, sink_
     """Zeros of one layer (shapes in the module docstring). Raises ValueError for a block size that is not a
     multiple of the key group."""
     check_channel_block_size(cfg, block_size)
-    N, P, G, K, D = num_blocks, block_size, cfg.kv_key_group, cfg.kv_heads, cfg.head_size
+    N, P, G, K, D = num_blocks, block_size, cfg.key_group, cfg.kv_heads, cfg.head_size
     A = cfg.sink_slots
     return PagedChannelKV(jnp.zeros((N, P, K, D), jnp.int8), jnp.zeros((N, P, K, D), jnp.int8),
                           jnp.zeros((N, P // G, K, D), SCALE_DTYPE), jnp.zeros((N, P, K, 1), SCALE_DTYPE),
@@ -141,12 +144,12 @@ class PagedChannelView(NamedTuple):
         q: [B, K, G', T, D] scaled queries; k: unused (the per-token read-back keys); v: [B, K, T, D] the new
         values read back from int8 (sinks in full); cache_index: [B] int32; stored: the int8 layer's (k_q, v_q,
         k_scale, v_scale, k_full, v_full), of which k_full, v_full [B, K, T, D] and v_q, v_scale are used.
-        Returns (y [B, K, G', T, D] float32, the view with the new tokens written). Raises ValueError for a
-        key_start, a sliding window or a missing ``stored`` (a pool built for another cache dtype).
+        window: the sliding window (a query sees the slots t - window < s <= t, sinks included, as the static
+        cache) or None. Returns (y [B, K, G', T, D] float32, the view with the new tokens written). Raises
+        ValueError for a key_start or a missing ``stored`` (a pool built for another cache dtype).
         """
-        if key_start is not None or window is not None:
-            raise ValueError("per-channel keys (--kv-keys channel) are served without left padding and without "
-                             "a sliding window")
+        if key_start is not None:
+            raise ValueError("per-channel keys (--kv-keys channel) are served without left padding")
         if stored is None or len(stored) != 6:
             raise ValueError("the pool holds PagedChannelKV (int8, per-channel keys) but the model does not "
                              "write an int8 layer: build the pool from the model's config")
@@ -162,7 +165,7 @@ class PagedChannelView(NamedTuple):
         full = jnp.where(old(is_new), _at(stored[4].astype(jnp.float32), new_at),
                          jnp.where(old((s >= g0) & (s < c[:, None])), _at(resid, s % R),
                                    _with_sinks(old(in_sink), sinks_k, s, A, 0.0)))
-        codes, scales = quantize_channels(full, G)
+        codes, scales = quantize_channels(jnp.where(old(s < A), 0.0, full), G)   # sinks: never read as int8
         stored_keys = dequantize_channels(_rows(pool.k, table), _rows(pool.k_scale, table), G)
         int8_keys = jnp.where(old(s < g0), stored_keys, dequantize_channels(codes, scales, G))
         values = jnp.where(old(is_new), _at(v.astype(jnp.float32), new_at),
@@ -176,7 +179,10 @@ class PagedChannelView(NamedTuple):
         else:        # a prefill chunk: a group completing inside it is read both ways
             scores = jnp.where(from_int8[:, None, None], grouped_scores(q, int8_keys.astype(q.dtype)),
                                grouped_scores(q, full.astype(q.dtype)))
-        probs = jax.nn.softmax(jnp.where((s[:, None] <= t)[:, None, None], scores, NEG_INF), axis=-1)
+        visible = s[:, None] <= t                                                # [B, T, S]
+        if window is not None:
+            visible = visible & (t - s[:, None] < window)
+        probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, NEG_INF), axis=-1)
         y = grouped_values(probs, values)
         return y, self._replace(pool=self._written(stored, codes, scales, full, c, T))
 

@@ -9,6 +9,7 @@ one; only the time a call takes comes from a profile instead of the device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .allocator import BlockAllocator
@@ -55,10 +56,25 @@ def engine_buckets(config, max_context: int, min_table_tokens: int = 64) -> Buck
     return Buckets(decode, tuple(sorted(config.prefill_buckets)), chunk, table)
 
 
+DEFAULT_BLOCK_SIZE = 16   # tokens per KV block when none is given and the keys are not per channel
+
+
+def default_block_size(cfg) -> int:
+    """The block size P when none is given (EngineConfig.block_size None, serve without --block-size, the
+    planner's default candidates): DEFAULT_BLOCK_SIZE, or with per-channel int8 keys (``cfg.channel_keys``,
+    the int8 default on MHA / GQA / MQA) the key group G = cfg.key_group, which a block size must be a multiple
+    of (``paged_channel_keys.check_channel_block_size``), raised to the first multiple of G that holds the
+    cfg.sink_slots sink tokens (a sequence's sinks lie in its first block)."""
+    if not cfg.channel_keys:
+        return DEFAULT_BLOCK_SIZE
+    G = cfg.key_group
+    return G * max(1, -(-cfg.sink_slots // G))
+
+
 def resume_align(cfg) -> int:
     """Where a prefix-cache hit may resume for model config ``cfg``: the key group G with per-channel int8 keys
     (``cfg.channel_keys``; a filling group's float32 keys are never in a cached block), else 1."""
-    return cfg.kv_key_group if cfg.channel_keys else 1
+    return cfg.key_group if cfg.channel_keys else 1
 
 
 def engine_policy(config, max_context: int, resume_align: int = 1) -> ContextPolicy:
@@ -104,7 +120,10 @@ def pool_size(cfg, config, block_bytes: int | None = None, sink_bytes: int | Non
     block_bytes / sink_bytes / residual_bytes: bytes one block / one sink slot / one residual slot takes out of
     kv_memory_bytes (default the whole block, ``paged_cache.block_bytes``, slot, ``paged_cache.sink_set_bytes``,
     and residual, ``paged_cache.residual_set_bytes``; the sharded engine passes one device's share). Raises
-    ValueError if not even one block fits in kv_memory_bytes."""
+    ValueError if not even one block fits in kv_memory_bytes. A config.block_size of None is
+    ``default_block_size(cfg)``."""
+    if config.block_size is None:
+        config = dataclasses.replace(config, block_size=default_block_size(cfg))
     per_sequence = -(-cfg.max_context // config.block_size)
     usable = config.max_running * per_sequence
     slot_bytes = sink_set_bytes(cfg) if sink_bytes is None else int(sink_bytes)

@@ -19,8 +19,12 @@ def _error(capsys, argv) -> str:
     (["verify", "--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "0"], "--kv-key-group 0 is not"),
     (["generate", "--prompt", "Nel", "--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "4",
       "--speculative", "ngram", "--spec-tokens", "4"], "--spec-tokens 4 is not allowed with --kv-key-group 4"),
-    (["verify", "--kv-dtype", "int8", "--kv-keys", "channel", "--speculative", "ngram"],
-     "verify --speculative is not allowed with --kv-keys channel"),
+    (["verify", "--kv-dtype", "int8", "--kv-key-group", "4", "--speculative", "ngram", "--spec-tokens", "4"],
+     "--spec-tokens 4 is not allowed with --kv-key-group 4"),
+    (["generate", "--prompt", "Nel", "--kv-dtype", "int8", "--kv-key-group", "512"],
+     "--kv-key-group 512 is not allowed: longer than the model's max_context=256"),
+    (["budget", "--preset", "tiny", "--dtype", "int8", "--kv-keys", "token", "--kv-key-group", "8"],
+     "--kv-key-group 8 is not allowed with --kv-keys token"),
     (["budget", "--preset", "tiny", "--kv-keys", "channel"], "--kv-keys channel needs --dtype int8"),
     (["budget", "--preset", "tiny-mla", "--dtype", "int8", "--kv-keys", "channel"], "attention='mla'"),
 ])
@@ -31,7 +35,7 @@ def test_bad_key_layouts_are_one_line_naming_the_flag(capsys, argv, says):
 def test_budget_measures_the_channel_layout_exactly(capsys):
     status, out, _ = run_main(["budget", "--preset", "tiny", "--dtype", "int8", "--kv-keys", "channel",
                                "--kv-key-group", "8", "--measure"], capsys)
-    assert status == 0 and "MISMATCH" not in out and "per-channel keys (G = 8)" in out, out
+    assert status == 0 and "MISMATCH" not in out and "per-channel keys (G = 8;" in out, out
 
 
 @pytest.mark.slow
@@ -48,3 +52,13 @@ def test_generate_with_channel_keys_gives_the_uncached_tokens(capsys):
     assert status == 0
     status, uncached, _ = run_main(common + ["--no_cache"], capsys)
     assert status == 0 and cached == uncached and cached.strip()
+
+
+def test_budget_int8_counts_per_channel_keys_by_default_and_per_token_keys_on_request(capsys):
+    """The int8 default on MHA / GQA / MQA is per-channel keys (the tiny preset's G: 64 clipped to its 32-slot
+    context); --kv-keys token is the per-token layout. Both measured equal to the allocated arrays."""
+    status, out, _ = run_main(["budget", "--preset", "tiny", "--dtype", "int8", "--measure"], capsys)
+    assert status == 0 and "MISMATCH" not in out and "per-channel keys (G = 32;" in out, out
+    status, out, _ = run_main(["budget", "--preset", "tiny", "--dtype", "int8", "--kv-keys", "token", "--measure"],
+                              capsys)
+    assert status == 0 and "MISMATCH" not in out and "per-channel keys" not in out, out

@@ -14,6 +14,7 @@ from flax import nnx
 from paths import TESTS
 
 import dantinox as dx
+from dantinox.model.cache import first_slots
 
 
 def test_compile_count_across_prompts_sampling_and_lengths():
@@ -143,15 +144,20 @@ def decode_loop_carry(hlo: str) -> str:
                 if " while(" in line and 'op_name="jit(decode)/while"' in line)
 
 
-@pytest.mark.parametrize("attn", [dict(attention="gqa", kv_heads=2),
+@pytest.mark.parametrize("attn", [dict(attention="gqa", kv_heads=2, kv_keys="token"),
+                                  dict(attention="gqa", kv_heads=2, kv_key_group=24),
                                   dict(attention="mla", kv_heads=None, kv_latent_dim=32, rope_head_dim=16)],
-                         ids=lambda a: a["attention"])
+                         ids=["gqa-token-keys", "gqa-channel-keys", "mla"])
 def test_int8_decode_loop_holds_int8_rows_and_scales_and_copies_nothing_cache_sized(attn):
     """max_context 384, batch 4: the loop decodes in windows (128, 256, 384), one while loop per window over a
-    cache of the window's first slots. Each loop's state holds the int8 rows and their float32 scales at its
-    width, and no float array of those shapes (no dequantized copy is carried from step to step); no copy of
-    rows or scales anywhere. (Each step reads its window back inside attention.) The float32 attention-sink
-    rows (A = 4 tokens, ``dantinox.quant.kv_sinks``) are carried at their own size in every loop."""
+    cache of the window's first slots (``dantinox.model.cache.first_slots``). Each loop's state holds the int8
+    rows and their float32 scales at its width, and no float array of the rows' shapes (no dequantized copy is
+    carried from step to step); no copy of rows or scales anywhere. (Each step reads its window back inside
+    attention.) The float32 attention-sink rows (A = 4 tokens, ``dantinox.quant.kv_sinks``) are carried at
+    their own size in every loop, and so, with per-channel keys (the int8 default; G = 24 here, so no shape
+    of the key scales per group (ceil(width / G) groups), the filling group or the ring of 2 G slots is
+    another field's), are the key scales and the ring. (The
+    sinks and the ring, a few slots each and not cache-sized, are rewritten by a select every step.)"""
     batch = 4
     cfg = dx.ModelConfig.from_preset("reference", num_blocks=2, max_context=384, cache_dtype="int8", **attn)
     assert sys.modules["dantinox.generation.decode"].decode_windows(cfg, batch) == (128, 256, 384)
@@ -162,12 +168,12 @@ def test_int8_decode_loop_holds_int8_rows_and_scales_and_copies_nothing_cache_si
     assert len(carries) == 3
     every = []
     for width in (128, 256, 384):
-        shape = [",".join(map(str, a.shape[:-2] + (width,) + a.shape[-1:])) for a in layer[:4]]
-        rows, scales = shape[:2], shape[2:]
-        sinks = [",".join(map(str, a.shape)) for a in layer[4:]]
-        every += shape
-        held = [c for c in carries if all(f"s8[{r}]" in c for r in rows) and all(f"f32[{x}]" in c for x in scales)
-                and all(f"f32[{x}]" in c for x in sinks)]
+        cut = first_slots(layer, width)
+        rows = [",".join(map(str, a.shape)) for a in cut if a.dtype == jnp.int8]
+        floats = [",".join(map(str, a.shape)) for a in cut if a.dtype == jnp.float32]   # scales, sinks, ring
+        assert len(rows) == 2 and len(floats) == len(layer) - 2 and not set(rows) & set(floats)
+        every += rows + [",".join(map(str, a.shape)) for name, a in zip(cut._fields, cut) if "scale" in name]
+        held = [c for c in carries if all(f"s8[{r}]" in c for r in rows) and all(f"f32[{x}]" in c for x in floats)]
         assert len(held) == 1, width
         assert not any(f"{t}[{r}]" in c for c in carries for r in rows for t in ("f32", "bf16"))
     copies = [line for line in hlo.splitlines() if " copy(" in line]

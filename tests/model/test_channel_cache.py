@@ -123,11 +123,14 @@ def test_real_cache_equals_the_eval_view_on_the_same_inputs(model):
 
 
 def numpy_layer(q, k, v, sinks):
-    """Numpy reference of one layer: keys of complete groups per-channel absmax int8, the filling group and
-    the sinks in float, values per-token absmax int8 (sinks in float). Returns (y, codes, scales)."""
+    """Numpy reference of one layer: keys of complete groups per-channel absmax int8 (the sinks, read in float,
+    counting as zeros in their group's scale), the filling group and the sinks in float, values per-token
+    absmax int8 (sinks in float). Returns (y, codes, scales)."""
     B, K, S, D = k.shape
     N = S // G
-    x = k[:, :, :N * G].astype(np.float64).reshape(B, K, N, G, D)
+    x = k[:, :, :N * G].astype(np.float64)
+    x[:, :, :sinks] = 0.0
+    x = x.reshape(B, K, N, G, D)
     scale = (np.abs(x).max(axis=-2) / 127.0).astype(np.float32)
     codes = np.clip(np.round(x / np.where(scale > 0, scale, 1)[..., None, :]), -127, 127)
     k_int8 = (codes * scale[..., None, :]).reshape(B, K, N * G, D)
@@ -179,7 +182,9 @@ def test_budget_counts_the_allocated_arrays(group, sinks, slots):
     assert isinstance(cache[0], ChannelQuantLayerKV)
     assert cache_nbytes(cache) == kv_cache_bytes(cfg, 3, slots) == 3 * kv_cache_bytes(cfg, 1, slots)
     K, D, A = cfg.kv_heads, cfg.head_size, cfg.sink_slots
-    per_layer = slots * (2 * K * D + 4 * K) + -(-slots // group) * K * D * 4 + 2 * group * K * D * 4 + A * 2 * K * D * 4
+    G = min(group, slots)            # a group longer than the context is clipped to it (64 -> 48: cfg.key_group)
+    assert cfg.key_group == G and cache[0].k_residual.shape[-2] == 2 * G
+    per_layer = slots * (2 * K * D + 4 * K) + -(-slots // G) * K * D * 4 + 2 * G * K * D * 4 + A * 2 * K * D * 4
     assert kv_cache_bytes(cfg, 1, slots) == cfg.num_blocks * per_layer
     assert kv_cache_bytes(cfg, 1, slots, "float32") == slots * cfg.num_blocks * 2 * K * D * 4   # no int8: no layout
     plan = plan_capacity(cfg, 2 ** 30, [(5, 3)], admission="request")

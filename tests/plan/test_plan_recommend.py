@@ -102,6 +102,8 @@ def test_course_failure_max_throughput_rejected_and_plan_falls_back(bundled, mix
     max_tp = next(c for c in default_candidates() if c.name == "max-throughput")
     assert (max_tp.max_running, max_tp.max_batched_tokens, max_tp.kv_dtype, max_tp.quantize) == (64, 256, "int8",
                                                                                                 "int8")
+    assert max_tp.block_size is None and max_tp.for_model(bundled[0]).block_size == 64   # keys per channel in
+    #                                                                   groups of 64 (the int8 default): one a block
     plan = make_plan(_inputs(bundled, mixed_trace, gates=gates, slo={"ttft_p99": 0.2}), [max_tp])
     row = _row(plan, "max-throughput")
     assert any(r.startswith("SLO: p99 TTFT") for r in row["dropped"]), row["dropped"]

@@ -40,8 +40,11 @@ def test_channel_quantizer_matches_numpy_and_one_outlier_token_coarsens_only_its
 
 
 def numpy_attention(q, k, v, group, sinks):
-    """The per-channel view's rule: query slot t reads key s from int8 when (s // G + 1) G <= t and s >= A."""
-    _, _, kq = numpy_channels(k, group)
+    """The per-channel view's rule: query slot t reads key s from int8 when (s // G + 1) G <= t and s >= A; the
+    A sinks (always read in float) count as zeros in their group's scale."""
+    quantized = k.copy()
+    quantized[:, :, :sinks] = 0.0
+    _, _, kq = numpy_channels(quantized, group)
     S = k.shape[2]
     t, s = np.arange(S)[:, None], np.arange(S)[None]
     keys = np.where(((s // group + 1) * group <= t) & (s >= sinks), 1, 0)

@@ -30,8 +30,10 @@ KINDS = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa
 FLIP_SEEDS = {"mha": 3, "gqa": 0, "mqa": 2, "mla": 14}
 
 
-def _model(kind: str, seed: int, max_context: int = 128):
-    cfg = tiny_config(**KINDS[kind], cache_dtype="int8", max_context=max_context)
+def _model(kind: str, seed: int, max_context: int = 128, **fields):
+    """The per-token layout (kv_keys="token": these tests check per-row rounding; per-channel keys, the int8
+    default, are adopted per (group, channel) by ``dantinox.quality.channel_reference``, tested below)."""
+    cfg = tiny_config(**KINDS[kind], cache_dtype="int8", max_context=max_context, **{"kv_keys": "token", **fields})
     return (spiky_mla if kind == "mla" else spiky_model)(cfg, seed)
 
 
@@ -219,6 +221,41 @@ def test_a_corrupted_int8_code_or_scale_in_the_cached_run_fails_verify(kind, how
     assert report.rounding_flips.faults >= 1 and report.max_diff.max() > EQ, report.rounding_flips
     monkeypatch.setattr(verify, "_step", step)
     assert dx.verify_cache(model, _prompt(0), new_tokens=12, tolerance=EQ).passed
+
+
+@pytest.mark.parametrize("how", ["code+2", "scale"])
+def test_a_corrupted_per_channel_key_code_or_scale_fails_verify(how, monkeypatch):
+    """The int8 default on GQA, per-channel keys, here in groups of 4, so an 8-token prompt's slots 4-7 (past
+    the 4 sinks) form a complete group right after prefill: one of its key codes 2 steps off, or its scale for
+    one channel 1 % off, is read by every later query, refused by the per-(group, channel) reference, and
+    fails verify. (Groups of 2 are too short for the reference's rule: a 2-element row's absmax can be small
+    enough that the two runs' matmul rounding exceeds 64 of its ulps; seen once on a clean run.)"""
+    G, group = 4, CORRUPT_SLOT // 4                              # slot 5 lies in group 1, slots 4-7
+
+    def corrupt(cache):
+        layer = cache[0]
+        if how == "scale":
+            layer = layer._replace(k_scale=layer.k_scale.at[0, 0, group, 1].multiply(1.01))
+        else:
+            value = int(layer.k[0, 0, CORRUPT_SLOT, 1])
+            layer = layer._replace(k=layer.k.at[0, 0, CORRUPT_SLOT, 1].set(value + (2 if value < 100 else -2)))
+        return (layer,) + tuple(cache[1:])
+
+    step = verify._step
+
+    def faulty_step(graphdef, params, ids, cache, index):
+        logits, cache = step(graphdef, params, ids, cache, index)
+        channel = hasattr(cache[0], "k_residual")              # not the float32 run verify also makes
+        return logits, (corrupt(cache) if channel and int(index) == 0 else cache)
+
+    model = _model("gqa", 0, max_context=32, kv_keys="channel", kv_key_group=G)
+    prompt = _prompt(0) + _prompt(1)[:2]
+    assert model.cfg.channel_keys and model.cfg.sink_slots <= group * G and (group + 1) * G <= len(prompt)
+    assert dx.verify_cache(model, prompt, new_tokens=12, tolerance=EQ).passed
+    monkeypatch.setattr(verify, "_step", faulty_step)
+    report = dx.verify_cache(model, prompt, new_tokens=12, tolerance=EQ)
+    assert not report.passed
+    assert report.rounding_flips.faults >= 1 and report.max_diff.max() > EQ, report.rounding_flips
 
 
 def test_with_bfloat16_compute_verify_compares_int8_logits_with_the_plain_uncached_forward():

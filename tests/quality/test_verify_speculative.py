@@ -31,9 +31,12 @@ def repetitive_prompt(rng, vocab, n=24):
 
 
 @pytest.mark.slow   # ~6 s each on the shared host (compiles the prompt, verify and reference programs)
-@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
-def test_accepted_positions_match_the_uncached_forward(kv_dtype):
-    cfg = tiny_config(max_context=64, cache_dtype=kv_dtype, **GQA)
+@pytest.mark.parametrize("kv_dtype, keys", [("float32", {}), ("int8", dict(kv_keys="token")),
+                                            ("int8", dict(kv_key_group=8))], ids=["float32", "int8", "int8-channel"])
+def test_accepted_positions_match_the_uncached_forward(kv_dtype, keys):
+    """int8: per-token keys, and per-channel keys (the default) in groups of 8, so verify calls complete and,
+    on rejection, re-complete key groups (k + 1 = 4 <= G)."""
+    cfg = tiny_config(max_context=64, cache_dtype=kv_dtype, **GQA, **keys)
     model = varied_model(cfg, scale=2.0)   # scale 2: most proposals accepted, some rejected (4: almost none)
     prompt = repetitive_prompt(np.random.default_rng(1), cfg.vocab_size)
     report, accepted, proposed = vs.verify_speculative(model, prompt, 36, spec_tokens=3, ngram_max=3,

@@ -5,8 +5,11 @@ wrapper on the qkv projection; for MLA on the latent and the RoPE key), the atte
 Teacher-force 24 tokens after a 12-token prompt with an int8 cache and with a float32 cache: the largest
 |logit difference| stays within 0.05. The fix keeps the first ``kv_sink_tokens`` (4) tokens of every sequence
 in float32 next to their int8 rows (``dantinox.quant.kv_sinks``); with kv_sink_tokens=0 (every row int8, the
-old cache) the same run moves the logits by far more. The same holds for MLA's latent cache and for the
-serving engine's paged pool, and the budget counts the sink rows byte for byte.
+old cache) the same run moves the logits by far more. That holds for both int8 key layouts: per-token keys
+(kv_keys="token") and the default per-channel keys (KIVI), whose group scales leave the sinks out (else the
+outlier sets the scale of its whole group: 0.088 at G = 8 before that rule). The same holds for MLA's latent
+cache and for the serving engine's paged pool, and the budget counts the sink rows byte for byte (the
+per-channel layout's bytes: tests/model/test_channel_cache.py, tests/serving/test_kv_channel_paged.py).
 
 Each case compiles one program per cache (the prompt and a lax.scan over the 24 forced tokens in one jit).
 """
@@ -28,7 +31,9 @@ from dantinox.serving.sink_slots import SinkSlots, slots_for
 
 PROMPT, FORCED, OUTLIER = 12, 24, 50.0
 BOUND = 0.05          # the case's bound on max |int8 - float32| logits
-GQA = dict(attention="gqa", kv_heads=2)
+GQA = dict(attention="gqa", kv_heads=2, kv_keys="token")      # the per-token layout the sinks were built for
+CHANNEL = dict(attention="gqa", kv_heads=2, kv_keys="channel", kv_key_group=8)   # the int8 default, in groups
+# of 8 so groups complete within the 36 tokens, the first one holding the 4 sinks and 4 other tokens
 MLA = dict(attention="mla", kv_heads=None, kv_latent_dim=16, rope_head_dim=8)
 
 
@@ -134,19 +139,22 @@ def distance(a, b) -> float:
     return float(np.abs(a - b).max())
 
 
-def test_k13_outlier_token_int8_cache_stays_within_0_05_of_float32():
+@pytest.mark.parametrize("keys", [GQA, CHANNEL], ids=["token-keys", "channel-keys"])
+def test_k13_outlier_token_int8_cache_stays_within_0_05_of_float32(keys):
     ids = tokens(outlier_model("float32").cfg)
     reference = teacher_forced(outlier_model("float32"), ids)
-    fixed = distance(teacher_forced(outlier_model("int8"), ids), reference)
-    every_row_int8 = distance(teacher_forced(outlier_model("int8", kv_sink_tokens=0), ids), reference)
-    assert fixed <= BOUND, fixed
-    assert every_row_int8 > 2 * BOUND, every_row_int8     # the case reproduces the fault without the sinks (0.136)
+    fixed = distance(teacher_forced(outlier_model("int8", **keys), ids), reference)
+    every_row_int8 = distance(teacher_forced(outlier_model("int8", kv_sink_tokens=0, **keys), ids), reference)
+    assert fixed <= BOUND, fixed                          # 0.0075 per token, 0.0083 per channel
+    assert every_row_int8 > 2 * BOUND, every_row_int8     # the case reproduces the fault without the sinks (0.136,
+    #                                                       0.127 per channel)
 
 
-def test_k13_without_the_outlier_int8_stays_close_too():
+@pytest.mark.parametrize("keys", [GQA, CHANNEL], ids=["token-keys", "channel-keys"])
+def test_k13_without_the_outlier_int8_stays_close_too(keys):
     """The control: no outlier token, sinks on; int8 is as close as before (the sinks cost no accuracy)."""
     ids = tokens(outlier_model("float32").cfg)
-    plain = distance(teacher_forced(outlier_model("int8", factor=1.0), ids),
+    plain = distance(teacher_forced(outlier_model("int8", factor=1.0, **keys), ids),
                      teacher_forced(outlier_model("float32", factor=1.0), ids))
     assert plain <= BOUND, plain
 
@@ -158,11 +166,11 @@ def test_k13_mla_latent_cache_with_an_outlier_token_stays_within_0_05():
     assert fixed <= BOUND, fixed
 
 
-@pytest.mark.parametrize("attn", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("attn", [GQA, CHANNEL, MLA], ids=["gqa", "gqa-channel-keys", "mla"])
 def test_k13_paged_pool_keeps_the_sinks_and_equals_the_static_int8_cache(attn):
     ids = tokens(outlier_model("float32", **attn).cfg)
     int8 = outlier_model("int8", **attn)
-    paged = paged_teacher_forced(int8, ids)
+    paged = paged_teacher_forced(int8, ids, block_size=int8.cfg.kv_key_group if int8.cfg.channel_keys else 4)
     assert distance(paged, teacher_forced(int8, ids)) <= 1e-5                   # paged == static, int8
     assert distance(paged, teacher_forced(outlier_model("float32", **attn), ids)) <= BOUND
 
@@ -188,7 +196,10 @@ def test_k13_budget_bytes_equal_the_arrays_bytes_with_the_sink_rows(attn, sinks)
 
 
 def test_k13_sinks_that_do_not_fit_in_a_block_are_refused_naming_both_fields():
-    cfg = dx.ModelConfig.from_preset("tiny", cache_dtype="int8", kv_sink_tokens=8)
+    cfg = dx.ModelConfig.from_preset("tiny", cache_dtype="int8", kv_sink_tokens=8, kv_keys="token")
+    with pytest.raises(ValueError, match=r"block_size=4 .*kv_sink_tokens=8"):
+        init_pool(cfg, 3, 4)
+    cfg = cfg.replace(kv_keys="channel", kv_key_group=2)     # per-channel keys: a multiple of G is not enough
     with pytest.raises(ValueError, match=r"block_size=4 .*kv_sink_tokens=8"):
         init_pool(cfg, 3, 4)
     with pytest.raises(dx.ConfigError, match="kv_sink_tokens=-1"):

@@ -22,7 +22,10 @@ KINDS = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa
 
 
 def kind_config(kind: str, **overrides) -> dx.ModelConfig:
-    return tiny_config(**KINDS[kind], **overrides)
+    """The tiny model of ``kind`` with the per-token int8 layout (kv_keys="token": this file tests issue 10's
+    rows and scales per token; per-channel keys, the int8 default of MHA / GQA / MQA, are
+    tests/model/test_channel_cache.py's)."""
+    return tiny_config(**KINDS[kind], **{"kv_keys": "token", **overrides})
 
 
 def kind_model(cfg: dx.ModelConfig):

@@ -80,6 +80,25 @@ def test_paged_logits_equal_the_eval_view_in_ragged_chunks(P, sinks):
     assert max(errors) <= 2e-6 and layout_gap > 50 * max(max(errors), 1e-7)
 
 
+def test_paged_logits_with_a_sliding_window_equal_the_static_channel_cache():
+    """A sliding-window model (Mistral's kind) with the int8 default: the paged pool masks the keys older than
+    the window as the static per-channel cache does (sinks included), in ragged chunks; without the window the
+    logits differ, so the mask is exercised."""
+    cfg = CFG.replace(sliding_window=6)
+    model = lively_model(cfg)
+    seqs = prompts((5, 11, 17), seed=1)
+    M = cfg.max_context // G
+    tables = np.zeros((3, M), np.int32)
+    for b, n in enumerate((5, 11, 17)):
+        tables[b, :-(-n // G)] = 1 + b * M + np.arange(-(-n // G))
+    pool = init_pool(cfg, 3 * M + 1, G, sink_slots=4, residual_slots=4)
+    got, _ = chunked_paged_run(model, pool, seqs, tables)
+    for b in range(3):
+        assert np.abs(got[b] - static_logits(model, seqs[b])).max() <= 2e-6, b
+    unwindowed = lively_model(cfg.replace(sliding_window=None))
+    assert np.abs(got[2] - static_logits(unwindowed, seqs[2])).max() > 1e-3
+
+
 @pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
 @pytest.mark.parametrize("steps", [8, 1])
 def test_served_greedy_tokens_equal_the_eval_view_chunked_and_multi_step(model, steps):
@@ -162,8 +181,31 @@ def test_the_plan_ledger_counts_the_channel_pool_exactly(model):
     assert ledger.kv == pool_nbytes(engine.pool)
 
 
+def test_default_block_sizes_hold_whole_key_groups_for_the_engine_and_the_planner(model):
+    """Per-channel keys are the int8 default: EngineConfig without a block size takes the key group (4 here;
+    16 for other caches), the planner's int8 candidate takes the same, and a candidate whose block size splits
+    a group is refused naming it and the sizes that work."""
+    from dantinox.plan.candidate import Candidate, default_candidates
+    from dantinox.plan.ledger import memory_ledger
+
+    assert PagedEngine(model, EngineConfig(max_running=2)).allocator.block_size == G
+    token = dx.build_model(CFG.replace(kv_keys="token"))
+    assert PagedEngine(token, EngineConfig(max_running=2)).allocator.block_size == 16
+    cfg = CFG.replace(cache_dtype="float32", kv_key_group=32)
+    sizes = {c.name: c.for_model(cfg).block_size for c in default_candidates()}
+    assert sizes["max-throughput"] == 32 and sizes["baseline"] == 16 and sizes["block-32"] == 32
+    assert Candidate(kv_dtype="int8").serve_flags().get("block_size") is None        # serve picks the same
+    with pytest.raises(ValueError, match=r"candidate 'odd': block_size=24 is not allowed with kv_dtype=int8.*"
+                                         r"groups of 32 tokens .*block_size=32"):
+        memory_ledger(cfg, Candidate("odd", kv_dtype="int8", block_size=24), 10_000, 10 ** 9)
+    memory_ledger(cfg, Candidate("odd", block_size=24), 10_000, 10 ** 9)    # a float candidate: any size
+    unsized = memory_ledger(cfg, Candidate("unsized", kv_dtype="int8", max_running=2), 10_000, 10 ** 9)
+    assert unsized.kv == memory_ledger(cfg, Candidate("sized", kv_dtype="int8", max_running=2, block_size=32),
+                                       10_000, 10 ** 9).kv
+
+
 def test_block_sizes_that_split_a_key_group_are_refused_naming_the_flags(model):
-    with pytest.raises(ValueError, match=r"--block-size 6 is not allowed with --kv-keys channel --kv-key-group 4"):
+    with pytest.raises(ValueError, match=r"--block-size 6 is not allowed with per-channel int8 keys .*group 4"):
         make_engine(model, block_size=6)
     with pytest.raises(ValueError, match="--block-size 2 is not allowed"):
         init_pool(CFG, 4, 2)
@@ -237,15 +279,24 @@ def test_serve_kv_keys_channel_builds_a_channel_pool_with_the_group_as_block_siz
     assert engine.cfg.channel_keys and engine.cfg.kv_key_group == 8 and engine.allocator.block_size == 8
     assert isinstance(engine.pool[0], PagedChannelKV) and engine.pool[0].k_resid.shape == (2, 16, 2, 8)
     assert "keys per channel in groups of 8" in kv_summary(engine)
-    token = build_engine(serve_args(run_dir, "--kv-dtype", "int8"))[0]       # default: the run's own (token)
+    default = build_engine(serve_args(run_dir, "--kv-dtype", "int8"))[0]     # the int8 default: channel keys,
+    assert default.cfg.channel_keys and default.cfg.key_group == 32           # G = 64 clipped to the 32-token
+    assert default.allocator.block_size == 32                                 # context, and a block of G
+    token = build_engine(serve_args(run_dir, "--kv-dtype", "int8", "--kv-keys", "token"))[0]
     assert not token.cfg.channel_keys and token.allocator.block_size == 16
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--kv-keys", "channel"], "--kv-keys channel needs an int8 MHA / GQA / MQA cache"),
-    (["--kv-dtype", "int8", "--kv-key-group", "8"], "--kv-key-group 8 needs --kv-keys channel"),
+    (["--kv-dtype", "int8", "--kv-keys", "token", "--kv-key-group", "8"],
+     "--kv-key-group 8 is not allowed with --kv-keys token"),
+    (["--kv-key-group", "8"], "--kv-key-group 8 needs an int8 MHA / GQA / MQA cache"),
+    (["--kv-dtype", "int8", "--kv-key-group", "64"], "--kv-key-group 64 is not allowed: longer than the model's "
+                                                     "max_context=32"),
     (["--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "8", "--block-size", "12"],
-     "--block-size 12 is not allowed with --kv-keys channel --kv-key-group 8"),
+     "--block-size 12 is not allowed with per-channel int8 keys .*--kv-key-group 8"),
+    (["--kv-dtype", "int8", "--block-size", "16"],              # the default layout: G = 32 here
+     "--block-size 16 is not allowed with per-channel int8 keys .*--kv-key-group 32"),
     (["--kv-dtype", "int8", "--kv-keys", "channel", "--kv-key-group", "0"], "--kv-key-group 0 is not allowed"),
 ])
 def test_serve_refuses_bad_key_layout_flags_naming_them(run_dir, flags, message):
@@ -260,7 +311,7 @@ def test_channel_keys_on_mla_are_refused_naming_the_flag():
 
     mla = SimpleNamespace(cfg=tiny_config(attention="mla", kv_heads=None, kv_latent_dim=16, rope_head_dim=8,
                                           cache_dtype="int8"))   # only its config is read
-    with pytest.raises(ValueError, match="--kv-keys channel needs an int8 MHA / GQA / MQA cache.*attention mla"):
+    with pytest.raises(ValueError, match="--kv-keys channel needs an int8 MHA / GQA / MQA cache.*attention='mla'"):
         with_kv_keys(mla, "channel", None)
 
 

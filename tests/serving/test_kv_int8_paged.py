@@ -15,6 +15,7 @@ import dantinox as dx
 from dantinox.budget import kv_sink_bytes
 from dantinox.cli import entrypoint as cli
 from dantinox.cli.serve import build_engine, kv_summary
+from dantinox.model.channel_layout import ChannelQuantLayerKV
 from dantinox.runs.run_dir import save_run
 from dantinox.runs.tokenizer import train_tokenizer
 from dantinox.serving.paged_cache import (PagedQuantKV, PagedQuantLatentKV, block_bytes, init_pool, pool_nbytes,
@@ -22,10 +23,13 @@ from dantinox.serving.paged_cache import (PagedQuantKV, PagedQuantLatentKV, bloc
 from dantinox.serving.runner import copy_blocks, read_blocks, write_blocks
 
 P, M = 4, 8  # block size; block-table entries (max_context 32 / P)
-KINDS = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),
-         "mqa": dict(attention="mqa", kv_heads=None),
+# The per-token int8 pool (PagedQuantKV): kv_keys="token" (per-channel keys, the int8 default of MHA / GQA /
+# MQA, are tests/serving/test_kv_channel_paged.py's); MLA's latent pool is always per token.
+KINDS = {"mha": dict(attention="mha", kv_heads=None, kv_keys="token"),
+         "gqa": dict(attention="gqa", kv_heads=2, kv_keys="token"),
+         "mqa": dict(attention="mqa", kv_heads=None, kv_keys="token"),
          "mla": dict(attention="mla", kv_heads=None, kv_latent_dim=16, rope_head_dim=8)}
-CFG = tiny_config(attention="gqa", kv_heads=2, max_context=64, cache_dtype="int8")
+CFG = tiny_config(attention="gqa", kv_heads=2, max_context=64, cache_dtype="int8", kv_keys="token")
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +146,8 @@ def test_int8_prefix_cached_blocks_share_their_scales_and_copy_on_write_copies_t
 def serve_engine(run_dir, kv_dtype, memory="64KiB"):
     flags = ["serve", "--run_dir", run_dir, "--kv-memory", memory, "--block-size", "4", "--max-running", "8",
              "--max-batched-tokens", "1024"]
-    return build_engine(cli.build_parser().parse_args(flags + (["--kv-dtype", kv_dtype] if kv_dtype else [])))[0]
+    int8 = ["--kv-dtype", kv_dtype, "--kv-keys", "token"] if kv_dtype else []   # the per-token pool's arithmetic
+    return build_engine(cli.build_parser().parse_args(flags + int8))[0]
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +220,9 @@ def test_generate_with_kv_dtype_int8_uses_an_int8_cache_with_the_run_parameters(
     gen = Generator(float_run, warmup=False, kv_dtype="int8")
     plain = Generator(float_run, warmup=False)
     assert gen.cfg.cache_dtype == "int8" and plain.cfg.cache_dtype == "float32"
-    assert isinstance(dx.init_cache(gen.cfg, 1)[0], dx.QuantLayerKV)
+    assert gen.cfg.channel_keys and isinstance(dx.init_cache(gen.cfg, 1)[0], ChannelQuantLayerKV)   # the default
+    token = Generator(float_run, warmup=False, kv_dtype="int8", kv_keys="token")
+    assert isinstance(dx.init_cache(token.cfg, 1)[0], dx.QuantLayerKV)
     np.testing.assert_array_equal(np.asarray(gen.model.embed.embedding[...]),
                                   np.asarray(plain.model.embed.embedding[...]))
     text = gen.generate("Nel mezzo", 12, temperature=0)

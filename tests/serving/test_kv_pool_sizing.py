@@ -19,9 +19,21 @@ from dantinox.serving.engine import EngineConfig
 from dantinox.serving.step_plan import pool_blocks, pool_size
 
 
-def bundled_cfg(cache_dtype="float32") -> ModelConfig:
+def bundled_cfg(cache_dtype="float32", kv_keys="token") -> ModelConfig:
+    """The bundled model's config; int8 with per-token keys unless kv_keys="channel" (the int8 default): the
+    by-hand block bytes below are the per-token layout's."""
     with open(os.path.join(bundled_run_dir(), "config.json"), encoding="utf-8") as f:
-        return ModelConfig.from_dict(json.load(f)).replace(cache_dtype=cache_dtype)
+        return ModelConfig.from_dict(json.load(f)).replace(cache_dtype=cache_dtype, kv_keys=kv_keys)
+
+
+def channel_bytes_by_hand(cfg: ModelConfig, block_size: int, max_running: int) -> tuple[int, int]:
+    """(bytes of one block, bytes of the residual rings) with per-channel int8 keys (G = 64), independently:
+    a block is P tokens x L layers x (k and v: K heads x D int8 codes, plus a float32 value scale per head)
+    plus P / G key-scale groups x L x K x D float32; a ring is 2 G float32 keys x L x K x D, one per running
+    sequence."""
+    L, K, D, G = cfg.num_blocks, cfg.kv_heads, cfg.head_size, 64
+    block = block_size * L * (2 * K * D + K * 4) + block_size // G * L * K * D * 4
+    return block, max_running * 2 * G * L * K * D * 4
 
 
 def block_bytes_by_hand(cfg: ModelConfig, block_size: int) -> int:
@@ -63,8 +75,24 @@ def test_budget_smaller_than_usable_and_explicit_sizes_are_kept():
 
 
 def test_serve_on_the_bundled_model_allocates_and_logs_what_it_can_use():
-    """`dantinox serve --kv-memory 2GB --kv-dtype int8` as README writes it, without the HTTP part."""
+    """`dantinox serve --kv-memory 2GB --kv-dtype int8` as README writes it, without the HTTP part: per-channel
+    keys (the int8 default), blocks of one key group (64 tokens), 16 residual rings and 32 sink slots."""
     args = cli.build_parser().parse_args(["serve", "--kv-memory", "2GB", "--kv-dtype", "int8"])
+    engine, _, _ = build_engine(args)
+    per_block, rings = channel_bytes_by_hand(bundled_cfg("int8"), 64, 16)
+    sinks = sink_bytes_by_hand(bundled_cfg("int8"), 16)
+    assert engine.cfg.channel_keys and engine.allocator.num_blocks == 16 * 256 // 64
+    assert engine.stats()["kv_cache_bytes"] == 64 * per_block + sinks + rings       # 4.44 MiB: the rings 2 MiB
+    line = kv_summary(engine)
+    assert line.startswith(f"KV cache: 64 blocks = 4096 tokens, max concurrency 16 at 256 tokens per request "
+                           f"(4.44 MiB = {64 * per_block + sinks + rings} bytes, block size 64, int8, keys per "
+                           "channel in groups of 64)"), line
+    assert f"takes those of the {(2 * 10**9 - sinks - rings) // per_block} --kv-memory holds" in line
+
+
+def test_serve_with_per_token_keys_allocates_and_logs_what_it_can_use():
+    """The same with --kv-keys token: the per-token pool, blocks of 16."""
+    args = cli.build_parser().parse_args(["serve", "--kv-memory", "2GB", "--kv-dtype", "int8", "--kv-keys", "token"])
     engine, _, _ = build_engine(args)
     per_block, sinks = block_bytes_by_hand(bundled_cfg("int8"), 16), sink_bytes_by_hand(bundled_cfg("int8"), 16)
     assert engine.allocator.num_blocks == 256
@@ -73,7 +101,8 @@ def test_serve_on_the_bundled_model_allocates_and_logs_what_it_can_use():
     assert line.startswith(f"KV cache: 256 blocks = 4096 tokens, max concurrency 16 at 256 tokens per request "
                            f"(2.50 MiB = {256 * per_block + sinks} bytes, block size 16, int8)"), line
     assert f"takes those of the {(2 * 10**9 - sinks) // per_block} --kv-memory holds (--kv-memory-all" in line
-    args = cli.build_parser().parse_args(["serve", "--kv-memory", "4MiB", "--kv-dtype", "int8", "--kv-memory-all"])
+    args = cli.build_parser().parse_args(["serve", "--kv-memory", "4MiB", "--kv-dtype", "int8", "--kv-keys", "token",
+                                          "--kv-memory-all"])
     engine, _, _ = build_engine(args)
     assert engine.allocator.num_blocks == (4 * 2**20 - sinks) // per_block == 426
     line = kv_summary(engine)

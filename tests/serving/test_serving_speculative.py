@@ -266,8 +266,9 @@ def test_greedy_equality_across_attention_kinds_and_int8(attention, cache_dtype)
     if attention == "mla":
         cfg = dx.ModelConfig.from_preset("tiny-mla", max_context=64, cache_dtype=cache_dtype)
     else:
-        cfg = tiny_config(attention=attention, max_context=64, cache_dtype=cache_dtype,
-                          **({"kv_heads": 2} if attention == "gqa" else {}))
+        cfg = tiny_config(attention=attention, max_context=64, cache_dtype=cache_dtype,   # int8: per-token keys
+                          **({"kv_heads": 2, "kv_keys": "token"} if attention == "gqa" else {}))   # (channel keys:
+        #                           test_speculation_over_per_channel_keys_equals_plain_served_greedy)
     net = lively_mla_model(cfg) if attention == "mla" else lively_model(cfg)
     requests = [(p, greedy(n)) for p, n in BATCH]
     _, expected, _ = serve(net, requests, spec=None)
@@ -293,6 +294,27 @@ def test_speculation_over_per_channel_keys_needs_spec_tokens_below_the_key_group
                                        kv_keys="channel", kv_key_group=4))
     with pytest.raises(ValueError, match="--spec-tokens.*--kv-key-group|--kv-key-group.*--spec-tokens"):
         make_engine(model, speculative=SpecConfig(spec_tokens=4))
+
+
+def test_speculation_over_per_channel_keys_equals_plain_served_greedy():
+    """Per-channel int8 keys in groups of 4 (k + 1 = 4 fits): the four requests finish at different steps, so a
+    request's batch row soon differs from its residual slot; each verify call must read and write its own
+    request's residual ring (it once used slot b for row b) to give plain served greedy's tokens and their
+    log-probabilities."""
+    model = lively_model(CFG.replace(cache_dtype="int8", kv_keys="channel", kv_key_group=4))
+    outputs = {}
+    for spec in (None, SPEC):
+        engine = make_engine(model, **ENGINE, speculative=spec)
+        ids = [engine.add_request(p, SamplingOptions(max_new_tokens=n, logprobs=1)) for p, n in BATCH]
+        got = {rid: [] for rid in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.logprobs or []
+        outputs[spec] = [got[rid] for rid in ids]
+    assert engine.stats()["spec_verify_calls"] > 0 and engine.residuals is not None
+    for plain, speculated in zip(outputs[None], outputs[SPEC]):
+        assert [lp.token_id for lp in plain] == [lp.token_id for lp in speculated]
+        np.testing.assert_allclose([lp.logprob for lp in plain], [lp.logprob for lp in speculated], atol=1e-5)
 
 
 def test_unpriced_speculation_probes_plain_steps_then_measures_its_cost(model):

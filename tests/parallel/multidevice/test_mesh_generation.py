@@ -67,22 +67,27 @@ def test_logits_equal_single_device_on_every_mesh(kind):
         assert same_layout(out, mesh, jax.sharding.PartitionSpec("model" if shape[1] > 1 else None)), out.sharding
 
 
-def test_int8_gqa_cache_on_a_mesh_equals_one_device_and_splits_its_scales():
-    """cache_dtype="int8" (QuantLayerKV: int8 k, v [B, K, S, D] and float32 scales [B, K, S, 1]) on (2,4):
-    prefill and decode logits equal the single-device int8 run within 1e-5, and every field, the scales
-    included, is split [data, model, -, -] as the values are (sharding._per_field)."""
+@pytest.mark.parametrize("keys, layout, fields", [(dict(kv_keys="token"), "QuantLayerKV", 6),
+                                                  (dict(kv_key_group=4), "ChannelQuantLayerKV", 7)],
+                         ids=["token-keys", "channel-keys"])
+def test_int8_gqa_cache_on_a_mesh_equals_one_device_and_splits_its_scales(keys, layout, fields):
+    """cache_dtype="int8" on (2,4), per-token keys (QuantLayerKV: int8 k, v [B, K, S, D], float32 scales
+    [B, K, S, 1], sinks) and the default per-channel keys (ChannelQuantLayerKV, in groups of 4 so groups complete
+    within the 10 tokens: key scales [B, K, S / G, D], the residual ring, sinks): prefill and decode logits equal
+    the single-device int8 run within 1e-5, and every field, the scales included, is split [data, model, -, -]
+    as the values are (sharding._per_field)."""
     import dataclasses
 
-    cfg = dataclasses.replace(tiny("gqa"), cache_dtype="int8")
+    cfg = dataclasses.replace(tiny("gqa"), cache_dtype="int8", **keys)
     reference, ref_cache, _ = run(cfg, None)
-    assert ref_cache[0].k.dtype == jnp.int8 and ref_cache[0].k_scale.shape[-1] == 1
+    assert ref_cache[0].k.dtype == jnp.int8 and ref_cache[0].v_scale.shape[-1] == 1
     mesh = make_mesh(2, 4)
     logits, cache, _ = run(cfg, mesh)
     for step, (got, want) in enumerate(zip(logits, reference)):
         assert np.abs(got - want).max() <= 1e-5, "prefill" if step == 0 else f"decode {step}"
     spec = jax.sharding.PartitionSpec("data", "model", None, None)
     for layer in cache:
-        assert type(layer).__name__ == "QuantLayerKV" and len(layer) == 6   # k, v, scales, K13 sinks
+        assert type(layer).__name__ == layout and len(layer) == fields   # k, v, scales, (ring,) K13 sinks
         for name, array in zip(layer._fields, layer):
             assert same_layout(array, mesh, spec), (name, array.sharding)
             assert array.addressable_shards[0].data.shape[:2] == (B // 2, cfg.kv_heads // 4), name
