@@ -24,7 +24,7 @@ Walkthrough:
   3. Each slice is tokenized with the run's tokenizer (characters outside a char vocabulary become <unk>) and
      measured by ``dantinox.quality.slices.slice_quality``: teacher-forced nats per character through the cache
      (windows and caches sized to the slice, --chunk tokens per cached call), greedy agreement with the baseline,
-     largest |logit difference|. A tqdm bar on stderr counts the batches.
+     largest |logit difference|. A tqdm bar on stderr counts the batches when stderr is a terminal (not in a log).
   4. One table (slice x metric: baseline, candidate, change, gate) goes to stdout; --json writes the figures
      (temp file, then rename); with --gate, every failing slice.metric is named on stderr and the exit status
      is 1.
@@ -195,7 +195,7 @@ def cache_bytes(cfg, slots: int) -> int:
 
 
 def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict[str, dict]:
-    """Figures per slice (the JSON rows), with a tqdm bar on stderr."""
+    """Figures per slice (the JSON rows), with a tqdm bar on stderr when it is a terminal."""
     from tqdm import tqdm
 
     from ..quality.slices import batch_count, slice_quality
@@ -211,7 +211,8 @@ def measure(args, texts: dict[str, str], baseline, candidate, tokenizer) -> dict
         streams[name] = ids
     total = sum(batch_count(len(ids), S, args.batch) + 1 for ids in streams.values())
     rows = {}
-    with tqdm(total=total, desc="dantinox eval", unit="batch", file=sys.stderr, leave=False) as bar:
+    with tqdm(total=total, desc="dantinox eval", unit="batch", file=sys.stderr, leave=False,
+              disable=not sys.stderr.isatty()) as bar:
         for name, ids in streams.items():
             bar.set_postfix_str(name)
             chars = len(texts[name]) - len(tokenizer.decode(ids[:1]))

@@ -75,6 +75,11 @@ class Engine(abc.ABC):
         choices); this one then waits until that one's prompt is computed and takes its full prompt blocks
         from the prefix cache instead of computing them again. An engine may ignore it."""
 
+    def check_request(self, prompt_ids, options: SamplingOptions) -> None:
+        """Raise the RequestError ``add_request`` would raise for a request that is invalid or can never fit,
+        from fixed sizes only (no queue state), so any thread may call it: the server answers such a request
+        at once, even while the engine thread compiles a warm-up program. The default checks nothing."""
+
     @abc.abstractmethod
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that got a token or finished."""
@@ -194,6 +199,11 @@ class PagedEngine(Engine):
                              spec_accepted_tokens=0)
 
     # Interface ------------------------------------------------------------------------------------
+    def check_request(self, prompt_ids, options: SamplingOptions) -> None:
+        _check_prompt(prompt_ids, self.vocab_size)
+        options.validate(self.vocab_size)
+        self.scheduler.check_fits(len(prompt_ids), options.max_new_tokens)
+
     def add_request(self, prompt_ids, options: SamplingOptions = SamplingOptions(),  # noqa: B008 (frozen)
                     request_id: str | None = None, share_prompt_with: str | None = None) -> str:
         ids = _check_prompt(prompt_ids, self.vocab_size)

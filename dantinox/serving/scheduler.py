@@ -96,7 +96,14 @@ class Scheduler:
 
     def check_admission(self, req: Request) -> None:
         """Raise RequestError for a request that can never run, QueueFullError when the queue is full."""
-        p, n = len(req.prompt_ids), req.options.max_new_tokens
+        self.check_fits(len(req.prompt_ids), req.options.max_new_tokens)
+        if len(self.waiting) >= self.policy.max_queued:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queued="
+                                 f"{self.policy.max_queued}); retry later")
+
+    def check_fits(self, p: int, n: int) -> None:
+        """RequestError when a prompt of p tokens plus max_tokens n exceeds the policy's bounds or the whole
+        pool; reads fixed sizes only, so any thread may call it."""
         if p > self.policy.max_prompt_tokens:
             raise RequestError("prompt", f"prompt has {p} tokens; the limit is max_prompt_tokens="
                                f"{self.policy.max_prompt_tokens}")
@@ -108,9 +115,6 @@ class Scheduler:
         if need > self.allocator.num_blocks:
             raise RequestError("max_tokens", f"prompt + max_tokens = {p + n} tokens need {need} KV blocks; "
                                f"the whole cache has {self.allocator.num_blocks}")
-        if len(self.waiting) >= self.policy.max_queued:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting (max_queued="
-                                 f"{self.policy.max_queued}); retry later")
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)

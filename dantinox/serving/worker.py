@@ -94,7 +94,16 @@ class EngineWorker:
         """Queue one completion: request_ids[i] runs with options[i] on the same prompt_ids (choice i).
         Replies go to ``events`` on ``loop`` (see the module docstring); choices i > 0 share the first
         one's prompt blocks through the engine's prefix cache (``share_prompt_with``). slice_name: the class
-        the request log records for it."""
+        the request log records for it. A request that is invalid or can never fit is refused here, without
+        waiting for the worker (which may be compiling a warm-up program)."""
+        try:
+            for opts in options:
+                self.engine.check_request(prompt_ids, opts)
+        except RequestError as err:
+            if self.metrics:
+                self.metrics.rejected(err)
+            _Stream(loop, events, time.perf_counter()).send(("rejected", err))
+            return
         self.commands.put(("submit", list(request_ids), prompt_ids, list(options), loop, events,
                            time.perf_counter(), slice_name))
 

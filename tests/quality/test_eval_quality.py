@@ -130,6 +130,7 @@ def test_gate_failure_names_every_failing_slice_and_metric(run_dir, slices, tmp_
     assert code == 1
     assert "gate failed: it.max_logit_diff" in err and "gate failed: rev.max_logit_diff" in err
     assert "it.loss_change_pct" not in err
+    assert "%|" not in err and "\r" not in err   # no progress bar in a log (stderr not a terminal)
 
 
 def bad_files(tmp_path):

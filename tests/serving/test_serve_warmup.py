@@ -67,6 +67,27 @@ def test_health_says_warming_up_until_the_warm_up_is_done(model, tokenizer):
         assert health["status"] == "ok" and health["warmup"]["programs_done"] == 2
 
 
+def test_a_request_that_can_never_run_is_refused_while_a_warm_up_program_compiles(model, tokenizer):
+    # the engine thread is held inside a warm-up item (as by a long compile): value checks answer anyway
+    release, entered = threading.Event(), threading.Event()
+
+    def held():
+        entered.set()
+        assert release.wait(60), "the test never released the warm-up"
+
+    engine = _engine(model)
+    with ServerThread(create_app(engine, tokenizer, "tiny", warmup=Warmup([WarmupItem("held", held)]))) as srv:
+        assert entered.wait(60)
+        try:
+            too_long = dict(prompt=[5, 9, 40], max_tokens=engine.max_context + 1)
+            bad_token = dict(prompt=[5, tokenizer.vocab_size + 7], max_tokens=2)
+            for body, field in ((too_long, "max_tokens"), (bad_token, "prompt")):
+                got = httpx.post(srv.url + "/v1/completions", json=body, timeout=10)
+                assert got.status_code == 400 and got.json()["error"]["param"] == field
+        finally:
+            release.set()
+
+
 class EchoEngine(Engine):
     """An engine without a model: each request gets its prompt's first token back, in one step."""
 
