@@ -32,7 +32,7 @@ import argparse
 import os
 import sys
 
-from .._launch import release_imports
+from .._launch import guard_exit, release_imports
 from .._version import __version__
 from ..config import ConfigError
 from ..model.cache import CapacityError
@@ -175,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     server's request log is flushed per line, so nothing is lost by skipping the interpreter's teardown.
     """
     release_imports()  # from here on a Ctrl-C is main's own one line (dantinox._launch)
+    try:
+        return _run(argv)
+    finally:
+        if argv is None:
+            guard_exit()  # a Ctrl-C after the work, while the interpreter exits: the same one line and 130
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         parser = build_parser()  # imports the subcommands' libraries (JAX among them): seconds
         args = parser.parse_args(argv)

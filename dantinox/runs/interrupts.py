@@ -16,6 +16,8 @@ import signal
 import threading
 from contextlib import contextmanager
 
+from .._launch import interrupt
+
 EXIT_STATUS = 130  # 128 + SIGINT: what a shell reports for a command ended by Ctrl-C
 
 
@@ -40,11 +42,12 @@ class InterruptFlag:
 def deferred_interrupts():
     """Context manager yielding an :class:`InterruptFlag`: inside it the first SIGINT sets ``requested``
     instead of raising KeyboardInterrupt, and a second one raises KeyboardInterrupt at once. The previous
-    handler is restored on exit. Outside the main thread, or when SIGINT is not Python's default handler
-    (ignored, or the caller installed its own), nothing is changed and ``requested`` stays False."""
+    handler is restored on exit. Outside the main thread, or when SIGINT is not Python's default handler or
+    the command's (``dantinox._launch.interrupt``; ignored, or the caller installed its own), nothing is changed
+    and ``requested`` stays False."""
     flag = InterruptFlag()
     if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            signal.getsignal(signal.SIGINT) not in (signal.default_int_handler, interrupt):
         yield flag
         return
 

@@ -4,16 +4,21 @@ the last whole step, which resumes; ``serve`` ends cleanly during its warm-up (J
 listening: no traceback, no segfault. The child-process tests send SIGINT when the child has printed a given
 line, never after a sleep."""
 
+import gc
+import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from cli_util import cli_env, start_cli
 from run_util import TEXT, make_run
 
+from dantinox import _launch
 from dantinox.cli import entrypoint
 from dantinox.config import ModelConfig
 from dantinox.runs.interrupts import EXIT_STATUS, Interrupted, deferred_interrupts
@@ -68,6 +73,40 @@ def _deferred_interrupts_case():
     assert signal.getsignal(signal.SIGINT) is before
     with pytest.raises(KeyboardInterrupt):  # outside, Ctrl-C is Python's again
         signal.raise_signal(signal.SIGINT)
+
+
+def test_an_interrupt_inside_a_gc_callback_is_sent_again_not_dropped(monkeypatch):
+    # a KeyboardInterrupt raised inside a gc callback (JAX's _xla_gc_callback) is printed as "Exception
+    # ignored" and dropped by Python: the command's handler sends SIGINT again instead (walk-through: 2 of 11)
+    resent, raised = [], []
+    monkeypatch.setattr(_launch.threading, "Timer", lambda delay, fn, args: SimpleNamespace(
+        start=lambda: resent.append((delay, fn, args))))
+
+    def callback(phase, info):
+        if phase == "start":
+            try:
+                _launch.interrupt(signal.SIGINT, sys._getframe())
+            except KeyboardInterrupt:
+                raised.append(phase)
+
+    gc.callbacks.append(callback)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(callback)
+    assert not raised and resent == [(0.02, os.kill, (os.getpid(), signal.SIGINT))]
+    with pytest.raises(KeyboardInterrupt):   # in ordinary code it is Python's KeyboardInterrupt
+        _launch.interrupt(signal.SIGINT, sys._getframe())
+
+
+def test_train_defers_under_the_commands_handler():
+    outer = signal.signal(signal.SIGINT, _launch.interrupt)
+    try:
+        with deferred_interrupts() as flag:
+            signal.raise_signal(signal.SIGINT)
+            assert flag.requested      # the step finishes; the trainer then saves a checkpoint
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def _interrupt_at(proc: subprocess.Popen, stream, marker: str, timeout: float = 300, ready=None) -> list[str]:
