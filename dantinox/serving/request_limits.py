@@ -10,17 +10,24 @@
    lower bound already exceeds the context, the prompt is refused with 400 before it is tokenized
    (``PromptLengthBound``). The bound is exact: a prompt that fits is never refused by it. A tokenizer whose
    pipeline allows no such bound gets no early check (its prompts are tokenized, off the event loop).
+3. A prompt of token ids obviously over the context: parsing and validating a body of millions of ids holds
+   the event loop for about a second, so a /v1/completions body over LARGE_BODY bytes whose "prompt" is a list
+   of ids longer than the context is refused with 400 from its bytes alone, before it is parsed
+   (``TokenListBound``, counting the commas between the list's brackets).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from ..runs.chars_per_token import fewest_tokens, max_chars_per_token
 from .protocol import error_body
 from .request import RequestError
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: a 250,000-token prompt at 4 bytes per token fits
+LARGE_BODY = 1 << 20                 # bytes: bodies above this get TokenListBound's check before parsing
+_ID_PROMPT = re.compile(rb'(?<!\\)"prompt"\s*:\s*\[\s*-?[0-9]')
 
 
 def check_max_bytes(max_bytes, name: str = "max_bytes") -> int:
@@ -39,8 +46,9 @@ class BodySizeLimit:
     ``receive`` calls (the disconnect watcher's) go to the server as before.
     """
 
-    def __init__(self, app, max_bytes: int, on_reject=None):
+    def __init__(self, app, max_bytes: int, on_reject=None, precheck=None):
         self.app, self.max_bytes, self.on_reject = app, check_max_bytes(max_bytes), on_reject
+        self.precheck = precheck  # (path, body bytes) -> an error body to answer 400 with, or None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -60,6 +68,11 @@ class BodySizeLimit:
                                           "(sent without a Content-Length)")
             if not message.get("more_body", False):
                 break
+        refusal = None
+        if self.precheck is not None and size > LARGE_BODY:
+            refusal = self.precheck(scope.get("path", ""), b"".join(m.get("body", b"") for m in messages))
+        if refusal is not None:
+            return await _answer(send, 400, refusal)
         await self.app(scope, _replay(messages, receive), send)
 
     async def _refuse(self, scope, receive, send, what: str) -> None:
@@ -67,11 +80,44 @@ class BodySizeLimit:
             self.on_reject()
         body = error_body(f"{what}; this server accepts request bodies of at most {self.max_bytes:,} bytes",
                           "body", "invalid_request_error", "request_too_large")
-        payload = json.dumps(body).encode("utf-8")
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode("ascii"))]})
-        await send({"type": "http.response.body", "body": payload})
+        await _answer(send, 413, body)
+
+
+async def _answer(send, status: int, body: dict) -> None:
+    payload = json.dumps(body).encode("utf-8")
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode("ascii"))]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def token_list_length(body: bytes) -> int | None:
+    """How many token ids a completion body's ``"prompt": [ids]`` holds, counted from its bytes (the commas
+    between the list's brackets: a list of integers holds no other comma and no bracket); None when the body
+    has no such list. A body is read as JSON only if it is small; this is for the large ones (module
+    docstring, item 3)."""
+    found = _ID_PROMPT.search(body)
+    if found is None:
+        return None
+    end = body.find(b"]", found.end())
+    return None if end < 0 else body.count(b",", found.end(), end) + 1
+
+
+class TokenListBound:
+    """``BodySizeLimit``'s precheck for /v1/completions: a body whose prompt is a list of more than max_tokens
+    token ids (the context) gets OpenAI's error object naming "prompt", without being parsed."""
+
+    def __init__(self, max_tokens: int, path: str = "/v1/completions"):
+        self.max_tokens, self.path = max_tokens, path
+
+    def __call__(self, path: str, body: bytes) -> dict | None:
+        if path != self.path:
+            return None
+        count = token_list_length(body)
+        if count is None or count <= self.max_tokens:
+            return None
+        return error_body(f"prompt has {count:,} tokens; the context holds {self.max_tokens:,} tokens: send a "
+                          "shorter prompt", "prompt")
 
 
 def _content_length(scope) -> int | None:
@@ -115,4 +161,4 @@ class PromptLengthBound:
         if fewest > self.max_tokens:
             raise RequestError(field, f"{what or field} has {num_chars:,} characters, so at least {fewest:,} "
                                f"tokens (no token of this model stands for more than {per} characters); the "
-                               f"context holds {self.max_tokens:,} tokens: send a shorter {field}")
+                               f"context holds {self.max_tokens:,} tokens: shorten the {field}")

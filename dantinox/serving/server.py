@@ -56,7 +56,7 @@ from .completions import _Service
 from .engine import Engine
 from .metrics import ServerMetrics
 from .protocol import CompletionRequest, error_body
-from .request_limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, check_max_bytes
+from .request_limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, TokenListBound, check_max_bytes
 from .worker import EngineWorker
 
 log = logging.getLogger("dantinox.serving")
@@ -93,7 +93,8 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
 
     app = FastAPI(title="dantinox", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes,
-                       on_reject=lambda: metrics.rejected(reason="body_too_large"))
+                       on_reject=lambda: metrics.rejected(reason="body_too_large"),
+                       precheck=TokenListBound(engine.max_context))
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine
     if stop_ids is None:
         stop_ids = chat_format.stop_ids if chat_format is not None else ()

@@ -5,6 +5,7 @@ rendering off the event loop, shown by ordering: a request whose tokenizing is h
 been answered completes only after it (if tokenizing ran on the loop, the second request could never be
 answered)."""
 
+import json
 import random
 import threading
 
@@ -20,7 +21,7 @@ from dantinox.runs.chat import load_chat_format
 from dantinox.runs.run_dir import load_run
 from dantinox.runs.tokenizer import train_tokenizer, with_mask_token
 from dantinox.serving.engine import EngineConfig, PagedEngine
-from dantinox.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES
+from dantinox.serving.request_limits import DEFAULT_MAX_REQUEST_BYTES, token_list_length
 from dantinox.serving.server import ServerThread, create_app
 
 LIMIT = 16 * 2**20  # this file's server takes bodies up to 16 MiB, so a 10 MB prompt is read and judged
@@ -180,6 +181,32 @@ def test_ten_megabyte_prompt_beside_a_small_request(served):
     assert results["small"].status_code == 200
     assert results["big"].status_code == 400 and results["big"].json()["error"]["param"] == "prompt"
     assert TEN_MB not in calls[before:]  # refused from its length, never tokenized
+
+
+@pytest.mark.parametrize("text, want", [
+    (b'{"prompt": [1, 2, 3], "max_tokens": 4}', 3), (b'{"max_tokens": 4,"prompt":[ 7 ]}', 1),
+    (b'{"prompt": [-5, 0]}', 2), (b'{"prompt": "[1, 2]"}', None), (b'{"prompt": ["a", "b"]}', None),
+    (b'{"stop": ["\\"prompt\\": [1, 2"], "prompt": "x"}', None), (b'{"prompt": [1, 2', None)])
+def test_token_list_length_counts_the_ids_of_the_prompt_from_its_bytes(text, want):
+    assert token_list_length(text) == want
+    if want is not None:
+        assert want == len(json.loads(text)["prompt"])
+
+
+def test_ten_megabyte_token_id_prompt_is_refused_before_it_is_parsed(served, monkeypatch):
+    # parsing and validating 3.3 million ids held the event loop for about a second (new-user walk-through)
+    server, _, _ = served
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(json, "loads", lambda text, *a, **k: parsed.append(len(text)) or real(text, *a, **k))
+    body = json.dumps({"prompt": [5] * 3_300_000, "max_tokens": 4}).encode()
+    answer = _post(server, "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
+    assert "prompt has 3,300,000 tokens" in answer.json()["error"]["message"]
+    assert not [n for n in parsed if n >= len(body)]   # the body was never parsed as JSON
+    small = json.dumps({"prompt": [5] * 40, "max_tokens": 2, "temperature": 0}).encode()
+    assert _post(server, "/v1/completions", content=small, headers={"content-type": "application/json"}
+                 ).status_code == 200
 
 
 # Off the event loop ------------------------------------------------------------------------------------------
