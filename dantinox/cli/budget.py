@@ -26,7 +26,8 @@ import os
 import jax
 import yaml
 
-from ..budget.memory import kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes, parse_memory_size
+from ..budget.memory import (channel_layout, kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes,
+                             parse_memory_size)
 from ..budget.per_device import plan_mesh
 from ..config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
 from ..model.cache import cache_nbytes, init_cache
@@ -48,8 +49,9 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context lengths in tokens (default: max_context / 4, max_context / 2 and "
                              "max_context of the model; longer ones are marked ^: the model cannot run them)")
     parser.add_argument("--dtype", default=None,
-                        help="cache dtype: fp32, bf16 or int8 (int8 with one float32 scale per token and KV "
-                             "head; default: the model's cache_dtype)")
+                        help="cache dtype: fp32, bf16 or int8 (int8: values with a float32 scale per token and "
+                             "KV head, keys per channel in groups of --kv-key-group tokens, or per token with "
+                             "--kv-keys token; default: the model's cache_dtype)")
     parser.add_argument("--reserve-fraction", dest="reserve_fraction", type=float, default=0.1,
                         help="device memory kept free for activations and workspaces (default 0.1)")
     parser.add_argument("--kv-heads", dest="kv_heads", type=int, default=None,
@@ -93,7 +95,7 @@ def run_budget(args: argparse.Namespace) -> int:
                                     args.kv_key_group)
     rows = attention_variants(shape, args.kv_heads, args.kv_latent_dim, args.rope_head_dim)
     heads = [f"{c} tok" + ("^" if c > cfg.max_context else "") for c in contexts]
-    per_seq = [[label, str(kv_bytes_per_token(v, dtype))] + [_mib(kv_cache_bytes(v, 1, c, dtype))
+    per_seq = [[label, _bytes_text(token_bytes(v, dtype))] + [_mib(kv_cache_bytes(v, 1, c, dtype))
                                                              for c in contexts] for label, v in rows]
     batch = [_batch_row(label, v, device_bytes, contexts, args.reserve_fraction, dtype) for label, v in rows]
     wants_diffusion = cfg.attention != "mla" and (cfg.paradigm == "diffusion" or args.gen_len is not None)
@@ -153,14 +155,28 @@ def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, 
     return dtype, device_bytes, contexts
 
 
+def token_bytes(cfg: ModelConfig, dtype: str) -> float:
+    """Cache bytes per token, all layers, in ``dtype``: ``kv_bytes_per_token``, or with per-channel int8 keys
+    (``channel_layout``) L x (2 K D + 4 K + 4 K D / G), the key scales of a group shared by its G tokens (the
+    residual ring and the sinks are per sequence, not per token)."""
+    if not channel_layout(cfg, dtype):
+        return kv_bytes_per_token(cfg, dtype)
+    K, D, G = cfg.kv_heads, cfg.head_size, cfg.key_group
+    return cfg.num_blocks * (2 * K * D + 4 * K + 4 * K * D / G)
+
+
+def _bytes_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.1f}"
+
+
 def print_dtype_table(rows: list[tuple[str, ModelConfig]]) -> None:
     """KV bytes per token (all layers) of each attention variant in every cache dtype, with int8 / float32
     (printed for --dtype int8)."""
     names = ["float32", "bfloat16", "int8"]
     table = []
     for label, v in rows:
-        sizes = [kv_bytes_per_token(v, d) for d in names]
-        table.append([label] + [str(n) for n in sizes] + [f"{sizes[-1] / sizes[0]:.3f}"])
+        sizes = [token_bytes(v, d) for d in names]
+        table.append([label] + [_bytes_text(n) for n in sizes] + [f"{sizes[-1] / sizes[0]:.3f}"])
     print_table(["attention"] + names + ["int8/float32"], table,
                 title="KV bytes per token by cache dtype (int8 includes its float32 scales)")
 

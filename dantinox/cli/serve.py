@@ -141,7 +141,8 @@ def kv_summary(engine) -> str:
     fit = alloc.num_blocks // alloc.blocks_for(L)
     concurrency = min(fit, engine.config.max_running)
     nbytes = engine.stats()["kv_cache_bytes"]
-    keys = f", keys per channel in groups of {engine.cfg.key_group}" if engine.cfg.channel_keys else ""
+    keys = (f", keys per channel in groups of {engine.cfg.key_group}" if engine.cfg.channel_keys
+            else ", keys per token" if engine.cfg.cache_dtype == "int8" and engine.cfg.attention != "mla" else "")
     line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
             f"tokens per request ({nbytes / 2**20:.2f} MiB = {nbytes} bytes, block size {alloc.block_size}, "
             f"{engine.cfg.cache_dtype}{keys})")

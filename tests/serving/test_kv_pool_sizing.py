@@ -99,7 +99,7 @@ def test_serve_with_per_token_keys_allocates_and_logs_what_it_can_use():
     assert engine.stats()["kv_cache_bytes"] == 256 * per_block + sinks  # 2.50 MiB (0.25 of sinks), not 2 GB
     line = kv_summary(engine)
     assert line.startswith(f"KV cache: 256 blocks = 4096 tokens, max concurrency 16 at 256 tokens per request "
-                           f"(2.50 MiB = {256 * per_block + sinks} bytes, block size 16, int8)"), line
+                           f"(2.50 MiB = {256 * per_block + sinks} bytes, block size 16, int8, keys per token)"), line
     assert f"takes those of the {(2 * 10**9 - sinks) // per_block} --kv-memory holds (--kv-memory-all" in line
     args = cli.build_parser().parse_args(["serve", "--kv-memory", "4MiB", "--kv-dtype", "int8", "--kv-keys", "token",
                                           "--kv-memory-all"])
