@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..model.attention_kernel import kernel_available
 from ..model.cache import KVCache, first_slots, init_cache
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
@@ -119,7 +120,8 @@ def decode_windows(cfg, batch_size: int, bound: int | None = None) -> tuple[int,
     B = 8 and S = 8192 up to 1.5 GB per window, which dominated a 256-token generation before the bound applied
     to batches).
     B = 1 (not MLA): the one window top, because each window is one more loop body to compile and a single row
-    gains little from early windows.
+    gains little from early windows. Any B when decode attention runs in the compiled kernel
+    (``reads_only_filled_slots``): it reads each row's filled slots only, so early windows would save nothing.
     The measurements behind the rule are in docs/performance.md ("Attention windows");
     ``benchmarks/bench_decode.py --windows-ab`` repeats them on the reference shape.
     """
@@ -130,13 +132,22 @@ def decode_windows(cfg, batch_size: int, bound: int | None = None) -> tuple[int,
         while top < min(bound, S):
             top *= 2
         top = min(top, S)
-    if cfg.attention != "mla" and batch_size < 2:
+    if cfg.attention != "mla" and (batch_size < 2 or reads_only_filled_slots(cfg)):
         return (top,)
     windows, width = [], WINDOW_STEP
     while width < top:
         windows.append(width)
         width = width + WINDOW_STEP if width < 4 * WINDOW_STEP else 2 * width
     return (*windows, top)
+
+
+def reads_only_filled_slots(cfg) -> bool:
+    """True when a decode step of this ModelConfig attends in the compiled kernel on this process
+    (``dantinox.model.attention_kernel``: MHA / GQA / MQA, float32 cache and compute, CPU, extension built),
+    which reads each row's filled slots only. Under a mesh the kernel steps aside and XLA's attention reads
+    the whole window."""
+    return (cfg.attention != "mla" and cfg.cache_dtype == "float32" and cfg.compute_dtype == "float32"
+            and kernel_available())
 
 
 def one_row_windows(cfg) -> list[tuple[int, ...]]:

@@ -43,6 +43,7 @@ from ..config import ModelConfig
 from ..quant.kv_rows import roundtrip_for
 from ..quant.kv_sinks import keep_sinks, sink_flags
 from .cache import LayerCacheView, LayerKV, first_slots, write_layer, write_rows
+from .attention_kernel import decode_attention, decode_kernel_applies, visible_slots
 from .channel_attention import channel_attention
 from .scores import grouped_scores, grouped_values
 from .layers import RMSNorm, apply_rope
@@ -195,9 +196,12 @@ def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | N
     QuantLayerKV (read back here, in q's dtype; its float32 sinks are read instead of its first A slots) or
     None; cache_index: [B] int32; key_start: [B] int32 or None; causal: see new_token_mask; sinks: float
     keys and values of the first A slots, LayerKV [B, K, A, D], for an old cache given already read back
-    (MLA's naive form). Returns [B, K, G, T, D] float32.
+    (MLA's naive form). Returns [B, K, G, T, D] float32. One new token over a float32 cache on the CPU goes
+    to the compiled kernel instead (``dantinox.model.attention_kernel``: only the visible slots, both cores).
     """
     T = q.shape[3]
+    if causal and old is not None and decode_kernel_applies(q, old, sinks):  # one new token, CPU: the kernel
+        return decode_attention(q, k, v, old, *visible_slots(cache_index, key_start, window))
     if hasattr(old, "dequantized"):
         old, sinks = old.dequantized(q.dtype), old.sinks()
     f32 = jnp.float32

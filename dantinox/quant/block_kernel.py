@@ -34,6 +34,7 @@ from .block_formats import block_format, dequantize_blocks
 
 KERNEL_MAX_ROWS = 16
 TARGET = "dantinox_block_matmul"
+ATTENTION_TARGET = "dantinox_decode_attention"
 ISA_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 ENV = "DANTINOX_BLOCK_KERNEL"
 log = logging.getLogger("dantinox.quant")
@@ -46,6 +47,8 @@ def _load() -> tuple[object | None, str]:
         try:
             module = importlib.import_module("dantinox.quant._block_matmul")
             jax.ffi.register_ffi_target(TARGET, module.handler(), platform="cpu")
+            if hasattr(module, "attention_handler"):  # decode attention, dantinox.model.attention_kernel
+                jax.ffi.register_ffi_target(ATTENTION_TARGET, module.attention_handler(), platform="cpu")
             _state["module"], _state["why"] = module, ""
         except ImportError as err:
             _state["module"], _state["why"] = None, f"the compiled extension is not installed ({err})"
@@ -63,6 +66,12 @@ def kernel_status() -> tuple[bool, str]:
     if module is None:
         return False, f"pure-JAX path ({why})"
     return True, f"compiled kernel ({module.isa()})"
+
+
+def extension():
+    """The compiled extension module (``dantinox.quant._block_matmul``, its FFI targets registered), or None
+    when it is not installed."""
+    return _load()[0]
 
 
 def kernel_isa() -> str | None:

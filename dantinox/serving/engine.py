@@ -79,6 +79,7 @@ class Engine(abc.ABC):
         """Raise the RequestError ``add_request`` would raise for a request that is invalid or can never fit,
         from fixed sizes only (no queue state), so any thread may call it: the server answers such a request
         at once, even while the engine thread compiles a warm-up program. The default checks nothing."""
+        return None
 
     @abc.abstractmethod
     def step(self) -> list[RequestOutput]:

@@ -50,9 +50,17 @@ def test_one_row_on_a_long_context_attends_over_a_window_its_request_needs():
     assert gen.decode_windows(cfg, 1, 300) == (512,)
     assert gen.decode_windows(cfg, 1, 513) == (1024,)
     assert gen.decode_windows(tiny_config(max_context=384), 1, 10) == (384,)   # short contexts: unchanged
-    assert gen.decode_windows(cfg, 2) == (128, 256, 384, 512, 1024)          # batches: the ladder up to S ...
-    assert gen.decode_windows(cfg, 2, 10) == (128, 256, 384, 512)            # ... or up to the bound's top
-    assert gen.decode_windows(cfg, 2, 600) == (128, 256, 384, 512, 1024)
+    # batches: the ladder up to S or the bound's top; with the attention kernel (it reads only the filled
+    # slots) and for int8 caches (XLA's attention, the ladder)
+    kernel = gen.reads_only_filled_slots(cfg)
+    assert gen.decode_windows(cfg, 2) == ((1024,) if kernel else (128, 256, 384, 512, 1024))
+    assert gen.decode_windows(cfg, 2, 10) == ((512,) if kernel else (128, 256, 384, 512))
+    int8 = cfg.replace(cache_dtype="int8")
+    assert not gen.reads_only_filled_slots(int8)
+    assert gen.decode_windows(int8, 2) == (128, 256, 384, 512, 1024)
+    assert gen.decode_windows(int8, 2, 600) == (128, 256, 384, 512, 1024)
+    mla = tiny_config(max_context=1024, attention="mla", kv_latent_dim=32, rope_head_dim=8)
+    assert gen.decode_windows(mla, 1, 10) == (128, 256, 384, 512)
     model = dx.build_model(cfg)
     prompt = [[5, 9, 2, 7, 1]]
     with dx.CompileCounter() as first:

@@ -11,12 +11,20 @@
 // registers (block_simd32.inc; on AVX-512 the 4-bit ones decode through a 16-entry table of weights,
 // block_avx512.inc), the K-quants the compiler-vectorised loops of block_formats.inc.
 //
-// The Python module _block_matmul exposes handler() (a PyCapsule of the FFI handler for
-// jax.ffi.register_ffi_target) and isa() (the instruction set chosen on this CPU).
+// The same extension holds decode attention (decode_attention.inc, decode_attention_simd.inc): one new token
+// per row attending over the filled slots of a float32 static cache, the slots of every KV head cut into
+// ranges that the threads take as the block product's rows, partial softmaxes merged in a fixed order (so a
+// row's result does not depend on the batch or the thread count).
+//
+// The Python module _block_matmul exposes handler() and attention_handler() (PyCapsules of the FFI handlers
+// for jax.ffi.register_ffi_target) and isa() (the instruction set chosen on this CPU).
 
 #include <Python.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -80,6 +88,7 @@ inline float half_to_float(uint16_t h) {
 
 namespace scalar {
 #include "block_formats.inc"
+#include "decode_attention.inc"
 static void run_rows(int format, const uint8_t* W, int64_t row_bytes, int64_t M, const float* x, int B, float* y,
                      int64_t N, int64_t r0, int64_t r1, float* w) {
   generic_rows(format, W, row_bytes, M, x, B, y, N, r0, r1, w);
@@ -95,13 +104,37 @@ static void run_rows(int format, const uint8_t* W, int64_t row_bytes, int64_t M,
 #endif
 namespace avx2 {
 #include "block_formats.inc"
+#include "decode_attention.inc"
 using VEC = __m256;
 constexpr int VEC_LANES = 8;
 inline VEC vzero() { return _mm256_setzero_ps(); }
 inline VEC vset1(float v) { return _mm256_set1_ps(v); }
 inline VEC vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, VEC v) { _mm256_storeu_ps(p, v); }
+// exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of expf; x below -87.3 gives 0. Cody-Waite
+// reduction x = n ln 2 + r and Cephes' degree-6 polynomial for exp(r) (S. L. Moshier, "Methods and Programs for
+// Mathematical Functions", 1989), scaled by 2^n through the exponent bits.
+inline VEC vexp_nonpositive(VEC x) {
+  const VEC floor = _mm256_set1_ps(-87.33654f);
+  const VEC tiny = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, floor);
+  const VEC n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  VEC r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  VEC p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
+}
 inline VEC vmul(VEC a, VEC b) { return _mm256_mul_ps(a, b); }
 inline VEC vadd(VEC a, VEC b) { return _mm256_add_ps(a, b); }
+inline VEC vsub(VEC a, VEC b) { return _mm256_sub_ps(a, b); }
 inline VEC vfma(VEC a, VEC b, VEC c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(VEC v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -130,6 +163,7 @@ inline void load_q4(const uint8_t* p, VEC* q, int offset) {
   q[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), off));
 }
 #include "block_simd32.inc"
+#include "decode_attention_simd.inc"
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -142,13 +176,34 @@ inline void load_q4(const uint8_t* p, VEC* q, int offset) {
 #endif
 namespace avx512 {
 #include "block_formats.inc"
+#include "decode_attention.inc"
 using VEC = __m512;
 constexpr int VEC_LANES = 16;
 inline VEC vzero() { return _mm512_setzero_ps(); }
 inline VEC vset1(float v) { return _mm512_set1_ps(v); }
 inline VEC vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, VEC v) { _mm512_storeu_ps(p, v); }
+// exp(x) for x <= 0, as the avx2 one; 2^n by vscalefps.
+inline VEC vexp_nonpositive(VEC x) {
+  const VEC floor = _mm512_set1_ps(-87.33654f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, floor);
+  const VEC n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  VEC r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  VEC p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
 inline VEC vmul(VEC a, VEC b) { return _mm512_mul_ps(a, b); }
 inline VEC vadd(VEC a, VEC b) { return _mm512_add_ps(a, b); }
+inline VEC vsub(VEC a, VEC b) { return _mm512_sub_ps(a, b); }
 inline VEC vfma(VEC a, VEC b, VEC c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(VEC v) { return _mm512_reduce_add_ps(v); }
 // 32 int8 -> 2 x 16 floats
@@ -167,6 +222,7 @@ inline void load_q4(const uint8_t* p, VEC* q, int offset) {
 }
 #include "block_simd32.inc"
 #include "block_avx512.inc"
+#include "decode_attention_simd.inc"
 }  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -234,6 +290,111 @@ struct Job {
   }
 };
 
+using AttendFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t, float*,
+                         float*, float*, float*);
+
+AttendFn attend_for(int isa) {
+#ifdef DANTINOX_X86
+  if (isa == ISA_AVX512) return avx512::attend_slots_simd;
+  if (isa == ISA_AVX2) return avx2::attend_slots_simd;
+#endif
+  return scalar::attend_slots;
+}
+
+constexpr int64_t ATTENTION_RANGE = 128;  // cached slots per task of decode attention
+
+// Decode attention's tasks: task t covers slots [s0[t], s1[t]) of KV head head[t] (= b * K + kv head) and
+// leaves its partial softmax (m [G], l [G], acc [G, D]) in partial + t * G * (D + 2).
+struct AttentionJob {
+  AttendFn fn;
+  const float *q, *k, *v;
+  int64_t G, L, D;
+  std::vector<int64_t> head, s0, s1;
+  std::vector<float> partial;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void work() {
+    std::vector<float> scores(static_cast<size_t>(G * ATTENTION_RANGE));
+    const int64_t tasks = static_cast<int64_t>(head.size());
+    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+      float* m = partial.data() + t * G * (D + 2);
+      fn(q + head[t] * G * D, G, D, k + head[t] * L * D, v + head[t] * L * D, s0[t], s1[t], scores.data(), m,
+         m + G, m + 2 * G);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// out [G, D] = the softmax over the new token (score q . k_new, value v_new) and the head's tasks, merged in
+// task order: m = max(m1, m2), l = l1 e^(m1 - m) + l2 e^(m2 - m), acc likewise, out = acc / l.
+void merge_head(const AttentionJob& job, int64_t first, int64_t last, const float* q, const float* k_new,
+                const float* v_new, float* out) {
+  const int64_t G = job.G, D = job.D;
+  for (int64_t g = 0; g < G; ++g) {
+    float m = scalar::attention_dot(q + g * D, k_new, D), l = 1.f;
+    float* acc = out + g * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] = v_new[d];
+    for (int64_t t = first; t < last; ++t) {
+      const float* part = job.partial.data() + t * G * (D + 2);
+      const float mt = part[g], lt = part[G + g], *at = part + 2 * G + g * D;
+      const float top = mt > m ? mt : m, a = std::exp(m - top), b = std::exp(mt - top);
+      l = l * a + lt * b;
+      for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * a + at[d] * b;
+      m = top;
+    }
+    for (int64_t d = 0; d < D; ++d) acc[d] /= l;
+  }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                               ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi, ffi::ResultBuffer<ffi::F32> y,
+                               int64_t isa) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), yd = y->dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || yd.size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) || !std::equal(qd.begin(), qd.end(), yd.begin()))
+    return ffi::Error::InvalidArgument("decode_attention expects q, y [B, K, G, D] and k, v [B, K, L, D]");
+  const int64_t B = qd[0], K = qd[1], G = qd[2], D = qd[3], L = kd[2];
+  if (kd[0] != B || kd[1] != K || kd[3] != D || k_new.element_count() != B * K * D ||
+      v_new.element_count() != B * K * D || lo.element_count() != B || hi.element_count() != B)
+    return ffi::Error::InvalidArgument("decode_attention: shapes of q, k, v, the new rows and the bounds disagree");
+  if (B * K * G * D == 0) return ffi::Error::Success();
+  auto job = std::make_shared<AttentionJob>();
+  job->fn = attend_for(isa == ISA_AUTO ? detected_isa() : static_cast<int>(isa));
+  job->q = q.typed_data();
+  job->k = k.typed_data();
+  job->v = v.typed_data();
+  job->G = G;
+  job->L = L;
+  job->D = D;
+  std::vector<int64_t> first(B * K + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t top = hi.typed_data()[b] < L ? hi.typed_data()[b] : L;  // visible slots: [lo, hi) within L
+    const int64_t bottom = lo.typed_data()[b] > 0 ? lo.typed_data()[b] : 0;
+    for (int64_t h = b * K; h < (b + 1) * K; ++h) {
+      first[h] = static_cast<int64_t>(job->head.size());
+      for (int64_t s = bottom; s < top; s += ATTENTION_RANGE) {
+        job->head.push_back(h);
+        job->s0.push_back(s);
+        job->s1.push_back(s + ATTENTION_RANGE < top ? s + ATTENTION_RANGE : top);
+      }
+    }
+  }
+  first[B * K] = static_cast<int64_t>(job->head.size());
+  const int64_t tasks = first[B * K];
+  job->partial.resize(static_cast<size_t>(tasks * G * (D + 2)));
+  static const int64_t cpus = usable_cpus();
+  const int64_t threads = pool.num_threads() > cpus ? pool.num_threads() : cpus;
+  const int64_t helpers = threads - 1 < tasks - 1 ? threads - 1 : tasks - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  for (int64_t h = 0; h < B * K; ++h)
+    merge_head(*job, first[h], first[h + 1], q.typed_data() + h * G * D, k_new.typed_data() + h * D,
+               v_new.typed_data() + h * D, y->typed_data() + h * G * D);
+  return ffi::Error::Success();
+}
+
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                            ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t isa) {
   if (format < 0 || format > FORMAT_Q6_K) return ffi::Error::InvalidArgument("unknown block format code");
@@ -282,10 +443,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxBlockMatmul, BlockMatmulImpl,
                                   .Attr<int64_t>("format")
                                   .Attr<int64_t>("isa"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxDecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa"));
+
 namespace {
 
 PyObject* py_handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DantinoxBlockMatmul), nullptr, nullptr);
+}
+
+PyObject* py_attention_handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DantinoxDecodeAttention), nullptr, nullptr);
 }
 
 PyObject* py_isa(PyObject*, PyObject*) {
@@ -295,6 +473,8 @@ PyObject* py_isa(PyObject*, PyObject*) {
 
 PyMethodDef methods[] = {
     {"handler", py_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler dantinox_block_matmul."},
+    {"attention_handler", py_attention_handler, METH_NOARGS,
+     "PyCapsule of the XLA FFI handler dantinox_decode_attention."},
     {"isa", py_isa, METH_NOARGS, "The instruction set this CPU runs: 'avx512', 'avx2' or 'scalar'."},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -1,0 +1,107 @@
+"""The compiled decode-attention kernel (``dantinox.model.attention_kernel``) against a numpy softmax over the
+visible slots, against XLA's ``attention.attend``, on every instruction set this CPU has; a row's output does
+not depend on the rows beside it; greedy decoding gives the same tokens with the kernel as without it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+import dantinox as dx
+from dantinox.model import attention_kernel
+from dantinox.model.attention import attend
+from dantinox.model.cache import LayerKV
+from dantinox.quant.block_kernel import kernel_isa
+
+pytestmark = pytest.mark.skipif(not attention_kernel.kernel_available(),
+                                reason="the compiled extension (with decode attention) is not built")
+
+ISAS = [isa for isa in ("scalar", "avx2", "avx512")
+        if kernel_isa() and ["scalar", "avx2", "avx512"].index(isa) <= ["scalar", "avx2", "avx512"].index(kernel_isa())]
+
+
+def reference(q, k_new, v_new, k_old, v_old, lo, hi):
+    """float64 softmax of q [B, K, G, D] over slots [lo, hi) of k_old / v_old [B, K, L, D] and the new row."""
+    B, K, G, D = q.shape
+    out = np.zeros((B, K, G, D))
+    for b in range(B):
+        keys = np.concatenate([k_old[b, :, lo[b]:hi[b]], k_new[b, :, None]], axis=1).astype(np.float64)
+        values = np.concatenate([v_old[b, :, lo[b]:hi[b]], v_new[b, :, None]], axis=1).astype(np.float64)
+        scores = np.einsum("kgd,ksd->kgs", q[b].astype(np.float64), keys)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out[b] = np.einsum("kgs,ksd->kgd", p / p.sum(-1, keepdims=True), values)
+    return out
+
+
+def draw(rng, B, K, G, D, L):
+    q = rng.normal(size=(B, K, G, D)).astype(np.float32)
+    k_new, v_new = (rng.normal(size=(B, K, D)).astype(np.float32) for _ in range(2))
+    k_old, v_old = (rng.normal(scale=2.0, size=(B, K, L, D)).astype(np.float32) for _ in range(2))
+    return q, k_new, v_new, k_old, v_old
+
+
+def run(q, k_new, v_new, k_old, v_old, lo, hi, isa="auto"):
+    B, K, G, D = q.shape
+    y = attention_kernel.decode_attention(jnp.asarray(q)[:, :, :, None], jnp.asarray(k_new)[:, :, None],
+                                          jnp.asarray(v_new)[:, :, None], LayerKV(jnp.asarray(k_old),
+                                                                                  jnp.asarray(v_old)),
+                                          jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), isa=isa)
+    return np.asarray(y)[:, :, :, 0]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("B, K, G, D, L", [(1, 3, 3, 64, 512), (3, 2, 4, 16, 300), (2, 1, 8, 40, 129),
+                                           (1, 2, 2, 128, 200), (2, 2, 2, 32, 150), (4, 4, 1, 8, 7)])
+def test_kernel_equals_a_numpy_softmax_over_the_visible_slots(isa, B, K, G, D, L):
+    rng = np.random.default_rng(B * 100 + L)
+    arrays = draw(rng, B, K, G, D, L)
+    hi = rng.integers(0, L + 1, size=B)
+    hi[0] = L                                   # a full window, and (below) an empty range and a left padding
+    lo = np.minimum(rng.integers(0, 3, size=B), hi)
+    if B > 1:
+        lo[1], hi[1] = 0, 0
+    got = run(*arrays, lo, hi, isa)
+    np.testing.assert_allclose(got, reference(*arrays, lo, hi), rtol=2e-5, atol=2e-6)
+
+
+def test_kernel_equals_xla_attend_with_padding_and_a_sliding_window(monkeypatch):
+    rng = np.random.default_rng(7)
+    B, K, G, D, L = 3, 2, 3, 32, 260
+    q, k_new, v_new, k_old, v_old = draw(rng, B, K, G, D, L)
+    cache_index, key_start = jnp.asarray([260, 131, 5], jnp.int32), jnp.asarray([0, 4, 2], jnp.int32)
+    args = (jnp.asarray(q)[:, :, :, None], jnp.asarray(k_new)[:, :, None], jnp.asarray(v_new)[:, :, None],
+            LayerKV(jnp.asarray(k_old), jnp.asarray(v_old)), cache_index, key_start)
+    for window in (None, 100):
+        with_kernel = np.asarray(attend(*args, window))[:, :, :, 0]
+        monkeypatch.setenv(attention_kernel.ENV, "off")
+        without = np.asarray(attend(*args, window))[:, :, :, 0]
+        monkeypatch.delenv(attention_kernel.ENV)
+        hi = np.asarray(cache_index)
+        lo = np.maximum(np.asarray(key_start), hi - window + 1 if window else 0)
+        want = reference(q, k_new, v_new, k_old, v_old, lo, hi)
+        xla_error = np.abs(without - want).max()
+        assert xla_error > 0 and np.abs(with_kernel - want).max() <= 2 * xla_error   # as close as XLA's path
+        np.testing.assert_allclose(with_kernel, without, rtol=1e-4, atol=2e-5)
+
+
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
+    rng = np.random.default_rng(3)
+    q, k_new, v_new, k_old, v_old = draw(rng, 5, 3, 3, 64, 700)
+    lo, hi = np.array([0, 2, 0, 1, 0]), np.array([700, 333, 129, 0, 640])
+    whole = run(q, k_new, v_new, k_old, v_old, lo, hi)
+    for b in range(5):
+        alone = run(q[b:b + 1], k_new[b:b + 1], v_new[b:b + 1], k_old[b:b + 1], v_old[b:b + 1], lo[b:b + 1],
+                    hi[b:b + 1])
+        np.testing.assert_array_equal(whole[b], alone[0])
+
+
+def test_greedy_tokens_with_the_kernel_equal_those_without(monkeypatch):
+    cfg = tiny_config(attention="gqa", kv_heads=2)
+    model = dx.build_model(cfg, seed=11)
+    prompt = [[5, 9, 40, 77, 3, 12], [8, 1, 2, 0, 0, 0]]
+    with_kernel = np.asarray(dx.generate(model, prompt, 12))
+    monkeypatch.setenv(attention_kernel.ENV, "off")
+    jax.clear_caches()
+    without = np.asarray(dx.generate(model, prompt, 12))
+    np.testing.assert_array_equal(with_kernel, without)
