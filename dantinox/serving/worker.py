@@ -96,9 +96,11 @@ class EngineWorker:
         one's prompt blocks through the engine's prefix cache (``share_prompt_with``). slice_name: the class
         the request log records for it. A request that is invalid or can never fit is refused here, without
         waiting for the worker (which may be compiling a warm-up program)."""
+        check = getattr(self.engine, "check_request", None)   # Engine's; a duck-typed stand-in may lack it
         try:
             for opts in options:
-                self.engine.check_request(prompt_ids, opts)
+                if check is not None:
+                    check(prompt_ids, opts)
         except RequestError as err:
             if self.metrics:
                 self.metrics.rejected(err)

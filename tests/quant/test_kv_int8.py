@@ -171,6 +171,11 @@ def test_budget_dtype_int8_prints_int8_bytes_that_match_the_allocation(capsys):
     table = out.split("KV bytes per token by cache dtype", 1)[1]
     gqa = next(line for line in table.splitlines() if "gqa" in line).split(")", 1)[1].split()
     cfg = tiny_config(attention="gqa", kv_heads=int(out.split("gqa (H_kv=")[1].split(")")[0]))
-    assert [int(c) for c in gqa[:3]] == [dx.kv_bytes_per_token(cfg, d) for d in ("float32", "bfloat16", "int8")]
-    assert int(gqa[2]) == cfg.num_blocks * 2 * cfg.kv_heads * (cfg.head_size + 4)
+    assert [int(c) for c in gqa[:2]] == [dx.kv_bytes_per_token(cfg, d) for d in ("float32", "bfloat16")]
+    L, K, D, G = cfg.num_blocks, cfg.kv_heads, cfg.head_size, min(cfg.kv_key_group, cfg.max_context)
+    assert float(gqa[2]) == L * (2 * K * D + 4 * K + 4 * K * D / G)   # per-channel keys, the int8 default
+    assert cli.main(["budget", "--preset", "tiny", "--dtype", "int8", "--context", "32", "--kv-keys", "token"]) == 0
+    table = capsys.readouterr().out.split("KV bytes per token by cache dtype", 1)[1]
+    gqa = next(line for line in table.splitlines() if "gqa" in line).split(")", 1)[1].split()
+    assert int(gqa[2]) == dx.kv_bytes_per_token(cfg, "int8") == L * 2 * K * (D + 4)   # per-token keys
     assert cli.main(["budget", "--preset", "tiny", "--dtype", "int4"]) == 2
