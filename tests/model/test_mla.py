@@ -389,11 +389,15 @@ def test_attend_slots_gives_the_same_logits_and_rejects_bad_values(attention):
 
 
 @pytest.mark.slow  # kept out of the default tier (its 10-minute budget)
-def test_windowed_mla_decode_equals_one_window_and_the_uncached_path_across_window_edges():
+def test_windowed_mla_decode_equals_one_window_and_the_uncached_path_across_window_edges(monkeypatch):
     gen = __import__("sys").modules["dantinox.generation.decode"]
     model = spiky_mla(mla_config(max_context=300))
     assert gen.decode_windows(model.cfg, 1) == (128, 256, 300)
     gqa = model.cfg.replace(attention="gqa")          # 8 query heads on 2 KV heads
+    monkeypatch.setattr(gen, "kernel_available", lambda: True)    # decode attention in the compiled kernel:
+    assert gen.decode_windows(gqa, 2) == (300,) and gen.decode_windows(model.cfg, 2) == (128, 256, 300)
+    assert gen.decode_windows(gqa.replace(cache_dtype="bfloat16"), 2) == (128, 256, 300)   # not for bf16
+    monkeypatch.setattr(gen, "kernel_available", lambda: False)   # XLA's attention reads the whole window
     assert gen.decode_windows(gqa, 1) == (300,) and gen.decode_windows(gqa, 2) == (128, 256, 300)
     assert gen.decode_windows(gqa.replace(attention="mha"), 2) == (128, 256, 300)   # any grouping at B >= 2
     assert gen.decode_windows(gqa.replace(attention="mha"), 1) == (300,)
