@@ -120,9 +120,14 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=Non
         residual = jnp.maximum(at - q_at, 0.0)
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, at)   # p == q (rounding)
     greedy_like = jnp.argmax(residual, axis=-1).astype(jnp.int32)
-    scores = jnp.where(residual > 0, jnp.log(residual), -1e30)
-    drawn = jax.vmap(jax.random.categorical)(key_r, scores) if per_row else jax.random.categorical(key_r, scores)
-    last = jnp.where(sampling.temperature <= GREEDY_TEMPERATURE, greedy_like, drawn.astype(jnp.int32))
+    greedy = sampling.temperature <= GREEDY_TEMPERATURE
+
+    def draw():   # a Gumbel draw over the vocabulary per row: skipped when every row is greedy
+        scores = jnp.where(residual > 0, jnp.log(residual), -1e30)
+        drawn = jax.vmap(jax.random.categorical)(key_r, scores) if per_row else jax.random.categorical(key_r, scores)
+        return jnp.where(greedy, greedy_like, drawn.astype(jnp.int32))
+
+    last = jax.lax.cond(jnp.all(greedy), lambda: greedy_like, draw)
     tokens = jnp.concatenate([jnp.maximum(proposals, 0), jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(T)[None, :] == accepted[:, None], last[:, None], tokens)
     return tokens.astype(jnp.int32), accepted

@@ -271,27 +271,31 @@ def hand_off(state, produced: np.ndarray, done: np.ndarray) -> DecodeState | Non
     return DecodeState(jnp.int32(int(running[0])), state.token, state.index, state.done, state.out, state.cache)
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def _forward_logits(graphdef, params, tokens, cache, index):
-    """The cached forward of ``tokens`` [1, T] at slot ``index`` [1]: logits [1, T, V] (the cache is dropped)."""
-    logits, _, _ = nnx.merge(graphdef, params)(tokens, use_cache=True, kv_caches=cache, cache_index=index)
-    return logits
+    """The cached forward of ``tokens`` [1, T] at slot ``index`` [1]: (logits [1, T, V], the written cache). The
+    cache is donated and returned, so its writes happen in place as in the decode and speculative loops (a
+    forward that dropped it would copy every layer's cache to write into it)."""
+    logits, cache, _ = nnx.merge(graphdef, params)(tokens, use_cache=True, kv_caches=cache, cache_index=index)
+    return logits, cache
 
 
 def forward_seconds(model, width: int, repeats: int = 5, at: int | None = None, slots: int | None = None) -> float:
     """The median wall time (seconds) of ``repeats`` cached forwards of ``width`` new tokens at batch 1 over the
     first ``slots`` slots of the static cache (None: all) at slot ``at`` (None: about max_context // 2), after
-    one untimed call that compiles."""
+    one untimed call that compiles; each call writes its tokens' slots in place, as in the loops."""
     graphdef, params = split_model(model)
     cache = init_cache(model.cfg, 1) if slots is None else cache_window(init_cache(model.cfg, 1), slots)
     index = jnp.full((1,), (model.cfg.max_context - width) // 2 if at is None else at, jnp.int32)
     with mesh_scope(mesh_of(params)):
         tokens = jnp.zeros((1, width), jnp.int32)
-        _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
+        logits, cache = _forward_logits(graphdef, params, tokens, cache, index)
+        logits.block_until_ready()
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            _forward_logits(graphdef, params, tokens, cache, index).block_until_ready()
+            logits, cache = _forward_logits(graphdef, params, tokens, cache, index)
+            logits.block_until_ready()
             samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 

@@ -43,7 +43,8 @@ from ..config import ModelConfig
 from ..quant.kv_rows import roundtrip_for
 from ..quant.kv_sinks import keep_sinks, sink_flags
 from .cache import LayerCacheView, LayerKV, first_slots, write_layer, write_rows
-from .attention_kernel import decode_attention, decode_kernel_applies, visible_slots
+from .attention_kernel import (decode_attention, decode_kernel_applies, verify_attention, verify_kernel_applies,
+                               visible_slots)
 from .channel_attention import channel_attention
 from .scores import grouped_scores, grouped_values
 from .layers import RMSNorm, apply_rope
@@ -117,6 +118,9 @@ class Attention(nnx.Module):
             extra = {} if stored is None else {"stored": stored}
             y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window,
                                                         **extra)
+        elif cfg.paradigm != "diffusion" and stored is None and verify_kernel_applies(q, layer_cache, read_slots):
+            new_cache = write_layer(layer_cache, k, v, cache_index)   # a few new tokens: the kernel reads them back
+            y = verify_attention(q, k, v, new_cache, cache_index, key_start, cfg.sliding_window)
         else:
             y = attend(q, k, v, old_slots(layer_cache, read_slots), cache_index, key_start, cfg.sliding_window,
                        causal=cfg.paradigm != "diffusion")
