@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.stats import t as student_t
 
 from .metrics import round_figure
 
@@ -56,6 +55,7 @@ def interval(values: list, method: str = "t", confidence: float = 0.9, bounds: t
     elif method == "range":
         low, high = float(a.min()), float(a.max())
     elif method == "t":
+        from scipy.stats import t as student_t   # here: scipy.stats costs ~0.6 s to import, every CLI start paid it
 
         half = float(student_t.ppf((1 + confidence) / 2, len(xs) - 1)) * float(a.std(ddof=1)) / math.sqrt(len(xs))
         low, high = float(a.mean()) - half, float(a.mean()) + half
