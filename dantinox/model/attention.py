@@ -118,7 +118,7 @@ class Attention(nnx.Module):
             extra = {} if stored is None else {"stored": stored}
             y, new_cache = layer_cache.attend_and_write(q, k, v, cache_index, key_start, cfg.sliding_window,
                                                         **extra)
-        elif cfg.paradigm != "diffusion" and stored is None and verify_kernel_applies(q, layer_cache, read_slots):
+        elif cfg.paradigm != "diffusion" and verify_kernel_applies(q, layer_cache, read_slots):   # float32 only
             new_cache = write_layer(layer_cache, k, v, cache_index)   # a few new tokens: the kernel reads them back
             y = verify_attention(q, k, v, new_cache, cache_index, key_start, cfg.sliding_window)
         else:

@@ -13,9 +13,8 @@
 //
 // The same extension holds decode attention (decode_attention.inc, decode_attention_simd.inc): one new token
 // per row (or a few: a speculative verify call) attending over the filled slots of a float32 static cache, the
-// slots of every KV head cut into
-// ranges that the threads take as the block product's rows, partial softmaxes merged in a fixed order (so a
-// row's result does not depend on the batch or the thread count).
+// slots of every KV head cut into ranges that the threads take as the block product's rows, partial softmaxes
+// merged in a fixed order (so a row's result does not depend on the batch or the thread count).
 //
 // The Python module _block_matmul exposes handler() and attention_handler() (PyCapsules of the FFI handlers
 // for jax.ffi.register_ffi_target) and isa() (the instruction set chosen on this CPU).
@@ -441,8 +440,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   job->work();
   while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
   for (int64_t e = 0; e < B * K * T; ++e)
-    merge_token(*job, first[e], last[e], e / (K * T), e % T, q.typed_data() + e * G * D, k_new.typed_data() + e * D,
-                v_new.typed_data() + e * D, y->typed_data() + e * G * D);
+    merge_token(*job, first[e], last[e], e / (K * T), e % T, q.typed_data() + e * G * D,
+                k_new.typed_data() + e * D, v_new.typed_data() + e * D, y->typed_data() + e * G * D);
   return ffi::Error::Success();
 }
 
