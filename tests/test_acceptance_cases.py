@@ -16,6 +16,12 @@ from conftest import KV_DTYPES, forward, reference_logits, spiky_model, tiered, 
 import dantinox as dx
 
 EQ = 1e-5
+# int8 caches against the numpy reference: its keys, computed in float64, can round to the other int8 code than
+# the model's float32 keys at a rounding boundary (one code step, about 1e-4 in the logits here; which cases flip
+# depends on XLA's code generation). A wrong head mapping moves K03's logits by 0.43-0.54 (measured by breaking
+# the reference's mapping), so 1e-3 still tells them apart. The flip-adopting check is verify's
+# (tests/quality/test_int8_reference.py).
+INT8_FLIP = 1e-3
 
 
 def decode_greedy(model, prompt, steps, cache=None):
@@ -102,7 +108,7 @@ def test_K03_grouped_heads_map_to_kv_head_h_div_group(kv_heads, kv_dtype):
             ref = reference_logits(model, seq)[0]
             _, step_logits, _ = decode_greedy(model, list(prompts[b]), 19)
             for t, logits in enumerate(step_logits):
-                assert np.abs(logits - ref[5 + t]).max() <= EQ
+                assert np.abs(logits - ref[5 + t]).max() <= (EQ if kv_dtype == "float32" else INT8_FLIP)
 
 
 def test_K03_kv_heads_not_dividing_heads_is_a_config_error():
