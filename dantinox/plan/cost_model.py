@@ -20,6 +20,15 @@ of a multi-step decode call.
                            a multi-step decode step costs decode_overhead + decode_scale x (its call's cost).
                            Fitted on real steps of the engine (host work per step, dispatch and fetch, calls
                            running slower among other calls than alone), see profile.calibrate_steps
+  spread                   forward_spread / decode_spread: the 21 quantiles (probabilities 0, 0.05, .., 1) of a
+                           calibration step's wall time divided by its calibrated cost h + s x calls, per kind,
+                           scaled so that a draw's mean is 1 (the spread adds variance, not cost).
+                           The simulator multiplies each step's calibrated cost by one draw from them (inverse
+                           transform sampling from a seeded stream: the same inputs give the same plan), so the
+                           steps vary as the real ones did around the fit. Queueing delay grows with the
+                           variance of service times, not only their mean (Kingman's formula, J. F. C. Kingman,
+                           "The single server queue in heavy traffic", 1961), so a plan priced at the mean cost
+                           of every step under-predicts p99 TTFT; empty (profiles before 2026-12-04): factor 1
   wake                     ((idle seconds g, extra seconds, slower fraction), ...): after the engine sat idle
                            for g seconds, its first step costs wake_cost(g) more, and the steps that start
                            within cold_window seconds of that wake-up cost (1 + cold_fraction(g)) times more
@@ -52,6 +61,8 @@ class CostModel:
     decode_scale: float = 1.0
     wake: tuple = ()
     cold_window: float = 0.0
+    forward_spread: tuple = ()
+    decode_spread: tuple = ()
     points: dict = field(default_factory=dict)
     decode_points: dict = field(default_factory=dict)
     verify_points: dict = field(default_factory=dict)
@@ -84,13 +95,26 @@ class CostModel:
         d0, d1, d2 = self.decode_iter
         return self.decode_call + n * (d0 + d1 * B + d2 * B * S)
 
-    def step_seconds(self, multi_step: bool, calls: float, idle: float = 0.0, warming: float = 0.0) -> float:
+    def step_seconds(self, multi_step: bool, calls: float, idle: float = 0.0, warming: float = 0.0,
+                     draw: float | None = None) -> float:
         """Seconds of one engine step whose device calls cost ``calls`` seconds (their profiled sum, swaps and
         copies included): the fixed step cost, the wake-up after ``idle`` seconds, and the calibrated h + s x
         calls of its kind (multi_step: a multi-step decode call, else forward_step calls), slower by the cold
-        fraction while ``warming`` (seconds idle before the current busy period, 0 outside cold_window)."""
+        fraction while ``warming`` (seconds idle before the current busy period, 0 outside cold_window), times
+        the spread factor at ``draw`` (a uniform number in [0, 1); None: factor 1)."""
         h, s = (self.decode_overhead, self.decode_scale) if multi_step else (self.forward_overhead, self.scale)
-        return self.step + self.wake_cost(idle) + (1.0 + self.cold_fraction(warming)) * (h + s * calls)
+        factor = 1.0 if draw is None else self.spread_factor(multi_step, draw)
+        return self.step + self.wake_cost(idle) + (1.0 + self.cold_fraction(warming)) * factor * (h + s * calls)
+
+    def spread_factor(self, multi_step: bool, draw: float) -> float:
+        """The ratio real / calibrated step time at quantile ``draw`` in [0, 1] of the step kind's spread,
+        linear between the stored quantiles (1.0 with no spread stored)."""
+        q = self.decode_spread if multi_step else self.forward_spread
+        if not q:
+            return 1.0
+        x = min(max(draw, 0.0), 1.0) * (len(q) - 1)
+        k = min(int(x), len(q) - 2)
+        return q[k] + (q[k + 1] - q[k]) * (x - k)
 
     def wake_cost(self, idle: float) -> float:
         """Extra seconds of the first step after ``idle`` seconds without work (0 when never measured)."""
@@ -118,8 +142,12 @@ class CostModel:
         d = asdict(self)
         d["forward"], d["decode_iter"] = list(self.forward), list(self.decode_iter)
         d["wake"] = [list(p) for p in self.wake]
+        d["forward_spread"], d["decode_spread"] = list(self.forward_spread), list(self.decode_spread)
         if not self.verify_points:
             del d["verify_points"]
+        for name in ("forward_spread", "decode_spread"):   # profiles without a spread keep their bytes
+            if not d[name]:
+                del d[name]
         return d
 
     @classmethod
@@ -142,7 +170,7 @@ _FIELD_KINDS = {"forward": "triple", "decode_call": "number", "decode_iter": "tr
                 "swap_in": "number", "copy": "number", "step": "number", "forward_overhead": "number",
                 "scale": "number", "decode_overhead": "number", "decode_scale": "number", "wake": "points",
                 "cold_window": "number", "points": "seconds", "decode_points": "seconds",
-                "verify_points": "seconds"}
+                "verify_points": "seconds", "forward_spread": "quantiles", "decode_spread": "quantiles"}
 
 
 def _number(x) -> float:
@@ -155,7 +183,8 @@ def _number(x) -> float:
 def _parse_field(name: str, kind: str, value):
     """One cost-model field as its dataclass type; ValueError naming the field and what is allowed."""
     allowed = {"number": "a number", "triple": "a list of 3 numbers", "points": "a list of lists of numbers",
-               "seconds": "a mapping of shape keys to seconds"}[kind]
+               "seconds": "a mapping of shape keys to seconds",
+               "quantiles": "an empty list or 2 or more ascending positive numbers"}[kind]
     try:
         if kind == "number":
             return _number(value)
@@ -165,6 +194,11 @@ def _parse_field(name: str, kind: str, value):
             return {str(k): _number(v) for k, v in value.items()}
         if not isinstance(value, (list, tuple)):
             raise TypeError
+        if kind == "quantiles":
+            q = tuple(_number(x) for x in value)
+            if len(q) == 1 or any(x <= 0 for x in q) or any(b < a for a, b in zip(q, q[1:])):
+                raise TypeError
+            return q
         if kind == "triple":
             if len(value) != 3:
                 raise TypeError

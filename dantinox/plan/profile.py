@@ -218,6 +218,7 @@ def fit_cost_model(points: dict) -> CostModel:
     return CostModel(forward=forward, decode_call=float(np.median(overheads)), decode_iter=_fit(rows, ys),
                      swap_out=points["swap_out"], swap_in=points["swap_in"], copy=points["copy"],
                      **{k: float(v) for k, v in calibration.items() if k in _CALIBRATED},
+                     **{k: tuple(calibration[k]) for k in ("forward_spread", "decode_spread") if k in calibration},
                      wake=tuple(tuple(p) for p in points.get("wake", ())),
                      cold_window=float(points.get("cold_window", 0.0)),
                      points=dict(fwd), decode_points=dict(points["decode"]),
@@ -264,8 +265,10 @@ def step_cost(cost: CostModel, calls: list) -> float:
 
 
 def calibrate_steps(engine, cost: CostModel) -> dict:
-    """{"forward_overhead": h, "scale": s, "decode_overhead": h', "decode_scale": s'}: a real engine step of
-    forward_step calls costs h + s x (its calls' modelled cost), a multi-step decode step h' + s' x (its call's).
+    """{"forward_overhead": h, "scale": s, "decode_overhead": h', "decode_scale": s', "forward_spread": [..],
+    "decode_spread": [..]}: a real engine step of forward_step calls costs h + s x (its calls' modelled cost), a
+    multi-step decode step h' + s' x (its call's); the spreads are the quantiles of real / fitted step time
+    (``spread_quantiles``), which the simulator draws from.
 
     The workload of ``_burst`` runs through the real engine three times, a request added every ARRIVAL_STEPS
     steps and the engine never idle: once to warm up, then twice with every step timed together with the calls
@@ -277,8 +280,26 @@ def calibrate_steps(engine, cost: CostModel) -> dict:
     out = {}
     for kind, (h_key, s_key) in (("forward", ("forward_overhead", "scale")),
                                  ("decode", ("decode_overhead", "decode_scale"))):
-        out[h_key], out[s_key] = _fit_overhead([(p, w) for k, p, w in steps if k == kind])
+        pairs = [(p, w) for k, p, w in steps if k == kind]
+        out[h_key], out[s_key] = _fit_overhead(pairs)
+        out[f"{kind}_spread"] = spread_quantiles(pairs, out[h_key], out[s_key])
     return out
+
+
+SPREAD_STEPS = 20   # the spread keeps the quantiles at probabilities 0, 1/20, .., 1
+
+
+def spread_quantiles(pairs: list, h: float, s: float) -> list:
+    """The SPREAD_STEPS + 1 quantiles of wall / (h + s x predicted) over [(predicted, wall)] seconds (the
+    cost model's forward_spread / decode_spread), divided by the mean of a draw from them, so the draws vary a
+    step's time without moving its mean (h and s keep deciding throughput); [] for fewer than 2 steps."""
+    if len(pairs) < 2:
+        return []
+    ratios = [w / max(h + s * p, 1e-12) for p, w in pairs]
+    q = np.maximum(np.maximum.accumulate(np.quantile(np.asarray(ratios, float),
+                                                     np.linspace(0.0, 1.0, SPREAD_STEPS + 1))), 1e-6)
+    mean = float(np.mean((q[1:] + q[:-1]) / 2))   # the mean of a draw (linear between the quantiles)
+    return [float(x / mean) for x in q]
 
 
 def _run_workload(engine, tag: str, cost: CostModel) -> list:

@@ -1,16 +1,16 @@
 """Simulate a trace through the serving engine's own scheduling code with a virtual clock.
 
-A ``SimReplica`` holds the real ``Scheduler``, ``BlockAllocator`` and ``ContextPolicy`` of dantinox.serving,
-built exactly as ``PagedEngine`` builds them (``step_plan.engine_policy`` / ``pool_blocks`` /
-``engine_buckets``). Its ``step()`` does what ``PagedEngine.step()`` does on the host: schedule, plan the
-multi-step decode (``plan_decode_steps``), pick the compiled calls (``forward_calls`` / ``decode_step_calls``)
-and advance every request (``advance`` / ``finish_reason``); instead of running the calls it adds up their
-profiled cost (a CostModel). No model runs. Generated tokens are id 0 and requests never stop early (the
-trace's max_tokens are generated), as in a replay with no stop tokens. A speculating candidate
-(``spec_tokens`` k >= 1) verifies its decode rows instead (``Speculation``, plan/speculation.py): one verify
-call per decode-bucket group of rows (B x (k + 1) tokens) beside the step's other forward_step calls, each row
-emitting 1 + accepted tokens; a step with no verified row runs as without speculation (multi-step decode
-included).
+A ``SimReplica`` holds the real ``Scheduler``, ``BlockAllocator`` and ``ContextPolicy`` of dantinox.serving, built
+exactly as ``PagedEngine`` builds them (``step_plan.engine_policy`` / ``pool_blocks`` / ``engine_buckets``). Its
+``step()`` does what ``PagedEngine.step()`` does on the host: schedule, plan the multi-step decode
+(``plan_decode_steps``), pick the compiled calls (``forward_calls`` / ``decode_step_calls``) and advance every
+request (``advance`` / ``finish_reason``); instead of running the calls it adds up their profiled cost (a
+CostModel), times one draw per step from the profile's step-time spread (a seeded stream). No model runs. Generated
+tokens are id 0 and requests never stop early (the trace's max_tokens are generated), as in a replay with no stop
+tokens. A speculating candidate (``spec_tokens`` k >= 1) verifies its decode rows instead (``Speculation``,
+plan/speculation.py): one verify call per decode-bucket group of rows (B x (k + 1) tokens) beside the step's other
+forward_step calls, each row emitting 1 + accepted tokens; a step with no verified row runs as without speculation
+(multi-step decode included).
 
 The event loop (``run_trace``) is discrete-event over several replicas: the next event is the next arrival
 or the end of a replica's step, whichever is first (arrivals first on a tie, then replicas by index). An
@@ -22,6 +22,7 @@ is ordered by (time, index): the same inputs give the same output, byte for byte
 from __future__ import annotations
 
 import math
+import random
 
 from ..serving.allocator import BlockAllocator
 from ..serving.request import QueueFullError, Request, RequestError, RequestStatus, SamplingOptions
@@ -67,6 +68,9 @@ class ReplicaView:
         return bool(self.inbox or self.scheduler.waiting or self.scheduler.running)
 
 
+SPREAD_SEED = 0   # every replica's stream of step-time draws starts here: a plan is deterministic
+
+
 class SimReplica(ReplicaView):
     """One simulated engine. cfg: the ModelConfig (max_context); config: EngineConfig; cost: CostModel;
     spec: its Speculation (None: no speculation)."""
@@ -81,6 +85,7 @@ class SimReplica(ReplicaView):
         self.finished_order: list = []
         self.peak_blocks = 0
         self.queue_samples: list = []
+        self.spread_draws = random.Random(SPREAD_SEED)   # one draw per step (CostModel.spread_factor)
 
     def add(self, rid: str, ids: list, options: SamplingOptions, arrival: float) -> Request:
         """Queue a request (as PagedEngine.add_request). Raises RequestError / QueueFullError."""
@@ -95,6 +100,7 @@ class SimReplica(ReplicaView):
         just before it (0 inside a busy period); warming: seconds idle before the current busy period when
         that began less than the cost model's cold_window ago, else 0."""
         sched = self.scheduler.schedule()
+        draw = self.spread_draws.random()
         self.queue_samples.append(len(self.scheduler.waiting))
         self.peak_blocks = max(self.peak_blocks, self.allocator.num_used)
         c = self.cost
@@ -104,18 +110,18 @@ class SimReplica(ReplicaView):
             verified = [ch for ch in sched.chunks if self.spec.speculates(ch, self.max_context)]
             if verified:
                 seconds, counts = self._verify(sched.chunks, verified, seconds)
-                return c.step_seconds(False, seconds, idle, warming), self._advance_all(sched.chunks, counts)
+                return c.step_seconds(False, seconds, idle, warming, draw), self._advance_all(sched.chunks, counts)
         counts, copies = plan_decode_steps(sched.chunks, self.allocator, self.config.max_decode_steps,
                                            bool(self.scheduler.waiting))
         seconds += c.copy * math.ceil(len(copies) / self.scheduler.policy.max_running)
         if counts:  # a multi-step decode call
             for _, part_counts, B, M in decode_step_calls(sched.chunks, counts, self.buckets, self.allocator):
                 seconds += c.decode_cost(B, M * self.allocator.block_size, max(part_counts))
-            return c.step_seconds(True, seconds, idle, warming), self._advance_all(sched.chunks, counts)
+            return c.step_seconds(True, seconds, idle, warming, draw), self._advance_all(sched.chunks, counts)
         counts = [1] * len(sched.chunks)
         for _, B, T in forward_calls(sched.chunks, self.buckets):
             seconds += c.forward_cost(B, T)
-        return c.step_seconds(False, seconds, idle, warming), self._advance_all(sched.chunks, counts)
+        return c.step_seconds(False, seconds, idle, warming, draw), self._advance_all(sched.chunks, counts)
 
     def _verify(self, chunks: list, verified: list, seconds: float) -> tuple[float, list]:
         """(the step's seconds, tokens per chunk) for a step whose ``verified`` decode rows run verify calls

@@ -2,6 +2,8 @@
 finishes the same requests in the same order as the real engine; it is deterministic; routing by prefix
 affinity raises prefix-cache hits."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import tiny_config
@@ -131,3 +133,58 @@ def test_a_short_decode_call_never_costs_zero_and_a_bad_cost_field_is_named():
             CostModel.from_dict(dict(good, **{field: bad}))
     with pytest.raises(ValueError, match="field 'copy' is missing"):
         CostModel.from_dict({k: v for k, v in good.items() if k != "copy"})
+
+
+# Step-time spread ---------------------------------------------------------------------------------------------
+
+def test_spread_quantiles_keep_the_mean_and_the_shape_of_the_calibration_steps():
+    """spread_quantiles: 21 ascending quantiles of real / fitted step time, scaled so a draw's mean is 1."""
+    from dantinox.plan.profile import spread_quantiles
+    rng = np.random.default_rng(0)
+    ratios = rng.lognormal(0.1, 0.4, 400)                     # a right-skewed spread, mean about 1.2
+    pairs = [(1e-3, 2e-4 + 2.0 * 1e-3 * r) for r in ratios]   # h = 2e-4, s = 2: fitted 2.2 ms
+    q = spread_quantiles(pairs, 2e-4, 2.0)
+    assert len(q) == 21 and all(b >= a for a, b in zip(q, q[1:]))
+    assert np.mean((np.array(q[1:]) + np.array(q[:-1])) / 2) == pytest.approx(1.0)
+    walls = np.array([w for _, w in pairs]) / 2.2e-3
+    np.testing.assert_allclose(q[10], np.median(walls) / np.mean(walls), rtol=0.05)   # the median, rescaled
+    assert spread_quantiles(pairs[:1], 2e-4, 2.0) == []
+
+
+def test_spread_factor_interpolates_the_quantiles_and_round_trips():
+    cost = CostModel(forward=(1e-3, 0.0, 0.0), forward_spread=(0.5, 1.0, 1.5), decode_spread=(0.8, 1.2))
+    assert cost.spread_factor(False, 0.0) == 0.5 and cost.spread_factor(False, 0.25) == 0.75
+    assert cost.spread_factor(False, 1.0) == 1.5 and cost.spread_factor(True, 0.5) == pytest.approx(1.0)
+    assert cost.step_seconds(False, 1e-3, draw=0.25) == pytest.approx(0.75e-3)
+    assert cost.step_seconds(False, 1e-3) == 1e-3                            # no draw: factor 1
+    assert CostModel(forward=(1e-3, 0.0, 0.0)).spread_factor(True, 0.9) == 1.0   # no spread stored
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    assert "forward_spread" not in CostModel().to_dict()       # a profile without a spread keeps its bytes
+    for bad in ([1.0], [1.2, 0.8], [0.0, 1.0], "x"):
+        with pytest.raises(ValueError, match="field 'forward_spread'"):
+            CostModel.from_dict(dict(cost.to_dict(), forward_spread=bad))
+
+
+def test_a_wider_step_spread_raises_p99_ttft_keeps_throughput_and_stays_deterministic():
+    """Queueing delay grows with the variance of service times (Kingman): with the same mean step cost a
+    spread raises the tail of TTFT; an all-ones spread changes nothing; the same inputs give the same result."""
+    cfg = tiny_config(max_context=48)
+    rng = np.random.default_rng(3)
+    arrivals = np.cumsum(rng.exponential(0.008, 120))   # busy, not saturated (p99 TTFT 17 ms without spread)
+    reqs = [TraceRequest(index=i, arrival=float(t), max_tokens=6, prompt_tokens=8) for i, t in enumerate(arrivals)]
+    prompts = [prompt_token_ids(q, None, cfg.vocab_size) for q in reqs]
+    cand = Candidate(block_size=4, max_running=4, max_batched_tokens=16)
+    base = CostModel(forward=(2e-3, 2e-4, 1e-5), decode_call=1e-3, decode_iter=(3e-4, 1e-4, 1e-7))
+    wide = np.linspace(0.1, 1.9, 21)                  # mean of a draw: 1
+    runs = {}
+    for name, spread in (("none", ()), ("ones", (1.0,) * 21), ("wide", tuple(wide))):
+        cost = dataclasses.replace(base, forward_spread=spread, decode_spread=spread)
+        runs[name] = simulate(cfg, cand, cost, reqs, prompts)
+        runs[name].pop("records")
+    assert runs["ones"] == runs["none"]
+    again = simulate(cfg, cand, dataclasses.replace(base, forward_spread=tuple(wide), decode_spread=tuple(wide)),
+                     reqs, prompts)
+    again.pop("records")
+    assert again == runs["wide"]
+    assert runs["wide"]["ttft"]["p99"] > 1.2 * runs["none"]["ttft"]["p99"]
+    assert runs["wide"]["output_tokens_per_s"] == pytest.approx(runs["none"]["output_tokens_per_s"], rel=0.05)
