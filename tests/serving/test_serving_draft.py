@@ -240,6 +240,15 @@ def test_greedy_equals_plain_served_greedy_with_prefix_hits_and_preemption(targe
         assert (line in text) == (stats[key] > 0), (line, text)
 
 
+def scaled_model(cfg, seed: int, scale: float = 2.0):
+    """A random model with every weight scaled by ``scale``: sharper next-token distributions than the plain
+    init's near-uniform ones (two such models overlap by about half; generation's ``varied_model``)."""
+    model = dx.build_model(cfg, seed)
+    for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        v.set_value(v.get_value() * scale)
+    return model
+
+
 def _chi_square(observed, expected):
     big = expected >= 5
     stat = (((observed[big] - expected[big]) ** 2) / expected[big]).sum()
@@ -272,13 +281,13 @@ def test_sampling_draws_from_the_targets_distribution():
     under the target; the draft is an unrelated random model, so most proposals are rejected. The same
     statistic rejects the second token's marginal under the draft (what accepting every proposal would give)."""
     cfg = tiny_config(vocab_size=32, max_context=48, attention="gqa", kv_heads=2)
-    model = lively_model(cfg, seed=4)
-    other = lively_model(tiny_config(vocab_size=32, max_context=48, num_blocks=1), seed=9)
+    model = scaled_model(cfg, seed=4)
+    other = scaled_model(tiny_config(vocab_size=32, max_context=48, num_blocks=1), seed=9)   # MHA, 1 layer
     prompt = list(np.random.default_rng(5).permutation(cfg.vocab_size))
     rows, settings = 1500, dict(temperature=0.9, top_p=0.95)
     engine = make_engine(model, draft=other, speculative=SpecConfig("draft", 2, verify_costs=((1, 1.0),)),
-                         block_size=8, num_blocks=300, max_running=32, decode_buckets=(32,), max_batched_tokens=64,
-                         max_decode_steps=1)
+                         block_size=8, num_blocks=300, max_running=32, max_queued=rows, decode_buckets=(32,),
+                         max_batched_tokens=48, chunk_buckets=(8, 48), max_decode_steps=1)
     ids = [engine.add_request(prompt, SamplingOptions(max_new_tokens=3, seed=i, **settings)) for i in range(rows)]
     results = drain(engine, max_steps=20_000)
     stats = engine.stats()
@@ -304,3 +313,26 @@ def test_no_recompilation_after_warmup(target, draft):
         drain(engine)
     assert counted.compilations == 0 and counted.cache_hits == 0, counted
     assert engine.stats()["spec_verify_calls"] > 0 and engine.stats()["preemptions"] >= 1
+
+
+@pytest.mark.slow
+def test_an_int8_per_channel_target_with_its_float_draft_equals_plain_served_greedy():
+    """The serve default for GQA: int8 keys per channel in groups of 4 (k + 1 = 4 fits) and int8 values with
+    float32 sinks; the draft, a noisy copy of the target with the same int8 config, gets a float32 pool
+    (``draft_model.float_draft``). Tokens and logprobs are the plain int8 engine's."""
+    model = lively_model(CFG.replace(cache_dtype="int8", kv_keys="channel", kv_key_group=4))
+    requests = BATCH[:4]
+    outputs = {}
+    for name, draft in (("plain", None), ("draft", noisy_copy(model, 0.2, 2))):
+        engine = make_engine(model, draft=draft, speculative=SPEC if draft is not None else None, num_blocks=40,
+                             max_decode_steps=1)
+        ids = [engine.add_request(p, SamplingOptions(max_new_tokens=n, logprobs=1)) for p, n in requests]
+        got = {rid: [] for rid in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.logprobs or []
+        outputs[name] = [got[rid] for rid in ids]
+    stats = engine.stats()
+    assert engine.residuals is not None and engine.draft_cfg.cache_dtype == "float32"
+    assert stats["spec_verify_calls"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    assert_same_logprobs(outputs["plain"], outputs["draft"])
