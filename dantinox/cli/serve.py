@@ -147,7 +147,7 @@ def kv_summary(engine) -> str:
             else ", keys per token" if engine.cfg.cache_dtype == "int8" and engine.cfg.attention != "mla" else "")
     line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
             f"tokens per request ({nbytes / 2**20:.2f} MiB = {nbytes} bytes, block size {alloc.block_size}, "
-            f"{engine.cfg.cache_dtype}{keys})")
+            f"{engine.cfg.cache_dtype}{keys}{_draft_share(engine)})")
     if size.capped:
         line += (f"; --max-running {engine.config.max_running} uses at most {size.usable} blocks, so the pool "
                  f"takes those of the {size.budget} --kv-memory holds (--kv-memory-all takes them all)")
@@ -157,6 +157,18 @@ def kv_summary(engine) -> str:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")
     return line
+
+
+def _draft_share(engine) -> str:
+    """", of which the draft model's float layers N MiB" with --speculative draft:RUN (its rows of every block,
+    ``serving.draft_model``), else ""."""
+    draft_cfg = getattr(engine, "draft_cfg", None)
+    if draft_cfg is None:
+        return ""
+    from ..serving.paged_cache import block_bytes
+
+    nbytes = engine.allocator.num_blocks * block_bytes(draft_cfg, engine.allocator.block_size)
+    return f", of which the draft model's {draft_cfg.cache_dtype} layers {nbytes / 2**20:.2f} MiB"
 
 
 def apply_config_file(args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ from scipy.stats import chi2
 from serving_util import drain, lively_mla_model, lively_model, make_engine
 
 import dantinox as dx
+from dantinox.cli.serve import kv_summary
 from dantinox.generation.sampling import filtered_probs, make_sampling_params
 from dantinox.serving.engine import EngineConfig, PagedEngine
 from dantinox.serving.metrics import ServerMetrics
@@ -135,6 +136,8 @@ def test_the_pool_budget_counts_the_drafts_blocks(target, draft):
                                               speculative=SPEC), draft=draft)
     assert engine.allocator.num_blocks == budget // per_block
     assert pool_nbytes(engine.pool) <= budget and len(engine.pool) == CFG.num_blocks + DRAFT_CFG.num_blocks
+    share = engine.allocator.num_blocks * block_bytes(DRAFT_CFG, P) / 2**20
+    assert f"of which the draft model's float32 layers {share:.2f} MiB" in kv_summary(engine)
     plain = PagedEngine(target, EngineConfig(block_size=P, kv_memory_bytes=budget, kv_memory_all=True))
     assert plain.allocator.num_blocks == budget // block_bytes(CFG, P) > engine.allocator.num_blocks
 
