@@ -33,7 +33,8 @@ def make_engine(model, **fields) -> PagedEngine:
     settings = dict(block_size=4, max_running=4, max_batched_tokens=16, decode_buckets=(1, 4),
                     **SMALL_BUCKETS)
     settings.update(fields)
-    return PagedEngine(model, EngineConfig(**settings))
+    draft = settings.pop("draft", None)
+    return PagedEngine(model, EngineConfig(**settings), draft=draft)
 
 
 def drain(engine, max_steps: int = 2000, on_step=None) -> dict:

@@ -5,7 +5,7 @@
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
                  [--no-prefix-caching] [--no-warmup] [--max-request-bytes 1MiB] [--config serve.yaml]
-                 [--speculative ngram [--spec-tokens 4] [--spec-ngram-max 4] [--spec-ngram-min 1]]
+                 [--speculative ngram|draft:RUN [--spec-tokens 4] [--spec-ngram-max 4] [--spec-ngram-min 1]]
 
 Without --kv-memory the pool holds max-running sequences of max_context tokens; --kv-memory sizes it from a
 byte budget, but takes no more blocks than those max-running sequences can use (--kv-memory-all takes every
@@ -29,7 +29,9 @@ status 130 (``dantinox.cli.entrypoint``); uvicorn finishes the requests in fligh
 GRACEFUL_SHUTDOWN_S seconds first.
 --speculative ngram decodes with n-gram (prompt lookup) speculation in the engine: each decode step verifies
 up to --spec-tokens proposals per request in one compiled call (greedy output unchanged; docs/serving.md,
-"Speculative decoding"); --speculative draft:RUN is refused (not served yet), as is a diffusion run.
+"Speculative decoding"); --speculative draft:RUN takes the proposals from RUN's model instead (same tokenizer,
+checked at start; its float KV pool shares the target's block tables and counts in --kv-memory:
+``dantinox.serving.draft_model``). A diffusion run (target or draft) is refused, as is --mesh with a draft.
 FastAPI and uvicorn are imported only when the command runs.
 """
 
@@ -145,7 +147,7 @@ def kv_summary(engine) -> str:
             else ", keys per token" if engine.cfg.cache_dtype == "int8" and engine.cfg.attention != "mla" else "")
     line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
             f"tokens per request ({nbytes / 2**20:.2f} MiB = {nbytes} bytes, block size {alloc.block_size}, "
-            f"{engine.cfg.cache_dtype}{keys})")
+            f"{engine.cfg.cache_dtype}{keys}{_draft_share(engine)})")
     if size.capped:
         line += (f"; --max-running {engine.config.max_running} uses at most {size.usable} blocks, so the pool "
                  f"takes those of the {size.budget} --kv-memory holds (--kv-memory-all takes them all)")
@@ -155,6 +157,18 @@ def kv_summary(engine) -> str:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")
     return line
+
+
+def _draft_share(engine) -> str:
+    """", of which the draft model's float layers N MiB" with --speculative draft:RUN (its rows of every block,
+    ``serving.draft_model``), else ""."""
+    draft_cfg = getattr(engine, "draft_cfg", None)
+    if draft_cfg is None:
+        return ""
+    from ..serving.paged_cache import block_bytes
+
+    nbytes = engine.allocator.num_blocks * block_bytes(draft_cfg, engine.allocator.block_size)
+    return f", of which the draft model's {draft_cfg.cache_dtype} layers {nbytes / 2**20:.2f} MiB"
 
 
 def apply_config_file(args: argparse.Namespace) -> None:
@@ -212,25 +226,25 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if getattr(args, "kv_dtype", None) is not None:
         from ..quant.kv_dtype import parse_kv_dtype
         parse_kv_dtype(args.kv_dtype)
-    serve_speculation(args)
+    spec = serve_speculation(args)
+    if spec is not None and spec.proposer == "draft" and getattr(args, "mesh", None) is not None:
+        raise ValueError(f"--mesh is not allowed with --speculative {args.speculative}: the sharded engine does "
+                         "not carry a draft model's pool (use --speculative ngram, or serve on one device)")
 
 
 def serve_speculation(args: argparse.Namespace):
-    """The engine's ``SpecConfig`` of --speculative ngram and its --spec-* flags, or None without it. Raises
-    ValueError naming the flag: a bound broken (``spec_settings``), --spec-* without --speculative, or
-    --speculative draft:RUN (a draft model is not served yet)."""
+    """The engine's ``SpecConfig`` of --speculative ngram or draft:RUN and its --spec-* flags, or None without
+    it (the draft model itself is loaded by ``build_engine``). Raises ValueError naming the flag: a bound broken
+    (``spec_settings``) or --spec-* without --speculative."""
     from ..serving.speculation import SpecConfig
 
     spec = speculative_from_args(args)
     costs = getattr(args, "spec_verify_cost", None)
     if spec is None:
         if costs is not None:
-            raise ValueError("--spec-verify-cost needs --speculative ngram")
+            raise ValueError("--spec-verify-cost needs --speculative ngram or draft:RUN")
         return None
-    if spec.proposer != "ngram":
-        raise ValueError(f"--speculative {args.speculative} is not allowed in serve: only ngram is served for now "
-                         "(a draft model speculates in dantinox generate and chat)")
-    return SpecConfig("ngram", spec.spec_tokens, spec.ngram_max, spec.ngram_min, parse_verify_costs(costs))
+    return SpecConfig(spec.proposer, spec.spec_tokens, spec.ngram_max, spec.ngram_min, parse_verify_costs(costs))
 
 
 def parse_verify_costs(text: str | None) -> tuple:
@@ -280,7 +294,30 @@ def build_engine(args: argparse.Namespace):
 
         with naming_flag(args.mesh):
             return ShardedPagedEngine(model, config, mesh_from_flag(args.mesh)), tokenizer, name
-    return PagedEngine(model, config), tokenizer, name
+    draft = load_serve_draft(args, run_dir, tokenizer) if speculative is not None else None
+    try:
+        return PagedEngine(model, config, draft=draft), tokenizer, name
+    except ValueError as err:
+        if draft is None or not str(err).startswith("draft "):
+            raise
+        raise ValueError(f"--speculative {args.speculative}: {err}") from None
+
+
+def load_serve_draft(args: argparse.Namespace, run_dir, tokenizer):
+    """The draft model of --speculative draft:RUN (None for ngram), after ``runs.draft_run``'s tokenizer check
+    against the target's tokenizer and stop ids. Raises RunDirError, or ValueError naming the flag and the
+    first difference (vocabulary size, special ids, stop ids)."""
+    from ..runs.draft_run import load_draft_run
+    from ..runs.stop_ids import read_stop_ids
+    from .flags import draft_run_of
+
+    draft_run = draft_run_of(args)
+    if draft_run is None:
+        return None
+    try:
+        return load_draft_run(draft_run, tokenizer, read_stop_ids(run_dir, tokenizer))
+    except ValueError as err:
+        raise ValueError(f"--speculative {args.speculative}: {err}") from None
 
 
 def block_size(args: argparse.Namespace, cfg) -> int:
@@ -377,8 +414,13 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info(kv_summary(engine))
     if engine.speculative is not None:
         spec = engine.speculative
-        log.info("speculative decoding: %s, %d proposals per verify call, n-gram %d..%d", spec.proposer,
-                 spec.spec_tokens, spec.ngram_max, spec.ngram_min)
+        if getattr(engine, "draft_cfg", None) is not None:
+            log.info("speculative decoding: draft model %s (%d layers, %s KV pool under the target's block "
+                     "tables, counted above), %d proposals per verify call", args.speculative[len("draft:"):],
+                     engine.draft_cfg.num_blocks, engine.draft_cfg.cache_dtype, spec.spec_tokens)
+        else:
+            log.info("speculative decoding: %s, %d proposals per verify call, n-gram %d..%d", spec.proposer,
+                     spec.spec_tokens, spec.ngram_max, spec.ngram_min)
     if hasattr(engine, "blocks_per_device"):
         per = engine.blocks_per_device()
         log.info("mesh %s: %d devices, each holds all %d blocks with %s KV heads: %.2f MiB of KV per device",

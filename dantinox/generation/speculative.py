@@ -100,6 +100,8 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=Non
     k = T - 1
     if limit is not None:
         proposals = jnp.where(jnp.arange(k)[None, :] < limit[:, None], proposals, -1)
+        if q is not None:   # no proposal past limit: q is 0 there, so all limit accepted draws from p itself
+            q = jnp.where((jnp.arange(k)[None, :] < limit[:, None])[..., None], q, 0.0)
     rep = SamplingParams(*(jnp.repeat(x, T) for x in sampling))
     probs = filtered_probs(logits.reshape(B * T, V), rep).reshape(B, T, V)
     per_row = jnp.ndim(key) == 1

@@ -10,6 +10,9 @@
   request.py                     one request's options, tokens and state
   scheduler.py                   chunked prefill + decode under a token budget; admission; preemption
   step_plan.py                   the host arithmetic of one engine step (shared with plan/simulate.py)
+  speculation.py / verify_step.py  speculative decoding: the host rule (which rows, switch-off) and the n-gram
+                                 verify call; draft_model.py / draft_verify.py: a draft model's layers beside
+                                 the target's under the same block tables, and its propose-and-verify call
   engine.py                      the Engine interface and PagedEngine; sharded_engine.py: the same on a mesh
   worker.py / server.py          the engine thread and the OpenAI-compatible FastAPI app
   completions.py                 /v1/completions: validation, choices, stop strings, disconnects

@@ -10,8 +10,10 @@ JAX implementation.
      ([B, 1]) and prefill rows ([B, T]), with B and T rounded up to fixed buckets so no step recompiles
      after ``warmup()``;
      With ``EngineConfig.speculative``, the decode rows may instead go through one verify call ([B, k + 1]:
-     prompt-lookup proposals checked by the target, ``verify_step``), when the switch-off rule says it pays
-     (``speculation``); each row then emits its accepted proposals and the target's own token;
+     prompt-lookup proposals checked by the target, ``verify_step``, or a draft model's, ``draft_verify``),
+     when the switch-off rule says it pays (``speculation``); each row then emits its accepted proposals and
+     the target's own token. With a draft model every call also runs the draft over the same tokens into its
+     own layers of the pool, under the same block tables (``draft_model``);
   4. each request advances by the tokens it fed; a request whose last token was fed gets the sampled
      token (with its raw log-probabilities if it asked for logprobs), and finishes on a stop token or at
      max_new_tokens.
@@ -39,6 +41,8 @@ from ..quant.kv_channels import check_spec_group
 from ..runs.interrupts import deferred_interrupts
 from ..xla import CompileCounter
 from .allocator import BlockAllocator
+from .draft_model import TargetWithDraft, init_draft_pool, pair_block_bytes
+from .draft_verify import draft_verify_step
 from .grammar_rows import grammar_finish, step_mask
 from .paged_cache import init_pool, pool_nbytes, sink_set_bytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
@@ -114,8 +118,9 @@ class EngineConfig:
     decode_buckets / prefill_buckets: batch sizes of the compiled calls (default: powers of two up to
     max_running, and (1, 2, 4)); chunk_buckets: prefill chunk lengths (default: powers of two from 8 up to
     min(max_batched_tokens, max_context)).
-    speculative: None (plain decoding) or a ``speculation.SpecConfig``: n-gram speculative decoding of the decode
-    rows (the greedy output is unchanged; sampled output keeps the target's distribution).
+    speculative: None (plain decoding) or a ``speculation.SpecConfig``: speculative decoding of the decode rows
+    with n-gram (prompt lookup) or draft-model proposals (the greedy output is unchanged; sampled output keeps
+    the target's distribution).
     block_size: tokens per KV block; None (the default) takes ``step_plan.default_block_size`` of the model:
     16, or the key group G with per-channel int8 keys (a block size must then be a multiple of G)."""
 
@@ -142,21 +147,30 @@ class PagedEngine(Engine):
     """Continuous batching over a paged KV cache for a dantinox Transformer (MHA / GQA / MQA, or MLA with a
     latent pool).
 
-    Args: model: a Transformer; config: EngineConfig. Raises ValueError for invalid sizes (field named) and
-    for a paradigm="diffusion" model.
+    Args: model: a Transformer; config: EngineConfig; draft: the draft Transformer of a SpecConfig with
+    proposer "draft" (same vocabulary, autoregressive, max_context at least the model's; its pool is float and
+    shares the target's block tables: ``draft_model``), else None. Raises ValueError for invalid sizes (field
+    named), for a paradigm="diffusion" model, and for a draft given without proposer "draft" or missing with it.
     """
 
-    def __init__(self, model, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, config: EngineConfig = EngineConfig(), draft=None):
         cfg = model.cfg
         if cfg.paradigm != "ar":
             raise ValueError(f"the serving engine decodes autoregressive models; this model has paradigm="
                              f"{cfg.paradigm!r} (masked diffusion is served by dantinox generate, not serve)")
         if config.speculative is not None:   # per-channel keys: k + 1 tokens must fit one key group
             check_spec_group(cfg, config.speculative.spec_tokens)
+        drafting = config.speculative is not None and config.speculative.proposer == "draft"
+        if drafting != (draft is not None):
+            raise ValueError("draft: a draft model goes with speculative=SpecConfig(proposer='draft'), and that "
+                             "proposer needs one (dantinox serve --speculative draft:RUN)")
         if config.block_size is None:
             config = dataclasses.replace(config, block_size=default_block_size(cfg))
         self.cfg, self.config = cfg, config
         self.vocab_size, self.max_context = cfg.vocab_size, cfg.max_context
+        if draft is not None:   # one module and one pool for both models (draft_model)
+            model = TargetWithDraft(model, draft)
+        self.draft_cfg = model.draft.cfg if draft is not None else None
         graphdef, self.params = nnx.split(model)
         self.graph = static_graph(graphdef)
         P = config.block_size
@@ -269,8 +283,11 @@ class PagedEngine(Engine):
                     **({"spec_proposer": self.speculative.proposer} if self.speculative else {}))
 
     def _budget_block_bytes(self, cfg) -> int | None:
-        """Bytes one block takes out of kv_memory_bytes (None: the whole block, on one device)."""
-        return None
+        """Bytes one block takes out of kv_memory_bytes (None: the whole block, on one device); with a draft
+        model its float rows of the block count too (``draft_model.pair_block_bytes``)."""
+        if self.draft_cfg is None:
+            return None
+        return pair_block_bytes(cfg, self.draft_cfg, self.config.block_size)
 
     def _budget_sink_bytes(self, cfg) -> int | None:
         """Bytes one int8 sink slot takes out of kv_memory_bytes (None: the whole slot, on one device)."""
@@ -281,9 +298,13 @@ class PagedEngine(Engine):
         return None
 
     def _init_pool(self, num_blocks: int):
-        """A zero pool of ``num_blocks`` blocks with the engine's sink and residual slots."""
-        return init_pool(self.cfg, num_blocks, self.config.block_size, self.pool_size.sink_slots,
+        """A zero pool of ``num_blocks`` blocks with the engine's sink and residual slots (then, with a draft
+        model, the draft's layers over the same blocks)."""
+        pool = init_pool(self.cfg, num_blocks, self.config.block_size, self.pool_size.sink_slots,
                          self.pool_size.residual_slots)
+        if self.draft_cfg is not None:
+            pool += init_draft_pool(self.draft_cfg, num_blocks, self.config.block_size)
+        return pool
 
     # Warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> CompileCounter:
@@ -518,28 +539,39 @@ class PagedEngine(Engine):
         return calls
 
     def _verify_args(self, part: list[Chunk], limits: list[int], B: int, M: int) -> tuple:
-        """verify_step's arguments for ``part`` padded to B rows over block tables of M entries."""
-        seq = np.zeros((B, M * self.allocator.block_size), np.int32)
+        """verify_step's arguments for ``part`` padded to B rows over block tables of M entries (the rows'
+        tokens seq [B, M * P] for prompt lookup; with a draft model draft_verify_step's, the last tokens [B])."""
         limit = np.full(B, -1, np.int32)
-        for b, (chunk, n) in enumerate(zip(part, limits)):
-            tokens = chunk.request.all_tokens[:chunk.start + 1]
-            seq[b, :len(tokens)], limit[b] = tokens, n
+        limit[:len(part)] = limits
+        if self.draft_cfg is not None:   # the draft's pool holds each row's history: its last token only
+            seq = np.zeros(B, np.int32)
+            seq[:len(part)] = [c.request.all_tokens[c.start] for c in part]
+        else:
+            seq = np.zeros((B, M * self.allocator.block_size), np.int32)
+            for b, chunk in enumerate(part):
+                tokens = chunk.request.all_tokens[:chunk.start + 1]
+                seq[b, :len(tokens)] = tokens
         start, table, seeds, steps, sampling = self._row_inputs(part, B, M)
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
         return (self.graph, self.params, self.pool, seq, start, limit, table, seeds, steps, sampling,
                 with_logprobs, self._sink_rows(part, B), self._residual_rows(part, B))
 
-    def _spec_statics(self) -> dict:
+    def _verify_fn(self):
+        """The compiled verify call and its static arguments: ``verify_step`` (n-gram) or ``draft_verify_step``."""
         spec = self.speculative
-        return dict(k=spec.spec_tokens, ngram_max=spec.ngram_max, ngram_min=spec.ngram_min)
+        if self.draft_cfg is not None:
+            return draft_verify_step, dict(k=spec.spec_tokens, target_layers=self.cfg.num_blocks)
+        return verify_step, dict(k=spec.spec_tokens, ngram_max=spec.ngram_max, ngram_min=spec.ngram_min)
 
     def _warm_verify(self, B: int, M: int) -> None:
-        """Compile verify_step for bucket (B, M) without running it (as ``_warm_forward``)."""
-        verify_step.lower(*self._verify_args([], [], B, M), **self._spec_statics()).compile()
+        """Compile the verify call for bucket (B, M) without running it (as ``_warm_forward``)."""
+        fn, statics = self._verify_fn()
+        fn.lower(*self._verify_args([], [], B, M), **statics).compile()
 
     def _call_verify(self, part: list[Chunk], limits: list[int], B: int, M: int):
-        """Dispatch one verify_step call; returns its VerifyOut (device arrays) without waiting."""
-        out, self.pool = verify_step(*self._verify_args(part, limits, B, M), **self._spec_statics())
+        """Dispatch one verify call; returns its VerifyOut (device arrays) without waiting."""
+        fn, statics = self._verify_fn()
+        out, self.pool = fn(*self._verify_args(part, limits, B, M), **statics)
         self.counters["forward_calls"] += 1
         self.counters["spec_verify_calls"] += 1
         self.step_calls.append(("verify", B, M * self.allocator.block_size, self.speculative.spec_tokens + 1))

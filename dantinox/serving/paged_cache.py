@@ -385,13 +385,19 @@ class PagedLatentView(NamedTuple):
 
 
 def paged_views(pool: PagedPool, block_table, num_new, sink_slot=None, residual_slot=None) -> tuple:
-    """One view per layer (PagedView, PagedLatentView for an MLA pool, PagedChannelView for per-channel keys),
+    """One view per layer (PagedView, PagedLatentView for an MLA layer, PagedChannelView for per-channel keys),
     sharing the batch's block tables [B, M] int32, valid-token counts [B] int32, sink slots [B] int32 (int8
     pools; None: row b's is slot b, so the pool needs R >= B) and residual slots [B] int32 (per-channel keys;
-    None: row b's is slot b)."""
-    if pool and isinstance(pool[0], PagedChannelKV):
-        B = block_table.shape[0]
-        sinks, residual = _slots(sink_slot, B), _slots(residual_slot, B)
-        return tuple(PagedChannelView(layer, block_table, num_new, sinks, residual) for layer in pool)
-    view = PagedLatentView if pool and isinstance(pool[0], (PagedLatentKV, PagedQuantLatentKV)) else PagedView
-    return tuple(view(layer, block_table, num_new, sink_slot) for layer in pool)
+    None: row b's is slot b). The view is chosen per layer, so one pool may hold layers of two kinds (the
+    engine's target layers then a draft model's float layers, ``dantinox.serving.draft_model``)."""
+    B = block_table.shape[0]
+    sinks, residual = _slots(sink_slot, B), _slots(residual_slot, B)
+
+    def view(layer):
+        if isinstance(layer, PagedChannelKV):
+            return PagedChannelView(layer, block_table, num_new, sinks, residual)
+        if isinstance(layer, (PagedLatentKV, PagedQuantLatentKV)):
+            return PagedLatentView(layer, block_table, num_new, sink_slot)
+        return PagedView(layer, block_table, num_new, sink_slot)
+
+    return tuple(view(layer) for layer in pool)

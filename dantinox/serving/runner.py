@@ -20,6 +20,7 @@ from flax import nnx
 
 from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, apply_token_mask, sample_next
 from ..parallel.sharding import constrain_pool
+from .paged_channel_keys import PagedChannelKV
 from .paged_cache import BLOCK_FIELDS, SINK_FIELDS, PagedPool, block_fields, paged_views, sink_fields, with_sinks
 from .request import MAX_LOGPROBS
 
@@ -210,8 +211,9 @@ _RESIDUAL = BLOCK_FIELDS + SINK_FIELDS  # the per-channel key pool's residual fi
 @jax.jit
 def read_residual(pool: PagedPool, slot):
     """One residual slot (``slot``, int32 scalar) of a per-channel key pool: per layer its [2 G, K, D] float32
-    residual ring (``dantinox.serving.paged_channel_keys``)."""
-    return tuple(layer[_RESIDUAL][slot] for layer in pool)
+    residual ring (``dantinox.serving.paged_channel_keys``); an empty tuple for a layer without one (a draft
+    model's float layers beside per-channel target layers)."""
+    return tuple(layer[_RESIDUAL][slot] if isinstance(layer, PagedChannelKV) else () for layer in pool)
 
 
 @partial(jax.jit, donate_argnames=("pool",))
@@ -219,4 +221,4 @@ def write_residual(pool: PagedPool, slot, data) -> PagedPool:
     """The per-channel key pool's residual slot ``slot`` (int32 scalar) set to ``data`` (as returned by
     ``read_residual``) in every layer."""
     return constrain_pool(tuple(layer._replace(k_resid=layer.k_resid.at[slot].set(d))
-                                for layer, d in zip(pool, data)))
+                                if isinstance(layer, PagedChannelKV) else layer for layer, d in zip(pool, data)))

@@ -42,9 +42,12 @@ def shard_pool(pool, cfg, mesh):
 class ShardedPagedEngine(PagedEngine):
     """PagedEngine over a mesh (see the module docstring). Args: model (sharded here, in place), config
     (kv_memory_bytes, if set, is per device), mesh. Raises MeshError when the model does not divide over the
-    mesh, ValueError as PagedEngine."""
+    mesh, ValueError as PagedEngine and for draft-model speculation (not carried on a mesh)."""
 
     def __init__(self, model, config: EngineConfig, mesh):
+        if config.speculative is not None and config.speculative.proposer == "draft":
+            raise ValueError("speculative proposer 'draft' is not allowed on a mesh: the sharded engine does not "
+                             "carry a draft model's pool (--mesh with --speculative draft:RUN)")
         self.mesh = mesh
         shard_model(model, mesh)
         with mesh_scope(mesh):

@@ -29,15 +29,17 @@ from ..generation.speculative import PROBE_VERIFIES
 from ..generation.speculative_generate import break_even, check_spec_settings
 from .request import Request
 
-PROPOSERS = ("ngram",)
+PROPOSERS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding in the engine.
 
-    proposer: "ngram" (prompt lookup, ``dantinox.generation.ngram``); spec_tokens: k proposals per verify call,
-    1..MAX_SPEC_TOKENS; ngram_max / ngram_min: the n-gram lengths looked up (1 <= ngram_min <= ngram_max <= 16);
+    proposer: "ngram" (prompt lookup, ``dantinox.generation.ngram``) or "draft" (a draft model's proposals: the
+    engine is given the model, ``draft_model``; the n-gram lengths are then unused); spec_tokens: k proposals per
+    verify call, 1..MAX_SPEC_TOKENS; ngram_max / ngram_min: the n-gram lengths looked up
+    (1 <= ngram_min <= ngram_max <= 16);
     verify_costs: ((n, c), ...) the time of a verify call over n decode rows divided by a plain decode step's over
     the same rows (wall-time ratio, > 0); the cost of a batch of n is that of the smallest listed n' >= n (the
     largest listed beyond them); with none listed the engine measures c(n) itself (``verify_cost``). Raises
@@ -52,7 +54,7 @@ class SpecConfig:
     def __post_init__(self):
         if self.proposer not in PROPOSERS:
             raise ValueError(f"speculative proposer={self.proposer!r} is not allowed: one of "
-                             f"{', '.join(map(repr, PROPOSERS))} (a draft model is not served yet)")
+                             f"{', '.join(map(repr, PROPOSERS))}")
         check_spec_settings(self.spec_tokens, self.ngram_max, self.ngram_min)
         for pair in self.verify_costs:
             ok = isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and pair[0] >= 1

@@ -51,7 +51,7 @@ class VerifyOut(NamedTuple):
     logprobs: StepLogprobs
 
 
-def _all_logprobs(logits, tokens, with_logprobs) -> StepLogprobs:
+def verify_logprobs(logits, tokens, with_logprobs) -> StepLogprobs:
     """``token_logprobs`` at every one of the k + 1 positions (the raw distribution), or zeros when no row
     asked. logits [B, T, V], tokens [B, T]."""
     B, T, V = logits.shape
@@ -92,5 +92,5 @@ def verify_step(graph: StaticGraph, params, pool: PagedPool, seq, start, limit, 
     logits, views, _ = model(inputs, use_cache=True, kv_caches=views, cache_index=start)
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds, steps)
     tokens, accepted = accept_proposals(logits, proposals, keys, sampling, limit=jnp.maximum(limit, 0))
-    out = VerifyOut(tokens, accepted, jnp.maximum(limit, 0), _all_logprobs(logits, tokens, with_logprobs))
+    out = VerifyOut(tokens, accepted, jnp.maximum(limit, 0), verify_logprobs(logits, tokens, with_logprobs))
     return out, constrain_pool(tuple(view.pool for view in views))

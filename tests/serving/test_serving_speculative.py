@@ -206,7 +206,6 @@ def test_usage_and_metrics_report_speculation():
     (["--speculative", "ngram", "--spec-tokens", "0"], "--spec-tokens 0 is not allowed"),
     (["--speculative", "ngram", "--spec-tokens", "17"], "--spec-tokens 17 is not allowed"),
     (["--speculative", "medusa"], "--speculative medusa is not allowed"),
-    (["--speculative", "draft:dante"], "not allowed in serve: only ngram"),
     (["--spec-tokens", "3"], "--spec-tokens needs --speculative"),
     (["--speculative", "ngram", "--spec-verify-cost", "4:x"], "--spec-verify-cost 4:x is not allowed"),
     (["--spec-verify-cost", "2"], "--spec-verify-cost needs --speculative"),
