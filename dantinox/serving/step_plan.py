@@ -44,16 +44,28 @@ class Buckets:
     table: tuple
 
 
+def batch_buckets(sizes, max_running: int) -> tuple:
+    """``sizes`` (batch buckets) sorted, without those above the first one that holds max_running rows: a step
+    has at most max_running decode or prefill rows (one per running request), so a larger bucket would never
+    run, and each compiled program of the unrolled model keeps tens of MiB resident (docs/performance.md,
+    "Host memory"). (1, 2, 4) -> (1,) for max_running 1, (1, 2, 4) for 3; all of them if none holds
+    max_running (the calls are then split at the largest)."""
+    ordered = tuple(sorted(sizes))
+    holding = [i for i, b in enumerate(ordered) if b >= max_running]
+    return ordered[:holding[0] + 1] if holding else ordered
+
+
 def engine_buckets(config, max_context: int, min_table_tokens: int = 64) -> Buckets:
     """The buckets an EngineConfig gives for a model of ``max_context`` tokens (see EngineConfig);
-    min_table_tokens: the narrowest multi-step block-table width, in tokens."""
+    min_table_tokens: the narrowest multi-step block-table width, in tokens. Batch buckets above what
+    max_running rows need are dropped (``batch_buckets``)."""
     P = config.block_size
     width = -(-max_context // P)
     table = powers_of_two(min(width, max(1, min_table_tokens // P)), width)
-    decode = tuple(sorted(config.decode_buckets or powers_of_two(1, config.max_running)))
+    decode = batch_buckets(config.decode_buckets or powers_of_two(1, config.max_running), config.max_running)
     chunk = tuple(sorted(config.chunk_buckets or powers_of_two(
         min(8, config.max_batched_tokens), min(config.max_batched_tokens, max_context))))
-    return Buckets(decode, tuple(sorted(config.prefill_buckets)), chunk, table)
+    return Buckets(decode, batch_buckets(config.prefill_buckets, config.max_running), chunk, table)
 
 
 DEFAULT_BLOCK_SIZE = 16   # tokens per KV block when none is given and the keys are not per channel

@@ -165,6 +165,18 @@ def test_engine_items_cover_every_program_batch_one_first(model):
     assert f"B={engine.decode_buckets[-1]} " in labels[-1] + " "   # the largest batch comes last
 
 
+def test_one_running_sequence_compiles_no_batch_larger_than_one(model):
+    # a step has at most max_running rows: the default prefill buckets (1, 2, 4) would compile 2 x 4 programs
+    # no step of a max_running=1 engine can run
+    engine = PagedEngine(model, EngineConfig(block_size=4, num_blocks=64, max_running=1, max_batched_tokens=16,
+                                             chunk_buckets=(8, 16)))
+    labels = [item.label for item in engine.warmup_items()]
+    assert engine.prefill_buckets == engine.decode_buckets == (1,)
+    assert labels and all(" B=1 " in label + " " for label in labels if label != "block moves")
+    three = PagedEngine(model, EngineConfig(block_size=4, num_blocks=64, max_running=3, decode_buckets=(1, 4, 8)))
+    assert three.prefill_buckets == (1, 2, 4) and three.decode_buckets == (1, 4)   # 3 rows run in B = 4
+
+
 def test_an_empty_warm_up_is_ready_at_once():
     warmup = Warmup([])
     assert warmup.finished and warmup.status()["status"] == "ready" and not warmup.run_next()
