@@ -16,14 +16,13 @@ tokens, keys and values written at slots index .. index + k. From the target's l
 The cache needs no rollback: after a emitted tokens the row's index moves by a, the slots past it hold keys
 of rejected proposals that no query reads (attention sees only slots below a query's own position) and the
 next call overwrites them. A row emits at most its remaining budget and stops at its first stop id.
-When no row has a proposal (no n-gram match), the iteration is one plain decode step instead (an inner
-``while_loop`` of plain steps, not a ``lax.cond``, so the cache is updated in place by both kinds of step):
+When no row has a proposal (no n-gram match), the iteration is one plain decode step instead (``lax.cond``):
 speculation switches itself off where lookup finds nothing. It also switches off where it measurably loses: a
 verify call costs c times a plain step (c > 1, measured by ``speculative_generate.verify_cost``) and emits
 1 + a tokens for a accepted proposals, so it pays only while a > c - 1 = ``min_accept``. After PROBE_VERIFIES
 verify calls a row whose accepted proposals per verify call fall below min_accept stops proposing for the rest
 of the request (min_accept 0: never; the iteration verifies while any live row still has a proposal and pays);
-once no live row pays, the loop leaves the speculative body and the host hands the request to
+once no live row pays, the loop leaves the speculative body (its ``lax.cond``) and the host hands the request to
 the compiled ``decode`` loop (``speculative_generate.hand_off``; a ragged batch finishes in this program's own
 plain loop instead).
 Near the end of the cache (fewer than k + 1 free slots) the loop finishes with plain steps. k, the n-gram bounds
@@ -213,16 +212,10 @@ def speculative_decode(graphdef, params, state: SpecState, stop_step, key, sampl
                                                   sampling, k)
         return verify(s._replace(draft_cache=draft_cache), proposals, q, key_accept)
 
-    def lookup(s: SpecState):   # (proposals [B, k], [] bool: some live row has a proposal and still pays)
-        proposals, found = propose_ngram(s.seq, s.index, k, ngram_max, ngram_min)
-        return proposals, jnp.any(found & _live(s, stop_step) & _pays(s, k, min_accept))
-
     def body(s: SpecState) -> SpecState:
-        # Plain steps while no row verifies, then verify calls while one does: two in-place while loops where a
-        # lax.cond with the two forwards as branches made XLA copy the whole cache on every verify call (a
-        # conditional aliases only one branch's writes with its operand; measured: every KV layer copied).
-        s = jax.lax.while_loop(lambda s: room(s) & ~lookup(s)[1], plain, s)
-        return jax.lax.while_loop(lambda s: room(s) & lookup(s)[1], lambda s: verify(s, lookup(s)[0]), s)
+        proposals, found = propose_ngram(s.seq, s.index, k, ngram_max, ngram_min)
+        verifying = jnp.any(found & _live(s, stop_step) & _pays(s, k, min_accept))
+        return jax.lax.cond(verifying, lambda: verify(s, proposals), lambda: plain(s))
 
     def room(s: SpecState):   # every live row has k + 1 free slots (a finished row's writes are never read)
         live = _live(s, stop_step)   # and speculation still pays for one of them: else the plain loop below

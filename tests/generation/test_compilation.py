@@ -186,28 +186,3 @@ def test_int8_decode_loop_holds_int8_rows_and_scales_and_copies_nothing_cache_si
         assert not any(f"{t}[{r}]" in c for c in carries for r in rows for t in ("f32", "bf16"))
     copies = [line for line in hlo.splitlines() if " copy(" in line]
     assert not [line for line in copies if any(f"[{s}]" in line for s in every)]
-
-
-def speculative_hlo(cfg: dx.ModelConfig, batch: int, k: int = 4) -> str:
-    """Optimised HLO text of the compiled n-gram speculative loop (``speculative_decode``) after a prefill."""
-    from dantinox.generation import speculative_generate as sg
-    from dantinox.generation.speculative import speculative_decode
-
-    model = dx.build_model(cfg)
-    req = sg._prepare(model, [[1, 2, 3, 1, 2]] * batch, 20, 0.0, 0, 1.0, 0, None)
-    graphdef, params = sg.split_model(model)
-    run = sg._start(graphdef, params, req, None)
-    lowered = speculative_decode.lower(graphdef, params, run.state, jnp.int32(20), req.key, req.sampling, req.eos_id,
-                                       req.fill, k=k, ngram_max=4, ngram_min=1, min_accept=jnp.float32(0.5),
-                                       plain_tail=jnp.bool_(False))
-    return lowered.compile().as_text()
-
-
-@pytest.mark.parametrize("attn", SHAPES[:2], ids=lambda a: a["attention"])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_no_cache_copies_in_the_speculative_loop(attn, batch):
-    """The loop interleaves plain steps and verify calls; with the two forwards as the branches of a lax.cond,
-    XLA copied every layer's keys and values on each verify call (4 copies for these 2 layers; 47 MB per call
-    for SmolLM2 at 1,024 slots). Plain steps and verify calls now run in two inner while loops, in place."""
-    cfg = dx.ModelConfig.from_preset("reference", num_blocks=2, max_context=128, **attn)
-    assert cache_shaped_copies(speculative_hlo(cfg, batch), cfg, batch) == 0
