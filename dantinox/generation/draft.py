@@ -22,14 +22,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs
+from .sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs, greedy_argmax
 
 
 def draw(probs: jax.Array, key: jax.Array, sampling: SamplingParams) -> jax.Array:
     """One token per row from probs [B, V] float32: the argmax for greedy rows, else a draw. Returns [B] int32."""
     drawn = jax.random.categorical(key, jnp.where(probs > 0, jnp.log(probs), -1e30), axis=-1)
     greedy = sampling.temperature <= GREEDY_TEMPERATURE
-    return jnp.where(greedy, jnp.argmax(probs, axis=-1), drawn).astype(jnp.int32)
+    return jnp.where(greedy, greedy_argmax(probs), drawn).astype(jnp.int32)
 
 
 def propose_draft(draft, cache, seq: jax.Array, token: jax.Array, index: jax.Array, key: jax.Array,

@@ -90,13 +90,25 @@ def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, jnp.asarray(_MASKED, logits.dtype))
 
 
+def greedy_argmax(logits: jax.Array) -> jax.Array:
+    """The greedy choice: the index of the largest logit along the last axis, ties to the lowest index, a NaN
+    counting as the largest (the first NaN), exactly as ``jnp.argmax``. logits: [..., V] float. Returns [...]
+    int32. Two plain reductions (the maximum, then the lowest index holding it) instead of XLA's variadic
+    (value, index) reduction, which the CPU backend does not vectorise: measured on SmolLM2's 49,152-entry
+    vocabulary (2-core Zen 4) 143 against 259 us for one row and 276 against 802 us for five (a verify call)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1).astype(jnp.int32)
+
+
 def sample_next(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
     """Choose one token per row. logits: [B, V] float32; key: a PRNG key. Returns [B] int32.
 
     When every row is greedy the sort and the draw are skipped (``lax.cond``), which keeps greedy decode
     steps cheap.
     """
-    greedy_choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_choice = greedy_argmax(logits)
     is_greedy = params.temperature <= GREEDY_TEMPERATURE
     return jax.lax.cond(jnp.all(is_greedy), lambda: greedy_choice,
                         lambda: _draw(logits, key, params, greedy_choice, is_greedy))
@@ -125,7 +137,7 @@ def filtered_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     float32; params: per-row settings ([B] each). Returns [B, V] float32: softmax of logits / temperature over
     the top-k and top-p nucleus kept exactly as ``sample_next`` keeps them (0 elsewhere); a greedy row is the
     point mass on its argmax. Speculative sampling's acceptance test and residual read it."""
-    greedy_choice = jnp.argmax(logits, axis=-1)
+    greedy_choice = greedy_argmax(logits)
     is_greedy = params.temperature <= GREEDY_TEMPERATURE
     point = jax.nn.one_hot(greedy_choice, logits.shape[-1], dtype=jnp.float32)
 

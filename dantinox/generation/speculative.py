@@ -45,7 +45,7 @@ from ..model.cache import KVCache
 from .draft import propose_draft
 from .ngram import propose_ngram
 from .prompts import is_eos
-from .sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs, sample_next
+from .sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs, greedy_argmax, sample_next
 
 MAX_SPEC_TOKENS = 16
 PROBE_VERIFIES = 8   # verify calls a row makes before its measured acceptance can switch speculation off
@@ -96,12 +96,33 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=Non
     the extra token when all were accepted; accepted [B] int32 in 0..limit). Greedy rows take the argmax rule,
     sampled rows the rejection rule: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), at the first
     rejection draw from max(p_j - q_j, 0) normalised (module docstring)."""
-    B, T, V = logits.shape
-    k = T - 1
+    k = logits.shape[1] - 1
     if limit is not None:
         proposals = jnp.where(jnp.arange(k)[None, :] < limit[:, None], proposals, -1)
         if q is not None:   # no proposal past limit: q is 0 there, so all limit accepted draws from p itself
             q = jnp.where((jnp.arange(k)[None, :] < limit[:, None])[..., None], q, 0.0)
+    greedy = sampling.temperature <= GREEDY_TEMPERATURE
+    return jax.lax.cond(jnp.all(greedy), lambda: _greedy_accept(logits, proposals),
+                        lambda: _rejection_accept(logits, proposals, key, sampling, q))
+
+
+def _greedy_accept(logits, proposals) -> tuple[jax.Array, jax.Array]:
+    """accept_proposals when every row is greedy: the proposals equal to the argmax, then the argmax at the first
+    mismatch (or past the last proposal). One argmax over [B, k + 1, V]; the same tokens and count as the
+    rejection rule over point masses (tested), which makes several passes over the vocabulary."""
+    top = greedy_argmax(logits)                                                            # [B, k + 1]
+    k = proposals.shape[1]
+    ok = (proposals == top[:, :k]) & (proposals >= 0)
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    last = jnp.take_along_axis(top, accepted[:, None], axis=1)
+    tokens = jnp.concatenate([jnp.maximum(proposals, 0), jnp.zeros_like(last)], axis=1)
+    return jnp.where(jnp.arange(k + 1)[None, :] == accepted[:, None], last, tokens), accepted
+
+
+def _rejection_accept(logits, proposals, key, sampling: SamplingParams, q) -> tuple[jax.Array, jax.Array]:
+    """accept_proposals by the rejection rule (module docstring): proposals past a row's limit are -1 here."""
+    B, T, V = logits.shape
+    k = T - 1
     rep = SamplingParams(*(jnp.repeat(x, T) for x in sampling))
     probs = filtered_probs(logits.reshape(B * T, V), rep).reshape(B, T, V)
     per_row = jnp.ndim(key) == 1
@@ -121,15 +142,15 @@ def accept_proposals(logits, proposals, key, sampling: SamplingParams, limit=Non
         q_at = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), accepted[:, None, None], axis=1)[:, 0]
         residual = jnp.maximum(at - q_at, 0.0)
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, at)   # p == q (rounding)
-    greedy_like = jnp.argmax(residual, axis=-1).astype(jnp.int32)
+    greedy_like = greedy_argmax(residual)
     greedy = sampling.temperature <= GREEDY_TEMPERATURE
 
-    def draw():   # a Gumbel draw over the vocabulary per row: skipped when every row is greedy
+    def draw():   # a Gumbel draw over the vocabulary per row (greedy rows of a mixed batch keep the argmax)
         scores = jnp.where(residual > 0, jnp.log(residual), -1e30)
         drawn = jax.vmap(jax.random.categorical)(key_r, scores) if per_row else jax.random.categorical(key_r, scores)
         return jnp.where(greedy, greedy_like, drawn.astype(jnp.int32))
 
-    last = jax.lax.cond(jnp.all(greedy), lambda: greedy_like, draw)
+    last = draw()
     tokens = jnp.concatenate([jnp.maximum(proposals, 0), jnp.zeros((B, 1), jnp.int32)], axis=1)
     tokens = jnp.where(jnp.arange(T)[None, :] == accepted[:, None], last[:, None], tokens)
     return tokens.astype(jnp.int32), accepted

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs
+from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs, greedy_argmax
 from ..generation.speculative import accept_proposals
 from ..parallel.sharding import constrain_pool
 from .paged_cache import PagedPool, paged_views
@@ -48,7 +48,7 @@ DRAFT_STREAM = 2**31 - 1   # the draft's PRNG stream: a fold_in no request's ste
 def _draw_rows(probs, keys, sampling: SamplingParams):
     """One token per row from probs [B, V] float32 with keys [B] (one per row): the argmax for greedy rows.
     Returns [B] int32."""
-    greedy = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    greedy = greedy_argmax(probs)
     scores = jnp.where(probs > 0, jnp.log(probs), -1e30)
     draw = lambda: jax.vmap(jax.random.categorical)(keys, scores).astype(jnp.int32)  # noqa: E731
     is_greedy = sampling.temperature <= GREEDY_TEMPERATURE

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, apply_token_mask, sample_next
+from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, apply_token_mask, greedy_argmax, sample_next
 from ..parallel.sharding import constrain_pool
 from .paged_channel_keys import PagedChannelKV
 from .paged_cache import BLOCK_FIELDS, SINK_FIELDS, PagedPool, block_fields, paged_views, sink_fields, with_sinks
@@ -61,7 +61,7 @@ def sample_rows(logits: jax.Array, seeds: jax.Array, steps: jax.Array, sampling:
         key = jax.random.fold_in(jax.random.key(seed), step)
         return sample_next(row[None], key, SamplingParams(temperature[None], top_k[None], top_p[None]))[0]
 
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_argmax(logits)
     draw = lambda: jax.vmap(one)(logits, seeds, steps, *sampling)  # noqa: E731
     return jax.lax.cond(jnp.all(sampling.temperature <= GREEDY_TEMPERATURE), lambda: greedy, draw)
 

@@ -125,3 +125,24 @@ def test_k09_top_p_exact_boundary_through_the_generate_loop(probs, top_p, nucleu
     model = fixed_logits_model(probs)
     tokens = dx.generate(model, np.zeros((1000, 1), np.int32), 4, temperature=1.0, top_p=top_p, seed=7)
     assert set(np.asarray(tokens).ravel().tolist()) == nucleus
+
+
+def test_greedy_argmax_equals_numpy_argmax_with_ties_nan_and_infinities():
+    """greedy_argmax (two plain reductions) against numpy's argmax, the independent reference: random rows,
+    exact ties (the lowest index), NaNs (the first NaN, as numpy and jnp.argmax), rows of -inf, +inf among
+    finite values, one entry, and a leading batch of two axes."""
+    from dantinox.generation.sampling import greedy_argmax
+
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(3, 16, 257)).astype(np.float32)
+    x[0, 1, [4, 200]] = 9.0
+    x[0, 2, [7, 3]] = np.nan
+    x[0, 3, :] = -np.inf
+    x[0, 4, [10, 20]] = np.inf
+    x[1, 5, :] = 0.0
+    x[2, 6, 256] = 50.0
+    got = np.asarray(greedy_argmax(jnp.asarray(x)))
+    assert got.dtype == np.int32 and got.shape == (3, 16)
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got[0, 1] == 4 and got[0, 2] == 3 and got[0, 3] == 0 and got[0, 4] == 10 and got[2, 6] == 256
+    np.testing.assert_array_equal(np.asarray(greedy_argmax(jnp.asarray(x[..., :1]))), np.zeros((3, 16)))

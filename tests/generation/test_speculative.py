@@ -24,7 +24,7 @@ from dantinox.generation.decode import generate_result, prefill, split_model
 from dantinox.generation.ngram import propose_ngram
 from dantinox.generation.prompts import eos_array
 from dantinox.generation.sampling import filtered_probs, make_sampling_params
-from dantinox.generation.speculative import PROBE_VERIFIES, spec_state, speculative_decode
+from dantinox.generation.speculative import PROBE_VERIFIES, accept_proposals, spec_state, speculative_decode
 from dantinox.generation.speculative_generate import (SpecSettings, break_even, check_spec_settings, hand_off,
                                                       spec_settings, speculative_generate, speculative_stream)
 from dantinox.xla import CompileCounter
@@ -265,3 +265,35 @@ def test_diffusion_model_is_refused():
     cfg = tiny_config(paradigm="diffusion")
     with pytest.raises(ValueError, match="paradigm='diffusion'"):
         speculative_generate(dx.build_model(cfg, 0), [1, 2, 3], 4)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_greedy_acceptance_shortcut_equals_the_rejection_rule_over_point_masses(with_q):
+    """accept_proposals takes one argmax when every row is greedy; the rejection rule (the reference) reaches the
+    same tokens and counts through the point masses of filtered_probs: rows whose proposals match the argmax for
+    0..k positions, tied logits (the first maximum wins in both), limits below k, and a draft's q."""
+    from dantinox.generation.speculative import _greedy_accept, _rejection_accept
+
+    B, k, V = 8, 4, 50
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(B, k + 1, V)).astype(np.float32)
+    logits[1, :, 7] = logits[1, :, 9] = 10.0                      # ties: argmax is 7
+    top = logits.argmax(-1)
+    proposals = rng.integers(0, V, (B, k))
+    for b in range(B):
+        matched = b % (k + 1)
+        proposals[b, :matched] = top[b, :matched]
+    limit = jnp.asarray([k, k, 2, 0, k, 1, 3, k], jnp.int32)
+    q = jnp.asarray(rng.dirichlet(np.ones(V), (B, k)), jnp.float32) if with_q else None
+    sampling = make_sampling_params(B)
+    got = accept_proposals(jnp.asarray(logits), jnp.asarray(proposals, jnp.int32), jax.random.key(0), sampling,
+                           limit=limit, q=q)
+    limited = jnp.where(jnp.arange(k)[None, :] < limit[:, None], jnp.asarray(proposals, jnp.int32), -1)
+    q_ref = None if q is None else jnp.where((jnp.arange(k)[None, :] < limit[:, None])[..., None], q, 0.0)
+    want = _rejection_accept(jnp.asarray(logits), limited, jax.random.key(0), sampling, q_ref)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    assert np.asarray(got[1]).tolist() == [min(b % (k + 1), int(limit[b])) for b in range(B)]
+    assert int(got[0][1, int(got[1][1])]) == 7   # the tied row emits the first maximum
+    direct = _greedy_accept(jnp.asarray(logits), limited)
+    np.testing.assert_array_equal(np.asarray(direct[0]), np.asarray(want[0]))
