@@ -271,32 +271,46 @@ def hand_off(state, produced: np.ndarray, done: np.ndarray) -> DecodeState | Non
     return DecodeState(jnp.int32(int(running[0])), state.token, state.index, state.done, state.out, state.cache)
 
 
-@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _forward_logits(graphdef, params, tokens, cache, index):
-    """The cached forward of ``tokens`` [1, T] at slot ``index`` [1]: (logits [1, T, V], the written cache). The
-    cache is donated and returned, so its writes happen in place as in the decode and speculative loops (a
-    forward that dropped it would copy every layer's cache to write into it)."""
-    logits, cache, _ = nnx.merge(graphdef, params)(tokens, use_cache=True, kv_caches=cache, cache_index=index)
-    return logits, cache
+FORWARDS_PER_CALL = 8   # cached forwards one timed call of ``forward_seconds`` runs in a compiled loop
+
+
+@partial(jax.jit, static_argnames=("graphdef", "count"), donate_argnames=("cache",))
+def _forward_loop(graphdef, params, tokens, cache, index, count: int):
+    """``count`` cached forwards of ``tokens`` [1, T] at slot ``index`` [1] in one compiled loop, each writing
+    its tokens' slots in place as the decode and speculative loops do (the cache is donated and carried).
+    Returns (a [] float32 sum of one logit per forward, so no forward is dead code; the written cache)."""
+    model = nnx.merge(graphdef, params)
+
+    def one(_, carry):
+        cache, total = carry
+        logits, cache, _ = model(tokens, use_cache=True, kv_caches=cache, cache_index=index)
+        return cache, total + logits[0, -1, 0]
+
+    cache, total = jax.lax.fori_loop(0, count, one, (cache, jnp.float32(0.0)))
+    return total, cache
 
 
 def forward_seconds(model, width: int, repeats: int = 5, at: int | None = None, slots: int | None = None) -> float:
-    """The median wall time (seconds) of ``repeats`` cached forwards of ``width`` new tokens at batch 1 over the
-    first ``slots`` slots of the static cache (None: all) at slot ``at`` (None: about max_context // 2), after
-    one untimed call that compiles; each call writes its tokens' slots in place, as in the loops."""
+    """The wall time (seconds) of one cached forward of ``width`` new tokens at batch 1 over the first ``slots``
+    slots of the static cache (None: all) at slot ``at`` (None: about max_context // 2): the median over
+    ``repeats`` timed calls of FORWARDS_PER_CALL forwards each in one compiled loop (after one untimed call that
+    compiles), divided by FORWARDS_PER_CALL. Inside a loop, as the decode and speculative loops run them: a call
+    from Python adds milliseconds of dispatch per forward (SmolLM2 Q4_1 blocks: 12-15 ms per one-token call
+    against 7.5-8.7 ms per step inside the decode loop), which made a verify call look cheaper relative to a step
+    than it is (docs/generation.md, run 6)."""
     graphdef, params = split_model(model)
     cache = init_cache(model.cfg, 1) if slots is None else cache_window(init_cache(model.cfg, 1), slots)
     index = jnp.full((1,), (model.cfg.max_context - width) // 2 if at is None else at, jnp.int32)
     with mesh_scope(mesh_of(params)):
         tokens = jnp.zeros((1, width), jnp.int32)
-        logits, cache = _forward_logits(graphdef, params, tokens, cache, index)
-        logits.block_until_ready()
+        total, cache = _forward_loop(graphdef, params, tokens, cache, index, FORWARDS_PER_CALL)
+        total.block_until_ready()
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            logits, cache = _forward_logits(graphdef, params, tokens, cache, index)
-            logits.block_until_ready()
-            samples.append(time.perf_counter() - start)
+            total, cache = _forward_loop(graphdef, params, tokens, cache, index, FORWARDS_PER_CALL)
+            total.block_until_ready()
+            samples.append((time.perf_counter() - start) / FORWARDS_PER_CALL)
     return statistics.median(samples)
 
 

@@ -297,3 +297,21 @@ def test_greedy_acceptance_shortcut_equals_the_rejection_rule_over_point_masses(
     assert int(got[0][1, int(got[1][1])]) == 7   # the tied row emits the first maximum
     direct = _greedy_accept(jnp.asarray(logits), limited)
     np.testing.assert_array_equal(np.asarray(direct[0]), np.asarray(want[0]))
+
+
+def test_forward_loop_runs_the_cached_forward_in_place(gqa_model):
+    """verify_cost times forwards inside one compiled loop (``_forward_loop``): each forward writes the same
+    slots, so after 8 of them the cache equals one uncompiled cached forward's, and the returned sum is 8 times
+    that forward's last logit."""
+    from dantinox.generation.speculative_generate import _forward_loop, forward_seconds
+
+    cfg = gqa_model.cfg
+    tokens = jnp.asarray([[5, 9, 2]], jnp.int32)
+    index = jnp.asarray([7], jnp.int32)
+    logits, want, _ = gqa_model(tokens, use_cache=True, kv_caches=dx.init_cache(cfg, 1), cache_index=index)
+    graphdef, params = split_model(gqa_model)
+    total, got = _forward_loop(graphdef, params, tokens, dx.init_cache(cfg, 1), index, 8)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(float(total), 8 * float(logits[0, -1, 0]), rtol=1e-5)
+    assert 0 < forward_seconds(gqa_model, 3, repeats=2, at=7) < 60
