@@ -225,7 +225,7 @@ def fit_cost_model(points: dict) -> CostModel:
                      verify_points=dict(points.get("verify", {})))
 
 
-_CALIBRATED = ("forward_overhead", "scale", "decode_overhead", "decode_scale")
+_CALIBRATED = ("forward_overhead", "scale", "decode_overhead", "decode_scale", "spread_correlation")
 
 
 CALIBRATION_CONTEXT = 1024   # the calibration workload's lengths stop growing with the context here
@@ -266,9 +266,10 @@ def step_cost(cost: CostModel, calls: list) -> float:
 
 def calibrate_steps(engine, cost: CostModel) -> dict:
     """{"forward_overhead": h, "scale": s, "decode_overhead": h', "decode_scale": s', "forward_spread": [..],
-    "decode_spread": [..]}: a real engine step of forward_step calls costs h + s x (its calls' modelled cost), a
-    multi-step decode step h' + s' x (its call's); the spreads are the quantiles of real / fitted step time
-    (``spread_quantiles``), which the simulator draws from.
+    "decode_spread": [..], "spread_correlation": rho}: a real engine step of forward_step calls costs h + s x (its
+    calls' modelled cost), a multi-step decode step h' + s' x (its call's); the spreads are the quantiles of real
+    / fitted step time (``spread_quantiles``), which the simulator draws from, consecutive draws correlated by
+    rho (``spread_correlation``: the two timed runs' lag-1 correlation).
 
     The workload of ``_burst`` runs through the real engine three times, a request added every ARRIVAL_STEPS
     steps and the engine never idle: once to warm up, then twice with every step timed together with the calls
@@ -276,13 +277,16 @@ def calibrate_steps(engine, cost: CostModel) -> dict:
     in isolation misses: host work per step (scheduling, inputs, dispatch, fetch, bookkeeping per token), and
     calls running slower among other calls than alone."""
     _run_workload(engine, "warm", cost)
-    steps = _run_workload(engine, "timed", cost) + _run_workload(engine, "again", cost)
+    runs = [_run_workload(engine, "timed", cost), _run_workload(engine, "again", cost)]
+    steps = runs[0] + runs[1]
     out = {}
     for kind, (h_key, s_key) in (("forward", ("forward_overhead", "scale")),
                                  ("decode", ("decode_overhead", "decode_scale"))):
         pairs = [(p, w) for k, p, w in steps if k == kind]
         out[h_key], out[s_key] = _fit_overhead(pairs)
         out[f"{kind}_spread"] = spread_quantiles(pairs, out[h_key], out[s_key])
+    fits = {"forward": (out["forward_overhead"], out["scale"]), "decode": (out["decode_overhead"], out["decode_scale"])}
+    out["spread_correlation"] = spread_correlation(runs, fits)
     return out
 
 
@@ -300,6 +304,51 @@ def spread_quantiles(pairs: list, h: float, s: float) -> list:
                                                      np.linspace(0.0, 1.0, SPREAD_STEPS + 1))), 1e-6)
     mean = float(np.mean((q[1:] + q[:-1]) / 2))   # the mean of a draw (linear between the quantiles)
     return [float(x / mean) for x in q]
+
+
+MAX_CORRELATION = 0.95   # the fitted lag-1 correlation is clipped to [0, this]
+
+
+def spread_correlation(runs: list, fits: dict) -> float:
+    """rho of the spread's Gaussian-copula AR(1) draws (spread_draws.py): the lag-1 correlation of consecutive
+    steps' normal scores, pooled over ``runs`` ([[(kind, predicted s, wall s)], ...], each a run of steps back
+    to back; pairs never straddle two runs), clipped to [0, MAX_CORRELATION]. fits: {kind: (h, s)}.
+
+    A step's normal score is Phi^-1(rank / (n + 1)) of its ratio wall / (h + s x predicted) among the n steps of
+    its kind in its run (van der Waerden's normal scores: the rank-based estimate of a Gaussian copula's
+    correlation; ranking per kind puts forward and decode steps, whose ratios differ in scale, on one footing,
+    and ranking per run leaves out a change of level between the runs, which the profile's K samples and
+    their interval already carry). 0.0 for fewer than 3 pairs or no variation. A negative estimate is clipped
+    to 0 (slow steps do not alternate with fast ones on a host; over a few dozen steps it is noise), and 1
+    would freeze the draws."""
+    pairs = []
+    for run in runs:
+        z = _normal_scores([(k, w / max(fits[k][0] + fits[k][1] * p, 1e-12)) for k, p, w in run])
+        pairs += list(zip(z, z[1:]))
+    if len(pairs) < 3:
+        return 0.0
+    x, y = (np.asarray(v, float) for v in zip(*pairs))
+    if x.std() == 0 or y.std() == 0:
+        return 0.0
+    return float(min(max(np.corrcoef(x, y)[0, 1], 0.0), MAX_CORRELATION))
+
+
+def _normal_scores(ratios: list) -> list:
+    """[Phi^-1(r / (n + 1))] per (kind, ratio), r the ratio's rank among the n of its kind (ties: mean rank)."""
+    from statistics import NormalDist
+
+    out = [0.0] * len(ratios)
+    for kind in {k for k, _ in ratios}:
+        idx = [i for i, (k, _) in enumerate(ratios) if k == kind]
+        values = np.asarray([ratios[i][1] for i in idx], float)
+        order = np.argsort(values, kind="stable")
+        ranks = np.empty(len(idx))
+        ranks[order] = np.arange(1, len(idx) + 1)
+        for v in np.unique(values):             # ties share their mean rank
+            ranks[values == v] = ranks[values == v].mean()
+        for i, r in zip(idx, ranks):
+            out[i] = NormalDist().inv_cdf(float(r) / (len(idx) + 1))
+    return out
 
 
 def _run_workload(engine, tag: str, cost: CostModel) -> list:
