@@ -552,8 +552,10 @@ def check_profile(profile: dict, identity: dict, where: str = "--profile") -> No
     for key, value in identity["config"].items():
         theirs_value = recorded.get(key, _config_default(key))   # a field added since: its default
         if key != "cache_dtype" and theirs_value != value:
+            hint = (f": plan with --max-context {theirs_value}, or profile with --max-context {value}"
+                    if key == "max_context" else "")
             raise ValueError(f"{where}: the profile's model has {key}={theirs_value!r}, "
-                             f"this model has {key}={value!r}")
+                             f"this model has {key}={value!r}{hint}")
 
 
 def _config_default(key: str):
