@@ -264,7 +264,7 @@ def step_cost(cost: CostModel, calls: list) -> float:
     return seconds
 
 
-def calibrate_steps(engine, cost: CostModel) -> dict:
+def calibrate_steps(engine, cost: CostModel, warm: bool = True) -> dict:
     """{"forward_overhead": h, "scale": s, "decode_overhead": h', "decode_scale": s', "forward_spread": [..],
     "decode_spread": [..], "spread_correlation": rho}: a real engine step of forward_step calls costs h + s x (its
     calls' modelled cost), a multi-step decode step h' + s' x (its call's); the spreads are the quantiles of real
@@ -275,8 +275,10 @@ def calibrate_steps(engine, cost: CostModel) -> dict:
     steps and the engine never idle: once to warm up, then twice with every step timed together with the calls
     it made (``engine.step_calls``); h, s are fitted per kind (see _fit_overhead). They cover what timing calls
     in isolation misses: host work per step (scheduling, inputs, dispatch, fetch, bookkeeping per token), and
-    calls running slower among other calls than alone."""
-    _run_workload(engine, "warm", cost)
+    calls running slower among other calls than alone. warm=False skips the warm-up run (for an engine that
+    has already run the workload: the profile's second and later samples; on SmolLM2 each run took 30-45 s)."""
+    if warm:
+        _run_workload(engine, "warm", cost)
     runs = [_run_workload(engine, "timed", cost), _run_workload(engine, "again", cost)]
     steps = runs[0] + runs[1]
     out = {}
@@ -469,14 +471,14 @@ def time_verify(engine, k: int, repeats: int = 15) -> dict:
     return {f"{B},{k + 1}": _time_forward(engine, B, k + 1, repeats) for B in engine.decode_buckets}
 
 
-def _measure_points(engine, repeats: int, spec_tokens: int = 0) -> dict:
+def _measure_points(engine, repeats: int, spec_tokens: int = 0, warm: bool = True) -> dict:
     """One sample: time_engine's points with the wake-up cost and the calibration of real steps (and the
     verify calls of spec_tokens proposals when > 0)."""
     points = time_engine(engine, repeats)
     if spec_tokens:
         points["verify"] = time_verify(engine, spec_tokens, repeats)
     points["wake"], points["cold_window"] = measure_wake(engine)
-    points["calibration"] = calibrate_steps(engine, fit_cost_model(points))
+    points["calibration"] = calibrate_steps(engine, fit_cost_model(points), warm)
     return points
 
 
@@ -502,7 +504,9 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
         if samples > 1:
             engine.warmup()
             time_engine(engine, 1)   # untimed: the first runs after compiling are slow on a CPU
-        all_points = repeat_samples(lambda: _measure_points(engine, repeats, spec_tokens), samples, cooldown_s)
+        index = iter(range(samples))   # the calibration's warm-up run in the first sample only (calibrate_steps)
+        all_points = repeat_samples(lambda: _measure_points(engine, repeats, spec_tokens, warm=next(index) == 0),
+                                    samples, cooldown_s)
     rates = machine_rates()
     weights = param_bytes(model)
     n_params = param_bytes(dataclasses.replace(cfg, cache_dtype="float32")) // 4   # float32 build: 4 B each
