@@ -74,7 +74,7 @@ def profile_now(run_dir, model, cfg, args) -> dict:
     """A K-sample profile with the planner's own profiling code (as ``dantinox plan profile --repeats K``)."""
     t0 = time.time()
     prof = take_profile(run_dir, model, cfg, repeats=args.call_repeats, samples=args.repeats,
-                        cooldown_s=args.cooldown)
+                        cooldown_s=args.cooldown, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"profiled: {args.repeats} samples {args.cooldown:g} s apart in {time.time() - t0:.0f} s",
           file=sys.stderr)
     return prof

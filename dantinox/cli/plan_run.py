@@ -184,7 +184,7 @@ def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=1
           f"{samples} sample(s) {cooldown_s:g} s apart ...", file=sys.stderr)
     with naming_flag(mesh_flag):
         return take_profile(run_dir, model, cfg, kv_dtype, quantize, repeats, mesh, samples, cooldown_s,
-                            spec_tokens)
+                            spec_tokens, progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _samples_flags(args) -> tuple[int, float]:

@@ -136,11 +136,11 @@ def _distinct_table(B: int, M: int, num_blocks: int) -> np.ndarray:
     return (np.arange(B * M, dtype=np.int32).reshape(B, M) % num_blocks).astype(np.int32)
 
 
-def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int) -> float:
+def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int, warm: int = 3) -> float:
     """Seconds of one decode_steps call of B rows over M table entries of distinct blocks running n
     iterations from the middle of the table, its result fetched to the host as the engine does. It writes
     into the pool: profile an engine that holds no request."""
-    return _median_seconds(_decode_call(engine, B, M, n, max_steps), repeats)
+    return _median_seconds(_decode_call(engine, B, M, n, max_steps), repeats, warm)
 
 
 def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
@@ -158,7 +158,7 @@ def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
     return call
 
 
-def _time_forward(engine, B: int, T: int, repeats: int) -> float:
+def _time_forward(engine, B: int, T: int, repeats: int, warm: int = 3) -> float:
     """Seconds of one forward_step of B rows x T new tokens over distinct blocks (as _time_decode)."""
     z = np.zeros(B, np.int32)
     ids, num_new = np.zeros((B, T), np.int32), np.full(B, T, np.int32)
@@ -171,25 +171,26 @@ def _time_forward(engine, B: int, T: int, repeats: int) -> float:
                                            all_allowed_mask(B, engine.vocab_size), engine._sink_rows([], B),
                                            engine._residual_rows([], B))
         return np.asarray(out)
-    return _median_seconds(call, repeats)
+    return _median_seconds(call, repeats, warm)
 
 
-def time_engine(engine, repeats: int = 15, max_steps: int = 8) -> dict:
+def time_engine(engine, repeats: int = 15, max_steps: int = 8, warm: int = 3) -> dict:
     """Time ``engine``'s compiled calls (nothing is written to its pool): forward_step at every bucket it
     compiles (decode rows B x 1 and prefill chunks B x T), decode_steps at every decode batch bucket over the
     narrowest and the widest block table with max_steps / 2 and max_steps iterations, block reads and writes
     (swap) and a copy. Returns {"forward": {"B,T": s}, "decode": {"B,S,n": s}, "swap_out": s, "swap_in": s,
-    "copy": s} (S = table width x block size: attended slots)."""
+    "copy": s} (S = table width x block size: attended slots). Each call: the median of ``repeats`` runs after
+    ``warm`` untimed ones."""
     points = {"forward": {}, "decode": {}}
     shapes = [(B, 1) for B in engine.decode_buckets]
     shapes += [(B, T) for B in engine.prefill_buckets for T in engine.chunk_buckets]
     for B, T in shapes:
-        points["forward"][f"{B},{T}"] = _time_forward(engine, B, T, repeats)
+        points["forward"][f"{B},{T}"] = _time_forward(engine, B, T, repeats, warm)
     P = engine.allocator.block_size
     for B in engine.decode_buckets:
         for M in sorted({engine.table_buckets[0], engine.table_buckets[-1]}):
             for n in (max_steps // 2, max_steps):  # not n = 1: a lone iteration carries the loop's start-up
-                points["decode"][f"{B},{M * P},{n}"] = _time_decode(engine, B, M, n, max_steps, repeats)
+                points["decode"][f"{B},{M * P},{n}"] = _time_decode(engine, B, M, n, max_steps, repeats, warm)
     blocks = list(range(min(4, engine.allocator.num_blocks)))
     points["swap_out"] = _median_seconds(lambda: engine._read_host(blocks)[0][0], repeats)
     data = engine._read_host(blocks)
@@ -471,26 +472,39 @@ def time_verify(engine, k: int, repeats: int = 15) -> dict:
     return {f"{B},{k + 1}": _time_forward(engine, B, k + 1, repeats) for B in engine.decode_buckets}
 
 
-def _measure_points(engine, repeats: int, spec_tokens: int = 0, warm: bool = True) -> dict:
-    """One sample: time_engine's points with the wake-up cost and the calibration of real steps (and the
-    verify calls of spec_tokens proposals when > 0)."""
-    points = time_engine(engine, repeats)
+WARMED_CALLS = 1   # untimed runs per call in a sample of an engine already warmed up (take_profile)
+
+
+def _measure_points(engine, repeats: int, spec_tokens: int = 0, warm: bool = True, warm_calls: int = 3,
+                    progress=None) -> dict:
+    """One sample: time_engine's points (``warm_calls`` untimed runs per call) with the wake-up cost and the
+    calibration of real steps (its warm-up run when ``warm``), and the verify calls of spec_tokens proposals
+    when > 0. progress: called with one line per phase and its seconds (None: quiet)."""
+    t0 = time.perf_counter()
+    points = time_engine(engine, repeats, warm=warm_calls)
     if spec_tokens:
         points["verify"] = time_verify(engine, spec_tokens, repeats)
+    t1 = time.perf_counter()
     points["wake"], points["cold_window"] = measure_wake(engine)
+    t2 = time.perf_counter()
     points["calibration"] = calibrate_steps(engine, fit_cost_model(points), warm)
+    if progress:
+        progress(f"profile sample: calls {t1 - t0:.0f} s, wake-up {t2 - t1:.0f} s, calibration "
+                 f"{time.perf_counter() - t2:.0f} s")
     return points
 
 
 def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: str = "none",
                  repeats: int = 15, mesh=None, samples: int = 1, cooldown_s: float = 0.0,
-                 spec_tokens: int = 0) -> dict:
+                 spec_tokens: int = 0, progress=None) -> dict:
     """Profile the model's engine at serve's default block size (16, or the key group G with per-channel int8
     keys: ``step_plan.default_block_size``; decode buckets up to 16 rows, chunks up to 64 tokens),
     on ``mesh`` (a jax Mesh from ``dantinox.parallel.mesh.make_mesh``) when given, else on one device;
     ``samples`` independent samples ``cooldown_s`` seconds apart after a warm-up (see the module docstring),
     each call timed as the median of ``repeats`` runs; with ``spec_tokens`` k >= 1 also the speculative verify
-    call at B x (k + 1) (``time_verify``). Returns the profile dict (JSON-ready): identity,
+    call at B x (k + 1) (``time_verify``). With samples > 1 the engine is warmed up first (every bucket compiled,
+    one untimed pass over the calls), so each sample runs WARMED_CALLS untimed run per call, not 3. progress:
+    called with one line per phase and its seconds (None: quiet). Returns the profile dict (JSON-ready): identity,
     machine, mesh, rates, points, cost model, samples, bottleneck rows. Raises ValueError for a kv_dtype /
     quantize this version cannot build or a bad samples / cooldown_s / spec_tokens, MeshError (a ValueError)
     when the model does not divide over the mesh."""
@@ -501,12 +515,18 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     config = EngineConfig(block_size=P, max_running=16, max_batched_tokens=64, max_decode_steps=8)  # a full pool
     engine = PagedEngine(model, config) if mesh is None else ShardedPagedEngine(model, config, mesh)
     with mesh_scope(mesh):  # the engine's own steps enter it too; the direct calls below need it
+        warm_calls = 3
         if samples > 1:
-            engine.warmup()
+            t0 = time.perf_counter()
+            compiled = engine.warmup()
             time_engine(engine, 1)   # untimed: the first runs after compiling are slow on a CPU
+            warm_calls = WARMED_CALLS
+            if progress:
+                progress(f"profile warm-up: {compiled.compilations} compilations ({compiled.cache_hits} from the "
+                         f"persistent cache) and one untimed pass, {time.perf_counter() - t0:.0f} s")
         index = iter(range(samples))   # the calibration's warm-up run in the first sample only (calibrate_steps)
-        all_points = repeat_samples(lambda: _measure_points(engine, repeats, spec_tokens, warm=next(index) == 0),
-                                    samples, cooldown_s)
+        all_points = repeat_samples(lambda: _measure_points(engine, repeats, spec_tokens, next(index) == 0,
+                                                            warm_calls, progress), samples, cooldown_s)
     rates = machine_rates()
     weights = param_bytes(model)
     n_params = param_bytes(dataclasses.replace(cfg, cache_dtype="float32")) // 4   # float32 build: 4 B each
