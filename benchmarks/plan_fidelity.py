@@ -3,7 +3,8 @@ replayed on the real engine (in process, wall clock), at light load, near capaci
 
   python benchmarks/plan_fidelity.py [--run_dir R] [--profile P | --repeats 3 [--cooldown 10] [--call-repeats 15]]
                                      [--interval t|range] [--confidence 0.9] [--requests 60] [--replays 3]
-                                     [--seed 0] [--loads light,near,over] [--reprofile] [--out F.json]
+                                     [--seed 0] [--loads light,near,over] [--reprofile] [--max-context N]
+                                     [--out F.json]
   python benchmarks/plan_fidelity.py --summarize F1.json F2.json ...     # one verdict over several sittings
 
 The profile is the planner's (``dantinox.plan.profile.take_profile``, --repeats K samples --cooldown seconds
@@ -16,6 +17,12 @@ and interval (``uncertainty.median_metrics`` / ``latency_intervals``, --interval
 (>= 90 %) and p99 TTFT stays under 10 s; the loads are 0.25x, 0.8x and 1.5x that rate, each with its own mixed
 trace (chat behind a shared prefix, documents, the rare Latin/Occitan slice when ../shared/data is present),
 each replayed --replays times, every replay with a cold prefix cache.
+
+--max-context N serves the model with an N-token context (``dantinox plan --max-context``): the profile, the
+traces, the simulation and the replay engine all use N. For a model with a long context (SmolLM2: 8,192 tokens)
+give the trace's longest request plus output rounded up (512 for the default mixed trace): at 8,192 tokens the
+profile's engine holds a pool for 16 sequences of 8,192 tokens and times decode calls over 8,192-slot tables,
+and its K = 3 profile did not finish in 25 minutes (docs/planning.md, "SmolLM2 ... profiled").
 
 Printed per cell (load x metric: p99 TTFT, p50 TPOT, output tokens/s): the predicted median [interval], the
 replays' median [their range], inside (the replay median in the interval), the gap of the medians against its
@@ -37,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dantinox.plan.candidate import Candidate  # noqa: E402
 from dantinox.plan.fidelity import fidelity_cell, fidelity_verdict  # noqa: E402
 from dantinox.plan.inputs import load_model, load_trace  # noqa: E402
-from dantinox.plan.profile import profile_cost_models, take_profile  # noqa: E402
+from dantinox.plan.profile import check_profile, model_identity, profile_cost_models, take_profile  # noqa: E402
 from dantinox.plan.replay import replay_realtime  # noqa: E402
 from dantinox.plan.simulate import simulate  # noqa: E402
 from dantinox.plan.trace import TraceSpec, default_classes, generate_trace, trace_text  # noqa: E402
@@ -67,7 +74,7 @@ def profile_now(run_dir, model, cfg, args) -> dict:
     """A K-sample profile with the planner's own profiling code (as ``dantinox plan profile --repeats K``)."""
     t0 = time.time()
     prof = take_profile(run_dir, model, cfg, repeats=args.call_repeats, samples=args.repeats,
-                        cooldown_s=args.cooldown)
+                        cooldown_s=args.cooldown, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(f"profiled: {args.repeats} samples {args.cooldown:g} s apart in {time.time() - t0:.0f} s",
           file=sys.stderr)
     return prof
@@ -159,6 +166,8 @@ def parse_args(argv):
     p.add_argument("--replays", type=int, default=3, help="replays per load (their median and range)")
     p.add_argument("--reprofile", action="store_true",
                    help="a fresh K-sample profile right before each load (default: one at the start)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="serve the model with an N-token context (default: its own), as dantinox plan --max-context")
     p.add_argument("--out", default=None)
     p.add_argument("--summarize", nargs="+", default=None, help="--out files: print their cells and one verdict")
     args = p.parse_args(argv)
@@ -182,8 +191,12 @@ def main(argv=None) -> int:
         return summarize_files(args.summarize)
     from dantinox.serving.engine import PagedEngine
 
-    run_dir, model, cfg, tok = load_model(args.run_dir)
-    prof = json.load(open(args.profile)) if args.profile else profile_now(run_dir, model, cfg, args)
+    run_dir, model, cfg, tok = load_model(args.run_dir, args.max_context)
+    if args.profile:
+        prof = json.load(open(args.profile))
+        check_profile(prof, model_identity(run_dir, cfg), f"--profile {args.profile}")
+    else:
+        prof = profile_now(run_dir, model, cfg, args)
     costs = profile_cost_models(prof)
     check_interval_request(len(costs), args.interval, args.confidence)
     cand = Candidate()

@@ -4,15 +4,15 @@
                          [--seed S]
   dantinox plan trace    --from mooncake FILE --out T.jsonl
   dantinox plan profile  [--run_dir R] [--kv-dtype D] [--quantize Q] [--mesh data=D,model=M] --out profile.json
-                         [--repeats K] [--cooldown S] [--call-repeats N]
+                         [--repeats K] [--cooldown S] [--call-repeats N] [--max-context N]
                          [--coordinator HOST:PORT --num-processes N --process-id I]
-  dantinox plan simulate --trace T --config C.yaml [--profile P] [--slo ...] [--out M.json]
-  dantinox plan replay   --trace T --config C.yaml [--profile P] [--out M.json]
+  dantinox plan simulate --trace T --config C.yaml [--profile P] [--slo ...] [--max-context N] [--out M.json]
+  dantinox plan replay   --trace T --config C.yaml [--profile P] [--max-context N] [--out M.json]
   dantinox plan gate     --candidate plan.json --last-good plan.json
   dantinox plan --trace T --slo ttft_p99=MS,tpot_p99=MS --device-memory BYTES --price-per-hour USD
                 [--gate GATE.yaml --slice NAME=FILE|NAME ...] [--candidates C.yaml] [--baseline NAME|plan.json]
                 [--profile P] [--out DIR [--force]] [--interval t|range] [--confidence C] [--decide-at edge|median]
-                [--confirm N [--confirm-repeats R]]
+                [--confirm N [--confirm-repeats R]] [--max-context N]
 
 Bad input exits 2 with one line naming the flag, file and line, or value.
 """
@@ -69,6 +69,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative acceptance rate in [0, 1] of trace lines without spec_acceptance; with it (or "
                         "a trace that gives one) the default sweep adds spec-2, spec-4, spec-8")
     p.add_argument("--confirm-repeats", type=int, default=3, metavar="R", help="replays per confirmed candidate")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="at most N tokens of context (default: the model's max_context; vLLM's --max-model-len): "
+                        "the engine's block tables, pool and buckets, the profile and the simulation are sized "
+                        "for N; a plan refuses a profile taken at another N")
     add_mesh_argument(p)   # the mesh of the profile taken when no --profile is given
     p.set_defaults(func=run_plan)
     sub = p.add_subparsers(dest="plan_command")
@@ -95,6 +99,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--call-repeats", type=int, default=15, help="timed runs per call in a sample (median)")
     pr.add_argument("--spec-tokens", type=int, default=0, metavar="K",
                     help="also time the speculative verify call, forward_step B x (K + 1) (default 0: not timed)")
+    pr.add_argument("--max-context", type=int, default=None, metavar="N",
+                    help="at most N tokens of context (default: the model's max_context; vLLM's --max-model-len): "
+                         "the engine's block tables, pool and buckets, the profile and the simulation are sized "
+                         "for N (profile at the longest request plus output the deployment will see; the "
+                         "profile records N)")
     pr.add_argument("--out", required=True)
     add_mesh_argument(pr)
     add_distributed_arguments(pr)
@@ -109,6 +118,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         s.add_argument("--slo", default="ttft_p99=1000,tpot_p99=200")
         s.add_argument("--spec-acceptance", type=float, default=None, metavar="A",
                        help="speculative acceptance rate in [0, 1] of trace lines without spec_acceptance")
+        s.add_argument("--max-context", type=int, default=None, metavar="N",
+                       help="serve contexts of at most N tokens (as dantinox plan --max-context)")
         s.add_argument("--out", default=None, help="metrics JSON (default: stdout)")
         s.set_defaults(func=func)
     g = sub.add_parser("gate", help="release gate: re-check a plan against the last known-good one")
@@ -173,7 +184,7 @@ def run_profile_cmd(args) -> int:
 
     mesh = mesh_from_flag(args.mesh)   # docs/multi-device.md; the profile records its shape
     samples, cooldown = _samples_flags(args)
-    run_dir, model, cfg, _ = load_model(args.run_dir)
+    run_dir, model, cfg, _ = load_model(args.run_dir, args.max_context)
     with naming_flag(args.mesh):       # heads or MLP width not dividing over model: before any timing
         check_model_fits(cfg, mesh)
     prof = _profile(run_dir, model, cfg, args.kv_dtype, args.quantize, args.call_repeats, mesh, args.mesh,
@@ -199,7 +210,7 @@ def run_simulate_cmd(args) -> int:
 
     slo = parse_slo(args.slo)
     cand = _one_candidate(args.config)
-    run_dir, model, cfg, tok = load_model(args.run_dir)
+    run_dir, model, cfg, tok = load_model(args.run_dir, args.max_context)
     requests, prompts = load_trace(args.trace, cfg, tok)
     costs, _ = _costs(args, run_dir, model, cfg)
     cost = (costs.get((cand.kv_dtype, cand.quantize)) or next(iter(costs.values())))[0]   # its first sample
@@ -217,7 +228,7 @@ def run_replay_cmd(args) -> int:
 
     slo = parse_slo(args.slo)
     cand = _one_candidate(args.config)
-    run_dir, model, cfg, tok = load_model(args.run_dir)
+    run_dir, model, cfg, tok = load_model(args.run_dir, args.max_context)
     requests, prompts = load_trace(args.trace, cfg, tok)
     from ..serving.engine import PagedEngine
 

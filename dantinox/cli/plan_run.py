@@ -54,7 +54,7 @@ def build_plan(args) -> tuple[dict, dict, str]:
     candidates = load_candidates(args.candidates) if args.candidates else default_candidates()
     slices = [f"{name}={path}" for name, path in resolve_slice_specs(args.slice)] if args.slice else []
     baseline, last_good = _baseline(args.baseline)
-    run_dir, model, cfg, tok = load_model(args.run_dir)
+    run_dir, model, cfg, tok = load_model(args.run_dir, getattr(args, "max_context", None))
     weights = param_bytes(model)
     check_weights_fit(cfg, candidates, weights, device)
     requests, prompts = load_trace(args.trace, cfg, tok)
@@ -184,7 +184,7 @@ def _profile(run_dir, model, cfg, kv_dtype="float32", quantize="none", repeats=1
           f"{samples} sample(s) {cooldown_s:g} s apart ...", file=sys.stderr)
     with naming_flag(mesh_flag):
         return take_profile(run_dir, model, cfg, kv_dtype, quantize, repeats, mesh, samples, cooldown_s,
-                            spec_tokens)
+                            spec_tokens, progress=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _samples_flags(args) -> tuple[int, float]:

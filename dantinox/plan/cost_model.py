@@ -29,6 +29,11 @@ of a multi-step decode call.
                            variance of service times, not only their mean (Kingman's formula, J. F. C. Kingman,
                            "The single server queue in heavy traffic", 1961), so a plan priced at the mean cost
                            of every step under-predicts p99 TTFT; empty (profiles before 2026-12-04): factor 1
+  spread_correlation       rho in [0, 1): consecutive steps' draws are correlated through a Gaussian-copula AR(1)
+                           process (spread_draws.SpreadDraws; each draw's distribution is still the quantiles
+                           above, mean 1), fitted as the lag-1 correlation of the calibration steps' normal
+                           scores (profile.spread_correlation): real slow steps come in runs. 0 (profiles
+                           without it): independent draws, as before
   wake                     ((idle seconds g, extra seconds, slower fraction), ...): after the engine sat idle
                            for g seconds, its first step costs wake_cost(g) more, and the steps that start
                            within cold_window seconds of that wake-up cost (1 + cold_fraction(g)) times more
@@ -40,6 +45,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import asdict, dataclass, field
+
+from .spread_draws import check_correlation
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,13 @@ class CostModel:
     cold_window: float = 0.0
     forward_spread: tuple = ()
     decode_spread: tuple = ()
+    spread_correlation: float = 0.0
     points: dict = field(default_factory=dict)
     decode_points: dict = field(default_factory=dict)
     verify_points: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        check_correlation("cost model: field 'spread_correlation'", self.spread_correlation)
         object.__setattr__(self, "_grid", _decode_grid(self.decode_points))   # not a field: not serialized
 
     def forward_cost(self, B: int, T: int) -> float:
@@ -148,6 +157,8 @@ class CostModel:
         for name in ("forward_spread", "decode_spread"):   # profiles without a spread keep their bytes
             if not d[name]:
                 del d[name]
+        if not self.spread_correlation:                     # nor those without a correlation
+            del d["spread_correlation"]
         return d
 
     @classmethod
@@ -170,7 +181,8 @@ _FIELD_KINDS = {"forward": "triple", "decode_call": "number", "decode_iter": "tr
                 "swap_in": "number", "copy": "number", "step": "number", "forward_overhead": "number",
                 "scale": "number", "decode_overhead": "number", "decode_scale": "number", "wake": "points",
                 "cold_window": "number", "points": "seconds", "decode_points": "seconds",
-                "verify_points": "seconds", "forward_spread": "quantiles", "decode_spread": "quantiles"}
+                "verify_points": "seconds", "forward_spread": "quantiles", "decode_spread": "quantiles",
+                "spread_correlation": "correlation"}
 
 
 def _number(x) -> float:
@@ -184,10 +196,16 @@ def _parse_field(name: str, kind: str, value):
     """One cost-model field as its dataclass type; ValueError naming the field and what is allowed."""
     allowed = {"number": "a number", "triple": "a list of 3 numbers", "points": "a list of lists of numbers",
                "seconds": "a mapping of shape keys to seconds",
-               "quantiles": "an empty list or 2 or more ascending positive numbers"}[kind]
+               "quantiles": "an empty list or 2 or more ascending positive numbers",
+               "correlation": "a number in [0, 1)"}[kind]
     try:
         if kind == "number":
             return _number(value)
+        if kind == "correlation":
+            rho = _number(value)
+            if not 0.0 <= rho < 1.0:
+                raise TypeError
+            return rho
         if kind == "seconds":
             if not isinstance(value, dict):
                 raise TypeError

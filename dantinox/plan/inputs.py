@@ -59,11 +59,33 @@ def file_sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def load_model(run_dir: str | None):
-    """(run_dir, model, cfg, tokenizer) of a run directory or the bundled model. Raises RunDirError."""
+def load_model(run_dir: str | None, max_context: int | None = None, flag: str = "--max-context"):
+    """(run_dir, model, cfg, tokenizer) of a run directory or the bundled model. With ``max_context`` N the
+    model is served with an N-token context (its config's max_context set to N, the same weights; what
+    vLLM's --max-model-len does): the engine's block tables, pool and buckets, the profile and the
+    simulation are then sized for N tokens, not the checkpoint's context. Raises RunDirError, or ValueError
+    naming ``flag`` when N is not an integer in [1, the model's max_context]."""
     run_dir = run_dir or bundled_run_dir()
     model, cfg, tokenizer, _ = load_run(run_dir)
+    if max_context is not None:
+        model, cfg = with_max_context(model, cfg, max_context, flag)
     return run_dir, model, cfg, tokenizer
+
+
+def with_max_context(model, cfg, max_context: int, flag: str = "--max-context"):
+    """(model, cfg) serving contexts of at most ``max_context`` tokens (the same parameter arrays; the model
+    itself when it is already its context). Raises ValueError naming ``flag`` for a value that is not an
+    integer in [1, cfg.max_context] (a longer context than the checkpoint's would be positions it never
+    saw)."""
+    if isinstance(max_context, bool) or not isinstance(max_context, int) or not 1 <= max_context <= cfg.max_context:
+        raise ValueError(f"{flag}={max_context!r} is not allowed: an integer from 1 to the model's max_context "
+                         f"({cfg.max_context})")
+    if max_context == cfg.max_context:
+        return model, cfg
+    from ..quant.kv_dtype import with_config
+
+    model = with_config(model, cfg.replace(max_context=max_context))
+    return model, model.cfg
 
 
 def load_trace(path: str, cfg, tokenizer) -> tuple[list, list]:

@@ -136,11 +136,11 @@ def _distinct_table(B: int, M: int, num_blocks: int) -> np.ndarray:
     return (np.arange(B * M, dtype=np.int32).reshape(B, M) % num_blocks).astype(np.int32)
 
 
-def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int) -> float:
+def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int, warm: int = 3) -> float:
     """Seconds of one decode_steps call of B rows over M table entries of distinct blocks running n
     iterations from the middle of the table, its result fetched to the host as the engine does. It writes
     into the pool: profile an engine that holds no request."""
-    return _median_seconds(_decode_call(engine, B, M, n, max_steps), repeats)
+    return _median_seconds(_decode_call(engine, B, M, n, max_steps), repeats, warm)
 
 
 def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
@@ -158,7 +158,7 @@ def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
     return call
 
 
-def _time_forward(engine, B: int, T: int, repeats: int) -> float:
+def _time_forward(engine, B: int, T: int, repeats: int, warm: int = 3) -> float:
     """Seconds of one forward_step of B rows x T new tokens over distinct blocks (as _time_decode)."""
     z = np.zeros(B, np.int32)
     ids, num_new = np.zeros((B, T), np.int32), np.full(B, T, np.int32)
@@ -171,25 +171,26 @@ def _time_forward(engine, B: int, T: int, repeats: int) -> float:
                                            all_allowed_mask(B, engine.vocab_size), engine._sink_rows([], B),
                                            engine._residual_rows([], B))
         return np.asarray(out)
-    return _median_seconds(call, repeats)
+    return _median_seconds(call, repeats, warm)
 
 
-def time_engine(engine, repeats: int = 15, max_steps: int = 8) -> dict:
+def time_engine(engine, repeats: int = 15, max_steps: int = 8, warm: int = 3) -> dict:
     """Time ``engine``'s compiled calls (nothing is written to its pool): forward_step at every bucket it
     compiles (decode rows B x 1 and prefill chunks B x T), decode_steps at every decode batch bucket over the
     narrowest and the widest block table with max_steps / 2 and max_steps iterations, block reads and writes
     (swap) and a copy. Returns {"forward": {"B,T": s}, "decode": {"B,S,n": s}, "swap_out": s, "swap_in": s,
-    "copy": s} (S = table width x block size: attended slots)."""
+    "copy": s} (S = table width x block size: attended slots). Each call: the median of ``repeats`` runs after
+    ``warm`` untimed ones."""
     points = {"forward": {}, "decode": {}}
     shapes = [(B, 1) for B in engine.decode_buckets]
     shapes += [(B, T) for B in engine.prefill_buckets for T in engine.chunk_buckets]
     for B, T in shapes:
-        points["forward"][f"{B},{T}"] = _time_forward(engine, B, T, repeats)
+        points["forward"][f"{B},{T}"] = _time_forward(engine, B, T, repeats, warm)
     P = engine.allocator.block_size
     for B in engine.decode_buckets:
         for M in sorted({engine.table_buckets[0], engine.table_buckets[-1]}):
             for n in (max_steps // 2, max_steps):  # not n = 1: a lone iteration carries the loop's start-up
-                points["decode"][f"{B},{M * P},{n}"] = _time_decode(engine, B, M, n, max_steps, repeats)
+                points["decode"][f"{B},{M * P},{n}"] = _time_decode(engine, B, M, n, max_steps, repeats, warm)
     blocks = list(range(min(4, engine.allocator.num_blocks)))
     points["swap_out"] = _median_seconds(lambda: engine._read_host(blocks)[0][0], repeats)
     data = engine._read_host(blocks)
@@ -225,7 +226,7 @@ def fit_cost_model(points: dict) -> CostModel:
                      verify_points=dict(points.get("verify", {})))
 
 
-_CALIBRATED = ("forward_overhead", "scale", "decode_overhead", "decode_scale")
+_CALIBRATED = ("forward_overhead", "scale", "decode_overhead", "decode_scale", "spread_correlation")
 
 
 CALIBRATION_CONTEXT = 1024   # the calibration workload's lengths stop growing with the context here
@@ -264,25 +265,31 @@ def step_cost(cost: CostModel, calls: list) -> float:
     return seconds
 
 
-def calibrate_steps(engine, cost: CostModel) -> dict:
+def calibrate_steps(engine, cost: CostModel, warm: bool = True) -> dict:
     """{"forward_overhead": h, "scale": s, "decode_overhead": h', "decode_scale": s', "forward_spread": [..],
-    "decode_spread": [..]}: a real engine step of forward_step calls costs h + s x (its calls' modelled cost), a
-    multi-step decode step h' + s' x (its call's); the spreads are the quantiles of real / fitted step time
-    (``spread_quantiles``), which the simulator draws from.
+    "decode_spread": [..], "spread_correlation": rho}: a real engine step of forward_step calls costs h + s x (its
+    calls' modelled cost), a multi-step decode step h' + s' x (its call's); the spreads are the quantiles of real
+    / fitted step time (``spread_quantiles``), which the simulator draws from, consecutive draws correlated by
+    rho (``spread_correlation``: the two timed runs' lag-1 correlation).
 
     The workload of ``_burst`` runs through the real engine three times, a request added every ARRIVAL_STEPS
     steps and the engine never idle: once to warm up, then twice with every step timed together with the calls
     it made (``engine.step_calls``); h, s are fitted per kind (see _fit_overhead). They cover what timing calls
     in isolation misses: host work per step (scheduling, inputs, dispatch, fetch, bookkeeping per token), and
-    calls running slower among other calls than alone."""
-    _run_workload(engine, "warm", cost)
-    steps = _run_workload(engine, "timed", cost) + _run_workload(engine, "again", cost)
+    calls running slower among other calls than alone. warm=False skips the warm-up run (for an engine that
+    has already run the workload: the profile's second and later samples; on SmolLM2 each run took 30-45 s)."""
+    if warm:
+        _run_workload(engine, "warm", cost)
+    runs = [_run_workload(engine, "timed", cost), _run_workload(engine, "again", cost)]
+    steps = runs[0] + runs[1]
     out = {}
     for kind, (h_key, s_key) in (("forward", ("forward_overhead", "scale")),
                                  ("decode", ("decode_overhead", "decode_scale"))):
         pairs = [(p, w) for k, p, w in steps if k == kind]
         out[h_key], out[s_key] = _fit_overhead(pairs)
         out[f"{kind}_spread"] = spread_quantiles(pairs, out[h_key], out[s_key])
+    fits = {"forward": (out["forward_overhead"], out["scale"]), "decode": (out["decode_overhead"], out["decode_scale"])}
+    out["spread_correlation"] = spread_correlation(runs, fits)
     return out
 
 
@@ -300,6 +307,51 @@ def spread_quantiles(pairs: list, h: float, s: float) -> list:
                                                      np.linspace(0.0, 1.0, SPREAD_STEPS + 1))), 1e-6)
     mean = float(np.mean((q[1:] + q[:-1]) / 2))   # the mean of a draw (linear between the quantiles)
     return [float(x / mean) for x in q]
+
+
+MAX_CORRELATION = 0.95   # the fitted lag-1 correlation is clipped to [0, this]
+
+
+def spread_correlation(runs: list, fits: dict) -> float:
+    """rho of the spread's Gaussian-copula AR(1) draws (spread_draws.py): the lag-1 correlation of consecutive
+    steps' normal scores, pooled over ``runs`` ([[(kind, predicted s, wall s)], ...], each a run of steps back
+    to back; pairs never straddle two runs), clipped to [0, MAX_CORRELATION]. fits: {kind: (h, s)}.
+
+    A step's normal score is Phi^-1(rank / (n + 1)) of its ratio wall / (h + s x predicted) among the n steps of
+    its kind in its run (van der Waerden's normal scores: the rank-based estimate of a Gaussian copula's
+    correlation; ranking per kind puts forward and decode steps, whose ratios differ in scale, on one footing,
+    and ranking per run leaves out a change of level between the runs, which the profile's K samples and
+    their interval already carry). 0.0 for fewer than 3 pairs or no variation. A negative estimate is clipped
+    to 0 (slow steps do not alternate with fast ones on a host; over a few dozen steps it is noise), and 1
+    would freeze the draws."""
+    pairs = []
+    for run in runs:
+        z = _normal_scores([(k, w / max(fits[k][0] + fits[k][1] * p, 1e-12)) for k, p, w in run])
+        pairs += list(zip(z, z[1:]))
+    if len(pairs) < 3:
+        return 0.0
+    x, y = (np.asarray(v, float) for v in zip(*pairs))
+    if x.std() == 0 or y.std() == 0:
+        return 0.0
+    return float(min(max(np.corrcoef(x, y)[0, 1], 0.0), MAX_CORRELATION))
+
+
+def _normal_scores(ratios: list) -> list:
+    """[Phi^-1(r / (n + 1))] per (kind, ratio), r the ratio's rank among the n of its kind (ties: mean rank)."""
+    from statistics import NormalDist
+
+    out = [0.0] * len(ratios)
+    for kind in {k for k, _ in ratios}:
+        idx = [i for i, (k, _) in enumerate(ratios) if k == kind]
+        values = np.asarray([ratios[i][1] for i in idx], float)
+        order = np.argsort(values, kind="stable")
+        ranks = np.empty(len(idx))
+        ranks[order] = np.arange(1, len(idx) + 1)
+        for v in np.unique(values):             # ties share their mean rank
+            ranks[values == v] = ranks[values == v].mean()
+        for i, r in zip(idx, ranks):
+            out[i] = NormalDist().inv_cdf(float(r) / (len(idx) + 1))
+    return out
 
 
 def _run_workload(engine, tag: str, cost: CostModel) -> list:
@@ -420,26 +472,39 @@ def time_verify(engine, k: int, repeats: int = 15) -> dict:
     return {f"{B},{k + 1}": _time_forward(engine, B, k + 1, repeats) for B in engine.decode_buckets}
 
 
-def _measure_points(engine, repeats: int, spec_tokens: int = 0) -> dict:
-    """One sample: time_engine's points with the wake-up cost and the calibration of real steps (and the
-    verify calls of spec_tokens proposals when > 0)."""
-    points = time_engine(engine, repeats)
+WARMED_CALLS = 1   # untimed runs per call in a sample of an engine already warmed up (take_profile)
+
+
+def _measure_points(engine, repeats: int, spec_tokens: int = 0, warm: bool = True, warm_calls: int = 3,
+                    progress=None) -> dict:
+    """One sample: time_engine's points (``warm_calls`` untimed runs per call) with the wake-up cost and the
+    calibration of real steps (its warm-up run when ``warm``), and the verify calls of spec_tokens proposals
+    when > 0. progress: called with one line per phase and its seconds (None: quiet)."""
+    t0 = time.perf_counter()
+    points = time_engine(engine, repeats, warm=warm_calls)
     if spec_tokens:
         points["verify"] = time_verify(engine, spec_tokens, repeats)
+    t1 = time.perf_counter()
     points["wake"], points["cold_window"] = measure_wake(engine)
-    points["calibration"] = calibrate_steps(engine, fit_cost_model(points))
+    t2 = time.perf_counter()
+    points["calibration"] = calibrate_steps(engine, fit_cost_model(points), warm)
+    if progress:
+        progress(f"profile sample: calls {t1 - t0:.0f} s, wake-up {t2 - t1:.0f} s, calibration "
+                 f"{time.perf_counter() - t2:.0f} s")
     return points
 
 
 def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: str = "none",
                  repeats: int = 15, mesh=None, samples: int = 1, cooldown_s: float = 0.0,
-                 spec_tokens: int = 0) -> dict:
+                 spec_tokens: int = 0, progress=None) -> dict:
     """Profile the model's engine at serve's default block size (16, or the key group G with per-channel int8
     keys: ``step_plan.default_block_size``; decode buckets up to 16 rows, chunks up to 64 tokens),
     on ``mesh`` (a jax Mesh from ``dantinox.parallel.mesh.make_mesh``) when given, else on one device;
     ``samples`` independent samples ``cooldown_s`` seconds apart after a warm-up (see the module docstring),
     each call timed as the median of ``repeats`` runs; with ``spec_tokens`` k >= 1 also the speculative verify
-    call at B x (k + 1) (``time_verify``). Returns the profile dict (JSON-ready): identity,
+    call at B x (k + 1) (``time_verify``). With samples > 1 the engine is warmed up first (every bucket compiled,
+    one untimed pass over the calls), so each sample runs WARMED_CALLS untimed run per call, not 3. progress:
+    called with one line per phase and its seconds (None: quiet). Returns the profile dict (JSON-ready): identity,
     machine, mesh, rates, points, cost model, samples, bottleneck rows. Raises ValueError for a kv_dtype /
     quantize this version cannot build or a bad samples / cooldown_s / spec_tokens, MeshError (a ValueError)
     when the model does not divide over the mesh."""
@@ -450,10 +515,18 @@ def take_profile(run_dir: str, model, cfg, kv_dtype: str = "float32", quantize: 
     config = EngineConfig(block_size=P, max_running=16, max_batched_tokens=64, max_decode_steps=8)  # a full pool
     engine = PagedEngine(model, config) if mesh is None else ShardedPagedEngine(model, config, mesh)
     with mesh_scope(mesh):  # the engine's own steps enter it too; the direct calls below need it
+        warm_calls = 3
         if samples > 1:
-            engine.warmup()
+            t0 = time.perf_counter()
+            compiled = engine.warmup()
             time_engine(engine, 1)   # untimed: the first runs after compiling are slow on a CPU
-        all_points = repeat_samples(lambda: _measure_points(engine, repeats, spec_tokens), samples, cooldown_s)
+            warm_calls = WARMED_CALLS
+            if progress:
+                progress(f"profile warm-up: {compiled.compilations} compilations ({compiled.cache_hits} from the "
+                         f"persistent cache) and one untimed pass, {time.perf_counter() - t0:.0f} s")
+        index = iter(range(samples))   # the calibration's warm-up run in the first sample only (calibrate_steps)
+        all_points = repeat_samples(lambda: _measure_points(engine, repeats, spec_tokens, next(index) == 0,
+                                                            warm_calls, progress), samples, cooldown_s)
     rates = machine_rates()
     weights = param_bytes(model)
     n_params = param_bytes(dataclasses.replace(cfg, cache_dtype="float32")) // 4   # float32 build: 4 B each
@@ -503,8 +576,10 @@ def check_profile(profile: dict, identity: dict, where: str = "--profile") -> No
     for key, value in identity["config"].items():
         theirs_value = recorded.get(key, _config_default(key))   # a field added since: its default
         if key != "cache_dtype" and theirs_value != value:
+            hint = (f": plan with --max-context {theirs_value}, or profile with --max-context {value}"
+                    if key == "max_context" else "")
             raise ValueError(f"{where}: the profile's model has {key}={theirs_value!r}, "
-                             f"this model has {key}={value!r}")
+                             f"this model has {key}={value!r}{hint}")
 
 
 def _config_default(key: str):

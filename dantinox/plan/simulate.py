@@ -5,7 +5,8 @@ exactly as ``PagedEngine`` builds them (``step_plan.engine_policy`` / ``pool_blo
 ``step()`` does what ``PagedEngine.step()`` does on the host: schedule, plan the multi-step decode
 (``plan_decode_steps``), pick the compiled calls (``forward_calls`` / ``decode_step_calls``) and advance every
 request (``advance`` / ``finish_reason``); instead of running the calls it adds up their profiled cost (a
-CostModel), times one draw per step from the profile's step-time spread (a seeded stream). No model runs. Generated
+CostModel), times one draw per step from the profile's step-time spread (a seeded stream, consecutive draws correlated
+as the profile measured: spread_draws.py). No model runs. Generated
 tokens are id 0 and requests never stop early (the trace's max_tokens are generated), as in a replay with no stop
 tokens. A speculating candidate (``spec_tokens`` k >= 1) verifies its decode rows instead (``Speculation``,
 plan/speculation.py): one verify call per decode-bucket group of rows (B x (k + 1) tokens) beside the step's other
@@ -22,7 +23,6 @@ is ordered by (time, index): the same inputs give the same output, byte for byte
 from __future__ import annotations
 
 import math
-import random
 
 from ..serving.allocator import BlockAllocator
 from ..serving.request import QueueFullError, Request, RequestError, RequestStatus, SamplingOptions
@@ -33,6 +33,7 @@ from .cost_model import CostModel
 from .metrics import RequestRecord, summarize
 from .router import Router
 from .speculation import Speculation, check_acceptance
+from .spread_draws import SpreadDraws
 
 
 class ReplicaView:
@@ -85,7 +86,8 @@ class SimReplica(ReplicaView):
         self.finished_order: list = []
         self.peak_blocks = 0
         self.queue_samples: list = []
-        self.spread_draws = random.Random(SPREAD_SEED)   # one draw per step (CostModel.spread_factor)
+        # one draw per step (CostModel.spread_factor), correlated as the profile measured (spread_draws.py)
+        self.spread_draws = SpreadDraws(cost.spread_correlation, SPREAD_SEED)
 
     def add(self, rid: str, ids: list, options: SamplingOptions, arrival: float) -> Request:
         """Queue a request (as PagedEngine.add_request). Raises RequestError / QueueFullError."""

@@ -190,3 +190,41 @@ def test_calibration_workload_stops_growing_with_the_context():
     short = _burst("t", 100, 256)
     assert [len(ids) for _, ids, _ in short] == [8 + (37 * i) % 56 for i in range(24)]
     assert [o.max_new_tokens for _, _, o in short] == [4 + (23 * i) % 28 for i in range(24)]
+
+
+def test_max_context_serves_a_shorter_context_and_a_profile_of_another_is_refused(tmp_path):
+    """--max-context N: the same weights served with an N-token context (the engine's tables and pool sized
+    for N, what the profile then times); a profile of another context is refused naming both and the flag;
+    a value outside [1, the model's context] is refused naming the flag."""
+    from dantinox.plan.inputs import load_model
+    from dantinox.serving.engine import EngineConfig, PagedEngine
+    from dantinox.serving.request import SamplingOptions
+
+    tok = train_tokenizer("abcdefghij klmnop\n" * 4, "char")
+    cfg = tiny_config(vocab_size=tok.vocab_size, max_context=256)
+    save_run(tmp_path, spiky_model(cfg), cfg, tok)
+    _, full, full_cfg, _ = load_model(str(tmp_path))
+    _, short, short_cfg, _ = load_model(str(tmp_path), 64)
+    assert short_cfg == full_cfg.replace(max_context=64) and short.cfg == short_cfg
+    assert load_model(str(tmp_path), 256)[2] == full_cfg                          # its own context: unchanged
+    config = EngineConfig(block_size=16, max_running=4, max_batched_tokens=32)
+    wide, narrow = PagedEngine(full, config), PagedEngine(short, config)
+    assert (wide.table_width, narrow.table_width) == (16, 4) and narrow.table_buckets[-1] == 4
+    assert narrow.allocator.num_blocks < wide.allocator.num_blocks
+    outputs = []
+    for engine in (wide, narrow):                                                 # the same weights, same tokens
+        engine.add_request([3, 4, 5, 6], SamplingOptions(5), request_id="r")
+        req = engine.requests["r"]
+        while engine.has_unfinished():
+            engine.step()
+        outputs.append(list(req.output_ids))
+    assert len(outputs[0]) == 5 and outputs[0] == outputs[1]
+    profile = {"format": 3, "identity": model_identity(str(tmp_path), short_cfg)}
+    check_profile(profile, model_identity(str(tmp_path), short_cfg))
+    with pytest.raises(ValueError, match=r"max_context=64, this model has max_context=256: plan with "
+                                         r"--max-context 64, or profile with --max-context 256"):
+        check_profile(profile, model_identity(str(tmp_path), full_cfg))
+    for bad in (0, 257, 1.5, True, "64"):
+        with pytest.raises(ValueError, match=r"--max-context=.* is not allowed: an integer from 1 to the model's "
+                                             r"max_context \(256\)"):
+            load_model(str(tmp_path), bad)

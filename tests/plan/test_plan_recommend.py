@@ -185,6 +185,7 @@ def test_plan_json_byte_identical_and_release_gate(cli_inputs, capsys):
     (("--slo", "ttft_p50=5"), "--slo ttft_p50: unknown SLO"),
     (("--price-per-hour", "abc"), "--price-per-hour='abc' is not allowed: a positive number"),
     (("--device-memory", "1MiB"), "--device-memory=1048576 B is too small: the smallest weights plus reserve"),
+    (("--max-context", "0"), "--max-context=0 is not allowed: an integer from 1 to the model's max_context"),
 ])
 def test_bad_plan_input_exit_2_one_line(cli_inputs, capsys, extra, expected):
     d, trace, profile = cli_inputs
@@ -204,6 +205,20 @@ def test_profile_of_another_model_or_version_is_refused(cli_inputs, capsys, chan
     code = cli.main(_plan_args(d, trace, other, d / "bad2"))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and expected in err[0], err
+
+
+def test_profile_taken_at_another_context_is_refused_naming_the_flag(cli_inputs, capsys):
+    from dantinox.runs.run_dir import load_run
+
+    d, trace, _ = cli_inputs
+    cfg = load_run(bundled_run_dir())[1]
+    short = _fake_profile(d / "short.json", bundled_run_dir(), config=dict(cfg.to_dict(), max_context=128))
+    code = cli.main(_plan_args(d, trace, short, d / "bad3"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    # the CLI names config fields by their flags (max_context=128 -> --max-context 128)
+    assert (f"the profile's model has --max-context 128, this model has --max-context {cfg.max_context}: plan "
+            f"with --max-context 128, or profile with --max-context {cfg.max_context}") in err[0]
 
 
 def test_plan_refuses_to_overwrite_an_earlier_plan_unless_forced(cli_inputs, capsys):
