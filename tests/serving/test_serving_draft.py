@@ -339,3 +339,23 @@ def test_an_int8_per_channel_target_with_its_float_draft_equals_plain_served_gre
     assert engine.residuals is not None and engine.draft_cfg.cache_dtype == "float32"
     assert stats["spec_verify_calls"] > 0 and stats["spec_accepted_tokens"] > 0, stats
     assert_same_logprobs(outputs["plain"], outputs["draft"])
+
+
+@pytest.mark.slow
+def test_stop_ids_end_drafted_requests_where_plain_serving_ends_them(target):
+    """A stop id inside a verified chunk ends the request there, as plain serving does: the target as its own
+    draft (every proposal accepted, so the stop id arrives inside a chunk of k + 1), stop ids taken from the
+    plain run's own output; tokens and finish reasons equal plain served greedy's."""
+    def serve(spec, draft, stops):
+        engine = make_engine(target, draft=draft, speculative=spec, num_blocks=60)
+        ids = [engine.add_request(p, SamplingOptions(max_new_tokens=n, stop_token_ids=s))
+               for (p, n), s in zip(BATCH, stops)]
+        results = drain(engine)
+        return [results[i] for i in ids]
+
+    free = serve(None, None, [()] * len(BATCH))
+    stops = [(tokens[len(tokens) // 2],) if i % 2 == 0 else () for i, (tokens, _) in enumerate(free)]
+    plain = serve(None, None, stops)
+    drafted = serve(SPEC, target, stops)
+    assert drafted == plain
+    assert [reason for _, reason in plain].count("stop") == 3
