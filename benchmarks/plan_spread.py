@@ -6,9 +6,9 @@ Takes a one-sample profile of the model's engine (the planner's ``take_profile``
 rate on a warmed-up engine on the wall clock (``replay_realtime``), then simulates the same trace from that
 profile three times: with the profile's step-time spread (``CostModel.forward_spread`` / ``decode_spread``) drawn
 with the fitted step-to-step correlation (``spread_correlation``), with the spread drawn independently, and
-without it (every step at its calibrated mean). Prints p50 / p90 / p99 TTFT, p50 TPOT and output tokens/s of the three, and
-the steps each ran. Same process, minutes apart: the comparison is not blurred by a profile taken at another
-time. Run it on a quiet machine.
+without it (every step at its calibrated mean). Prints p50 / p90 / p99 TTFT, p50 TPOT and output tokens/s of
+the three, and the steps each ran. Same process, minutes apart: the comparison is not blurred by a profile
+taken at another time. Run it on a quiet machine.
 """
 
 from __future__ import annotations

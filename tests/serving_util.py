@@ -102,3 +102,19 @@ def chunked_paged_run(model, pool, seqs, tables):
             done[b] += n
     assert done == [len(s) for s in seqs]
     return [np.concatenate(g) for g in got], pool
+
+
+def assert_speculation_compiles_nothing_after_warmup(engine, prompts) -> None:
+    """Warm a speculative ``engine`` (its verify programs among the warm-up items), then serve ``prompts``
+    [(prompt ids, max new tokens)] with mixed sampling (greedy and sampled rows, top-k, top-p, seeds, logprobs on
+    the fourth): no program is compiled or loaded, the engine verified and preempted."""
+    labels = [item.label for item in engine.warmup_items()]
+    assert "verify B=1 M=16" in labels and "verify B=4 M=16" in labels
+    engine.warmup()
+    with dx.CompileCounter() as counted:
+        for i, (prompt, n) in enumerate(prompts):
+            engine.add_request(prompt, SamplingOptions(max_new_tokens=n, temperature=0.5 * (i % 2), top_k=i,
+                                                       top_p=0.9, seed=i, logprobs=1 if i == 3 else None))
+        drain(engine)
+    assert counted.compilations == 0 and counted.cache_hits == 0, counted
+    assert engine.stats()["spec_verify_calls"] > 0 and engine.stats()["preemptions"] >= 1

@@ -18,7 +18,8 @@ from conftest import forward, tiny_config
 from flax import nnx
 from run_util import make_run
 from scipy.stats import chi2
-from serving_util import drain, lively_mla_model, lively_model, make_engine
+from serving_util import (assert_speculation_compiles_nothing_after_warmup,
+                          drain, lively_mla_model, lively_model, make_engine)
 
 import dantinox as dx
 from dantinox.cli.serve import kv_summary
@@ -306,16 +307,7 @@ def test_sampling_draws_from_the_targets_distribution():
 @pytest.mark.slow
 def test_no_recompilation_after_warmup(target, draft):
     engine = make_engine(target, draft=draft, num_blocks=14, preemption="swap", speculative=SPEC)
-    labels = [item.label for item in engine.warmup_items()]
-    assert "verify B=1 M=16" in labels and "verify B=4 M=16" in labels
-    engine.warmup()
-    with dx.CompileCounter() as counted:
-        for i, (prompt, n) in enumerate(BATCH):
-            engine.add_request(prompt, SamplingOptions(max_new_tokens=n, temperature=0.5 * (i % 2), top_k=i,
-                                                       top_p=0.9, seed=i, logprobs=1 if i == 3 else None))
-        drain(engine)
-    assert counted.compilations == 0 and counted.cache_hits == 0, counted
-    assert engine.stats()["spec_verify_calls"] > 0 and engine.stats()["preemptions"] >= 1
+    assert_speculation_compiles_nothing_after_warmup(engine, BATCH)
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from cli_util import run_main
 from conftest import tiny_config
-from serving_util import drain, greedy, lively_mla_model, lively_model, make_engine
+from serving_util import (assert_speculation_compiles_nothing_after_warmup,
+                          drain, greedy, lively_mla_model, lively_model, make_engine)
 
 import dantinox as dx
 from dantinox.generation.speculative import PROBE_VERIFIES
@@ -236,16 +237,7 @@ def test_speculative_with_a_diffusion_run_is_refused(capsys, monkeypatch):
 @pytest.mark.slow
 def test_no_recompilation_after_warmup(model):
     engine = make_engine(model, num_blocks=14, preemption="swap", speculative=SPEC)
-    labels = [item.label for item in engine.warmup_items()]
-    assert "verify B=1 M=16" in labels and "verify B=4 M=16" in labels
-    engine.warmup()
-    with dx.CompileCounter() as counted:
-        for i, (prompt, n) in enumerate(BATCH + BATCH[:2]):
-            engine.add_request(prompt, SamplingOptions(max_new_tokens=n, temperature=0.5 * (i % 2), top_k=i,
-                                                       top_p=0.9, seed=i, logprobs=1 if i == 3 else None))
-        drain(engine)
-    assert counted.compilations == 0 and counted.cache_hits == 0, counted
-    assert engine.stats()["spec_verify_calls"] > 0 and engine.stats()["preemptions"] >= 1
+    assert_speculation_compiles_nothing_after_warmup(engine, BATCH + BATCH[:2])
 
 
 @pytest.mark.slow
