@@ -183,6 +183,7 @@ def _prepare(service, chat_format, body: ChatCompletionRequest, tool_parser: str
         raise RequestError("model", f"model {service.model_name!r} has no chat template, so it cannot answer "
                            "chat requests: use /v1/completions with a plain prompt")
     body.check_supported()
+    body.warn_ignored("/v1/chat/completions", UNSUPPORTED_CHAT_FIELDS)
     if body.model is not None and body.model != service.model_name:
         raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
                            f"{service.model_name!r}")

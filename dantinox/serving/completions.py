@@ -20,7 +20,8 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runs.tokenizer import StreamDecoder, UnknownCharactersError
-from .protocol import CompletionRequest, LogprobsLog, StopChecker, choice_body, completion_body, error_body, usage_body
+from .protocol import (UNSUPPORTED_FIELDS, CompletionRequest, LogprobsLog, StopChecker, choice_body, completion_body,
+                       error_body, usage_body)
 from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
 from .request_limits import PromptLengthBound
 from .request_log import slice_from
@@ -60,6 +61,7 @@ class _Service:
                                 status_code=503)
         try:
             body.check_supported()
+            body.warn_ignored("/v1/completions", UNSUPPORTED_FIELDS)
             if body.model is not None and body.model != self.model_name:
                 raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
                                    f"{self.model_name!r}")

@@ -9,7 +9,9 @@ max_tokens: "5" or true, stream: "yes" get 400 naming the field (every error is 
 seed must be in [0, 2**32); model, when given, must be the served model's name; stop strings must not be
 empty. OpenAI fields this server does not implement (best_of, suffix, frequency_penalty,
 presence_penalty, logit_bias) are rejected with 400 naming the field unless they hold their no-op value
-(null, best_of 1, penalties 0, logit_bias {}); other unknown fields are ignored.
+(null, best_of 1, penalties 0, logit_bias {}); any other field no part of the server reads (a misspelt
+"max_token", another server's extension) is ignored and named in one warning line of the server's log
+(``SamplingRequest.ignored_fields``; vLLM does the same, OpenAI answers 400).
 
 Stop ids. Every choice ends at the model's stop ids (its end-of-turn / end-of-text tokens,
 ``dantinox.runs.stop_ids``; case K11) with finish_reason "stop"; the stop token is counted in usage but not
@@ -35,6 +37,7 @@ entries of the tokens consumed since the previous chunk.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -46,6 +49,15 @@ MAX_CHOICES = 16  # most choices (n) per request
 # OpenAI completions fields this server does not implement -> the values that change nothing
 UNSUPPORTED_FIELDS = {"best_of": (None, 1), "suffix": (None,), "frequency_penalty": (None, 0),
                       "presence_penalty": (None, 0), "logit_bias": (None, {})}
+
+
+log = logging.getLogger("dantinox.serving")
+
+# fields beyond SamplingRequest's own that the server reads: structured outputs (structured_request), tools
+# (tool_calls) and the request log's slice (request_log.slice_from)
+READ_EXTRA_FIELDS = frozenset({"response_format", "structured_outputs", "guided_json", "guided_regex",
+                               "guided_grammar", "guided_choice", "tools", "tool_choice", "parallel_tool_calls",
+                               "metadata", "user"})
 
 
 class SamplingRequest(BaseModel):
@@ -73,6 +85,19 @@ class SamplingRequest(BaseModel):
 
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
+
+    def ignored_fields(self, checked=()) -> list[str]:
+        """Sorted names of the body's fields that no part of the server reads: every field beyond the model's
+        own, READ_EXTRA_FIELDS and ``checked`` (the endpoint's unimplemented OpenAI fields, which
+        check_supported refuses unless they hold their no-op value)."""
+        return sorted(set(self.model_extra or {}) - READ_EXTRA_FIELDS - set(checked))
+
+    def warn_ignored(self, path: str, checked=()) -> None:
+        """Log one warning line naming the fields ``ignored_fields(checked)`` finds (none: nothing)."""
+        ignored = self.ignored_fields(checked)
+        if ignored:
+            log.warning("%s: request fields ignored (this server does not read them): %s", path,
+                        ", ".join(ignored))
 
 
 class CompletionRequest(SamplingRequest):

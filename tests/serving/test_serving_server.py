@@ -3,6 +3,7 @@
 Retry-After, client disconnects freeing blocks, metrics and health, and the `dantinox serve` start-up line."""
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -419,3 +420,16 @@ def test_every_error_is_openai_error_json(server, path, body, status, param):
 def test_wrong_method_is_openai_error_json(server):
     reply = httpx.get(server.url + "/v1/completions", timeout=30)
     assert reply.status_code == 405 and reply.json()["error"]["message"].startswith("GET /v1/completions")
+
+
+@pytest.mark.parametrize("extra, expected", [({"max_token": 5}, "max_token"), ({"user": "u"}, None)])
+def test_the_server_answers_and_logs_the_ignored_fields(server, caplog, extra, expected):
+    with caplog.at_level(logging.WARNING, logger="dantinox.serving"):
+        reply = httpx.post(server.url + "/v1/completions", json=dict(prompt="Nel", max_tokens=2, **extra),
+                           timeout=30)
+    assert reply.status_code == 200, reply.text
+    lines = [r.getMessage() for r in caplog.records if "request fields ignored" in r.getMessage()]
+    if expected is None:
+        assert lines == []
+    else:
+        assert lines == [f"/v1/completions: request fields ignored (this server does not read them): {expected}"]
