@@ -40,15 +40,17 @@ def check_max_bytes(max_bytes, name: str = "max_bytes") -> int:
 class BodySizeLimit:
     """ASGI middleware: HTTP request bodies over ``max_bytes`` get 413 with OpenAI's error object.
 
-    app: the ASGI app; max_bytes: the largest body allowed (bytes, >= 1); on_reject: called with no
-    argument for each refused request (the server counts it in ``dantinox_requests_rejected_total`` as
-    "body_too_large"). A body within the limit is read whole here and handed to the app unchanged; later
-    ``receive`` calls (the disconnect watcher's) go to the server as before.
+    app: the ASGI app; max_bytes: the largest body allowed (bytes, >= 1); on_reject: called with the reason
+    of each request refused here, "body_too_large" (413) or "invalid_<param>" (400 from ``precheck``), which
+    the server counts in ``dantinox_requests_rejected_total`` under that label as it counts the endpoints'
+    own refusals; precheck: (path, body bytes) -> an error body to answer 400 with, or None. A body within the
+    limit is read whole here and handed to the app unchanged; later ``receive`` calls (the disconnect
+    watcher's) go to the server as before.
     """
 
     def __init__(self, app, max_bytes: int, on_reject=None, precheck=None):
         self.app, self.max_bytes, self.on_reject = app, check_max_bytes(max_bytes), on_reject
-        self.precheck = precheck  # (path, body bytes) -> an error body to answer 400 with, or None
+        self.precheck = precheck
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -72,12 +74,14 @@ class BodySizeLimit:
         if self.precheck is not None and size > LARGE_BODY:
             refusal = self.precheck(scope.get("path", ""), b"".join(m.get("body", b"") for m in messages))
         if refusal is not None:
+            if self.on_reject is not None:
+                self.on_reject(f"invalid_{refusal['error']['param']}")
             return await _answer(send, 400, refusal)
         await self.app(scope, _replay(messages, receive), send)
 
     async def _refuse(self, scope, receive, send, what: str) -> None:
         if self.on_reject is not None:
-            self.on_reject()
+            self.on_reject("body_too_large")
         body = error_body(f"{what}; this server accepts request bodies of at most {self.max_bytes:,} bytes",
                           "body", "invalid_request_error", "request_too_large")
         await _answer(send, 413, body)

@@ -93,7 +93,7 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
 
     app = FastAPI(title="dantinox", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes,
-                       on_reject=lambda: metrics.rejected(reason="body_too_large"),
+                       on_reject=lambda reason: metrics.rejected(reason=reason),
                        precheck=TokenListBound(engine.max_context))
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine
     if stop_ids is None:

@@ -7,6 +7,7 @@ answered)."""
 
 import json
 import random
+import re
 import threading
 
 import httpx
@@ -193,17 +194,26 @@ def test_token_list_length_counts_the_ids_of_the_prompt_from_its_bytes(text, wan
         assert want == len(json.loads(text)["prompt"])
 
 
+def _invalid_prompts(server) -> float:
+    """dantinox_requests_rejected_total{reason="invalid_prompt"} now (0 before the first)."""
+    found = re.search(r'dantinox_requests_rejected_total\{reason="invalid_prompt"\} ([0-9.]+)',
+                      httpx.get(server.url + "/metrics").text)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_ten_megabyte_token_id_prompt_is_refused_before_it_is_parsed(served, monkeypatch):
     # parsing and validating 3.3 million ids held the event loop for about a second (new-user walk-through)
     server, _, _ = served
     parsed = []
     real = json.loads
     monkeypatch.setattr(json, "loads", lambda text, *a, **k: parsed.append(len(text)) or real(text, *a, **k))
+    counted = _invalid_prompts(server)
     body = json.dumps({"prompt": [5] * 3_300_000, "max_tokens": 4}).encode()
     answer = _post(server, "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
     assert "prompt has 3,300,000 tokens" in answer.json()["error"]["message"]
     assert not [n for n in parsed if n >= len(body)]   # the body was never parsed as JSON
+    assert _invalid_prompts(server) == counted + 1   # counted with the endpoints' own refusals
     small = json.dumps({"prompt": [5] * 40, "max_tokens": 2, "temperature": 0}).encode()
     assert _post(server, "/v1/completions", content=small, headers={"content-type": "application/json"}
                  ).status_code == 200
