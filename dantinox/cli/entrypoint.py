@@ -189,6 +189,7 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt as err:
         return _interrupted(None, err, argv is None)
     try:
+        _check_text_flags(args, parser)
         initialize_from_args(args)  # --coordinator ...: join the process group first (dantinox.parallel.distributed)
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
@@ -199,6 +200,24 @@ def _run(argv: list[str] | None) -> int:
         return SIGPIPE_STATUS
     except KeyboardInterrupt as err:
         return _interrupted(args.command, err, argv is None)
+
+
+# flags whose value is text for the model (paths are left alone: a Linux file name may be any bytes)
+TEXT_FLAGS = ("prompt", "chat", "system", "regex")
+
+
+def _check_text_flags(args, parser) -> None:
+    """ValueError naming the flag (``--prompt is not valid Unicode: ... the byte 0xff ...``) when a text flag
+    holds bytes that are not UTF-8: Python keeps them as lone surrogates, which the tokenizer cannot read."""
+    from ..runs.tokenizer import check_unicode
+    from .flags import option_names, subcommand_parser
+
+    sub = subcommand_parser(parser, getattr(args, "command", "") or "")
+    flags = option_names(sub) if sub is not None else {}
+    for dest in TEXT_FLAGS:
+        value = getattr(args, dest, None)
+        if isinstance(value, str):
+            check_unicode(value, flags.get(dest, f"--{dest}"))
 
 
 def _interrupted(command: str | None, err: KeyboardInterrupt, end_process: bool) -> int:

@@ -37,6 +37,8 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from .tokenizer import check_unicode
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -112,11 +114,17 @@ def _tool_calls(calls, where: str) -> list[dict]:
 
 
 def _content_text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
+    """A message's content as one string; ChatTemplateError naming ``where`` for another type or for text that
+    is not valid Unicode (a lone surrogate, ``tokenizer.check_unicode``)."""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        content = "".join(p["text"] for p in content)
+    if isinstance(content, str):
+        try:
+            check_unicode(content, where)
+        except ValueError as err:
+            raise ChatTemplateError(str(err), where) from None
+        return content
     raise ChatTemplateError(f"{where}={content!r} is not allowed: a string or a list of "
                             "{'type': 'text', 'text': ...} parts", where)
 

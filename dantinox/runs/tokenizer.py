@@ -74,7 +74,8 @@ class TextTokenizer:
         special: match special-token texts ("<|im_end|>" -> its id); False encodes them as ordinary text.
         Raises:
           ValueError: unknown="error" and the text holds unknown characters (names them and their
-            positions, 0-based character offsets); an unknown policy name; text not a str.
+            positions, 0-based character offsets); an unknown policy name; text not a str; text with a lone
+            surrogate (not valid Unicode, ``check_unicode``).
         """
         if unknown not in ("error", "replace"):
             raise ValueError(f"unknown={unknown!r} is not allowed: 'error' or 'replace'")
@@ -164,8 +165,25 @@ class TextTokenizer:
             raise ValueError(f"{os.fspath(path)}: {err}") from err
 
 
+def check_unicode(text: str, what: str = "text") -> None:
+    """ValueError naming ``what`` when ``text`` holds a lone surrogate (U+D800..U+DFFF), which no Unicode
+    encoding can write and the tokenizer cannot read: JSON's "\\ud800" escape, or on a command line bytes that
+    are not UTF-8, which Python keeps as U+DC80..U+DCFF (the message gives the byte)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        byte = f" (the byte 0x{code - 0xDC00:02x}, not UTF-8)" if 0xDC80 <= code <= 0xDCFF else ""
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate U+{code:04X}{byte} at character "
+                         f"{err.start}; send UTF-8 text") from None
+
+
 def _encoding(hf: Tokenizer, text: str):
-    """``hf``'s Encoding of ``text`` without added special tokens; the GIL is released for long texts."""
+    """``hf``'s Encoding of ``text`` without added special tokens; the GIL is released for long texts.
+    ValueError for a text with a lone surrogate (``check_unicode``)."""
+    check_unicode(text)
     if len(text) < GIL_FREE_CHARS:
         return hf.encode(text, add_special_tokens=False)
     return hf.encode_batch([text], add_special_tokens=False)[0]

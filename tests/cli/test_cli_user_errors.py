@@ -98,3 +98,16 @@ def test_train_into_a_file_is_one_line(tmp_path, capsys):
     assert line == (f"dantinox train: error: --out {out} is a file, not a directory: give the path of a run "
                     "directory (a new one, or one to resume)")
     assert out.read_text() == "x"
+
+
+@pytest.mark.parametrize("argv, flag, detail", [
+    (["generate", "--prompt", "Nel \udcff\udcfe"], "--prompt", "U+DCFF (the byte 0xff, not UTF-8) at character 4"),
+    (["generate", "--chat", "\udced\udca0\udc80 hi"], "--chat", "U+DCED (the byte 0xed, not UTF-8) at character 0"),
+    (["verify", "--prompt", "ok \ud800"], "--prompt", "U+D800 at character 3"),
+])
+def test_text_that_is_not_utf8_names_its_flag_and_byte(capsys, argv, flag, detail):
+    # bytes that are not UTF-8 on a command line reach Python as lone surrogates, which the tokenizer
+    # cannot read (it raised a TypeError traceback; new-user walk-through of 2026-12-04)
+    line = _one_error_line(capsys, argv)
+    assert line == (f"dantinox {argv[0]}: error: {flag} is not valid Unicode: a lone surrogate {detail}; "
+                    "send UTF-8 text")

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions with the official openai client (plain, streamed, n, seed, stop, usage) against
 Generator.chat on the same run, and its errors: no chat template, unknown role, unsupported fields."""
 
+import json
 import httpx
 import numpy as np
 import openai
@@ -112,6 +113,10 @@ def test_k12_special_token_text_in_a_message_stays_text(client, run_dir):
      "'wizard' is not allowed"),
     ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content", "is not allowed"),
     ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": [{"role": "user", "content": "\udc80 hi"}]}, "messages[0].content",  # JSON's "\udc80"
+     "messages[0].content is not valid Unicode: a lone surrogate U+DC80"),
+    ({"messages": [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]},
+     "messages[1].content", "U+D800 at character 1"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0].function", "must be an object"),
     ({"messages": MESSAGES, "logprobs": True}, "logprobs", "not supported"),
     ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
@@ -121,7 +126,8 @@ def test_k12_special_token_text_in_a_message_stays_text(client, run_dir):
      "after the chat template, the prompt has"),
 ])
 def test_chat_bad_requests_name_the_field(server, body, field, text):
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(server.url + "/v1/chat/completions", content=json.dumps(body),   # ASCII: "\ud800" escapes
+                   headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and text in error["message"]

@@ -3,6 +3,7 @@
 Retry-After, client disconnects freeing blocks, metrics and health, and the `dantinox serve` start-up line."""
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -187,6 +188,10 @@ def test_invalid_input_names_the_field(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     missing = httpx.post(url, json=dict(max_tokens=3), timeout=30)
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt"
+    lone = httpx.post(url, content=json.dumps(dict(prompt="Nel \ud800")),  # JSON's "\ud800": was a 500
+                      headers={"content-type": "application/json"}, timeout=30)
+    assert lone.status_code == 400 and lone.json()["error"]["param"] == "prompt", lone.text
+    assert "not valid Unicode: a lone surrogate U+D800 at character 4" in lone.json()["error"]["message"]
     for field in ("n", "logprobs"):
         typed = httpx.post(url, json={"prompt": "x", field: "several"}, timeout=30)
         assert typed.status_code == 400 and typed.json()["error"]["param"] == field
