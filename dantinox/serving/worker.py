@@ -152,6 +152,7 @@ class EngineWorker:
         _, rids, prompt_ids, options, loop, events, submitted, slice_name = command
         added = []
         try:
+            self._check_choices(len(rids))
             for rid, opts in zip(rids, options):
                 self.engine.add_request(prompt_ids, opts, request_id=rid,
                                         share_prompt_with=None if rid == rids[0] else rids[0])
@@ -167,6 +168,15 @@ class EngineWorker:
             self._streams[rid] = _Stream(loop, events, submitted, slice_name=slice_name,
                                          prompt_tokens=len(prompt_ids))
         self._streams[rids[0]].send(("accepted",))
+
+    def _check_choices(self, n: int) -> None:
+        """RequestError naming "n" when a request's n choices could never all wait in the queue at once (each
+        choice is one engine request): a 429 "retry later" would never succeed."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        limit = scheduler.policy.max_queued if scheduler is not None else None
+        if limit is not None and n > limit:
+            raise RequestError("n", f"n={n} is not allowed: each choice is one request in the queue, and this "
+                               f"server queues at most max_queued={limit} (serve --max-queued)")
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()

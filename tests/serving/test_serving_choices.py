@@ -16,7 +16,7 @@ from test_serving_server import save_tiny_bpe_run, start_server
 
 import dantinox as dx
 from dantinox.runs.run_dir import load_run
-from dantinox.serving.request import QueueFullError, SamplingOptions
+from dantinox.serving.request import QueueFullError, RequestError, SamplingOptions
 from dantinox.serving.worker import EngineWorker
 
 TOL = 1e-4
@@ -125,6 +125,26 @@ def test_the_worker_adds_all_choices_of_a_request_or_none():
     assert results["a0"] == results["a1"] == (solo(model, prompt, 4), "length")
     assert results["b0"] == ([], "abort") and "b1" not in results  # b0 left the queue again
     assert engine.stats()["blocks_used"] == 0 and set(worker._streams) == {"a0", "a1"}
+
+
+def test_more_choices_than_the_queue_holds_is_a_400_on_n_not_a_429():
+    # n > max_queued can never be admitted, even on an idle server: "retry later" would be false
+    # (new-user walk-through, 2026-12-04: serve --max-queued 2 answered n=3 with 429 every time)
+    engine = make_engine(lively_model(tiny_config(max_context=64)), num_blocks=40, max_queued=2)
+    worker = EngineWorker(engine)
+    loop, events = asyncio.new_event_loop(), asyncio.Queue()
+    opts = SamplingOptions(max_new_tokens=2)
+    try:
+        worker._execute(("submit", ["c0", "c1", "c2"], [5, 6], [opts] * 3, loop, events, 0.0, None))
+        worker._execute(("submit", ["d0", "d1"], [5, 6], [opts] * 2, loop, events, 0.0, None))
+        loop.run_until_complete(asyncio.sleep(0))
+        replies = [events.get_nowait() for _ in range(events.qsize())]
+    finally:
+        loop.close()
+    assert replies[0][0] == "rejected" and isinstance(replies[0][1], RequestError)
+    assert replies[0][1].field == "n" and "max_queued=2" in str(replies[0][1])
+    assert replies[1] == ("accepted",)   # n = max_queued still fits an empty queue
+    assert set(drain(engine)) == {"d0", "d1"}
 
 
 # HTTP ------------------------------------------------------------------------------------------------------
