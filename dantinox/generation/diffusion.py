@@ -55,6 +55,7 @@ from flax import nnx
 from ..model.attention import NEG_INF, grouped_scores, grouped_values
 from ..model.cache import CapacityError, LayerKV
 from .prompts import bucket_length, prepare_prompts
+from .sampling import temperature_problem
 
 REFRESH_POLICIES = ("block", "prompt_once", "step")
 
@@ -353,8 +354,8 @@ def check_diffusion_request(cfg, longest_prompt: int, gen_len, block_size, steps
                          f"{block_size}")
     if threshold is not None and not (isinstance(threshold, (int, float)) and 0.0 < threshold <= 1.0):
         raise ValueError(f"threshold={threshold!r} is not allowed: None or a number in (0, 1]")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature={temperature!r} is not allowed: a number >= 0 (0 = greedy)")
+    if temperature_problem(temperature) is not None:
+        raise ValueError(f"temperature={temperature!r} is not allowed: {temperature_problem(temperature)}")
     if refresh not in REFRESH_POLICIES:
         raise ValueError(f"refresh={refresh!r} is not allowed: one of {REFRESH_POLICIES}")
     if longest_prompt + gen_len > cfg.max_context:

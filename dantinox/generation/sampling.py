@@ -30,6 +30,17 @@ import numpy as np
 GREEDY_TEMPERATURE = 1e-5
 TOP_P_TOLERANCE = 1e-6  # float32 rounding allowance at the top-p boundary (K09)
 _MASKED = -1e30
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)   # temperatures are float32 on the device: 3.4028e38
+
+
+def temperature_problem(t) -> str | None:
+    """What is wrong with one temperature (None when it is allowed): a finite number in [0, MAX_TEMPERATURE]
+    (beyond it float32 holds no such number). The CLI's, the library's and the server's refusals share it."""
+    if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+        return "a number"
+    if not (0 <= float(t) <= MAX_TEMPERATURE):   # also NaN, +-inf
+        return f"a finite number in [0, {MAX_TEMPERATURE:.5g}] (float32; 0 = greedy)"
+    return None
 
 
 class SamplingParams(NamedTuple):
@@ -44,14 +55,17 @@ def make_sampling_params(batch: int, temperature=0.0, top_k=0, top_p=1.0, vocab_
                          ) -> SamplingParams:
     """Validate host-side settings (scalars or one per row) and broadcast them to [B] arrays.
 
-    Raises ValueError: temperature < 0 or not finite, top_k < 0 or not an integer, top_p outside (0, 1],
+    Raises ValueError: temperature < 0, not finite or beyond float32's largest number, top_k < 0 or not an
+    integer, top_p outside (0, 1],
     or a per-row sequence whose length is not B.
     """
-    t = _per_row("temperature", temperature, batch, np.float32)
+    t = _per_row("temperature", temperature, batch, np.float64)   # checked before float32 would overflow
     k = _per_row("top_k", top_k, batch, np.int64)
     p = _per_row("top_p", top_p, batch, np.float32)
-    if not np.all(np.isfinite(t)) or np.any(t < 0):
-        raise ValueError(f"temperature={_show(temperature)} is not allowed: a finite number >= 0 (0 = greedy)")
+    problem = next(filter(None, map(temperature_problem, t.tolist())), None)
+    if problem is not None:
+        raise ValueError(f"temperature={_show(temperature)} is not allowed: {problem}")
+    t = t.astype(np.float32)
     if np.any(k < 0):
         raise ValueError(f"top_k={_show(top_k)} is not allowed: an integer >= 0 (0 = off)")
     if not np.all(np.isfinite(p)) or np.any(p <= 0) or np.any(p > 1):

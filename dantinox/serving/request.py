@@ -10,12 +10,12 @@ to 0 while the generated tokens are kept) are all the same operation.
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..generation.grammar import Constraint
+from ..generation.sampling import temperature_problem
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_LOGPROBS = 5  # most alternatives per token a request may ask for (OpenAI's limit for completions)
@@ -68,9 +68,9 @@ class SamplingOptions:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise RequestError("max_tokens", f"max_tokens={self.max_new_tokens!r} is not allowed: an "
                                "integer >= 1")
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise RequestError("temperature", f"temperature={t!r} is not allowed: a finite number >= 0")
+        problem = temperature_problem(self.temperature)
+        if problem is not None:
+            raise RequestError("temperature", f"temperature={self.temperature!r} is not allowed: {problem}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise RequestError("top_k", f"top_k={self.top_k!r} is not allowed: an integer >= 0 (0 = off)")
         p = self.top_p

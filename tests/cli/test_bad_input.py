@@ -27,8 +27,9 @@ def test_bad_prompts(model, prompt, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-1.0), r"temperature=-1.0 .*>= 0"),
+    (dict(temperature=-1.0), r"temperature=-1.0 .*in \[0, 3.4028e\+38\]"),
     (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1e39), r"temperature=1e\+39 is not allowed: a finite number in \[0, 3.4028e\+38\] \(float32"),
     (dict(top_p=0.0), r"top_p=0.0 .*\(0, 1\]"),
     (dict(top_p=1.5), r"top_p=1.5"),
     (dict(top_k=-1), r"top_k=-1 .*>= 0"),

@@ -151,6 +151,7 @@ def test_admission_bounds_and_input_errors(model):
     with pytest.raises(RequestError, match="need 7 KV blocks; the whole cache has 6"):
         engine.add_request([1] * 20, greedy(8))
     for bad, field in ((SamplingOptions(temperature=-1.0), "temperature"),
+                       (SamplingOptions(temperature=1e39), "temperature"),   # past float32: the CLI's refusal too
                        (SamplingOptions(top_p=0.0), "top_p"), (SamplingOptions(top_k=-2), "top_k"),
                        (SamplingOptions(max_new_tokens=0), "max_tokens"), (SamplingOptions(seed=-1), "seed")):
         with pytest.raises(RequestError) as err:
