@@ -103,7 +103,7 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):
         body, label = _validation_error(exc, "messages" if request.url.path.endswith("/chat/completions")
-                                        else "prompt")
+                                        else "prompt", request.headers.get("content-type"))
         metrics.rejected(reason=f"invalid_{label or 'body'}")
         return JSONResponse(body, status_code=400)
 
@@ -156,11 +156,18 @@ def _warmup_status(worker: EngineWorker) -> dict:
     return worker.warmup.status()
 
 
-def _validation_error(exc: RequestValidationError, required: str) -> tuple[dict, str | None]:
+def _validation_error(exc: RequestValidationError, required: str, content_type: str | None = None
+                      ) -> tuple[dict, str | None]:
     """(OpenAI error body, metrics label) for a body FastAPI could not parse or validate (answered with 400):
     the label is the JSON field, "json" (not JSON) or "body" (not an object). required: the field the
-    endpoint needs ("prompt" or "messages"), named when the body is missing."""
+    endpoint needs ("prompt" or "messages"), named when the body is missing. content_type: the request's
+    Content-Type header; FastAPI reads a body as JSON only when it says JSON, so another one (curl -d sends
+    application/x-www-form-urlencoded) is named as the cause."""
     first = exc.errors()[0]
+    media = (content_type or "").split(";")[0].strip().lower()
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") != "missing" and "json" not in media:
+        return error_body(f"the request body was not read as JSON: its Content-Type is {media or 'not given'}; "
+                          "send the header 'Content-Type: application/json'", "body"), "body"
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", first.get("msg"))

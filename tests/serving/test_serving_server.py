@@ -438,3 +438,16 @@ def test_the_server_answers_and_logs_the_ignored_fields(server, caplog, extra, e
         assert lines == []
     else:
         assert lines == [f"/v1/completions: request fields ignored (this server does not read them): {expected}"]
+
+
+@pytest.mark.parametrize("headers, said", [({"content-type": "application/x-www-form-urlencoded"},
+                                             "its Content-Type is application/x-www-form-urlencoded"),
+                                            ({"content-type": "text/plain"}, "its Content-Type is text/plain")])
+def test_a_json_body_sent_with_another_content_type_names_the_header(server, headers, said):
+    # curl -d sends form encoding; the body is a JSON object, so "not a JSON object" misled
+    # (new-user walk-through, 2026-12-04)
+    reply = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "Nel", "max_tokens": 2}',
+                       headers=headers, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "body"
+    assert said in reply.json()["error"]["message"]
+    assert "Content-Type: application/json" in reply.json()["error"]["message"]
