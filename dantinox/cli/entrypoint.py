@@ -185,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     try:
         parser = build_parser()  # imports the subcommands' libraries (JAX among them): seconds
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # named by the subcommand ("dantinox generate: error: unrecognized arguments: --promt x")
+            from .flags import subcommand_parser
+
+            (subcommand_parser(parser, args.command) or parser).error(f"unrecognized arguments: {' '.join(extras)}")
     except KeyboardInterrupt as err:
         return _interrupted(None, err, argv is None)
     try:

@@ -62,7 +62,8 @@ def test_import_into_an_unwritable_place_names_out(tmp_path, capsys):
     (["plan", "trace", "--out", "t.jsonl", "--requests", "many"], "dantinox plan trace",
      "argument --requests: invalid int value: 'many'"),
     (["generate", "--refresh", "sometimes"], "dantinox generate", "argument --refresh: invalid choice: 'sometimes'"),
-    (["generate", "--no-such-flag"], "dantinox", "unrecognized arguments: --no-such-flag"),
+    (["generate", "--no-such-flag"], "dantinox generate", "unrecognized arguments: --no-such-flag"),
+    (["serve", "--foo", "1"], "dantinox serve", "unrecognized arguments: --foo 1"),
 ])
 def test_a_flag_of_the_wrong_type_is_one_line_not_the_usage(capsys, argv, command, flag):
     from dantinox.cli.entrypoint import main
