@@ -298,6 +298,8 @@ def build_engine(args: argparse.Namespace):
     try:
         return PagedEngine(model, config, draft=draft), tokenizer, name
     except ValueError as err:
+        if args.kv_memory and str(err).startswith("kv memory "):   # name the flag as typed, then the bytes
+            raise ValueError(f"--kv-memory {args.kv_memory}: {err}") from None
         if draft is None or not str(err).startswith("draft "):
             raise
         raise ValueError(f"--speculative {args.speculative}: {err}") from None

@@ -5,6 +5,7 @@ a --config YAML (ModelConfig fields, optionally under ``model:``, and train fiel
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from typing import Any
 
@@ -97,7 +98,14 @@ def resolve_cli_config(preset: str | None, config_path: str | None,
     base.update(switch_attention(base, fields))
     changes = parse_overrides(overrides)
     base.update(switch_attention(base, changes))
-    return ModelConfig.from_dict(base), options
+    try:
+        return ModelConfig.from_dict(base), options
+    except ConfigError as err:   # a refused override is named as typed: "--set dim=-3: ModelConfig.dim=-3 ..."
+        field = re.match(r"ModelConfig\.(\w+)=", str(err))
+        typed = [o for o in overrides or () if field and o.split("=", 1)[0].strip() == field.group(1)]
+        if typed:
+            raise ConfigError(f"--set {typed[-1]}: {err}") from None
+        raise
 
 
 def load_yaml_config(path: str) -> tuple[dict, dict]:

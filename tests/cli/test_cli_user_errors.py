@@ -1,6 +1,8 @@
 """Bad input on the command line is one line naming the flag and the value, exit status 2, no traceback:
 files that do not exist or are directories, files that are not YAML, and flags named once."""
 
+import socket
+
 import pytest
 from cli_util import run_main
 from paths import FIXTURES
@@ -112,3 +114,15 @@ def test_text_that_is_not_utf8_names_its_flag_and_byte(capsys, argv, flag, detai
     line = _one_error_line(capsys, argv)
     assert line == (f"dantinox {argv[0]}: error: {flag} is not valid Unicode: a lone surrogate {detail}; "
                     "send UTF-8 text")
+
+
+def test_a_refused_override_and_a_tiny_kv_memory_name_their_flag_as_typed(capsys, tmp_path):
+    # new-user walk-through, 2026-12-04: both named library terms the user never typed
+    line = _one_error_line(capsys, ["train", "--data", "it-heldout", "--out", str(tmp_path / "r"),
+                                    "--set", "dim=-3"])
+    assert line == "dantinox train: error: --set dim=-3: ModelConfig.dim=-3 is not allowed: a positive integer"
+    with socket.socket() as probe:   # a free port: serve binds before it loads the model
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    line = _one_error_line(capsys, ["serve", "--kv-memory", "1KB", "--port", str(port)])
+    assert line.startswith("dantinox serve: error: --kv-memory 1KB: kv memory 1000 bytes holds no block: ")
