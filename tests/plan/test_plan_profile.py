@@ -228,3 +228,15 @@ def test_max_context_serves_a_shorter_context_and_a_profile_of_another_is_refuse
         with pytest.raises(ValueError, match=r"--max-context=.* is not allowed: an integer from 1 to the model's "
                                              r"max_context \(256\)"):
             load_model(str(tmp_path), bad)
+
+
+def test_calibration_runs_share_no_prompt_block():
+    """The warm-up, timed and again runs of calibrate_steps use prompts of their own: "timed" and "again" have the
+    same length, and the prompts once depended on the tag's length only, so the second timed run hit the
+    first one's prefix cache (found by benchmarks/plan_requests.py, 2026-12-04) and timed cheaper prefills."""
+    from dantinox.plan.profile import _burst
+
+    block = 16
+    firsts = {tag: {tuple(ids[:block]) for _, ids, _ in _burst(tag, 49152, 1024) if len(ids) >= block}
+              for tag in ("warm", "timed", "again")}
+    assert firsts["timed"] and not (firsts["timed"] & firsts["again"]) and not (firsts["warm"] & firsts["timed"])
