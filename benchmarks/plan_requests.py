@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -30,16 +29,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from plan_fidelity import make_trace  # noqa: E402
+from plan_spread import one_sample_setup  # noqa: E402
 
 import dantinox.plan.simulate as simulate_mod  # noqa: E402
 from dantinox.plan.candidate import Candidate  # noqa: E402
 from dantinox.plan.cost_model import CostModel  # noqa: E402
-from dantinox.plan.inputs import load_model  # noqa: E402
 from dantinox.plan.metrics import per_request  # noqa: E402
-from dantinox.plan.profile import _run_workload, step_cost, take_profile  # noqa: E402
+from dantinox.plan.profile import _run_workload, step_cost  # noqa: E402
 from dantinox.plan.replay import replay_realtime  # noqa: E402
-from dantinox.serving.engine import PagedEngine  # noqa: E402
 
 
 def _chunks(sched) -> list:
@@ -159,12 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--tail", type=float, default=0.05)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    run_dir, model, cfg, tok = load_model(args.run_dir, args.max_context)
-    cost = CostModel.from_dict(take_profile(run_dir, model, cfg)["cost_model"])
-    engine = PagedEngine(model, Candidate().engine_config())
-    engine.warmup()
-    with tempfile.TemporaryDirectory() as d:
-        requests, prompts = make_trace(cfg, tok, args.rate, args.requests, args.seed, d)
+    cfg, cost, engine, requests, prompts = one_sample_setup(args)
     real, rsteps = replay_steps(engine, requests, prompts)
     calib = [_run_workload(engine, tag, cost) for tag in ("after", "again")]   # the calibration, same engine
     for kind in ("forward", "decode"):

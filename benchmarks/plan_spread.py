@@ -38,6 +38,19 @@ def row(name: str, m: dict) -> str:
             f"| {m['tpot']['p50'] * 1e3:.3f} | {m['output_tokens_per_s']:.1f} |")
 
 
+def one_sample_setup(args):
+    """(cfg, cost model, warmed-up PagedEngine, trace requests, prompts) for --run_dir / --max-context: a
+    one-sample profile (the planner's take_profile), the default candidate's engine, and the mixed trace of
+    plan_fidelity.py at --rate with --requests and --seed. plan_requests.py starts the same way."""
+    run_dir, model, cfg, tok = load_model(args.run_dir, args.max_context)
+    cost = CostModel.from_dict(take_profile(run_dir, model, cfg)["cost_model"])
+    engine = PagedEngine(model, Candidate().engine_config())
+    engine.warmup()
+    with tempfile.TemporaryDirectory() as d:
+        requests, prompts = make_trace(cfg, tok, args.rate, args.requests, args.seed, d)
+    return cfg, cost, engine, requests, prompts
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run_dir", default=None)
@@ -46,12 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-context", type=int, default=None, help="serve with an N-token context (plan --max-context)")
     args = p.parse_args(argv)
-    run_dir, model, cfg, tok = load_model(args.run_dir, args.max_context)
-    cost = CostModel.from_dict(take_profile(run_dir, model, cfg)["cost_model"])
-    engine = PagedEngine(model, Candidate().engine_config())
-    engine.warmup()
-    with tempfile.TemporaryDirectory() as d:
-        requests, prompts = make_trace(cfg, tok, args.rate, args.requests, args.seed, d)
+    cfg, cost, engine, requests, prompts = one_sample_setup(args)
     real = replay_realtime(engine, requests, prompts)
     independent = dataclasses.replace(cost, spread_correlation=0.0)
     flat = dataclasses.replace(cost, forward_spread=(), decode_spread=(), spread_correlation=0.0)

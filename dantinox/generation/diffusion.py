@@ -354,8 +354,9 @@ def check_diffusion_request(cfg, longest_prompt: int, gen_len, block_size, steps
                          f"{block_size}")
     if threshold is not None and not (isinstance(threshold, (int, float)) and 0.0 < threshold <= 1.0):
         raise ValueError(f"threshold={threshold!r} is not allowed: None or a number in (0, 1]")
-    if temperature_problem(temperature) is not None:
-        raise ValueError(f"temperature={temperature!r} is not allowed: {temperature_problem(temperature)}")
+    problem = temperature_problem(temperature)
+    if problem is not None:
+        raise ValueError(f"temperature={temperature!r} is not allowed: {problem}")
     if refresh not in REFRESH_POLICIES:
         raise ValueError(f"refresh={refresh!r} is not allowed: one of {REFRESH_POLICIES}")
     if longest_prompt + gen_len > cfg.max_context:
