@@ -2,7 +2,8 @@
 run must hold: its weights (bytes of the parameter arrays as stored) and its KV cache (generate: the static
 cache of one sequence at max_context; serve: the paged pool its start-up line reports).
 
-    python benchmarks/bench_memory.py --run_dir /tmp/smol-q41 [--max-running 2] [--skip-serve]
+    python benchmarks/bench_memory.py --run_dir /tmp/smol-q41 [--max-running 2] [--skip-serve] [--skip-generate]
+           [--serve-args "--max-loaded-programs 3"]
 
 Each command runs in its own process; its peak is the kernel's accounting of that process (``ru_maxrss`` from
 ``wait4`` for generate, ``VmHWM`` from /proc for serve), which counts mapped file pages too. serve answers while
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -89,14 +91,15 @@ def _wait_ready(port: int, proc: subprocess.Popen, deadline: float) -> None:
     raise RuntimeError("serve's warm-up did not finish")
 
 
-def measure_serve(run_dir: str, max_running: int, tokens: int, timeout: float = 1800) -> tuple[float, float, int,
-                                                                                                 float, float]:
+def measure_serve(run_dir: str, max_running: int, tokens: int, timeout: float = 1800,
+                  extra: tuple = ()) -> tuple[float, float, int, float, float]:
     """(peak MiB after one answered request, peak MiB once the warm-up is done, KV pool bytes from the start-up
     line, seconds to the answer, seconds to ready)."""
     port = _free_port()
     log = open(f"/tmp/bench_memory_serve_{port}.log", "w+")
     proc = subprocess.Popen(DANTINOX + ["serve", "--run_dir", run_dir, "--port", str(port),
-                                        "--max-running", str(max_running)], stdout=log, stderr=subprocess.STDOUT)
+                                        "--max-running", str(max_running), *extra], stdout=log,
+                            stderr=subprocess.STDOUT)
     start, body = time.perf_counter(), json.dumps({"prompt": "The capital of France is", "max_tokens": tokens})
     try:
         while True:
@@ -129,6 +132,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     p.add_argument("--max-running", type=int, default=1, help="serve's --max-running (sizes its pool)")
     p.add_argument("--skip-serve", action="store_true")
+    p.add_argument("--skip-generate", action="store_true")
+    p.add_argument("--serve-args", default="", help="more serve flags, e.g. '--max-loaded-programs 3'")
     p.add_argument("--one", choices=["prompt", "chat"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
@@ -139,14 +144,15 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     print("| command | weights MiB | KV MiB | peak MiB | peak / (weights + KV) | wall s |")
     print("|---|---|---|---|---|---|")
-    for chat in (False, True):
+    for chat in () if args.skip_generate else (False, True):
         peak, wall = measure_generate(args.run_dir, chat, args.tokens)
         name = "generate --chat" if chat else "generate --prompt"
         print(f"| {name} | {weights / MIB:.1f} | {cache / MIB:.1f} | {peak:.0f} | "
               f"{peak * MIB / (weights + cache):.2f} | {wall:.1f} |", flush=True)
     if not args.skip_serve:
-        peak, warm_peak, pool, wall, ready = measure_serve(args.run_dir, args.max_running, args.tokens)
-        name = f"serve --max-running {args.max_running}"
+        extra = tuple(shlex.split(args.serve_args))
+        peak, warm_peak, pool, wall, ready = measure_serve(args.run_dir, args.max_running, args.tokens, extra=extra)
+        name = " ".join(["serve --max-running", str(args.max_running), *extra])
         for what, mib, seconds in (("one request", peak, wall), ("warm-up done", warm_peak, ready)):
             print(f"| {name} ({what}) | {weights / MIB:.1f} | {pool / MIB:.1f} | {mib:.0f} | "
                   f"{mib * MIB / (weights + pool):.2f} | {seconds:.1f} |", flush=True)

@@ -19,6 +19,11 @@ if "DANTINOX_XLA_CACHE" not in os.environ:
     _RUN_XLA_CACHE = tempfile.mkdtemp(prefix="dantinox-test-xla-")
     os.environ["DANTINOX_XLA_CACHE"] = _RUN_XLA_CACHE
 
+# The program store (dantinox.program_store) is off in the suite: many tests retrace on purpose (a
+# monkeypatched function, jax.clear_caches() before counting compilations), and a stored program of a patched
+# trace would be found under the real code's key by later tests. tests/test_program_store.py turns it on.
+os.environ.setdefault("DANTINOX_PROGRAM_STORE", "off")
+
 # The suite's time is mostly XLA compiling thousands of tiny programs, and most of a CPU compile is LLVM
 # optimizing the generated code, which the tiny configs do not need: backend optimization level 0 cut three
 # heavy test files from 146 to 95 s (2 workers, 2026-12-04) and changes no HLO (fusion, buffer assignment and the
@@ -39,6 +44,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import dantinox as dx  # noqa: E402
+from dantinox.program_store import clear_programs  # noqa: E402
 
 
 def pytest_unconfigure(config):
@@ -61,6 +67,7 @@ def release_compiled_executables():
     yield
     gc.collect()
     jax.clear_caches()
+    clear_programs()
     gc.collect()
 
 

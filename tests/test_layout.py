@@ -22,9 +22,10 @@ LAYERS = {
     "runs": 5,
     "model": 4,
     "quant": 3, "parallel": 3,
+    "program_store": 2,
     "config": 1, "xla": 1, "_version": 1, "_launch": 1,
 }
-ROOT_FILES = ["__init__.py", "_launch.py", "_version.py", "config.py", "xla.py"]
+ROOT_FILES = ["__init__.py", "_launch.py", "_version.py", "config.py", "program_store.py", "xla.py"]
 INFERENCE = ("generation", "serving", "plan", "quality", "checkpoints", "runs", "model", "quant", "parallel",
              "budget")
 

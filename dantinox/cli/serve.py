@@ -56,12 +56,12 @@ _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
 _INT_FLAGS = (("--block-size", "block_size", 1), ("--kv-key-group", "kv_key_group", 1),
               ("--max-running", "max_running", 1),
               ("--max-queued", "max_queued", 1), ("--max-batched-tokens", "max_batched_tokens", 1),
-              ("--max-decode-steps", "max_decode_steps", 1))
+              ("--max-decode-steps", "max_decode_steps", 1), ("--max-loaded-programs", "max_loaded_programs", 1))
 
 
 # serve flags whose default None means "not given" and the type their value has (for --config files)
 _INT_VALUED = {"block_size": int, "kv_key_group": int, "spec_tokens": int, "ngram_max": int, "ngram_min": int,
-               "spec_verify_cost": str}
+               "spec_verify_cost": str, "max_loaded_programs": int}
 
 GRACEFUL_SHUTDOWN_S = 5  # after Ctrl-C, seconds uvicorn waits for requests in flight before closing them
 
@@ -116,6 +116,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-warmup", action="store_true",
                    help="compile only what requests need, when they need it (no background warm-up)")
+    p.add_argument("--max-loaded-programs", type=int, default=None, metavar="N",
+                   help="keep at most N compiled programs loaded (least recently used dropped, reloaded in about "
+                        "0.5 s when needed again): each of a 30-block model holds 45-60 MiB (default: no cap)")
     p.add_argument("--max-request-bytes", default=None,
                    help="largest request body accepted, e.g. 1MiB (the default) or 16MB; larger ones get 413")
     p.add_argument("--request-log", default=None,
@@ -410,7 +413,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     configure_logging()
     log = logging.getLogger("dantinox.serving")
-    engine, tokenizer, name = build_engine(args)
+    engine, tokenizer, name = build_engine(args)   # checks the flags first
+    if args.max_loaded_programs is not None:
+        from ..program_store import set_max_loaded_programs
+        set_max_loaded_programs(args.max_loaded_programs)
     chat_format = load_chat_format(resolve_run_dir(args.run_dir), tokenizer)
     stop_ids = read_stop_ids(resolve_run_dir(args.run_dir), tokenizer)
     log.info(kv_summary(engine))

@@ -39,6 +39,7 @@ from ..model.cache import KVCache, first_slots, init_cache
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..parallel.sharding import shard_model
+from ..program_store import stored_jit
 from .prompts import bucket_length, check_request, eos_array, is_eos, prepare_prompts
 from .sampling import SamplingParams, make_sampling_params, sample_next
 
@@ -63,7 +64,7 @@ class GenerationResult(NamedTuple):
     finish_reasons: list
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
+@stored_jit(static_argnames=("graphdef",))
 def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_id, fill):
     """Allocate the whole static cache, fill it with the right-padded prompts and sample each row's first token.
 
@@ -171,7 +172,7 @@ def warm_decode(model, windows: tuple[int, ...], prompt_length: int = 1) -> None
         state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
         decode(graphdef, params, state, jnp.int32(2), req.key, req.sampling, req.eos_id, req.fill, windows=windows)
 
-@partial(jax.jit, static_argnames=("graphdef", "windows"), donate_argnames=("state",))
+@stored_jit(static_argnames=("graphdef", "windows"), donate_argnames=("state",))
 def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: SamplingParams, eos_id, fill,
            windows: tuple[int, ...] | None = None):
     """Run decode steps until ``state.step == stop_step`` or every row is done; one compiled program.

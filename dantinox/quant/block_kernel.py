@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from ..program_store import register_custom_calls
 from .block_formats import block_format, dequantize_blocks
 
 # Rows up to which the kernel runs: at 64 and 128 rows a SmolLM2 prefill takes as long through the kernel as through
@@ -58,6 +59,9 @@ def _load() -> tuple[object | None, str]:
         except ImportError as err:
             _state["module"], _state["why"] = None, f"the compiled extension is not installed ({err})"
     return _state["module"], _state["why"]
+
+
+register_custom_calls((TARGET, ATTENTION_TARGET), _load)
 
 
 def kernel_status() -> tuple[bool, str]:

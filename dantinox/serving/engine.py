@@ -351,7 +351,7 @@ class PagedEngine(Engine):
     def _warm_forward(self, B: int, T: int) -> None:
         """Compile forward_step for bucket (B, T) without running it (``jit.lower(...).compile()`` fills the
         same in-memory cache a call uses, so the first step of the bucket compiles nothing)."""
-        forward_step.lower(*self._forward_args([], B, T)).compile()
+        forward_step.prepare(*self._forward_args([], B, T))
 
     def _warm_block_moves(self) -> None:
         """Compile the block and sink moves (copy-on-write, swap out and in) without running them."""
@@ -630,9 +630,9 @@ class PagedEngine(Engine):
         """Compile the multi-step decode loop for bucket (B, M) without running it (as ``_warm_forward``)."""
         z = np.zeros(B, np.int32)
         sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
-        decode_steps.lower(self.graph, self.params, self.pool, z, z, z, np.zeros((B, M), np.int32),
-                           np.zeros(B, np.uint32), z, sampling, self._sink_rows([], B), self._residual_rows([], B),
-                           max_steps=self.config.max_decode_steps).compile()
+        decode_steps.prepare(self.graph, self.params, self.pool, z, z, z, np.zeros((B, M), np.int32),
+                             np.zeros(B, np.uint32), z, sampling, self._sink_rows([], B), self._residual_rows([], B),
+                             max_steps=self.config.max_decode_steps)
 
     def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int, M: int) -> np.ndarray:
         """One decode_steps call for ``part`` padded to B rows, over block tables cut to M entries."""

@@ -20,6 +20,7 @@ from flax import nnx
 
 from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, apply_token_mask, greedy_argmax, sample_next
 from ..parallel.sharding import constrain_pool
+from ..program_store import stored_jit
 from .paged_channel_keys import PagedChannelKV
 from .paged_cache import BLOCK_FIELDS, SINK_FIELDS, PagedPool, block_fields, paged_views, sink_fields, with_sinks
 from .request import MAX_LOGPROBS
@@ -90,7 +91,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> StepLogprobs:
     return StepLogprobs(chosen, top_ids.astype(jnp.int32), top)
 
 
-@partial(jax.jit, static_argnames=("graph",), donate_argnames=("pool",))
+@stored_jit(static_argnames=("graph",), donate_argnames=("pool",))
 def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_new, block_table, seeds, steps,
                  sampling: SamplingParams, with_logprobs, token_mask, sink_slot, residual_slot=None):
     """Run T new tokens per row through the model over the paged pool and sample each row's next token.
@@ -119,7 +120,7 @@ def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_ne
     return tokens, logprobs, constrain_pool(tuple(view.pool for view in views))  # on a mesh: same layout
 
 
-@partial(jax.jit, static_argnames=("graph", "max_steps"), donate_argnames=("pool",))
+@stored_jit(static_argnames=("graph", "max_steps"), donate_argnames=("pool",))
 def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num_steps, block_table, seeds, steps,
                  sampling: SamplingParams, sink_slot, residual_slot=None, *, max_steps: int):
     """Up to ``max_steps`` decode steps for every row in one compiled loop (multi-step decoding).

@@ -350,6 +350,7 @@ def test_serve_warns_when_the_pool_is_smaller_than_one_request(run_dir):
     (["--max-queued", "0"], "--max-queued 0 is not allowed"),
     (["--max-batched-tokens", "-1"], "--max-batched-tokens -1 is not allowed"),
     (["--max-decode-steps", "0"], "--max-decode-steps 0 is not allowed"),
+    (["--max-loaded-programs", "0"], "--max-loaded-programs 0 is not allowed"),
     (["--port", "70000"], r"--port 70000 is not allowed: an integer in 1..65535"),
     (["--port", "0"], "--port 0 is not allowed"),
     (["--host", "not a host!"], "--host 'not a host!' is not allowed"),
