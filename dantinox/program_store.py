@@ -12,11 +12,12 @@ the same prefill was ready in 0.54 s instead of 1.03 s, with the same tokens.
 The key (sha256) covers: the function's module and name; its static arguments (by ``repr``: an nnx GraphDef's
 repr carries the model's ModelConfig and module tree); the argument tree and every leaf's shape, dtype and weak
 type; the donated arguments; the versions of jax, jaxlib, flax and dantinox; a digest of dantinox's own
-source files and compiled extensions; ``XLA_FLAGS`` and every ``DANTINOX_*`` variable but the cache's own; the
-jax settings that change tracing (x64, default matmul precision, PRNG implementation); the platform, device
-kind and the CPU's feature flags. A stored program whose key matches was therefore produced by the same code
-from the same inputs. A file that does not load (truncated, another format) is removed and exported again, with
-one warning line.
+source files and compiled extensions; ``XLA_FLAGS`` and every ``DANTINOX_*`` variable but the cache's own; JAX's
+trace context (every setting jit keys its own cache with: x64, the default matmul precision, the PRNG
+implementation, the random seed offset, the Gumbel sampler's range, ...); the platform, device kind and the
+CPU's feature flags. A stored program whose key matches was therefore produced by the same code from the same
+inputs. A file that does not load or compile (truncated, garbled, another format), or that holds another key's
+program or other argument types, is removed and exported again, with one warning line.
 
 Calls fall back to the plain ``jax.jit`` (same results, traced as usual) when the store is off (the
 compilation cache is off, or ``DANTINOX_PROGRAM_STORE=off``), inside another trace, for arrays placed on
@@ -46,12 +47,13 @@ from collections import OrderedDict
 import jax
 import numpy as np
 from jax import export
+from jax._src import config as jax_config   # trace_context: the settings jit keys its cache with
 
 from .xla import compilation_cache_dir
 
 log = logging.getLogger("dantinox.programs")
 ENV = "DANTINOX_PROGRAM_STORE"
-FORMAT = 1
+FORMAT = 2   # 2: the record holds its key
 CAP_ENV = "DANTINOX_MAX_LOADED_PROGRAMS"
 MAX_STORE_BYTES = 256 << 20  # the store directory's cap; past it the least recently used files go
 _NOT_KEYED = ("DANTINOX_XLA_CACHE", "DANTINOX_XLA_CACHE_MAX_SIZE", "DANTINOX_MMAP_THRESHOLD", ENV, CAP_ENV)
@@ -179,7 +181,7 @@ class StoredFunction:
         avals = _leaf_types(leaves)
         if avals is None:
             return None
-        memo = (statics, tree, avals)
+        memo = (statics, tree, avals, _trace_context())
         if memo in self._fallback:
             return None
         program = self._loaded(memo)
@@ -220,24 +222,26 @@ class StoredFunction:
         if key is None:
             return _FALLBACK
         path = os.path.join(directory, key + ".jexp")
-        if not keep and os.path.exists(path):
+        if not keep and os.path.isfile(path):
             return None   # prepare under a full cap: stored already, loaded when first used
         started = time.perf_counter()
-        loaded = _read(path)
+        loaded = _read(path, key, avals)
+        if loaded is not None:
+            try:
+                program = _compile(loaded, donated)
+            except Exception as err:   # noqa: BLE001 - bytes that deserialize but do not compile: export again
+                _discard(path, err)
+                loaded = None
         if loaded is None:
             try:
                 loaded = self._export(bound, names, tree, avals)
             except Exception as err:   # noqa: BLE001 - anything jax.export refuses: the plain jit runs it
                 log.info("%s: not stored (%s: %s); the plain jit runs it", self.name, type(err).__name__, err)
                 return _FALLBACK
-            _write(path, loaded, directory)
-        exported, out_tree = loaded
-        for register in set(_CUSTOM_CALLS.values()):
-            register()
-        compiled = jax.jit(exported.call, donate_argnums=donated).lower(
-            *(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in exported.in_avals)).compile()
+            _write(path, key, loaded, directory)
+            program = _compile(loaded, donated)
         log.debug("%s: ready in %.2f s (%s)", self.name, time.perf_counter() - started, os.path.basename(path))
-        return _Program(compiled, out_tree)
+        return program
 
     def _export(self, bound, names, tree, avals):
         """Trace the function once for these argument types: (jax.export.Exported, its output tree)."""
@@ -266,6 +270,16 @@ class _Program:
 
     def __call__(self, leaves):
         return jax.tree_util.tree_unflatten(self.out_tree, self.compiled(*leaves))
+
+
+def _compile(loaded, donated) -> _Program:
+    """Compile an exported program (the persistent compilation cache answers a warm start)."""
+    exported, out_tree = loaded
+    for register in set(_CUSTOM_CALLS.values()):
+        register()
+    compiled = jax.jit(exported.call, donate_argnums=donated).lower(
+        *(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in exported.in_avals)).compile()
+    return _Program(compiled, out_tree)
 
 
 def _leaf_types(leaves) -> tuple | None:
@@ -303,7 +317,8 @@ _FUNCTION = re.compile(r"<function ([\w.<>]+) at 0x[0-9a-f]+>")  # nnx Linear ho
 
 def program_key(name: str, statics, tree, avals, donated) -> str | None:
     """The store key (sha256 hex) of one program, or None when a static argument has no stable repr."""
-    parts = [name, repr(donated), str(tree), repr([(s, str(d), w) for s, d, w in avals]), environment_digest()]
+    parts = [name, repr(donated), str(tree), repr([(s, str(d), w) for s, d, w in avals]), environment_digest(),
+             _stable_repr(_trace_context())]
     for static_name, value in statics:
         text = _static_repr(value)
         if _UNSTABLE.search(text):
@@ -323,6 +338,22 @@ def _static_repr(value) -> str:
         return _static_repr_cached(value)
     except TypeError:   # unhashable: not a valid jit static anyway
         return repr(value)
+
+
+def _trace_context():
+    """JAX's trace context: the values of every setting that changes what tracing produces (jit keys its cache
+    with it: x64, the default matmul precision, the PRNG settings, the Gumbel sampler's range, the random seed
+    offset, ...), hashable; () where this JAX version does not expose it."""
+    context = getattr(jax_config, "trace_context", None)
+    return context() if context is not None else ()
+
+
+def _stable_repr(value) -> str:
+    """repr with object addresses replaced by type names (a process-independent text for the key)."""
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_stable_repr(v) for v in value) + ")"
+    text = repr(value)
+    return type(value).__qualname__ if _UNSTABLE.search(text) else text
 
 
 def environment_digest() -> str:
@@ -376,22 +407,24 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def _read(path: str):
-    """(Exported, out_tree) from a stored file, None when absent; a file that does not load is removed."""
+def _read(path: str, key: str, avals):
+    """(Exported, out_tree) from a stored file, None when absent; a file that does not load, or holds another
+    key's program or other argument types, is removed (``_discard``)."""
     try:
         with open(path, "rb") as handle:
             record = pickle.load(handle)
-        if record.get("format") != FORMAT:
-            raise ValueError(f"format {record.get('format')!r}, expected {FORMAT}")
-        loaded = export.deserialize(record["exported"]), record["out_tree"]
+        if record.get("format") != FORMAT or record.get("key") != key:
+            raise ValueError(f"format {record.get('format')!r} and key {str(record.get('key'))[:12]}..., expected "
+                             f"format {FORMAT} and key {key[:12]}...")
+        exported = export.deserialize(record["exported"])
+        found = [(tuple(a.shape), str(a.dtype), bool(a.weak_type)) for a in exported.in_avals]
+        if found != [(tuple(shape), str(dtype), bool(weak)) for shape, dtype, weak in avals]:
+            raise ValueError("its argument types differ from the call's")
+        loaded = exported, record["out_tree"]
     except FileNotFoundError:
         return None
     except Exception as err:   # noqa: BLE001 - a damaged file is exported again
-        log.warning("stored program %s does not load (%s: %s); exporting it again", path, type(err).__name__, err)
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+        _discard(path, err)
         return None
     try:
         os.utime(path)   # least recently used goes first when the store is over its cap
@@ -400,25 +433,50 @@ def _read(path: str):
     return loaded
 
 
-def _write(path: str, loaded, directory: str) -> None:
+def _discard(path: str, err: Exception) -> None:
+    log.warning("stored program %s does not load (%s: %s); exporting it again", path, type(err).__name__,
+                str(err)[:200])
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _write(path: str, key: str, loaded, directory: str) -> None:
     """Write atomically (a temporary file renamed), then keep the directory under MAX_STORE_BYTES."""
     exported, out_tree = loaded
-    data = pickle.dumps({"format": FORMAT, "exported": exported.serialize(), "out_tree": out_tree})
+    data = pickle.dumps({"format": FORMAT, "key": key, "exported": exported.serialize(), "out_tree": out_tree})
+    temp = None
     try:
         os.makedirs(directory, exist_ok=True)
         handle, temp = tempfile.mkstemp(dir=directory, suffix=".tmp")
         with os.fdopen(handle, "wb") as out:
             out.write(data)
         os.replace(temp, path)
+        temp = None
         _prune(directory)
     except OSError as err:   # a read-only or full disk: the program still runs, it is just not kept
         log.warning("could not store program %s (%s)", path, err)
+    finally:
+        if temp is not None:
+            try:
+                os.remove(temp)
+            except OSError:
+                pass
 
 
 def _prune(directory: str) -> None:
+    """Remove the least recently used files past MAX_STORE_BYTES, and temporary files of writes that died
+    (older than an hour)."""
     entries = []
     for name in os.listdir(directory):
-        if name.endswith(".jexp"):
+        if name.endswith(".tmp"):
+            try:
+                if time.time() - os.stat(os.path.join(directory, name)).st_mtime > 3600:
+                    os.remove(os.path.join(directory, name))
+            except OSError:
+                pass
+        elif name.endswith(".jexp"):
             try:
                 stat = os.stat(os.path.join(directory, name))
             except OSError:

@@ -107,12 +107,17 @@ def test_the_key_covers_the_environment(monkeypatch):
     assert program_store._environment() == base
 
 
-def test_generation_matches_the_plain_jit(store, monkeypatch):
+def test_generation_matches_the_plain_jit(store, monkeypatch, caplog):
     model = lively_model(tiny_config())
     prompts = [[5, 9, 11, 3], [7, 1]]
     stored = [np.asarray(dx.generate(model, p, 12, temperature=t, seed=4)).tolist()
               for p in prompts for t in (0.0, 0.9)]
     assert len(list(store.glob("*.jexp"))) >= 2                   # prefill and the decode loop
+    clear_programs()
+    with caplog.at_level("WARNING", logger="dantinox.programs"):   # loaded as stored (PRNG key arguments too)
+        assert [np.asarray(dx.generate(model, p, 12, temperature=t, seed=4)).tolist()
+                for p in prompts for t in (0.0, 0.9)] == stored
+    assert caplog.text == ""
     monkeypatch.setenv("DANTINOX_PROGRAM_STORE", "off")
     plain = [np.asarray(dx.generate(model, p, 12, temperature=t, seed=4)).tolist()
              for p in prompts for t in (0.0, 0.9)]
@@ -126,13 +131,15 @@ def _serve(model):
     return drain(engine)
 
 
-def test_the_serving_engine_matches_the_plain_jit(store, monkeypatch):
+def test_the_serving_engine_matches_the_plain_jit(store, monkeypatch, caplog):
     model = lively_model(tiny_config())
     stored = _serve(model)
     names = {p.name for p in store.glob("*.jexp")}
     assert len(names) >= 2                                         # forward steps and decode_steps
     clear_programs()
-    assert _serve(model) == stored                                 # loaded from the files
+    with caplog.at_level("WARNING", logger="dantinox.programs"):
+        assert _serve(model) == stored                             # loaded from the files
+    assert caplog.text == ""
     assert {p.name for p in store.glob("*.jexp")} == names         # nothing new exported
     monkeypatch.setenv("DANTINOX_PROGRAM_STORE", "off")
     assert _serve(model) == stored
@@ -183,3 +190,68 @@ def test_a_bad_cap_variable_is_named(text, monkeypatch):
     monkeypatch.delitem(program_store._state, "cap", raising=False)
     with pytest.raises(ValueError, match=f"DANTINOX_MAX_LOADED_PROGRAMS='{text}' is not allowed"):
         program_store.max_loaded_programs()
+
+
+def test_settings_that_change_tracing_are_new_programs(store):
+    """JAX settings in jit's trace context (here the random seed offset, which changes every sampled token)
+    key the program: a stored program of another setting is not reused (new-user break test, 2026-12-04)."""
+    fn = StoredFunction(lambda x: jax.random.uniform(jax.random.key(0), x.shape) + x, (), ())
+    x = np.zeros(3, np.float32)
+    plain = np.asarray(fn(x))
+    jax.config.update("jax_random_seed_offset", 7)
+    try:
+        offset = np.asarray(fn(x))
+        clear_programs()
+        again = np.asarray(fn(x))
+    finally:
+        jax.config.update("jax_random_seed_offset", 0)
+    assert not np.array_equal(plain, offset) and np.array_equal(offset, again)
+    assert len(list(store.glob("*.jexp"))) == 2
+
+
+def test_bytes_that_deserialize_but_do_not_compile_are_exported_again(store, caplog):
+    fn, traces = _counting_function()
+    x = np.arange(3, dtype=np.float32)
+    fn(x, jnp.zeros(3, jnp.float32), n=2)
+    (path,) = store.glob("*.jexp")
+    data = bytearray(path.read_bytes())
+    start = data.index(b"ML\xefR") + 16                               # inside the StableHLO bytecode
+    data[start:start + 40] = b"X" * 40
+    path.write_bytes(bytes(data))
+    clear_programs()
+    again, traces_again = _counting_function()
+    with caplog.at_level("WARNING", logger="dantinox.programs"):
+        out = again(x, jnp.zeros(3, jnp.float32), n=2)
+    assert "does not load" in caplog.text and len(traces_again) == 1
+    np.testing.assert_array_equal(out["out"], x * 2)
+    clear_programs()
+    third, traces_third = _counting_function()
+    third(x, jnp.zeros(3, jnp.float32), n=2)
+    assert traces_third == []                                         # the rewritten file loads
+
+
+def test_a_file_under_another_key_is_not_used(store, caplog):
+    fn, _ = _counting_function()
+    fn(np.zeros(3, np.float32), jnp.zeros(3, jnp.float32), n=2)
+    fn(np.zeros(5, np.float32), jnp.zeros(5, jnp.float32), n=2)
+    a, b = sorted(store.glob("*.jexp"))
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)                                              # swapped names
+    clear_programs()
+    again, traces = _counting_function()
+    with caplog.at_level("WARNING", logger="dantinox.programs"):
+        out = again(np.ones(3, np.float32), jnp.zeros(3, jnp.float32), n=2)
+    assert "does not load" in caplog.text and len(traces) == 1
+    np.testing.assert_array_equal(out["out"], np.full(3, 2.0))
+
+
+def test_serve_refuses_a_bad_cap_variable_before_loading(tmp_path, monkeypatch, capsys):
+    """A bad DANTINOX_MAX_LOADED_PROGRAMS stopped serve's engine thread after it listened (break test,
+    2026-12-04); now one line and status 2 before anything loads."""
+    from dantinox import cli
+    monkeypatch.setenv("DANTINOX_MAX_LOADED_PROGRAMS", "0")
+    monkeypatch.delitem(program_store._state, "cap", raising=False)
+    assert cli.main(["serve", "--run_dir", str(tmp_path / "no-such-run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "DANTINOX_MAX_LOADED_PROGRAMS='0' is not allowed" in err

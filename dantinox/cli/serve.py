@@ -222,6 +222,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
                              "or a host name") from None
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory)
+    if getattr(args, "max_loaded_programs", None) is None:   # the variable applies: refuse a bad one now
+        from ..program_store import max_loaded_programs
+        max_loaded_programs()
     max_request_bytes(args)
     if getattr(args, "mesh", None) is not None:
         parse_mesh(args.mesh)
