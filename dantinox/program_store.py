@@ -340,12 +340,15 @@ def _static_repr(value) -> str:
         return repr(value)
 
 
+_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl", "jax_threefry_partitionable")
+
+
 def _trace_context():
     """JAX's trace context: the values of every setting that changes what tracing produces (jit keys its cache
     with it: x64, the default matmul precision, the PRNG settings, the Gumbel sampler's range, the random seed
-    offset, ...), hashable; () where this JAX version does not expose it."""
+    offset, ...), hashable; where this JAX version does not expose it, the values of ``_SETTINGS``."""
     context = getattr(jax_config, "trace_context", None)
-    return context() if context is not None else ()
+    return context() if context is not None else tuple(getattr(jax.config, name) for name in _SETTINGS)
 
 
 def _stable_repr(value) -> str:
@@ -371,13 +374,10 @@ def _environment() -> list[str]:
 
     from ._version import __version__
     device = jax.devices()[0]
-    settings = [f"{name}={getattr(jax.config, name)}" for name in
-                ("jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
-                 "jax_threefry_partitionable")]
     env = sorted(f"{k}={v}" for k, v in os.environ.items()
                  if (k.startswith("DANTINOX_") and k not in _NOT_KEYED) or k == "XLA_FLAGS")
     return [f"format={FORMAT}", jax.__version__, jaxlib.__version__, flax.__version__, __version__,
-            device.platform, device.device_kind, _cpu_flags(), _source_digest(), *settings, *env]
+            device.platform, device.device_kind, _cpu_flags(), _source_digest(), *env]
 
 
 def _cpu_flags() -> str:

@@ -74,16 +74,22 @@ def test_donation_is_kept(store):
     assert y.is_deleted()            # donated, as with the plain jit
 
 
+def _reload(x, caplog):
+    """Drop the loaded programs and call a fresh counting function once, warnings captured: (result, traces)."""
+    clear_programs()
+    again, traces = _counting_function()
+    with caplog.at_level("WARNING", logger="dantinox.programs"):
+        out = again(x, jnp.zeros(x.shape, jnp.float32), n=2)
+    return out, traces
+
+
 def test_a_damaged_file_is_exported_again(store, caplog):
     fn, traces = _counting_function()
     x = np.arange(3, dtype=np.float32)
     fn(x, jnp.zeros(3, jnp.float32), n=2)
     (path,) = store.glob("*.jexp")
     path.write_bytes(path.read_bytes()[:100])   # truncated
-    clear_programs()
-    again, traces_again = _counting_function()
-    with caplog.at_level("WARNING", logger="dantinox.programs"):
-        out = again(x, jnp.zeros(3, jnp.float32), n=2)
+    out, traces_again = _reload(x, caplog)
     assert "does not load" in caplog.text and len(traces_again) == 1
     np.testing.assert_array_equal(out["out"], x * 2)
 
@@ -218,10 +224,7 @@ def test_bytes_that_deserialize_but_do_not_compile_are_exported_again(store, cap
     start = data.index(b"ML\xefR") + 16                               # inside the StableHLO bytecode
     data[start:start + 40] = b"X" * 40
     path.write_bytes(bytes(data))
-    clear_programs()
-    again, traces_again = _counting_function()
-    with caplog.at_level("WARNING", logger="dantinox.programs"):
-        out = again(x, jnp.zeros(3, jnp.float32), n=2)
+    out, traces_again = _reload(x, caplog)
     assert "does not load" in caplog.text and len(traces_again) == 1
     np.testing.assert_array_equal(out["out"], x * 2)
     clear_programs()
@@ -238,10 +241,7 @@ def test_a_file_under_another_key_is_not_used(store, caplog):
     data_a, data_b = a.read_bytes(), b.read_bytes()
     a.write_bytes(data_b)
     b.write_bytes(data_a)                                              # swapped names
-    clear_programs()
-    again, traces = _counting_function()
-    with caplog.at_level("WARNING", logger="dantinox.programs"):
-        out = again(np.ones(3, np.float32), jnp.zeros(3, jnp.float32), n=2)
+    out, traces = _reload(np.ones(3, np.float32), caplog)
     assert "does not load" in caplog.text and len(traces) == 1
     np.testing.assert_array_equal(out["out"], np.full(3, 2.0))
 

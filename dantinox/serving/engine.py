@@ -349,8 +349,8 @@ class PagedEngine(Engine):
         return [WarmupItem(label, run) for _, label, run in ranked]
 
     def _warm_forward(self, B: int, T: int) -> None:
-        """Compile forward_step for bucket (B, T) without running it (``jit.lower(...).compile()`` fills the
-        same in-memory cache a call uses, so the first step of the bucket compiles nothing)."""
+        """Make forward_step's program for bucket (B, T) ready without running it (``StoredFunction.prepare``:
+        loaded as the bucket's first step will call it, so that step compiles nothing)."""
         forward_step.prepare(*self._forward_args([], B, T))
 
     def _warm_block_moves(self) -> None:
