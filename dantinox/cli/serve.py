@@ -156,10 +156,29 @@ def kv_summary(engine) -> str:
                  f"takes those of the {size.budget} --kv-memory holds (--kv-memory-all takes them all)")
     elif fit > concurrency:
         line += f"; --max-running {engine.config.max_running} bounds the concurrency ({fit} would fit)"
+    available = host_available_bytes()
+    if available is not None and nbytes > available:
+        line += (f"\nwarning: the KV pool ({nbytes / 2**20:.0f} MiB) is larger than the memory this host has "
+                 f"available ({available / 2**20:.0f} MiB); its pages are taken as blocks fill, and the server "
+                 f"may be killed when they run out: lower --kv-memory or --max-running")
     if fit == 0:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")
     return line
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux), None where it cannot be read. The pool's pages are
+    resident only once written (``dantinox.model.zero_pages``), so a pool larger than this starts, and fills
+    later."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _draft_share(engine) -> str:

@@ -29,6 +29,7 @@ from ..config import CACHE_DTYPES, ModelConfig, canonical_dtype
 from ..quant.kv_rows import SCALE_BYTES, SCALE_DTYPE, dequantize_rows
 from ..quant.kv_sinks import SINK_BYTES, SINK_DTYPE, write_sinks
 from .channel_layout import channel_cache_shapes, init_channel_layer
+from .zero_pages import zeros
 
 
 class CapacityError(ValueError):
@@ -162,11 +163,12 @@ def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
 def zero_arrays(shapes, dtype, int8: bool, sinks=()) -> list:
     """Zeros of each shape in ``dtype``; with int8 also one float32 zero scale array per shape, the shape's
     last axis set to 1, and float32 zeros of each of the ``sinks`` shapes (rows first, then their scales,
-    then the sinks: the field order of the Quant* layer types)."""
-    arrays = [jnp.zeros(shape, dtype) for shape in shapes]
+    then the sinks: the field order of the Quant* layer types). Outside a trace on the CPU the pages are left
+    to the operating system (``dantinox.model.zero_pages``): resident when first written."""
+    arrays = [zeros(shape, dtype) for shape in shapes]
     if int8:
-        arrays += [jnp.zeros(tuple(shape[:-1]) + (1,), SCALE_DTYPE) for shape in shapes]
-        arrays += [jnp.zeros(shape, SINK_DTYPE) for shape in sinks]
+        arrays += [zeros(tuple(shape[:-1]) + (1,), SCALE_DTYPE) for shape in shapes]
+        arrays += [zeros(shape, SINK_DTYPE) for shape in sinks]
     return arrays
 
 

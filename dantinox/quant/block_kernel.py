@@ -41,6 +41,7 @@ from .block_formats import block_format, dequantize_blocks
 KERNEL_MAX_ROWS = 128
 TARGET = "dantinox_block_matmul"
 ATTENTION_TARGET = "dantinox_decode_attention"
+ZERO_PAGES_TARGET = "dantinox_zero_pages"   # zeros without writing the pages, dantinox.model.zero_pages
 ISA_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 ENV = "DANTINOX_BLOCK_KERNEL"
 log = logging.getLogger("dantinox.quant")
@@ -55,13 +56,15 @@ def _load() -> tuple[object | None, str]:
             jax.ffi.register_ffi_target(TARGET, module.handler(), platform="cpu")
             if hasattr(module, "attention_handler"):  # decode attention, dantinox.model.attention_kernel
                 jax.ffi.register_ffi_target(ATTENTION_TARGET, module.attention_handler(), platform="cpu")
+            if hasattr(module, "zero_pages_handler"):
+                jax.ffi.register_ffi_target(ZERO_PAGES_TARGET, module.zero_pages_handler(), platform="cpu")
             _state["module"], _state["why"] = module, ""
         except ImportError as err:
             _state["module"], _state["why"] = None, f"the compiled extension is not installed ({err})"
     return _state["module"], _state["why"]
 
 
-register_custom_calls((TARGET, ATTENTION_TARGET), _load)
+register_custom_calls((TARGET, ATTENTION_TARGET, ZERO_PAGES_TARGET), _load)
 
 
 def kernel_status() -> tuple[bool, str]:

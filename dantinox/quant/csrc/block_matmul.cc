@@ -16,8 +16,10 @@
 // slots of every KV head cut into ranges that the threads take as the block product's rows, partial softmaxes
 // merged in a fixed order (so a row's result does not depend on the batch or the thread count).
 //
-// The Python module _block_matmul exposes handler() and attention_handler() (PyCapsules of the FFI handlers
-// for jax.ffi.register_ffi_target) and isa() (the instruction set chosen on this CPU).
+// And zeros whose pages the operating system provides (zero_pages.inc), for the KV pool and cache.
+//
+// The Python module _block_matmul exposes handler(), attention_handler() and zero_pages_handler() (PyCapsules
+// of the FFI handlers for jax.ffi.register_ffi_target) and isa() (the instruction set chosen on this CPU).
 
 #include <Python.h>
 
@@ -493,6 +495,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxBlockMatmul, BlockMatmulImpl,
                                   .Attr<int64_t>("format")
                                   .Attr<int64_t>("isa"));
 
+#include "zero_pages.inc"
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxZeroPages, ZeroPagesImpl, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxDecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -516,6 +522,10 @@ PyObject* py_attention_handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DantinoxDecodeAttention), nullptr, nullptr);
 }
 
+PyObject* py_zero_pages_handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DantinoxZeroPages), nullptr, nullptr);
+}
+
 PyObject* py_isa(PyObject*, PyObject*) {
   static const char* names[] = {"auto", "scalar", "avx2", "avx512"};
   return PyUnicode_FromString(names[detected_isa()]);
@@ -525,6 +535,8 @@ PyMethodDef methods[] = {
     {"handler", py_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler dantinox_block_matmul."},
     {"attention_handler", py_attention_handler, METH_NOARGS,
      "PyCapsule of the XLA FFI handler dantinox_decode_attention."},
+    {"zero_pages_handler", py_zero_pages_handler, METH_NOARGS,
+     "PyCapsule of the XLA FFI handler dantinox_zero_pages."},
     {"isa", py_isa, METH_NOARGS, "The instruction set this CPU runs: 'avx512', 'avx2' or 'scalar'."},
     {nullptr, nullptr, 0, nullptr}};
 
