@@ -164,12 +164,48 @@ class StoredFunction:
         if self._find(args, kwargs, keep=not full) is None:
             self.jitted.lower(*args, **kwargs).compile()
 
+    def output_shapes(self, *args, **kwargs):
+        """The results' shapes and dtypes (a tree of jax.ShapeDtypeStruct) for these arguments (arrays or
+        ShapeDtypeStructs), read off the loaded program or the stored file without running or compiling it (so
+        a warm-up can prepare the next function of a pipeline at the same time); traced with
+        ``jax.eval_shape`` when nothing is stored or the plain jit would run the call."""
+        call = self._call(args, kwargs)
+        if call is not None:
+            directory, bound, names, _, tree, avals, memo = call
+            program = self._loaded(memo)
+            if program is not None:
+                return jax.tree_util.tree_unflatten(program.out_tree, [
+                    jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+                    for a in jax.tree_util.tree_leaves(program.compiled.out_info)])
+            statics = [(name, bound.arguments[name]) for name in self.static_argnames]
+            key = program_key(self.name, statics, tree, avals, _donated_leaves(names, self.donate_argnames,
+                                                                                 bound, tree))
+            stored = None if key is None else _read(os.path.join(directory, key + ".jexp"), key, avals)
+            if stored is not None:   # read off the stored record: nothing compiled
+                exported, out_tree = stored
+                return jax.tree_util.tree_unflatten(out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                                    weak_type=a.weak_type)
+                                                               for a in exported.out_avals])
+        return jax.eval_shape(self.jitted, *args, **kwargs)
+
     def lower(self, *args, **kwargs):
         """The plain ``jax.jit``'s ``lower`` (inspection; does not use the store)."""
         return self.jitted.lower(*args, **kwargs)
 
     def _find(self, args, kwargs, keep: bool = True):
         """(the loaded program, the argument leaves), or None for a call the plain jit should run."""
+        call = self._call(args, kwargs)
+        if call is None:
+            return None
+        directory, bound, names, leaves, tree, avals, memo = call
+        program = self._loaded(memo)
+        if program is None:
+            program = self._build(memo, directory, bound, names, tree, avals, keep)
+        return None if program is _FALLBACK else (program, leaves)
+
+    def _call(self, args, kwargs):
+        """(store directory, bound arguments, names of the traced ones, their leaves, tree, leaf types, memo
+        key), or None for a call the plain jit should run."""
         directory = store_dir()
         if directory is None:
             return None
@@ -184,10 +220,7 @@ class StoredFunction:
         memo = (statics, tree, avals, _trace_context())
         if memo in self._fallback:
             return None
-        program = self._loaded(memo)
-        if program is None:
-            program = self._build(memo, directory, bound, names, tree, avals, keep)
-        return None if program is _FALLBACK else (program, leaves)
+        return directory, bound, names, leaves, tree, avals, memo
 
     def _loaded(self, memo):
         with _loaded_lock:
@@ -288,7 +321,9 @@ def _leaf_types(leaves) -> tuple | None:
     for leaf in leaves:
         if isinstance(leaf, jax.core.Tracer):
             return None
-        if isinstance(leaf, jax.Array):
+        if isinstance(leaf, jax.ShapeDtypeStruct):   # prepare / output_shapes for arguments not made yet
+            types.append((leaf.shape, leaf.dtype, leaf.weak_type))
+        elif isinstance(leaf, jax.Array):
             if len(leaf.sharding.device_set) != 1:
                 return None
             types.append((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)))

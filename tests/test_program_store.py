@@ -255,3 +255,60 @@ def test_serve_refuses_a_bad_cap_variable_before_loading(tmp_path, monkeypatch, 
     assert cli.main(["serve", "--run_dir", str(tmp_path / "no-such-run")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DANTINOX_MAX_LOADED_PROGRAMS='0' is not allowed" in err
+
+
+def test_output_shapes_come_off_the_stored_file_without_tracing_or_compiling(store, monkeypatch):
+    fn, traces = _counting_function()
+    x, y = np.arange(6, dtype=np.float32), jnp.ones(6, jnp.float32)
+    fn(x, y, n=3)
+    want = {"out": jax.ShapeDtypeStruct((6,), jnp.float32), "n": jax.ShapeDtypeStruct((), jnp.int32)}
+    assert fn.output_shapes(x, jnp.ones(6, jnp.float32), n=3) == want     # loaded program
+    clear_programs()
+    again, traces_again = _counting_function()
+    compiled = []
+    monkeypatch.setattr(program_store, "_compile", lambda *a: compiled.append(a))
+    spec = jax.ShapeDtypeStruct((6,), jnp.float32)
+    assert again.output_shapes(spec, spec, n=3) == want                     # the file: not traced, not compiled
+    assert traces_again == [] and compiled == []
+    assert again.output_shapes(jax.ShapeDtypeStruct((5,), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32),
+                               n=3)["out"].shape == (5,)                    # not stored: traced abstractly
+
+
+def test_prepare_with_shapes_makes_the_program_of_the_arrays(store):
+    """A warm-up can prepare a program from shapes alone; the call with arrays of those shapes then runs it
+    without tracing."""
+    fn, traces = _counting_function()
+    spec = jax.ShapeDtypeStruct((6,), jnp.float32)
+    fn.prepare(spec, spec, n=2)
+    assert len(traces) == 1
+    out = fn(np.arange(6, dtype=np.float32), jnp.ones(6, jnp.float32), n=2)
+    assert len(traces) == 1
+    np.testing.assert_array_equal(out["out"], np.arange(6) * 2 + 1)
+
+
+def test_generator_warm_up_loads_without_running_and_the_turn_traces_nothing(store):
+    """Generator.warm_up makes prefill and the decode loop ready without running them; in a second "process"
+    (programs dropped) the warm-up loads them from the files, and the generation that follows neither traces
+    nor compiles, with the same tokens."""
+    from dantinox.generation import decode
+    from dantinox.generation.generator import warm_up
+    from dantinox.xla import CompileCounter
+
+    model = lively_model(tiny_config())
+    warm_up(model, [5], 8)
+    stored = np.asarray(dx.generate(model, [5, 9, 11, 3, 8], 8, temperature=0.8, seed=2)).tolist()
+    clear_programs()
+    ran, executed = [], []
+    original, run_program = decode.prefill.jitted, program_store._Program.__call__
+    decode.prefill.jitted = lambda *a, **k: ran.append(a) or original(*a, **k)
+    program_store._Program.__call__ = lambda self, leaves: executed.append(self) or run_program(self, leaves)
+    try:
+        warm_up(model, [5], 8)
+        assert executed == [] and len(program_store._LOADED) == 2     # loaded, not run
+        with CompileCounter() as counted:
+            again = np.asarray(dx.generate(model, [5, 9, 11, 3, 8], 8, temperature=0.8, seed=2)).tolist()
+    finally:
+        decode.prefill.jitted, program_store._Program.__call__ = original, run_program
+    assert ran == [] and counted.compilations == 0, counted
+    assert len(executed) == 2                                             # the turn: prefill, then decode
+    assert again == stored

@@ -25,7 +25,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..model.cache import bytes_per_token_per_layer, sink_bytes_per_layer
-from ..model.transformer import Transformer
+from ..model.transformer import abstract_transformer
 from ..parallel.mesh import mesh_shape
 from ..parallel.sharding import cache_layout, cache_specs, check_model_fits, param_spec
 
@@ -41,12 +41,12 @@ def _split(spec, sizes: dict[str, int]) -> int:
 def weights_bytes_per_device(cfg: ModelConfig, mesh, fsdp: bool = False) -> int:
     """Bytes of parameters each device holds on ``mesh`` (a Mesh or {"data": D, "model": M}; None = 1 device).
 
-    The Transformer is built with nnx.eval_shape (nothing allocated). Raises MeshError when n_heads or
+    The Transformer is built abstractly (``abstract_transformer``: nothing allocated). Raises MeshError when n_heads or
     mlp_hidden does not divide by the model axis.
     """
     sizes = _sizes(mesh)
     check_model_fits(cfg, sizes)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_transformer(cfg)
     total = 0
     for path, node in nnx.iter_graph(abstract):
         if isinstance(node, nnx.Param):

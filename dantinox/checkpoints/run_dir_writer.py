@@ -39,7 +39,7 @@ import safetensors.numpy
 
 from .._version import __version__
 from ..model.cache import bytes_per_token_per_layer
-from ..model.transformer import Transformer
+from ..model.transformer import abstract_transformer
 from ..runs.files import atomic_write_bytes, atomic_write_json
 from ..runs.stop_ids import TOKENIZER_CONFIG, merge_stop_ids
 from ..runs.tokenizer import TextTokenizer
@@ -130,7 +130,7 @@ def _check_against_model(params: Mapping[str, np.ndarray], spec: ImportSpec) -> 
     """Every parameter of the model built from spec.cfg is present with its shape, and nothing else."""
     from flax import nnx
 
-    abstract = nnx.eval_shape(lambda: Transformer(spec.cfg, rngs=nnx.Rngs(0)))
+    abstract = abstract_transformer(spec.cfg)
     want = {".".join(str(p) for p in path): tuple(v.get_value().shape)
             for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
     got = {k: tuple(v.shape) for k, v in params.items()}

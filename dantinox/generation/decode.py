@@ -161,16 +161,28 @@ def one_row_windows(cfg) -> list[tuple[int, ...]]:
     return sorted({decode_windows(cfg, 1, bound) for bound in bounds}, key=lambda w: w[-1])
 
 
+def warm_prefill(model, prompt_length: int) -> None:
+    """Make the one-row prefill program of ``prompt_length``'s bucket ready without running it
+    (``StoredFunction.prepare``: loaded from the program store, or compiled), so a later one-row request of
+    that bucket compiles nothing (sampling settings and seed are traced)."""
+    req = _prepare(model, [0] * prompt_length, 1, 1.0, 0, 1.0, 0, None)
+    graphdef, params = split_model(model)
+    with mesh_scope(mesh_of(params)):
+        prefill.prepare(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+
+
 def warm_decode(model, windows: tuple[int, ...], prompt_length: int = 1) -> None:
-    """Compile (by running) the one-row decode loop over ``windows``: a prefill of ``prompt_length`` tokens
-    and one decode step, sampled, so every later one-row request of that window compiles nothing (sampling
-    settings, seed and step bound are traced). Give a prompt_length whose prefill bucket is compiled already
-    (``generator.warm_up`` does), or the prefill of its bucket compiles too."""
+    """Make the one-row decode loop over ``windows`` ready without running it, behind the prefill of
+    ``prompt_length`` tokens (its output shapes, read off its program), so every later one-row request of that
+    window compiles nothing (sampling settings, seed and step bound are traced). Give a prompt_length whose
+    prefill bucket is ready already (``generator.warm_up`` does), or that prefill is made ready too."""
     req = _prepare(model, [0] * prompt_length, 2, 1.0, 0, 1.0, 0, None)
     graphdef, params = split_model(model)
     with mesh_scope(mesh_of(params)):
-        state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
-        decode(graphdef, params, state, jnp.int32(2), req.key, req.sampling, req.eos_id, req.fill, windows=windows)
+        state = prefill.output_shapes(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id,
+                                      req.fill)
+        decode.prepare(graphdef, params, state, jnp.int32(2), req.key, req.sampling, req.eos_id, req.fill,
+                       windows=windows)
 
 @stored_jit(static_argnames=("graphdef", "windows"), donate_argnames=("state",))
 def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: SamplingParams, eos_id, fill,

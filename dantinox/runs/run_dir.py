@@ -30,7 +30,7 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..parallel.distributed import to_host
-from ..model.transformer import Transformer
+from ..model.transformer import Transformer, abstract_transformer
 from .files import atomic_write_bytes, atomic_write_json
 from .tokenizer import TextTokenizer
 from .._version import __version__
@@ -200,14 +200,17 @@ def _abstract_model(cfg: ModelConfig, path: str) -> nnx.Module:
     try:
         layout = json.loads(text) if text else {}
 
-        def build():
-            model = Transformer(cfg, rngs=nnx.Rngs(0))
-            apply_block_layout(model, layout)
-            return model
-
-        return nnx.eval_shape(build)
+        model = abstract_transformer(cfg)
+        if layout:
+            model = nnx.eval_shape(lambda: _with_layout(nnx.merge(*nnx.split(model)), layout))
+        return model
     except (ValueError, TypeError) as err:
         raise RunDirError(f"{path}: block layout in the metadata does not fit the model ({err})") from err
+
+
+def _with_layout(model: nnx.Module, layout: dict) -> nnx.Module:
+    apply_block_layout(model, layout)
+    return model
 
 
 def _read_tensor(f, key: str, path: str) -> np.ndarray:
