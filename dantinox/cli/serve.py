@@ -160,7 +160,8 @@ def kv_summary(engine) -> str:
     if available is not None and nbytes > available:
         line += (f"\nwarning: the KV pool ({nbytes / 2**20:.0f} MiB) is larger than the memory this host has "
                  f"available ({available / 2**20:.0f} MiB); its pages are taken as blocks fill, and the server "
-                 f"may be killed when they run out: lower --kv-memory or --max-running")
+                 f"may be killed when they run out: lower --kv-memory"
+                 f"{'' if engine.config.kv_memory_all else ' or --max-running'}")
     if fit == 0:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")

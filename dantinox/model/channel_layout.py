@@ -27,6 +27,7 @@ from ..config import ModelConfig
 from ..quant.kv_channels import RING_GROUPS, ring_slots
 from ..quant.kv_rows import SCALE_DTYPE
 from ..quant.kv_sinks import SINK_DTYPE
+from .zero_pages import zeros
 
 class ChannelQuantLayerKV(NamedTuple):
     """One layer's int8 cache with per-channel keys (module docstring). k, v: [B, K, S, D] int8; k_scale:
@@ -77,4 +78,4 @@ def init_channel_layer(cfg: ModelConfig, batch_size: int, slots: int | None = No
     group, its ring whole), which the model reads like a cut cache (eval's windows)."""
     dtypes = (jnp.int8, jnp.int8, SCALE_DTYPE, SCALE_DTYPE, jnp.float32, SINK_DTYPE, SINK_DTYPE)
     shapes = channel_cache_shapes(cfg, batch_size, slots)
-    return ChannelQuantLayerKV(*(jnp.zeros(s, d) for s, d in zip(shapes, dtypes)))
+    return ChannelQuantLayerKV(*(zeros(s, d) for s, d in zip(shapes, dtypes)))  # pages left to the OS: zero_pages

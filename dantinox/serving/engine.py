@@ -44,7 +44,7 @@ from .allocator import BlockAllocator
 from .draft_model import TargetWithDraft, init_draft_pool, pair_block_bytes
 from .draft_verify import draft_verify_step
 from .grammar_rows import grammar_finish, step_mask
-from .paged_cache import init_pool, pool_nbytes, sink_set_bytes
+from .paged_cache import init_pool, pool_bytes, pool_nbytes, sink_set_bytes
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
 from .residual_slots import ResidualSlots
 from .runner import (StepLogprobs, copy_blocks, copy_sinks, decode_steps, forward_step, read_blocks, read_residual,
@@ -300,11 +300,22 @@ class PagedEngine(Engine):
 
     def _init_pool(self, num_blocks: int):
         """A zero pool of ``num_blocks`` blocks with the engine's sink and residual slots (then, with a draft
-        model, the draft's layers over the same blocks)."""
-        pool = init_pool(self.cfg, num_blocks, self.config.block_size, self.pool_size.sink_slots,
-                         self.pool_size.residual_slots)
-        if self.draft_cfg is not None:
-            pool += init_draft_pool(self.draft_cfg, num_blocks, self.config.block_size)
+        model, the draft's layers over the same blocks). Raises ValueError naming the pool's bytes when the
+        host cannot allocate it."""
+        try:
+            pool = init_pool(self.cfg, num_blocks, self.config.block_size, self.pool_size.sink_slots,
+                             self.pool_size.residual_slots)
+            if self.draft_cfg is not None:
+                pool += init_draft_pool(self.draft_cfg, num_blocks, self.config.block_size)
+        except jax.errors.JaxRuntimeError as err:
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            nbytes = pool_bytes(self.cfg, num_blocks, self.config.block_size, self.pool_size.sink_slots,
+                                self.pool_size.residual_slots)
+            raise ValueError(f"the KV pool of {num_blocks} blocks ({nbytes / 2**20:.0f} MiB, "
+                             f"{nbytes // self.cfg.num_blocks / 2**20:.0f} MiB per layer) could not be allocated "
+                             f"on this host ({str(err).splitlines()[0][:120]}): lower kv_memory_bytes or "
+                             f"max_running (serve: --kv-memory, --max-running)") from None
         return pool
 
     # Warm-up --------------------------------------------------------------------------------------

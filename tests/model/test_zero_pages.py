@@ -93,3 +93,31 @@ def test_host_available_bytes_reads_meminfo():
     available = host_available_bytes()
     if sys.platform.startswith("linux"):
         assert available is not None and 0 < available < 2**50
+
+
+def test_the_advice_fits_kv_memory_all(monkeypatch):
+    from dantinox.cli import entrypoint as cli
+    from dantinox.cli import serve
+    from dantinox.cli.serve import build_engine
+
+    engine, _, _ = build_engine(cli.build_parser().parse_args(["serve", "--kv-memory", "1MB", "--kv-memory-all"]))
+    monkeypatch.setattr(serve, "host_available_bytes", lambda: 1)
+    line = kv_summary(engine)
+    assert line.endswith("lower --kv-memory"), line
+
+
+def test_a_pool_the_host_cannot_allocate_is_one_clear_error(monkeypatch, capsys):
+    """`serve --kv-memory 400GB --kv-memory-all` on a 24 GiB host: XLA's RESOURCE_EXHAUSTED becomes one line
+    naming the pool's size and the flags, not a traceback (the allocation failure is simulated)."""
+    from dantinox.cli import entrypoint as cli
+    from dantinox.serving import engine as engine_module
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 49999998976 bytes.")
+
+    monkeypatch.setattr(engine_module, "init_pool", exhausted)
+    status = cli.main(["serve", "--port", "18999", "--kv-memory", "2MB", "--kv-memory-all", "--no-warmup"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "dantinox serve: error: the KV pool of" in err and "could not be allocated" in err
+    assert "Out of memory allocating 49999998976 bytes" in err and "--kv-memory, --max-running" in err
