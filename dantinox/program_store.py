@@ -174,18 +174,12 @@ class StoredFunction:
             directory, bound, names, _, tree, avals, memo = call
             program = self._loaded(memo)
             if program is not None:
-                return jax.tree_util.tree_unflatten(program.out_tree, [
-                    jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-                    for a in jax.tree_util.tree_leaves(program.compiled.out_info)])
-            statics = [(name, bound.arguments[name]) for name in self.static_argnames]
-            key = program_key(self.name, statics, tree, avals, _donated_leaves(names, self.donate_argnames,
-                                                                                 bound, tree))
+                return _shapes(program.out_tree, jax.tree_util.tree_leaves(program.compiled.out_info))
+            key, _ = self._key(bound, names, tree, avals)
             stored = None if key is None else _read(os.path.join(directory, key + ".jexp"), key, avals)
             if stored is not None:   # read off the stored record: nothing compiled
                 exported, out_tree = stored
-                return jax.tree_util.tree_unflatten(out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                                                    weak_type=a.weak_type)
-                                                               for a in exported.out_avals])
+                return _shapes(out_tree, exported.out_avals)
         return jax.eval_shape(self.jitted, *args, **kwargs)
 
     def lower(self, *args, **kwargs):
@@ -248,10 +242,14 @@ class StoredFunction:
             self._building.pop(memo, None)
         return program
 
-    def _make(self, directory, bound, names, tree, avals, keep: bool = True):
+    def _key(self, bound, names, tree, avals) -> tuple[str | None, tuple[int, ...]]:
+        """(the store key of this call, or None when a static argument has no stable repr; the donated leaves)."""
         statics = [(name, bound.arguments[name]) for name in self.static_argnames]
         donated = _donated_leaves(names, self.donate_argnames, bound, tree)
-        key = program_key(self.name, statics, tree, avals, donated)
+        return program_key(self.name, statics, tree, avals, donated), donated
+
+    def _make(self, directory, bound, names, tree, avals, keep: bool = True):
+        key, donated = self._key(bound, names, tree, avals)
         if key is None:
             return _FALLBACK
         path = os.path.join(directory, key + ".jexp")
@@ -313,6 +311,12 @@ def _compile(loaded, donated) -> _Program:
     compiled = jax.jit(exported.call, donate_argnums=donated).lower(
         *(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in exported.in_avals)).compile()
     return _Program(compiled, out_tree)
+
+
+def _shapes(out_tree, avals):
+    """The output tree of jax.ShapeDtypeStructs (shape, dtype, weak type only) of these output avals."""
+    return jax.tree_util.tree_unflatten(out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+                                                   for a in avals])
 
 
 def _leaf_types(leaves) -> tuple | None:

@@ -174,8 +174,9 @@ def warm_prefill(model, prompt_length: int) -> None:
 def warm_decode(model, windows: tuple[int, ...], prompt_length: int = 1) -> None:
     """Make the one-row decode loop over ``windows`` ready without running it, behind the prefill of
     ``prompt_length`` tokens (its output shapes, read off its program), so every later one-row request of that
-    window compiles nothing (sampling settings, seed and step bound are traced). Give a prompt_length whose
-    prefill bucket is ready already (``generator.warm_up`` does), or that prefill is made ready too."""
+    window compiles nothing (sampling settings, seed and step bound are traced). The prefill's shapes come
+    from its stored file when there is one (``generator.warm_up`` prepares that bucket), else from tracing it
+    abstractly; the prefill program itself is not made ready here."""
     req = _prepare(model, [0] * prompt_length, 2, 1.0, 0, 1.0, 0, None)
     graphdef, params = split_model(model)
     with mesh_scope(mesh_of(params)):

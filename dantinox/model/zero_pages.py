@@ -40,8 +40,7 @@ def zeros(shape, dtype) -> jax.Array:
     """``jnp.zeros(shape, dtype)``, without writing the pages where it can (module docstring). shape: a tuple
     of ints; dtype: any JAX dtype. Raises what ``jnp.zeros`` raises for a bad shape or dtype."""
     shape = tuple(int(n) for n in shape)
-    if isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer) or not pages_available():
+    if (any(n < 0 for n in shape)   # jnp.zeros' own error for a negative dimension
+            or isinstance(jnp.zeros((), jnp.int32), jax.core.Tracer) or not pages_available()):
         return jnp.zeros(shape, dtype)
-    if any(n < 0 for n in shape):
-        return jnp.zeros(shape, dtype)  # its own error for a negative dimension
     return _zero_pages(shape, jnp.dtype(dtype))
