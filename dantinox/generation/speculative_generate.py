@@ -30,8 +30,8 @@ from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..model.cache import init_cache
 from ..quant.kv_channels import check_spec_group
-from .decode import (SINGLE_ROW_WINDOW, DecodeState, _finish, _prepare, _windows, cache_window, decode, place_on_mesh,
-                     prefill, split_model)
+from .decode import (SINGLE_ROW_WINDOW, DecodeState, _finish, _prepare, _windows, cache_window, decode, new_cache,
+                     place_on_mesh, prefill, split_model)
 from .speculative import MAX_SPEC_TOKENS, spec_state, speculative_decode
 
 
@@ -118,7 +118,7 @@ def speculative_generate(model, prompt_ids, max_new_tokens: int = 64, *, spec_to
     graphdef, params = split_model(model)
     drafted = _draft_split(model, draft)
     with mesh_scope(mesh_of(params)):
-        run = _start(graphdef, params, req, drafted)
+        run = _start(graphdef, params, req, model, draft, drafted)
         run = _advance(graphdef, params, run, req, req.max_new_tokens, settings, _windows(req, model.cfg), drafted)
     return _finish(to_host(run.state.out), req), run.stats()
 
@@ -144,7 +144,7 @@ def speculative_stream(model, prompt_ids, max_new_tokens: int = 64, *, settings:
     on, sent, windows = mesh_of(params), 0, _windows(req, model.cfg)
     with mesh_scope(on):
         drafted = _draft_split(model, draft)
-        run = _start(graphdef, params, req, drafted)
+        run = _start(graphdef, params, req, model, draft, drafted)
     while True:
         with mesh_scope(on):
             run = _advance(graphdef, params, run, req, min(sent + chunk_size, req.max_new_tokens), settings, windows,
@@ -216,12 +216,15 @@ def _draft_split(model, draft):
     return split_model(draft)
 
 
-def _start(graphdef, params, req, drafted=None) -> SpecRun:
-    """Prefill ``req`` (into the draft's cache too, when ``drafted``) and return the SpecRun after it."""
-    state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+def _start(graphdef, params, req, model, draft=None, drafted=None) -> SpecRun:
+    """Prefill ``req`` (into the draft's cache too, when ``drafted``: the split of ``draft``) and return the
+    SpecRun after it. model, draft: the Transformers, whose configs size the caches (``decode.new_cache``)."""
+    state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill,
+                    new_cache(model.cfg, len(req.ids), params))
     state = spec_state(state, jnp.asarray(req.ids))
     if drafted is not None:
-        draft_state = prefill(*drafted, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill)
+        draft_state = prefill(*drafted, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill,
+                              new_cache(draft.cfg, len(req.ids), drafted[1]))
         state = state._replace(draft_cache=draft_state.cache)
     return SpecRun(state)
 
