@@ -7,7 +7,8 @@ the same command again on the directory the cold run filled. Reported, in second
           full), ready (GET /ready answers 200: the background warm-up has compiled every program; only with
           --wait-ready, it can take minutes cold) and the warm-up's own figures from its last log line;
   chat / prompt: loaded and warmed up (the "loaded and warmed up" line: the first token follows after one
-          prefill) and the whole command (16 new tokens).
+          prefill), for chat (run with --stream) the first token (the answer's first byte on stdout), and the
+          whole command (16 new tokens).
 
 Run:  python benchmarks/bench_startup.py [--run_dir R] [--rounds 1] [--what serve,chat,prompt] [--wait-ready]
 It prints one markdown table; say the load average (printed) when you quote it: on a shared host the other
@@ -112,19 +113,32 @@ def measure_serve(run_dir: str | None, cache: str, wait_ready: bool, timeout: fl
 
 
 def measure_generate(run_dir: str | None, cache: str, mode: str, timeout: float) -> dict:
-    """Seconds to "loaded and warmed up" and to the end of one `dantinox generate --chat/--prompt` process."""
+    """Seconds to "loaded and warmed up", to the first byte of the answer on stdout (chat runs with --stream, so
+    that is its first token; --prompt prints the prompt first, so it has no such figure) and to the end of one
+    `dantinox generate --chat/--prompt` process."""
     env = dict(os.environ, DANTINOX_XLA_CACHE=cache, PYTHONUNBUFFERED="1")
-    flag = ["--chat", MESSAGE] if mode == "chat" else ["--prompt", PROMPT]
+    flag = ["--chat", MESSAGE, "--stream"] if mode == "chat" else ["--prompt", PROMPT]
     args = ["generate", *flag, "--max_new_tokens", "16", "--temperature", "0"] + (
         ["--run_dir", run_dir] if run_dir else [])
     start = time.perf_counter()
-    proc = subprocess.Popen(_cli(*args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    log = _Lines(proc.stderr, start)
+    proc = subprocess.Popen(_cli(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, first = _Lines(proc.stderr, start), {}
+
+    def first_byte() -> None:
+        if proc.stdout.read(1):
+            first["at"] = time.perf_counter() - start
+        proc.stdout.read()
+    reader = threading.Thread(target=first_byte, daemon=True)
+    reader.start()
     warmed = log.when("loaded and warmed up", timeout, proc)
     proc.wait(timeout)
+    reader.join(timeout)
     if warmed is None or proc.returncode != 0:
         raise RuntimeError(f"generate {mode} failed: " + "\n".join(line for _, line in log.lines[-20:]))
-    return {"warmed up": warmed[0], "whole command": time.perf_counter() - start}
+    out = {"warmed up": warmed[0]}
+    if mode == "chat" and "at" in first:
+        out["first token"] = first["at"]
+    return {**out, "whole command": time.perf_counter() - start}
 
 
 def main() -> None:

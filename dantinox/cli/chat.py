@@ -3,8 +3,9 @@
 Prints the assistant's answer (the text before the model's end-of-turn token; --ignore_eos generates past it);
 timings go to stderr. The model flags of ``generate`` work here as they do with --prompt: --kv-dtype,
 --quantize, --mesh (and the distributed group), --unknown; those that cannot apply to one chat turn
-(--no_cache, --stream, the diffusion group) are refused naming the flag; --speculative ngram works as with
---prompt (its acceptance line goes to stderr). Errors (no template, empty message,
+(--no_cache, the diffusion group) are refused naming the flag; --stream prints the answer as it is generated
+(``Generator.stream_chat``: the same text); --speculative ngram works as with --prompt (its acceptance line goes
+to stderr). Errors (no template, empty message,
 bad sampling or model flags, a mesh that cannot be made, a conversation that fills the context) exit 2 with
 one line.
 """
@@ -33,9 +34,8 @@ def check_chat_args(args) -> None:
     if args.prompt is not None:
         raise ValueError("--prompt and --chat exclude each other: --prompt continues text, --chat answers a "
                          "message with the model's chat template")
-    for flag in ("no_cache", "stream"):
-        if getattr(args, flag, False):
-            raise ValueError(f"--{flag} is not supported with --chat")
+    if getattr(args, "no_cache", False):
+        raise ValueError("--no_cache is not supported with --chat")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens {args.max_new_tokens} is not allowed: an integer >= 1")
     if not 0 <= args.seed < 2**32:
@@ -76,12 +76,19 @@ def run_chat(args) -> int:
     print(f"[dantinox] {gen.run_dir}: loaded and warmed up in {gen.load_seconds:.2f} s "
           f"(weights {describe_weights(gen.model)})", file=sys.stderr)
     start = time.perf_counter()
-    answer = gen.chat(messages, args.max_new_tokens or DEFAULT_CHAT_TOKENS, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed, unknown=args.unknown,
-                      ignore_eos=args.ignore_eos, **constraint, **spec_kwargs(spec))
-    print(answer)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    unknown=args.unknown, ignore_eos=args.ignore_eos, **spec_kwargs(spec))
+    first = ""
+    if args.stream:   # --stream with a constraint was refused by constraint_kwargs
+        for piece, _, _ in gen.stream_chat(messages, args.max_new_tokens or DEFAULT_CHAT_TOKENS, **sampling):
+            if piece and not first:
+                first = f", first text after {time.perf_counter() - start:.2f} s"
+            print(piece, end="", flush=True)
+        print()
+    else:
+        print(gen.chat(messages, args.max_new_tokens or DEFAULT_CHAT_TOKENS, **sampling, **constraint))
     print(f"[dantinox] prompt {len(ids)} tokens after the chat template, answered in "
-          f"{time.perf_counter() - start:.2f} s", file=sys.stderr)
+          f"{time.perf_counter() - start:.2f} s{first}", file=sys.stderr)
     if spec is not None:
         print(f"[dantinox] {describe_spec_stats(gen.speculation(*spec[:4]), gen.spec_stats)}", file=sys.stderr)
     return 0

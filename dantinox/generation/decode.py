@@ -338,8 +338,9 @@ def _windows(req: _Request, cfg) -> tuple[int, ...]:
 
 def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: int = 8, temperature=0.0,
                   top_k=0, top_p=1.0, seed: int = 0, eos_id=None, mesh=None) -> Iterator[np.ndarray]:
-    """Yield new tokens as they are produced, chunk_size decode steps at a time: arrays [B, n] int32
-    (n <= chunk_size; the first chunk holds the prefill token too). Rows past their EOS yield eos_id.
+    """Yield new tokens as they are produced: the prefill's token first ([B, 1], as soon as the prefill is done),
+    then chunk_size decode steps at a time: arrays [B, n] int32 (n <= chunk_size). Rows past their EOS yield
+    eos_id.
     Same arguments, errors and tokens as :func:`dantinox.generate` with use_cache=True."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} is not allowed: an integer >= 1")
@@ -350,7 +351,10 @@ def stream_tokens(model, prompt_ids, max_new_tokens: int = 64, *, chunk_size: in
     with mesh_scope(on):
         state = prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill,
                         new_cache(model.cfg, len(req.ids), params))
-    sent, windows = 0, _windows(req, model.cfg)
+    yield np.asarray(state.out)[:, :1]   # the prefill's token at once: the time to the first token is the prefill's
+    if req.max_new_tokens <= 1 or bool(np.all(np.asarray(state.done))):
+        return
+    sent, windows = 1, _windows(req, model.cfg)
     while True:
         stop = min(sent + chunk_size, req.max_new_tokens)
         with mesh_scope(on):

@@ -355,9 +355,34 @@ class Generator:
             raise ValueError("streaming needs an autoregressive model; this one has paradigm="
                              f"{self.cfg.paradigm!r}: use generate()")
         spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min)
+        yield from self._stream_ids(self.encode(text, unknown), max_new_tokens, chunk_size, temperature, top_k,
+                                    top_p, seed, ignore_eos, spec)
+
+    def stream_chat(self, messages, max_new_tokens: int = 256, *, system: str | None = None,
+                    temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                    chunk_size: int = 8, unknown: str = "error", ignore_eos: bool = False,
+                    speculative: str | None = None, spec_tokens: int = 4, spec_ngram_max: int = 4,
+                    spec_ngram_min: int = 1) -> Iterator[tuple[str, int, str | None]]:
+        """:meth:`chat`'s answer as a stream, yielded as :meth:`stream_completion` yields: (piece, tokens
+        generated so far, None), then ("", tokens generated, finish_reason "stop" or "length"). The pieces
+        joined equal :meth:`chat`'s answer for the same arguments (with speculative="ngram": for greedy
+        decoding). max_new_tokens is cut to what is left of max_context, as in :meth:`chat`. Raises as
+        :meth:`chat` (constraints are not streamed: use :meth:`chat` for json_schema, regex, grammar)."""
+        require_chat_format(self.chat_format, self.run_dir)
+        if self.cfg.paradigm != "ar":
+            raise ValueError(f"chat needs an autoregressive model; this one has paradigm={self.cfg.paradigm!r}")
+        ids = self.chat_prompt_ids(messages, system, unknown)
+        if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
+            max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
+        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, True)
+        yield from self._stream_ids(ids, max_new_tokens, chunk_size, temperature, top_k, top_p, seed, ignore_eos,
+                                    spec)
+
+    def _stream_ids(self, ids, max_new_tokens, chunk_size, temperature, top_k, top_p, seed, ignore_eos, spec):
+        """The (piece, count, finish reason) stream of one prompt's ids (see :meth:`stream_completion`)."""
         decoder, stops, count = StreamDecoder(self.tokenizer), set(self._eos(ignore_eos) or ()), 0
-        for chunk in self._chunks(self.encode(text, unknown), max_new_tokens, chunk_size, temperature, top_k, top_p,
-                                  seed, ignore_eos, spec):
+        for chunk in self._chunks(ids, max_new_tokens, chunk_size, temperature, top_k, top_p, seed, ignore_eos,
+                                  spec):
             piece = ""
             for token in np.asarray(chunk)[0].tolist():
                 count += 1

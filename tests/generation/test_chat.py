@@ -66,6 +66,42 @@ def test_generate_chat_cli(chat_run, capsys):
     assert capsys.readouterr().out == want + "\n"
 
 
+def test_generate_chat_stream_prints_the_same_answer(chat_run, capsys):
+    argv = ["generate", "--run_dir", chat_run, "--chat", "Dove siamo?", "--system", "Sei Virgilio.",
+            "--temperature", "0.9", "--seed", "3", "--max_new_tokens", "12"]
+    assert cli.main(argv) == 0
+    whole = capsys.readouterr().out
+    assert cli.main(argv + ["--stream"]) == 0
+    out, err = capsys.readouterr()
+    assert out == whole and "first text after" in err
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.9, 5)])
+def test_stream_chat_pieces_join_to_the_chat_answer_and_compile_nothing_more(chat_run, temperature, seed):
+    gen = Generator(chat_run, warmup=False)
+    ids = gen.chat_prompt_ids(QUESTION)
+    gen.warm_up([len(ids)], 12)
+    with dx.CompileCounter() as counted:
+        items = list(gen.stream_chat(QUESTION, 12, temperature=temperature, seed=seed, chunk_size=5))
+    assert counted.compilations == 0, counted
+    answer = gen.chat(QUESTION, 12, temperature=temperature, seed=seed)
+    assert "".join(piece for piece, _, _ in items) == answer
+    assert [reason for _, _, reason in items[:-1]] == [None] * (len(items) - 1)
+    assert items[-1][0] == "" and items[-1][2] in ("stop", "length") and 1 <= items[-1][1] <= 12
+    assert list(gen.stream_chat("Dove siamo?", 12, system="Sei Virgilio.", temperature=temperature,
+                                seed=seed))[-1] == items[-1]
+
+
+def test_stream_chat_stops_at_an_end_of_turn_id(tmp_path):
+    base = Generator(save_tiny_chat_run(tmp_path / "probe"), warmup=False)
+    free = np.asarray(dx.generate(base.model, base.chat_format.prompt_ids(QUESTION, base.tokenizer), 20))
+    gen = Generator(save_tiny_chat_run(tmp_path / "stops", eos_ids=[int(free[5])]), warmup=False)
+    items = list(gen.stream_chat(QUESTION, 20, temperature=0))
+    assert items[-1][2] == "stop" and "".join(p for p, _, _ in items) == gen.chat(QUESTION, 20, temperature=0)
+    with pytest.raises(ValueError, match="has no chat template"):
+        next(Generator(save_tiny_chat_run(tmp_path / "plain", template=None), warmup=False).stream_chat("ciao"))
+
+
 def test_k12_generate_chat_encodes_typed_markers_as_text(chat_run, capsys):
     gen = Generator(chat_run, warmup=False)
     messages = [{"role": "system", "content": "Sei Virgilio."}, {"role": "user", "content": INJECTION}]
@@ -82,7 +118,7 @@ def test_k12_generate_chat_encodes_typed_markers_as_text(chat_run, capsys):
     (["--chat", "ciao", "--prompt", "x"], "--prompt and --chat exclude each other"),
     (["--prompt", "Nel", "--system", "x"], "--system needs --chat"),
     (["--chat", "ciao", "--max_new_tokens", "0"], "--max_new_tokens 0"),
-    (["--chat", "ciao", "--stream"], "--stream is not supported with --chat"),
+    (["--chat", "ciao", "--no_cache"], "--no_cache is not supported with --chat"),
 ])
 def test_generate_chat_cli_bad_flags(chat_run, capsys, argv, message):
     assert cli.main(["generate", "--run_dir", chat_run, *argv]) == 2
