@@ -29,17 +29,20 @@ from flax import nnx
 
 from ..model.cache import init_cache
 from ..parallel.mesh import mesh_of, mesh_scope
-from .decode import GenerationResult, _prepare, place_on_mesh, split_model
+from .decode import GenerationResult, _prepare, new_cache, place_on_mesh, split_model
 from .grammar import Constraint, all_allowed_mask
 from .sampling import SamplingParams, apply_token_mask, sample_next
 
 
-@partial(jax.jit, static_argnames=("graphdef",))
-def masked_prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, token_mask):
-    """Allocate and fill the static cache with the prompts and sample each row's first token under its mask.
-    ids: [B, T] int32; lengths: [B] int32; token_mask: [B, W] int32. Returns (tokens [B] int32, cache)."""
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def masked_prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, token_mask, cache=None):
+    """Fill the static cache with the prompts and sample each row's first token under its mask.
+    ids: [B, T] int32; lengths: [B] int32; token_mask: [B, W] int32; cache: the empty cache
+    (``decode.new_cache``, donated: only written pages become resident) or None to allocate it in the call.
+    Returns (tokens [B] int32, cache)."""
     model = nnx.merge(graphdef, params)
-    cache = init_cache(model.cfg, ids.shape[0])
+    if cache is None:
+        cache = init_cache(model.cfg, ids.shape[0])
     logits, cache, _ = model(ids, use_cache=True, kv_caches=cache, cache_index=0, logits_at=lengths - 1,
                              valid_tokens=lengths)
     masked = apply_token_mask(logits[:, 0], token_mask)
@@ -131,7 +134,8 @@ def constrained_result(model, prompt_ids, constraints: list, max_new_tokens: int
     rows = ConstrainedRows(list(constraints), stops, V, req.max_new_tokens, int(req.fill))
     graphdef, params = split_model(model)
     with mesh_scope(mesh_of(params)):
-        token, cache = masked_prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, rows.mask)
+        token, cache = masked_prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, rows.mask,
+                                      new_cache(model.cfg, B, params))
         step = 0
         while True:
             tokens = np.asarray(token)

@@ -34,7 +34,7 @@ from flax import nnx
 
 from ..parallel.mesh import mesh_of, mesh_scope
 from .constrained_decode import ConstrainedRows, check_constraints, masked_prefill, masked_step
-from .decode import GenerationResult, _prepare, place_on_mesh, split_model
+from .decode import GenerationResult, _prepare, new_cache, place_on_mesh, split_model
 from .grammar import mask_allows
 from .ngram import propose_ngram
 from .sampling import SamplingParams, apply_token_mask
@@ -159,7 +159,8 @@ def constrained_speculative_result(model, prompt_ids, constraints: list, max_new
     spec = _Speculation(req, settings, model.cfg.max_context)
     graphdef, params = split_model(model)
     with mesh_scope(mesh_of(params)):
-        token, cache = masked_prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, rows.mask)
+        token, cache = masked_prefill(graphdef, params, req.ids, req.lengths, req.key, req.sampling, rows.mask,
+                                      new_cache(model.cfg, len(req.ids), params))
         done = rows.take(np.asarray(token))
         while not done:
             index = spec.slots(rows)

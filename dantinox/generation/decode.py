@@ -37,6 +37,7 @@ from flax import nnx
 
 from ..model.attention_kernel import kernel_available
 from ..model.cache import KVCache, first_slots, init_cache
+from ..model.zero_pages import pages_available
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..parallel.sharding import shard_model
@@ -74,7 +75,7 @@ def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_i
     B)``, [B, K, S, D] per layer), donated and written in place, so only the pages of the slots written become
     resident (SmolLM2, 8,192 slots, a 40-token prompt: 421 MiB resident after the prefill instead of 744, and
     the prefill 143-181 ms instead of 222-282, docs/performance.md "Host memory"); None allocates it inside
-    this call, zero-filled (what a mesh uses: the cache then takes the mesh's layout in the call).
+    this call, zero-filled (what ``new_cache`` gives on a mesh and where pages cannot be left to the OS).
     Returns the initial DecodeState (step 1).
     """
     model = nnx.merge(graphdef, params)
@@ -90,15 +91,24 @@ def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_i
 
 def new_cache(cfg, batch_size: int, params) -> KVCache | None:
     """The empty static cache ``prefill`` fills for a batch of ``batch_size`` rows of the model whose
-    parameters are ``params``: ``init_cache(cfg, B)`` allocated outside the call, its pages left to the
-    operating system (``dantinox.model.zero_pages``); None when the parameters lie on a mesh (prefill then
-    allocates it in the mesh's layout). Raises ValueError for a batch size that is not a positive integer."""
-    return None if mesh_of(params) is not None else init_cache(cfg, batch_size)
+    parameters are ``params``: ``init_cache(cfg, B)`` allocated outside the call with its pages left to the
+    operating system (``dantinox.model.zero_pages``). None where that cannot be done, so prefill allocates the
+    cache inside its call as before (zero-filled in one program instead of one dispatch per array): parameters
+    on a mesh (the cache then takes the mesh's layout), no CPU backend or no compiled extension. With a
+    bfloat16 cache XLA:CPU still rewrites the whole cache in the prefill (it widens each layer's cache to
+    float32 around the update), so only float32 and int8 caches keep their unwritten pages. Raises ValueError
+    for a batch size that is not a positive integer."""
+    if mesh_of(params) is not None or not pages_available():
+        return None
+    return init_cache(cfg, batch_size)
 
 
 def cache_shapes(cfg, batch_size: int, params):
-    """What ``new_cache`` returns, as jax.ShapeDtypeStructs (nothing allocated), for a warm-up; None on a mesh."""
-    return None if mesh_of(params) is not None else jax.eval_shape(partial(init_cache, cfg, batch_size))
+    """What ``new_cache`` returns, as jax.ShapeDtypeStructs (nothing allocated), for a warm-up; None where
+    new_cache gives None."""
+    if mesh_of(params) is not None or not pages_available():
+        return None
+    return jax.eval_shape(partial(init_cache, cfg, batch_size))
 
 
 _SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -187,7 +197,7 @@ def warm_prefill(model, prompt_length: int) -> None:
     graphdef, params = split_model(model)
     with mesh_scope(mesh_of(params)):
         prefill.prepare(graphdef, params, req.ids, req.lengths, req.key, req.sampling, req.eos_id, req.fill,
-                        new_cache(model.cfg, 1, params))   # made for real: its zeros' program is made ready too
+                        new_cache(model.cfg, 1, params))   # real (no page is written): its zeros' program is ready too
 
 
 def warm_decode(model, windows: tuple[int, ...], prompt_length: int = 1) -> None:

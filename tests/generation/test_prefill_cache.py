@@ -29,7 +29,8 @@ def _model(case: dict):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_a_given_cache_gives_the_state_of_one_allocated_inside(name):
+def test_a_given_cache_gives_the_state_of_one_allocated_inside(name, monkeypatch):
+    monkeypatch.setattr(gen, "pages_available", lambda: True)   # init_cache's own fallback still applies
     model = _model(CASES[name])
     graphdef, params = gen.split_model(model)
     rng = np.random.default_rng(0)
@@ -56,10 +57,17 @@ def test_generation_through_a_given_cache_matches_the_uncached_model(name):
     np.testing.assert_array_equal(streamed, uncached)
 
 
-def test_new_cache_is_made_in_the_call_on_a_mesh(monkeypatch):
+def test_new_cache_is_made_in_the_call_on_a_mesh_and_without_pages(monkeypatch):
+    """On a mesh, and where pages cannot be left to the OS (no extension, another backend: a cache made
+    outside would be written in full there, twice during a two-thread warm-up), prefill allocates the cache
+    inside its call as before."""
     model = _model(CASES["mha float32"])
     graphdef, params = gen.split_model(model)
-    assert gen.new_cache(model.cfg, 1, params) is not None
+    monkeypatch.setattr(gen, "pages_available", lambda: True)
+    assert gen.new_cache(model.cfg, 1, params) is not None and gen.cache_shapes(model.cfg, 1, params) is not None
+    monkeypatch.setattr(gen, "pages_available", lambda: False)
+    assert gen.new_cache(model.cfg, 1, params) is None and gen.cache_shapes(model.cfg, 1, params) is None
+    monkeypatch.setattr(gen, "pages_available", lambda: True)
     monkeypatch.setattr(gen, "mesh_of", lambda params: object())   # parameters on a mesh
     assert gen.new_cache(model.cfg, 1, params) is None and gen.cache_shapes(model.cfg, 1, params) is None
 
@@ -87,3 +95,21 @@ def test_only_the_written_slots_become_resident():
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * 4096
+
+
+def test_the_constrained_prefill_takes_the_cache_too():
+    """masked_prefill (structured outputs) with a cache made outside: the same token and cache as with the
+    cache allocated inside, the given one donated."""
+    from dantinox.generation.constrained_decode import masked_prefill
+    from dantinox.generation.grammar import all_allowed_mask
+
+    model = _model(CASES["gqa int8, token keys"])
+    graphdef, params = gen.split_model(model)
+    req = gen._prepare(model, [[5, 9, 11, 3], [7, 2]], 4, 0.9, 0, 1.0, 4, None)
+    mask = all_allowed_mask(2, model.cfg.vocab_size)
+    args = (graphdef, params, req.ids, req.lengths, req.key, req.sampling, mask)
+    given_cache = gen.init_cache(model.cfg, 2)
+    inside, given = masked_prefill(*args), masked_prefill(*args, given_cache)
+    for a, b in zip(jax.tree_util.tree_leaves(inside), jax.tree_util.tree_leaves(given), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(given_cache))
