@@ -98,17 +98,18 @@ def new_cache(cfg, batch_size: int, params) -> KVCache | None:
     bfloat16 cache XLA:CPU still rewrites the whole cache in the prefill (it widens each layer's cache to
     float32 around the update), so only float32 and int8 caches keep their unwritten pages. Raises ValueError
     for a batch size that is not a positive integer."""
-    if mesh_of(params) is not None or not pages_available():
-        return None
-    return init_cache(cfg, batch_size)
+    return init_cache(cfg, batch_size) if _cache_outside(params) else None
 
 
 def cache_shapes(cfg, batch_size: int, params):
     """What ``new_cache`` returns, as jax.ShapeDtypeStructs (nothing allocated), for a warm-up; None where
     new_cache gives None."""
-    if mesh_of(params) is not None or not pages_available():
-        return None
-    return jax.eval_shape(partial(init_cache, cfg, batch_size))
+    return jax.eval_shape(partial(init_cache, cfg, batch_size)) if _cache_outside(params) else None
+
+
+def _cache_outside(params) -> bool:
+    """Whether prefill's cache is made outside the call (``new_cache``): one device and pages the OS provides."""
+    return mesh_of(params) is None and pages_available()
 
 
 _SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

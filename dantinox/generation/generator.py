@@ -368,12 +368,7 @@ class Generator:
         joined equal :meth:`chat`'s answer for the same arguments (with speculative="ngram": for greedy
         decoding). max_new_tokens is cut to what is left of max_context, as in :meth:`chat`. Raises as
         :meth:`chat` (constraints are not streamed: use :meth:`chat` for json_schema, regex, grammar)."""
-        require_chat_format(self.chat_format, self.run_dir)
-        if self.cfg.paradigm != "ar":
-            raise ValueError(f"chat needs an autoregressive model; this one has paradigm={self.cfg.paradigm!r}")
-        ids = self.chat_prompt_ids(messages, system, unknown)
-        if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
-            max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
+        ids, max_new_tokens = self._chat_request(messages, system, unknown, max_new_tokens)
         spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, True)
         yield from self._stream_ids(ids, max_new_tokens, chunk_size, temperature, top_k, top_p, seed, ignore_eos,
                                     spec)
@@ -426,16 +421,23 @@ class Generator:
         :meth:`generate` (the answer is constrained). speculative, spec_tokens, spec_ngram_max, spec_ngram_min:
         as :meth:`generate`.
         """
+        ids, max_new_tokens = self._chat_request(messages, system, unknown, max_new_tokens)
+        constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, True)
+        return self._complete([ids], max_new_tokens, True, temperature, top_k, top_p, seed, ignore_eos,
+                              constraint, spec)[0].text
+
+    def _chat_request(self, messages, system, unknown, max_new_tokens):
+        """(prompt ids, max_new_tokens cut to what is left of max_context) of a chat turn; raises as :meth:`chat`
+        (no template, a diffusion model, a conversation that fills the context). An invalid max_new_tokens is
+        passed on unchanged for the generation's own check to name."""
         require_chat_format(self.chat_format, self.run_dir)
         if self.cfg.paradigm != "ar":
             raise ValueError(f"chat needs an autoregressive model; this one has paradigm={self.cfg.paradigm!r}")
         ids = self.chat_prompt_ids(messages, system, unknown)
         if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1:
             max_new_tokens = max(1, min(max_new_tokens, self.cfg.max_context - len(ids)))
-        constraint = self.constraint(json_schema=json_schema, regex=regex, grammar=grammar)
-        spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, True)
-        return self._complete([ids], max_new_tokens, True, temperature, top_k, top_p, seed, ignore_eos,
-                              constraint, spec)[0].text
+        return ids, max_new_tokens
 
     def chat_prompt_ids(self, messages, system: str | None = None, unknown: str = "error") -> list[int]:
         """The prompt ids :meth:`chat` generates from. Raises as :meth:`chat` (CapacityError: the conversation
