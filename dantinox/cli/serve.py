@@ -13,9 +13,9 @@ block the budget holds). At start the server logs "KV cache: N blocks = T tokens
 tokens per request (M MiB = B bytes, ...)" (L = max_context; C = min(N // blocks per request, max-running)).
 --kv-dtype (float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same
 --kv-memory holds 4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D
-(3.6x at D = 32; the float32 scales included, dantinox.quant.kv_rows), up to the max-running cap.
+(3.6x at D = 32; the float32 scales included, dantinox.kv.int8_rows), up to the max-running cap.
 An int8 pool of an MHA / GQA / MQA model stores the keys per channel over groups of --kv-key-group tokens
-(KIVI, the default: --kv-keys channel, or the run's kv_keys; ``dantinox.serving.paged_channel_keys``); the
+(KIVI, the default: --kv-keys channel, or the run's kv_keys; ``dantinox.kv.channel_paged``); the
 block size must then be a multiple of the group and defaults to it (64 unless set), and a --block-size that
 is not is refused naming both flags. --kv-keys token keeps one scale per token (with the float32 sinks); MLA
 pools are always per token.
@@ -46,7 +46,7 @@ import re
 import socket
 
 from ..parallel.mesh import mesh_from_flag, naming_flag, parse_mesh
-from ..quant.kv_channels import with_kv_keys
+from ..kv.channel_keys import with_kv_keys
 from ..quant.weights import check_quantize, quantize_weights
 from .flags import add_mesh_argument, add_quantize_argument, add_speculative_arguments, speculative_from_args
 
@@ -170,7 +170,7 @@ def kv_summary(engine) -> str:
 
 def host_available_bytes() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (Linux), None where it cannot be read. The pool's pages are
-    resident only once written (``dantinox.model.zero_pages``), so a pool larger than this starts, and fills
+    resident only once written (``dantinox.kv.zero_pages``), so a pool larger than this starts, and fills
     later."""
     try:
         with open("/proc/meminfo") as meminfo:
@@ -188,9 +188,9 @@ def _draft_share(engine) -> str:
     draft_cfg = getattr(engine, "draft_cfg", None)
     if draft_cfg is None:
         return ""
-    from ..serving.paged_cache import block_bytes
+    from ..kv.sizes import page_bytes
 
-    nbytes = engine.allocator.num_blocks * block_bytes(draft_cfg, engine.allocator.block_size)
+    nbytes = engine.allocator.num_blocks * page_bytes(draft_cfg, engine.allocator.block_size)
     return f", of which the draft model's {draft_cfg.cache_dtype} layers {nbytes / 2**20:.2f} MiB"
 
 
@@ -243,7 +243,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory)
     if getattr(args, "max_loaded_programs", None) is None:   # the variable applies: refuse a bad one now
-        from ..program_store import max_loaded_programs
+        from ..programs.store import max_loaded_programs
         max_loaded_programs()
     max_request_bytes(args)
     if getattr(args, "mesh", None) is not None:
@@ -438,7 +438,7 @@ def run_serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("dantinox.serving")
     engine, tokenizer, name = build_engine(args)   # checks the flags first
     if args.max_loaded_programs is not None:
-        from ..program_store import set_max_loaded_programs
+        from ..programs.store import set_max_loaded_programs
         set_max_loaded_programs(args.max_loaded_programs)
     chat_format = load_chat_format(resolve_run_dir(args.run_dir), tokenizer)
     stop_ids = read_stop_ids(resolve_run_dir(args.run_dir), tokenizer)

@@ -23,7 +23,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from .allocator import BlockAllocator
+from ..kv.allocator import BlockAllocator
 from .request import QueueFullError, Request, RequestError, RequestStatus
 
 log = logging.getLogger("dantinox.serving")
