@@ -61,7 +61,7 @@ def _launch(api_key: str | None) -> tuple[subprocess.Popen, int]:
         if proc.poll() is not None:
             raise RuntimeError(f"dantinox serve exited with {proc.returncode}; see {log.name}")
         try:
-            if requests.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:   # as utils.py
                 return proc, port
         except requests.RequestException:
             pass
