@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/dantinox-lcpp-suite", help="where the copy of the tests goes")
     p.add_argument("--junit", default=None, help="also write pytest's JUnit XML here")
     p.add_argument("--serve-flag", action="append", default=[], help="one more flag for dantinox serve")
+    p.add_argument("--select", action="append", default=None, help="run these test ids instead of OPENAI_TESTS")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k logprobs")
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -64,7 +65,8 @@ def main(argv=None) -> int:
     env = {**os.environ, "DANTINOX_SUITE_RUN_DIR": str(Path(args.run_dir).resolve()),
            "DANTINOX_SUITE_SERVE_FLAGS": "\x1f".join(args.serve_flag), "PYTHONPATH": str(work)}
     command = [sys.executable, "-m", "pytest", "-p", "dantinox_launcher", "-o", "addopts=", "-q", "-rN",
-               "--tb=line", f"--junitxml={junit}", "-p", "no:cacheprovider", *OPENAI_TESTS, *args.pytest_args]
+               "--tb=line", f"--junitxml={junit}", "-p", "no:cacheprovider", *(args.select or OPENAI_TESTS),
+               *args.pytest_args]
     subprocess.run(command, cwd=work, env=env, check=False)
     return summarize(junit)
 
