@@ -544,7 +544,7 @@ class PagedEngine(Engine):
     def _output(self, req: Request, new_tokens: list, logprobs: list | None = None) -> RequestOutput:
         spec = None if req.spec is None else (req.spec.proposed, req.spec.accepted)
         return RequestOutput(req.request_id, new_tokens, req.finished, req.finish_reason, req.error,
-                             len(req.prompt_ids), len(req.output_ids), logprobs, spec)
+                             len(req.prompt_ids), len(req.output_ids), logprobs, spec, req.num_prompt_cached)
 
     def _fail_running(self, message: str) -> list[RequestOutput]:
         """After a failed device step: end every request whose keys and values may be lost (running, or
