@@ -17,7 +17,7 @@ logical shape [in, out] (ggml order, fastest dimension first) is the row-major a
 already the HF / torch ``nn.Linear`` layout.
 
 With ``keep_blocks=True`` (what ``dantinox import FILE.gguf`` does unless --dtype is given) the matrices in a
-block format dantinox's kernel runs (``dantinox.quant.block_formats``: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
+block format dantinox's kernel runs (``dantinox.quant.block_formats.BLOCK_FORMATS``: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K, IQ4_XS)
 stay as stored: a :class:`~dantinox.quant.block_formats.BlockMatrix` of the raw uint8 rows (q/k rows
 reordered as whole rows, which does not touch a block). F32 / F16 / BF16 tensors are widened to float32 as
 before. A matrix in another format (Q5_0, Q5_1, Q2_K, Q3_K, ...) is refused naming the tensor and format, and
