@@ -1,9 +1,10 @@
 """GGUF weights kept in their block formats (`dantinox import FILE.gguf` without --dtype, issue 23): the run
 stores the file's blocks byte for byte with their layout, and decodes the same greedy tokens as the float32 run
-of the dequantized weights (`--dtype float32`, today's import) for every format, tied and untied heads, mixed
-formats inside one fused projection (the twelve block formats the kernel runs); one decode program, as for float weights; the pure-JAX fallback gives the
-same tokens; verify and eval name the weight format. Bad input: a block format the kernel lacks (refused, or
-dequantized with one warning line under --dtype float32), a NaN scale, --quantize on blocks."""
+of the dequantized weights (`--dtype float32`, today's import) for every format (the twelve the kernel runs),
+tied and untied heads, mixed formats inside one fused projection; one decode program, as for float weights;
+the pure-JAX fallback gives the same tokens; verify and eval name the weight format. Bad input: a block format
+the kernel lacks (refused, or dequantized with one warning line under --dtype float32), a NaN scale,
+--quantize on blocks."""
 
 import json
 
