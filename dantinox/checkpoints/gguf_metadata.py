@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .errors import GGUFError
 
 _MISSING = object()
@@ -59,8 +61,10 @@ class Metadata:
         return value
 
     def float(self, name: str, default: Any = _MISSING, raw: bool = False) -> float:
-        """A finite positive number."""
+        """A finite positive number. A float32 value (GGUF stores most floats so) is given as the shortest
+        decimal that rounds to it (1e-05, not 9.999999747378752e-06): the number its Hugging Face config holds."""
         value = self._value(name, default, raw)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             self.refuse(name, value, "a positive number", raw)
-        return float(value)
+        single = np.float32(value)
+        return float(str(single)) if float(single) == value else float(value)
