@@ -120,9 +120,10 @@ def _quantized(w, name, array, qtype, rng):
         w.add_tensor(name, quantize(np.ascontiguousarray(array, np.float32), qtype), raw_dtype=qtype)
 
 
-def write_gguf_twin(fixture: str, path, qtypes=None, phi3: bool = False) -> dict:
+def write_gguf_twin(fixture: str, path, qtypes=None, phi3: bool = False, extra=None) -> dict:
     """Write the GGUF twin of ``fixture`` to ``path``. qtypes: GGUF tensor name -> GGMLQuantizationType for
-    matrices (default F32; a callable name -> type also works). Returns the fixture's config dict."""
+    matrices (default F32; a callable name -> type also works). extra(writer): called after the hyperparameter
+    keys, to add keys or tensors (bad-input tests). Returns the fixture's config dict."""
     config = _json(fixture, "config.json")
     arch = "phi3" if phi3 else ARCH[config["architectures"][0]]
     H, K = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
@@ -131,6 +132,8 @@ def write_gguf_twin(fixture: str, path, qtypes=None, phi3: bool = False) -> dict
     tensors = load_file(os.path.join(fixture, "model.safetensors"))
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, config, arch, head_dim, phi3)
+    if extra is not None:
+        extra(w)
     _tokenizer(w, fixture)
     gen = _json(fixture, "generation_config.json")
     eos = gen.get("eos_token_id", config.get("eos_token_id"))
