@@ -127,10 +127,6 @@ def _sizes(m: Metadata, tensors: dict) -> dict:
     if m.int("attention.value_length", head_dim) != head_dim:
         m.refuse("attention.value_length", m.get("attention.value_length"),
                  f"equal to {m.key('attention.key_length')}={head_dim} (one head size for keys and values)")
-    rotary = m.int("rope.dimension_count", head_dim)
-    if rotary != head_dim:
-        m.refuse("rope.dimension_count", rotary, f"the head size {head_dim} (partial rotary embeddings are not "
-                 "supported)")
     vocab = tensor_shape(tensors["token_embd.weight"])[0]
     if m.has("vocab_size") and m.int("vocab_size") != vocab:
         m.refuse("vocab_size", m.get("vocab_size"), f"the rows of tensor token_embd.weight ({vocab})")
@@ -158,6 +154,10 @@ def llama_like_config(m: Metadata, tensors: dict, hf_class: str, fused_mlp: bool
     _refuse_unmapped(m, tensors)
     s = _sizes(m, tensors)
     check_shapes(m, tensors, expected_shapes(s, fused_mlp))
+    rotary = m.int("rope.dimension_count", s["D"])
+    if rotary != s["D"]:
+        m.refuse("rope.dimension_count", rotary, f"the head size {s['D']} (partial rotary embeddings are not "
+                 "supported)")
     return {
         "architectures": [hf_class], "model_type": hf_class.removesuffix("ForCausalLM").lower(),
         "hidden_size": s["E"], "intermediate_size": s["F"], "num_hidden_layers": check_block_count(m, tensors),

@@ -15,9 +15,12 @@ of its UTF-8 encoding (byte fallback). A ``tokenizers`` BPE model computes the s
 every split (left, right) of every normal piece whose two halves are pieces themselves, ranked by the merged
 piece's score (highest first; ties by the merged piece's id, then the left half's): the merge it applies next
 is the one whose result scores highest. Byte fallback is the model's ``byte_fallback``. The normalizer adds the
-prefix and replaces spaces; the decoder turns "▁" back into spaces, byte pieces into bytes, and drops the prefix.
-Control pieces (<s>, </s>) become special added tokens (one id each when a chat template writes them), user-
-defined pieces ordinary added tokens matched on the normalized text (as SentencePiece matches them whole).
+prefix and replaces spaces (a leading space becomes "▁▁", as SentencePiece does); the decoder turns "▁" back
+into spaces, byte pieces into bytes, and drops the prefix. Control pieces (<s>, </s>) become special added
+tokens (one id each when a chat template writes them), user-defined pieces ordinary added tokens, both matched
+whole in the raw text; each stretch of text between them is normalized on its own and so gets its own prefix,
+as llama.cpp's tokenizer (and transformers' legacy Llama tokenizer) does: the text after such a piece decodes
+with one more leading space than it had.
 Checked against the ids the models' own Hugging Face tokenizers give for llama.cpp's tokenizer test texts
 (Llama 2 and Phi-3 vocabularies, tests/checkpoints/test_gguf_tokenizers.py, slow tier).
 """
@@ -89,6 +92,6 @@ def sentencepiece_tokenizer(meta: dict) -> Tokenizer:
                                    + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
                            for t, kind in zip(tokens, types) if kind == CONTROL])
-    hf.add_tokens([AddedToken(t, special=False, normalized=True)
+    hf.add_tokens([AddedToken(t, special=False, normalized=False)
                    for t, kind in zip(tokens, types) if kind == USER_DEFINED])
     return hf
