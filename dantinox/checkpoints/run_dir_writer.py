@@ -176,17 +176,14 @@ def _generation(generation: Mapping[str, Any] | None, tokenizer: TextTokenizer, 
 
 def stored_arrays(params: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict]:
     """(the arrays model.safetensors holds, the block layout for its metadata): a BlockParts parameter
-    ``<module>.kernel`` / ``embed.embedding`` becomes ``<module>.parts.<i>.data`` per part. Raises CheckpointError
-    for block weights on a projection with a bias (BlockLinear has none)."""
+    ``<module>.kernel`` / ``embed.embedding`` becomes ``<module>.parts.<i>.data`` per part (a projection's bias,
+    Qwen2's, stays ``<module>.bias``)."""
     arrays, layout = {}, {}
     for name, value in params.items():
         if not isinstance(value, BlockParts):
             arrays[name] = value
             continue
         module = name.rpartition(".")[0]
-        if f"{module}.bias" in params:
-            raise CheckpointError(f"{module}: block-quantized weights with a bias are not supported; import with "
-                                  "--dtype float32")
         layout[module] = [[p.fmt, p.n_out, p.n_in] for p in value.parts]
         for i, part in enumerate(value.parts):
             arrays[f"{module}.parts.{i}.data"] = np.ascontiguousarray(part.data)

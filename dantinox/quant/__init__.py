@@ -2,7 +2,8 @@
 
   weights.py        bf16 weights and weight-only int8 (one scale per output channel), float32 accumulation
   kv_dtype.py       ``--kv-dtype``: the cache dtype of a loaded model
-  block_formats.py  GGUF's block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): layouts, exact dequantization
+  block_formats.py  GGUF's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K, IQ4_XS): layouts,
+                    exact dequantization
   block_kernel.py   x . W^T with W in blocks: the compiled XLA FFI kernel (csrc/) or the pure-JAX path
   block_linear.py   BlockLinear / BlockEmbed, the modules of an imported GGUF's block weights, and their layout
 """
