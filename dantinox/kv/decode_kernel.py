@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..quant.block_kernel import ATTENTION_TARGET, ISA_CODES, extension
+from ..quant.block_kernel import ATTENTION_TARGET, ISA_CODES, PAGED_ATTENTION_TARGET, extension
 
 ENV = "DANTINOX_ATTENTION_KERNEL"
 
@@ -112,3 +112,36 @@ def verify_attention(q: jax.Array, k: jax.Array, v: jax.Array, written, cache_in
     written at slots cache_index .. cache_index + T - 1 (module docstring, "verify"). q: [B, K, G, T, D];
     k, v: [B, K, T, D]; cache_index: [B] int32; key_start: [B] int32 or None. Returns [B, K, G, T, D] float32."""
     return decode_attention(q, k, v, written, *visible_slots(cache_index, key_start, window, q.shape[3]))
+
+
+def paged_kernel_applies(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array) -> bool:
+    """Whether a causal call of q [B, K, G, T, D] over a float32 pool layer (k, v [N, P, K, D]) attends in the
+    compiled kernel (``paged_attention``): float32 queries and pool of q's head size, no ambient mesh, the
+    extension with the paged handler, ``DANTINOX_ATTENTION_KERNEL`` not "off". A static decision."""
+    return (q.dtype == jnp.float32 and pool_k.dtype == jnp.float32 and pool_v.dtype == jnp.float32
+            and pool_k.ndim == 4 and q.shape[-1] == pool_k.shape[-1] == pool_v.shape[-1]
+            and jax.sharding.get_abstract_mesh().empty and kernel_available()
+            and hasattr(extension(), "paged_attention_handler"))
+
+
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
+                    table: jax.Array, cache_index: jax.Array, window: int | None, isa: str = "auto") -> jax.Array:
+    """Attention of T new tokens per row over a paged pool they have already been written into, in the compiled
+    kernel: token t of row b sees slots [lo, cache_index[b] + t) of its blocks (lo: 0, or inside the sliding
+    window) and then itself, cut into ranges and merged exactly as ``decode_attention`` does for a static cache
+    (so a served token equals the static cache's decode step at the same slot). Only the blocks a row has filled
+    are read, and nothing is gathered into a [B, K, M P, D] copy.
+
+    q: [B, K, G, T, D] float32 (scaled); k, v: [B, K, T, D] the new tokens' keys and values; pool_k, pool_v:
+    [N, P, K, D] float32 with the new tokens written; table: [B, M] int32 block tables (every entry a valid block
+    id; padding rows' zeros are never read past their bounds); cache_index: [B] int32. Returns
+    [B, K, G, T, D] float32. RuntimeError without the extension's paged handler."""
+    if extension() is None or not hasattr(extension(), "paged_attention_handler"):
+        raise RuntimeError("the paged attention kernel is unavailable: rebuild the extension (pip install .)")
+    B, K, G, T, D = q.shape
+    lo, hi = visible_slots(cache_index, None, window, T)
+    out = jax.ShapeDtypeStruct((B, K, T, G, D), jnp.float32)
+    call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, out, vmap_method="sequential")
+    y = call(q.transpose(0, 1, 3, 2, 4), pool_k, pool_v, table.astype(jnp.int32), k.astype(jnp.float32),
+             v.astype(jnp.float32), lo.astype(jnp.int32), hi.astype(jnp.int32), isa=np.int64(ISA_CODES[isa]))
+    return y.transpose(0, 1, 3, 2, 4)

@@ -23,15 +23,16 @@ Layout per layer, the static cache's layout with the slot axis cut into blocks, 
                     of G) and a float32 residual slot [Q, 2 G, K, D] per running sequence (a ring: its filling
                     key group and the one before); its attention and writes are ``dantinox.kv.channel_paged``.
 Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
-The pool is sized from a memory budget with ``dantinox.kv.static.bytes_per_token_per_layer``, the figure
-``dantinox.budget.memory`` sums (2 K D or C + R elements per token and layer), so N x ``block_bytes`` plus,
-for int8, R x ``sink_set_bytes`` (L x ``dantinox.kv.static.sink_bytes_per_layer``) and, for per-channel keys,
-Q x ``residual_set_bytes`` equals the bytes allocated (``pool_nbytes``; ``pool_bytes`` computes it).
+The pool's bytes are ``dantinox.kv.sizes``'s (N page_bytes + R sink_slot_bytes + Q residual_slot_bytes, from
+the layers' specs), exactly what ``dantinox.kv.pool.init_pool`` allocates.
 
 How the model reads it. Each attention kind accepts a layer cache object with its own hook (see
 ``dantinox.model.attention.Attention`` and ``dantinox.model.mla.MLAttention``); per call a view carries the layer's
 pool, the batch's block tables [B, M] and the number of valid new tokens per row [B]:
-  ``PagedView.attend_and_write(q, k, v, cache_index, key_start, window)`` (MHA / GQA / MQA)
+  ``PagedView.attend_and_write(q, k, v, cache_index, key_start, window)`` (MHA / GQA / MQA). A float32 pool
+  on the CPU with the compiled extension writes the new rows first and attends in the kernel
+  (``dantinox.kv.decode_kernel.paged_attention``), which reads only the blocks each row has filled, in place.
+  Otherwise it
   1. gathers each row's blocks into a contiguous [B, K, M*P, D] view (slots past the row's length are
      masked by ``attend``, exactly as the static cache masks its unused slots),
   2. runs the same softmax attention as the static cache (``dantinox.kv.attend.attend``): old slots
@@ -54,6 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from .attend import attend
+from .decode_kernel import paged_attention, paged_kernel_applies
 from .channel_paged import PagedChannelKV, PagedChannelView
 from .static import LatentKV, LayerKV, QuantLatentKV, QuantLayerKV
 
@@ -264,6 +266,11 @@ class PagedView(NamedTuple):
         if len(stored) != len(self.pool):
             raise ValueError(f"the pool holds {type(self.pool).__name__} but the model writes {len(stored)} "
                              "arrays: build the pool from the model's config (cache_dtype)")
+        if type(self.pool) is PagedLayerKV and paged_kernel_applies(q, self.pool.k, self.pool.v):
+            # the compiled kernel reads the filled blocks in place, the new rows written first (verify order)
+            pool = scatter_new(self.pool, stored, self.block_table, cache_index, self.num_new, self.sink_slot)
+            y = paged_attention(q, k, v, pool.k, pool.v, self.block_table, cache_index, window)
+            return y, self._replace(pool=pool)
         y = attend(q, k, v, gather_rows(self.pool, self.block_table, self.sink_slot), cache_index, None, window)
         pool = scatter_new(self.pool, stored, self.block_table, cache_index, self.num_new, self.sink_slot)
         return y, self._replace(pool=pool)

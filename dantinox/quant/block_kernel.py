@@ -41,6 +41,7 @@ from .block_formats import block_format, dequantize_blocks
 KERNEL_MAX_ROWS = 128
 TARGET = "dantinox_block_matmul"
 ATTENTION_TARGET = "dantinox_decode_attention"
+PAGED_ATTENTION_TARGET = "dantinox_paged_attention"   # the same over a paged pool, dantinox.kv.decode_kernel
 ZERO_PAGES_TARGET = "dantinox_zero_pages"   # zeros without writing the pages, dantinox.kv.zero_pages
 ISA_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 ENV = "DANTINOX_BLOCK_KERNEL"
@@ -56,6 +57,9 @@ def _load() -> tuple[object | None, str]:
             jax.ffi.register_ffi_target(TARGET, module.handler(), platform="cpu")
             if hasattr(module, "attention_handler"):  # decode attention, dantinox.kv.decode_kernel
                 jax.ffi.register_ffi_target(ATTENTION_TARGET, module.attention_handler(), platform="cpu")
+            if hasattr(module, "paged_attention_handler"):
+                jax.ffi.register_ffi_target(PAGED_ATTENTION_TARGET, module.paged_attention_handler(),
+                                            platform="cpu")
             if hasattr(module, "zero_pages_handler"):
                 jax.ffi.register_ffi_target(ZERO_PAGES_TARGET, module.zero_pages_handler(), platform="cpu")
             _state["module"], _state["why"] = module, ""
@@ -64,7 +68,7 @@ def _load() -> tuple[object | None, str]:
     return _state["module"], _state["why"]
 
 
-register_custom_calls((TARGET, ATTENTION_TARGET, ZERO_PAGES_TARGET), _load)
+register_custom_calls((TARGET, ATTENTION_TARGET, PAGED_ATTENTION_TARGET, ZERO_PAGES_TARGET), _load)
 
 
 def kernel_status() -> tuple[bool, str]:

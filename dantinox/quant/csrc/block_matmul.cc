@@ -18,6 +18,9 @@
 // slots of every KV head cut into ranges that the threads take as the block product's rows, partial softmaxes
 // merged in a fixed order (so a row's result does not depend on the batch or the thread count).
 //
+// The same attention reads a paged pool through block tables (paged_attention: served prefill chunks and decode
+// steps read only the blocks a row has filled, no gathered copy of the table's width).
+//
 // And zeros whose pages the operating system provides (zero_pages.inc), for the KV pool and cache.
 //
 // The Python module _block_matmul exposes handler(), attention_handler() and zero_pages_handler() (PyCapsules
@@ -329,6 +332,10 @@ struct AttentionJob {
   const float *q, *k, *v;
   const int32_t* hi;  // [B, T]
   int64_t K, T, G, L, D;
+  // A paged pool instead of a cache (paged_attention): k, v [N, P, K, D], row b's slot s in block
+  // table[b * M + s / P] at offset s % P; each task's rows are copied into a contiguous scratch first.
+  const int32_t* table = nullptr;
+  int64_t M = 0, P = 1;
   std::vector<int64_t> kv, t0, t1, s0, offset;
   std::vector<float> partial;
   std::atomic<int64_t> next{0}, done{0};
@@ -344,16 +351,36 @@ struct AttentionJob {
     }
   }
 
+  // The first n rows of task i's keys and values from the pool, laid end to end in kbuf, vbuf [n, D].
+  void gather(int64_t i, int64_t n, float* kbuf, float* vbuf) const {
+    const int64_t b = kv[i] / K, head = kv[i] % K;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t s = s0[i] + r, block = table[b * M + s / P];
+      const int64_t at = ((block * P + s % P) * K + head) * D;
+      std::memcpy(kbuf + r * D, k + at, static_cast<size_t>(D) * sizeof(float));
+      std::memcpy(vbuf + r * D, v + at, static_cast<size_t>(D) * sizeof(float));
+    }
+  }
+
   void work() {
     std::vector<float> scores(static_cast<size_t>(T * G * ATTENTION_RANGE));
     std::vector<int64_t> count(static_cast<size_t>(T * G));
+    std::vector<float> kbuf(table ? static_cast<size_t>(ATTENTION_RANGE * D) : 0), vbuf(kbuf.size());
     const int64_t tasks = static_cast<int64_t>(kv.size());
     for (int64_t i = next.fetch_add(1); i < tasks; i = next.fetch_add(1)) {
       const int64_t Q = (t1[i] - t0[i]) * G;
       float* m = partial.data() + offset[i];
       counts(i, count.data());
-      fn(q + (kv[i] * T + t0[i]) * G * D, Q, count.data(), D, k + kv[i] * L * D, v + kv[i] * L * D, s0[i],
-         scores.data(), m, m + Q, m + 2 * Q);
+      const float* qi = q + (kv[i] * T + t0[i]) * G * D;
+      if (table) {
+        int64_t n = 0;
+        for (int64_t g = 0; g < Q; ++g) n = count[g] > n ? count[g] : n;
+        gather(i, n, kbuf.data(), vbuf.data());
+        fn(qi, Q, count.data(), D, kbuf.data(), vbuf.data(), 0, scores.data(), m, m + Q, m + 2 * Q);
+      } else {
+        fn(qi, Q, count.data(), D, k + kv[i] * L * D, v + kv[i] * L * D, s0[i], scores.data(), m, m + Q,
+           m + 2 * Q);
+      }
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -389,35 +416,16 @@ void merge_token(const AttentionJob& job, int64_t first, int64_t last, int64_t b
 // the cache with its new tokens written and hi = cache_index + t, so token t reads the same slots, cut into the
 // same ranges and merged in the same order as a decode step at that slot: the same float32 result. Tokens of a
 // row with the same lo share their tasks, so each key row is read once for all of them.
-ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                               ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi, ffi::ResultBuffer<ffi::F32> y,
-                               int64_t isa) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), yd = y->dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || yd.size() != 5 ||
-      !std::equal(kd.begin(), kd.end(), vd.begin()) || !std::equal(qd.begin(), qd.end(), yd.begin()))
-    return ffi::Error::InvalidArgument("decode_attention expects q, y [B, K, T, G, D] and k, v [B, K, L, D]");
-  const int64_t B = qd[0], K = qd[1], T = qd[2], G = qd[3], D = qd[4], L = kd[2];
-  if (kd[0] != B || kd[1] != K || kd[3] != D || k_new.element_count() != B * K * T * D ||
-      v_new.element_count() != B * K * T * D || lo.element_count() != B * T || hi.element_count() != B * T)
-    return ffi::Error::InvalidArgument("decode_attention: shapes of q, k, v, the new rows and the bounds disagree");
-  if (B * K * T * G * D == 0) return ffi::Error::Success();
-  auto job = std::make_shared<AttentionJob>();
-  job->fn = attend_for(isa == ISA_AUTO ? detected_isa() : static_cast<int>(isa));
-  job->q = q.typed_data();
-  job->k = k.typed_data();
-  job->v = v.typed_data();
-  job->hi = hi.typed_data();
-  job->K = K;
-  job->T = T;
-  job->G = G;
-  job->L = L;
-  job->D = D;
+// Build the tasks of ``job`` (its q, k, v, hi, K, T, G, L, D set), run them on the calling thread and XLA's pool,
+// and merge each new token's ranges and itself into y. B rows; lo, hi [B, T]; k_new, v_new [B, K, T, D].
+void run_attention(std::shared_ptr<AttentionJob> job, ffi::ThreadPool& pool, int64_t B, const int32_t* lo,
+                   const int32_t* hi, const float* q, const float* k_new, const float* v_new, float* y) {
+  const int64_t K = job->K, T = job->T, G = job->G, L = job->L, D = job->D;
   std::vector<int64_t> first(B * K * T + 1, 0), last(B * K * T, 0);  // each token's tasks: [first, last)
   int64_t size = 0;
   for (int64_t kv = 0; kv < B * K; ++kv) {
-    const int32_t* lo_row = lo.typed_data() + (kv / K) * T;
-    const int32_t* hi_row = hi.typed_data() + (kv / K) * T;
+    const int32_t* lo_row = lo + (kv / K) * T;
+    const int32_t* hi_row = hi + (kv / K) * T;
     for (int64_t t0 = 0, t1; t0 < T; t0 = t1) {
       int64_t top = 0;
       for (t1 = t0; t1 < T && lo_row[t1] == lo_row[t0]; ++t1) top = hi_row[t1] > top ? hi_row[t1] : top;
@@ -446,8 +454,83 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   job->work();
   while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
   for (int64_t e = 0; e < B * K * T; ++e)
-    merge_token(*job, first[e], last[e], e / (K * T), e % T, q.typed_data() + e * G * D,
-                k_new.typed_data() + e * D, v_new.typed_data() + e * D, y->typed_data() + e * G * D);
+    merge_token(*job, first[e], last[e], e / (K * T), e % T, q + e * G * D, k_new + e * D, v_new + e * D,
+                y + e * G * D);
+}
+
+// q, y [B, K, T, G, D]: T new tokens per row, G query heads per KV head; k, v [B, K, L, D] the cache (the new
+// tokens' own slots may be written already: a token never reads them, see hi); k_new, v_new [B, K, T, D];
+// lo, hi [B, T]: new token t of row b sees cached slots [lo, hi) and then itself. A verify call (T > 1) passes
+// the cache with its new tokens written and hi = cache_index + t, so token t reads the same slots, cut into the
+// same ranges and merged in the same order as a decode step at that slot: the same float32 result. Tokens of a
+// row with the same lo share their tasks, so each key row is read once for all of them.
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                               ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi, ffi::ResultBuffer<ffi::F32> y,
+                               int64_t isa) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), yd = y->dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || yd.size() != 5 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) || !std::equal(qd.begin(), qd.end(), yd.begin()))
+    return ffi::Error::InvalidArgument("decode_attention expects q, y [B, K, T, G, D] and k, v [B, K, L, D]");
+  const int64_t B = qd[0], K = qd[1], T = qd[2], G = qd[3], D = qd[4], L = kd[2];
+  if (kd[0] != B || kd[1] != K || kd[3] != D || k_new.element_count() != B * K * T * D ||
+      v_new.element_count() != B * K * T * D || lo.element_count() != B * T || hi.element_count() != B * T)
+    return ffi::Error::InvalidArgument("decode_attention: shapes of q, k, v, the new rows and the bounds disagree");
+  if (B * K * T * G * D == 0) return ffi::Error::Success();
+  auto job = std::make_shared<AttentionJob>();
+  job->fn = attend_for(isa == ISA_AUTO ? detected_isa() : static_cast<int>(isa));
+  job->q = q.typed_data();
+  job->k = k.typed_data();
+  job->v = v.typed_data();
+  job->hi = hi.typed_data();
+  job->K = K;
+  job->T = T;
+  job->G = G;
+  job->L = L;
+  job->D = D;
+  run_attention(job, pool, B, lo.typed_data(), hi.typed_data(), q.typed_data(), k_new.typed_data(),
+                v_new.typed_data(), y->typed_data());
+  return ffi::Error::Success();
+}
+
+// The same attention over a paged pool: k, v [N, P, K, D] (block, offset, KV head), table [B, M] int32 the rows'
+// block tables (slot s of row b at block table[b, s / P], offset s % P), L = M P. Ranges of ATTENTION_RANGE slots
+// are copied out of the pool into a contiguous scratch and attended exactly as decode_attention attends a static
+// cache's, so a row's result equals decode_attention's over the same keys and values.
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::F32> k_new,
+                              ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
+                              ffi::ResultBuffer<ffi::F32> y, int64_t isa) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = table.dimensions(), yd = y->dimensions();
+  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || td.size() != 2 || yd.size() != 5 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) || !std::equal(qd.begin(), qd.end(), yd.begin()))
+    return ffi::Error::InvalidArgument("paged_attention expects q, y [B, K, T, G, D], k, v [N, P, K, D] and a "
+                                       "table [B, M]");
+  const int64_t B = qd[0], K = qd[1], T = qd[2], G = qd[3], D = qd[4], N = kd[0], P = kd[1], M = td[1];
+  if (kd[2] != K || kd[3] != D || td[0] != B || k_new.element_count() != B * K * T * D ||
+      v_new.element_count() != B * K * T * D || lo.element_count() != B * T || hi.element_count() != B * T)
+    return ffi::Error::InvalidArgument("paged_attention: shapes of q, the pool, the table, the new rows and the "
+                                       "bounds disagree");
+  if (B * K * T * G * D == 0) return ffi::Error::Success();
+  const int32_t* t = table.typed_data();
+  for (int64_t i = 0; i < B * M; ++i)
+    if (t[i] < 0 || t[i] >= N) return ffi::Error::InvalidArgument("paged_attention: a block id outside [0, N)");
+  auto job = std::make_shared<AttentionJob>();
+  job->fn = attend_for(isa == ISA_AUTO ? detected_isa() : static_cast<int>(isa));
+  job->q = q.typed_data();
+  job->k = k.typed_data();
+  job->v = v.typed_data();
+  job->hi = hi.typed_data();
+  job->table = t;
+  job->M = M;
+  job->P = P;
+  job->K = K;
+  job->T = T;
+  job->G = G;
+  job->L = M * P;
+  job->D = D;
+  run_attention(job, pool, B, lo.typed_data(), hi.typed_data(), q.typed_data(), k_new.typed_data(),
+                v_new.typed_data(), y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -516,6 +599,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxDecodeAttention, DecodeAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa"));
+
 namespace {
 
 PyObject* py_handler(PyObject*, PyObject*) {
@@ -524,6 +621,10 @@ PyObject* py_handler(PyObject*, PyObject*) {
 
 PyObject* py_attention_handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DantinoxDecodeAttention), nullptr, nullptr);
+}
+
+PyObject* py_paged_attention_handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DantinoxPagedAttention), nullptr, nullptr);
 }
 
 PyObject* py_zero_pages_handler(PyObject*, PyObject*) {
@@ -539,6 +640,8 @@ PyMethodDef methods[] = {
     {"handler", py_handler, METH_NOARGS, "PyCapsule of the XLA FFI handler dantinox_block_matmul."},
     {"attention_handler", py_attention_handler, METH_NOARGS,
      "PyCapsule of the XLA FFI handler dantinox_decode_attention."},
+    {"paged_attention_handler", py_paged_attention_handler, METH_NOARGS,
+     "PyCapsule of the XLA FFI handler dantinox_paged_attention."},
     {"zero_pages_handler", py_zero_pages_handler, METH_NOARGS,
      "PyCapsule of the XLA FFI handler dantinox_zero_pages."},
     {"isa", py_isa, METH_NOARGS, "The instruction set this CPU runs: 'avx512', 'avx2' or 'scalar'."},
