@@ -19,12 +19,10 @@ of ``jax.live_arrays()`` otherwise, as on CPU). Exit status 1 if any array size 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
 import jax
-import yaml
 
 from ..budget.memory import (channel_layout, kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes,
                              parse_memory_size)
@@ -207,32 +205,28 @@ def default_contexts(max_context: int) -> list[int]:
 def load_config(args: argparse.Namespace) -> ModelConfig:
     """The ModelConfig named by --preset, --config or --run_dir; ValueError when none is given."""
     if getattr(args, "config", None):
-        return ModelConfig.from_dict(_model_fields(_read_mapping(args.config), args.config))
+        return ModelConfig.from_dict(_model_fields(_read_mapping(args.config, "--config"), args.config))
     if getattr(args, "run_dir", None):
         from ..runs.bundled import resolve_run_dir
 
         path = os.path.join(resolve_run_dir(args.run_dir), "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--run_dir {args.run_dir}: no config.json there")
-        return ModelConfig.from_dict(_model_fields(_read_mapping(path), path))
+        return ModelConfig.from_dict(_model_fields(_read_mapping(path, f"--run_dir {args.run_dir}:"), path))
     if getattr(args, "preset", None):
         return ModelConfig.from_preset(args.preset)
     raise ValueError("no model shape given: pass one of --preset NAME (e.g. --preset reference), "
                      "--config FILE or --run_dir DIR")
 
 
-def _read_mapping(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    is_json = path.endswith(".json")
-    try:
-        data = json.loads(text) if is_json else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as err:
-        raise ValueError(f"config file {path} is not valid {'JSON' if is_json else 'YAML'}: {err}") from err
+def _read_mapping(path: str, label: str) -> dict:
+    """The mapping in a YAML or JSON (``*.json``) file; ValueError naming ``label`` and the file otherwise
+    (``dantinox.runs.input_files``)."""
+    from ..runs.input_files import read_json, read_yaml
+
+    data = (read_json if path.endswith(".json") else read_yaml)(path, label)
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of ModelConfig fields")
+        raise ValueError(f"{label} {path}: a mapping of ModelConfig fields is required")
     return data
 
 

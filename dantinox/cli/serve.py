@@ -197,16 +197,13 @@ def _draft_share(engine) -> str:
 def apply_config_file(args: argparse.Namespace) -> None:
     """Fill ``args`` from ``args.config`` (a YAML or JSON mapping of flag names, dashes or underscores) where
     the command line left a flag at its default. Raises ValueError naming the file and an unknown key, a
-    value of the wrong type, or a file that is not a mapping; FileNotFoundError for a missing file."""
-    import yaml
+    value of the wrong type, or a file that is not a mapping, not UTF-8, not YAML / JSON or a directory;
+    FileNotFoundError for a missing file (``dantinox.runs.input_files``)."""
+    from ..runs.input_files import read_yaml
 
     if not getattr(args, "config", None):
         return
-    with open(args.config, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)  # JSON is YAML
-        except yaml.YAMLError as err:
-            raise ValueError(f"--config {args.config}: not valid YAML or JSON ({err})") from None
+    data = read_yaml(args.config, "--config")  # JSON is YAML
     if not isinstance(data, dict):
         raise ValueError(f"--config {args.config}: a mapping of serve flags is required")
     defaults = argparse.ArgumentParser()

@@ -9,9 +9,8 @@ import re
 import typing
 from typing import Any
 
-import yaml
-
 from ..config import ConfigError, ModelConfig, config_field_names, switch_attention
+from ..runs.input_files import read_yaml
 from ..runs.tokenizer import KINDS
 from ..train.trainer import RESUME_HINT, TrainConfig, TrainError, check_out_dir, train
 
@@ -109,12 +108,9 @@ def resolve_cli_config(preset: str | None, config_path: str | None,
 
 
 def load_yaml_config(path: str) -> tuple[dict, dict]:
-    """(model fields, trainer options) from a YAML file. Raises ConfigError naming the file and the key."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"cannot read config file {path!r}: {err}") from err
+    """(model fields, trainer options) from a YAML file. Raises ConfigError naming --config, the file and the key
+    (a missing file: InputFileNotFound; ``dantinox.runs.input_files``)."""
+    data = read_yaml(path, "--config", ConfigError) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of ModelConfig fields")
     options = data.pop("train", None) or {}

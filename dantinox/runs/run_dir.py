@@ -33,6 +33,7 @@ from ..parallel.distributed import to_host
 from ..model.transformer import Transformer, abstract_transformer
 from .files import atomic_write_bytes, atomic_write_json
 from .tokenizer import TextTokenizer
+from .input_files import InputFileNotFound, read_json
 from .._version import __version__
 from ..model.cache import bytes_per_token_per_layer
 from .bundled import bundled_names, resolve_run_dir
@@ -155,11 +156,11 @@ def read_summary(run_dir: str | os.PathLike) -> dict:
 
 
 def _read_json(path: str) -> Any:
+    """The JSON in ``path``; RunDirError naming it (missing, unreadable, not UTF-8, not JSON)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as err:
-        raise RunDirError(f"{path}: not readable JSON ({err})") from err
+        return read_json(path, error=RunDirError)
+    except InputFileNotFound as err:
+        raise RunDirError(str(err)) from None
 
 
 def _load_config(path: str) -> ModelConfig:

@@ -98,7 +98,7 @@ def test_config_sources_yaml_json_and_run_dir(tmp_path, capsys):
 
 
 def test_bad_input(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="missing.yaml: no such file"):
         budget(["--config", str(tmp_path / "missing.yaml")], capsys)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         budget(["--run_dir", str(tmp_path)], capsys)
