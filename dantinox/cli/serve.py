@@ -38,6 +38,7 @@ FastAPI and uvicorn are imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -48,6 +49,7 @@ import socket
 from ..parallel.mesh import mesh_from_flag, naming_flag, parse_mesh
 from ..quant.kv_channels import with_kv_keys
 from ..quant.weights import check_quantize, quantize_weights
+from .flags import option_names
 from .flags import add_mesh_argument, add_quantize_argument, add_speculative_arguments, speculative_from_args
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -196,8 +198,9 @@ def _draft_share(engine) -> str:
 
 def apply_config_file(args: argparse.Namespace) -> None:
     """Fill ``args`` from ``args.config`` (a YAML or JSON mapping of flag names, dashes or underscores) where
-    the command line left a flag at its default. Raises ValueError naming the file and an unknown key, a
-    value of the wrong type, or a file that is not a mapping, not UTF-8, not YAML / JSON or a directory;
+    the command line left a flag at its default; ``args.config_keys`` records {attribute: key as written} of
+    the values taken (``naming_config_keys`` names them in later errors). Raises ValueError naming the file and
+    an unknown key, a value of the wrong type or outside the flag's choices, or a file that is not a mapping, not UTF-8, not YAML / JSON or a directory;
     FileNotFoundError for a missing file (``dantinox.runs.input_files``)."""
     from ..runs.input_files import read_yaml
 
@@ -209,6 +212,8 @@ def apply_config_file(args: argparse.Namespace) -> None:
     defaults = argparse.ArgumentParser()
     add_serve_arguments(defaults)
     default = vars(defaults.parse_args([]))
+    choices = {action.dest: action.choices for action in defaults._actions if action.choices}
+    args.config_keys = {}
     for key, value in data.items():
         attr = str(key).replace("-", "_")
         if attr not in default or attr == "config":
@@ -217,9 +222,40 @@ def apply_config_file(args: argparse.Namespace) -> None:
         expected = type(default[attr]) if default[attr] is not None else _INT_VALUED.get(attr, str)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             kind = {int: "an integer", bool: "true or false", str: "a string"}.get(expected, expected.__name__)
-            raise ValueError(f"--config {args.config}: {key}={value!r} is not allowed: {kind}")
+            raise ValueError(f"--config {args.config}: {key} {value!r} is not allowed: {kind}")
+        if attr in choices and value not in choices[attr]:
+            raise ValueError(f"--config {args.config}: {key} {value!r} is not allowed: one of "
+                             f"{', '.join(choices[attr])}")
         if getattr(args, attr) == default[attr]:
             setattr(args, attr, value)
+            args.config_keys[attr] = str(key)
+
+
+@contextlib.contextmanager
+def naming_config_keys(args: argparse.Namespace):
+    """Errors raised inside name the --config file and the key, as the file spells it, when the flag they name
+    took its value from that file (``apply_config_file`` records which): "--max-running 0 is not allowed: an
+    integer >= 1" becomes "--config serve.yaml: max_running 0 is not allowed: an integer >= 1". An error about
+    a flag given on the command line is left as it is."""
+    try:
+        yield
+    except ValueError as err:
+        text = str(err)
+        parser = argparse.ArgumentParser()
+        add_serve_arguments(parser)
+        for attr, key in getattr(args, "config_keys", {}).items():
+            flag = option_names(parser).get(attr) or f"--{attr.replace('_', '-')}"
+            found = re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)
+            if found:
+                text = f"--config {args.config}: {text[:found.start()]}{key}{text[found.end():]}"
+                break
+        if text == str(err):
+            raise
+        try:
+            renamed = type(err)(text)
+        except TypeError:   # an error type whose constructor takes other arguments
+            renamed = ValueError(text)
+        raise renamed from None
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -422,6 +458,12 @@ def _request_log(args):
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``dantinox serve``; blocks until the server stops (Ctrl-C)."""
     apply_config_file(args)
+    with naming_config_keys(args):   # a bad value from --config names the file and its key
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """``run_serve`` once the --config file is applied: check, bind, load, warm up and serve."""
     check_serve_args(args)  # before uvicorn and the model are imported / loaded
     sock = bind_address(args.host, args.port)
     import uvicorn
