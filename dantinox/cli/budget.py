@@ -24,9 +24,9 @@ import os
 
 import jax
 
-from ..budget.memory import (channel_layout, kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes,
-                             parse_memory_size)
+from ..budget.memory import (channel_layout, kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes)
 from ..budget.per_device import plan_mesh
+from ..budget.size_flags import parse_size_flag
 from ..config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
 from ..model.cache import cache_nbytes, init_cache
 from ..quant.kv_channels import config_with_kv_keys
@@ -133,10 +133,7 @@ def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, 
         dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype, CACHE_DTYPES)
     except ValueError:
         raise ValueError(f"--dtype {args.dtype!r} is not allowed: bf16, bfloat16, fp32, float32 or int8") from None
-    try:
-        device_bytes = parse_memory_size(args.device_memory)
-    except ValueError as err:
-        raise ValueError(f"--device-memory {args.device_memory!r}: {err}") from None
+    device_bytes = parse_size_flag("--device-memory", args.device_memory)
     if not 0 <= args.reserve_fraction < 1:
         raise ValueError(f"--reserve-fraction {args.reserve_fraction} is not allowed: a number in [0, 1) "
                          "(the share of device memory kept free)")

@@ -71,12 +71,9 @@ GRACEFUL_SHUTDOWN_S = 5  # after Ctrl-C, seconds uvicorn waits for requests in f
 def parse_bytes(text: str, flag: str = "--kv-memory") -> int:
     """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (``dantinox.budget.memory.parse_memory_size``).
     Raises ValueError naming ``flag`` and the value."""
-    from ..budget.memory import parse_memory_size
+    from ..budget.size_flags import parse_size_flag
 
-    try:
-        return parse_memory_size(text)
-    except ValueError as err:
-        raise ValueError(f"{flag}: {err}") from None   # err names the value and what is allowed
+    return parse_size_flag(flag, text)
 
 
 def max_request_bytes(args: argparse.Namespace) -> int:
@@ -200,8 +197,9 @@ def apply_config_file(args: argparse.Namespace) -> None:
     """Fill ``args`` from ``args.config`` (a YAML or JSON mapping of flag names, dashes or underscores) where
     the command line left a flag at its default; ``args.config_keys`` records {attribute: key as written} of
     the values taken (``naming_config_keys`` names them in later errors). Raises ValueError naming the file and
-    an unknown key, a value of the wrong type or outside the flag's choices, or a file that is not a mapping, not UTF-8, not YAML / JSON or a directory;
-    FileNotFoundError for a missing file (``dantinox.runs.input_files``)."""
+    an unknown key, a value of the wrong type or outside the flag's choices, or a file that is not a mapping,
+    not UTF-8, not YAML / JSON or a directory; FileNotFoundError for a missing file
+    (``dantinox.runs.input_files``)."""
     from ..runs.input_files import read_yaml
 
     if not getattr(args, "config", None):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 
-from ..budget.memory import parse_memory_size
+from ..budget.size_flags import parse_size_flag
 from ..runs.bundled import bundled_run_dir
 from ..runs.run_dir import load_run
 from ..runs.input_files import read_json, read_yaml, where
@@ -46,12 +46,9 @@ def positive_number(flag: str, value) -> float:
 
 
 def parse_memory(flag: str, text: str) -> int:
-    """'80GB', '512MiB', '1000' -> bytes, via ``dantinox.budget.memory.parse_memory_size``; ValueError
-    naming ``flag``."""
-    try:
-        return parse_memory_size(text)
-    except ValueError as err:
-        raise ValueError(f"{flag}={text!r} is not allowed: {err}") from None
+    """'80GB', '512MiB', '1000' -> bytes, via ``dantinox.budget.size_flags.parse_size_flag``; ValueError
+    naming ``flag``, the value and what is allowed."""
+    return parse_size_flag(flag, text)
 
 
 def file_sha256(path: str) -> str:

@@ -51,7 +51,7 @@ def _free_port() -> str:
     ("max-running: 0\n", "max-running 0 is not allowed: an integer >= 1"),            # checked before loading
     ("max_batched_tokens: 0\n", "max_batched_tokens 0 is not allowed: an integer >= 1"),
     ("kv-memory: 1KB\n", "kv-memory 1KB: kv memory 1000 bytes holds no block"),      # found by the engine
-    ("max-request-bytes: -1MB\n", "max-request-bytes: memory size '-1MB' is not allowed"),
+    ("max-request-bytes: -1MB\n", "max-request-bytes -1MB is not allowed: the size is negative"),
     ("policy: evict\n", "policy 'evict' is not allowed: one of recompute, swap"),
 ])
 def test_a_value_out_of_range_in_the_serve_config_names_the_file_and_the_key(tmp_path, capsys, text, expected):
