@@ -1,6 +1,7 @@
 """``dantinox serve``: load a run directory, size the paged KV pool from a memory budget, serve over HTTP.
 
   dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB [--kv-memory-all]]
+                 [--kv-overcommit]
                  [--kv-dtype int8 [--kv-keys token|channel] [--kv-key-group G]]
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
@@ -9,8 +10,10 @@
 
 Without --kv-memory the pool holds max-running sequences of max_context tokens; --kv-memory sizes it from a
 byte budget, but takes no more blocks than those max-running sequences can use (--kv-memory-all takes every
-block the budget holds). At start the server logs "KV cache: N blocks = T tokens, max concurrency C at L
-tokens per request (M MiB = B bytes, ...)" (L = max_context; C = min(N // blocks per request, max-running)).
+block the budget holds). A pool in host memory (a CPU backend) larger than the memory the host has available
+is refused at start (``check_pool_fits_host``) unless --kv-overcommit is given. At start the server logs
+"KV cache: N blocks = T tokens, max concurrency C at L tokens per request (M MiB = B bytes, ...)"
+(L = max_context; C = min(N // blocks per request, max-running)).
 --kv-dtype (float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same
 --kv-memory holds 4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D
 (3.6x at D = 32; the float32 scales included, dantinox.quant.kv_rows), up to the max-running cap.
@@ -93,6 +96,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-all", action="store_true",
                    help="allocate every block --kv-memory holds, beyond what --max-running can use (more room "
                         "for the prefix cache)")
+    p.add_argument("--kv-overcommit", action="store_true",
+                   help="start even when the KV pool (in host memory, on a CPU) is larger than the memory the host "
+                        "has available; by default that is refused, since the server would be killed as it fills")
     add_mesh_argument(p)
     p.add_argument("--kv-dtype", default=None,
                    help="KV cache dtype: float32, bfloat16 or int8 (default: the run's cache_dtype)")
@@ -155,9 +161,9 @@ def kv_summary(engine) -> str:
                  f"takes those of the {size.budget} --kv-memory holds (--kv-memory-all takes them all)")
     elif fit > concurrency:
         line += f"; --max-running {engine.config.max_running} bounds the concurrency ({fit} would fit)"
-    available = host_available_bytes()
-    if available is not None and nbytes > available:
-        line += (f"\nwarning: the KV pool ({nbytes / 2**20:.0f} MiB) is larger than the memory this host has "
+    available, host = host_available_bytes(), pool_host_bytes(engine)
+    if available is not None and host is not None and host > available:   # started with --kv-overcommit
+        line += (f"\nwarning: the KV pool ({host / 2**20:.0f} MiB) is larger than the memory this host has "
                  f"available ({available / 2**20:.0f} MiB); its pages are taken as blocks fill, and the server "
                  f"may be killed when they run out: lower --kv-memory"
                  f"{'' if engine.config.kv_memory_all else ' or --max-running'}")
@@ -165,6 +171,36 @@ def kv_summary(engine) -> str:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")
     return line
+
+
+def pool_host_bytes(engine) -> int | None:
+    """Bytes of host memory the engine's KV pool takes once its blocks are written: every shard of every pool
+    array (the draft model's layers included) when they live on CPU devices, which all share the host's memory
+    (a CPU --mesh holds one copy per data replica); None when the pool lives on an accelerator's own memory."""
+    import jax
+
+    shards = [shard for leaf in jax.tree_util.tree_leaves(engine.pool) for shard in leaf.addressable_shards]
+    if not shards or any(shard.device.platform != "cpu" for shard in shards):
+        return None
+    return int(sum(shard.data.nbytes for shard in shards))
+
+
+def check_pool_fits_host(engine, overcommit: bool = False) -> None:
+    """Refuse a KV pool in host memory larger than the host's available memory (MemAvailable, read after the
+    model is loaded), as vLLM refuses a KV cache that does not fit its memory budget: the pool's pages become
+    resident only as blocks fill (``dantinox.model.zero_pages``), so such a pool starts, and the server is killed
+    by the kernel later, under load, taking every request in flight with it. ValueError naming the pool's size,
+    the memory available and the flags that fix it; ``overcommit`` (--kv-overcommit) starts it anyway (the
+    start-up line then carries a warning). Memory for compiled programs, swapped-out blocks (--policy swap) and
+    requests is not counted here: the check is a floor, not a guarantee."""
+    need, available = pool_host_bytes(engine), host_available_bytes()
+    if overcommit or need is None or available is None or need <= available:
+        return
+    lower = "--kv-memory" if engine.config.kv_memory_all else "--kv-memory or --max-running"
+    raise ValueError(f"the KV pool needs {need / 2**20:,.0f} MiB of host memory ({engine.allocator.num_blocks} "
+                     f"blocks of {engine.allocator.block_size} tokens) and this host has {available / 2**20:,.0f} "
+                     f"MiB available: the server would start and be killed once its blocks fill that far; lower "
+                     f"{lower}, or pass --kv-overcommit to start anyway")
 
 
 def host_available_bytes() -> int | None:
@@ -474,6 +510,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging()
     log = logging.getLogger("dantinox.serving")
     engine, tokenizer, name = build_engine(args)   # checks the flags first
+    check_pool_fits_host(engine, getattr(args, "kv_overcommit", False))  # before the warm-up: refused in seconds
     if args.max_loaded_programs is not None:
         from ..program_store import set_max_loaded_programs
         set_max_loaded_programs(args.max_loaded_programs)
