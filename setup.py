@@ -1,6 +1,6 @@
 """Builds dantinox's optional C++ extension, the block matrix product and decode attention called from JAX
 through XLA FFI (``dantinox/quant/csrc/block_matmul.cc`` and its .inc files, loaded by
-``dantinox.quant.block_kernel`` and ``dantinox.model.attention_kernel``); everything else is in pyproject.toml.
+``dantinox.quant.block_kernel`` and ``dantinox.kv.decode_kernel``); everything else is in pyproject.toml.
 
 The extension needs a C++17 compiler and the XLA FFI headers of the installed jaxlib (``jax.ffi.include_dir()``).
 A missing compiler, missing headers, a failed compile, or ``DANTINOX_SKIP_KERNEL=1`` leave the extension out

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dantinox as dx
-from dantinox.model.cache import cache_nbytes
+from dantinox.kv.static import cache_nbytes
 
 PROMPT, NEW = 64, 256
 VARIANTS = {

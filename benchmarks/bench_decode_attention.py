@@ -1,4 +1,4 @@
-"""Decode attention with and without the compiled kernel (dantinox.model.attention_kernel), in one process.
+"""Decode attention with and without the compiled kernel (dantinox.kv.decode_kernel), in one process.
 
 Two tables:
   1. one layer's attention for one new token per row (B rows, K KV heads, G queries per head, D head size),
@@ -26,9 +26,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dantinox as dx  # noqa: E402
-from dantinox.model import attention_kernel  # noqa: E402
-from dantinox.model.attention import attend  # noqa: E402
-from dantinox.model.cache import LayerKV  # noqa: E402
+from dantinox.kv import decode_kernel as attention_kernel  # noqa: E402
+from dantinox.kv.attend import attend  # noqa: E402
+from dantinox.kv.static import LayerKV  # noqa: E402
 
 PATHS = ("kernel", "xla")
 

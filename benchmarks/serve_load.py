@@ -37,7 +37,7 @@ from serve_common import add_trace_arguments, mixed_trace, pct, small_model
 import dantinox as dx
 from dantinox.runs.run_dir import save_run
 from dantinox.runs.tokenizer import train_tokenizer
-from dantinox.serving.paged_cache import block_bytes
+from dantinox.kv.sizes import page_bytes
 
 
 async def one_request(client: httpx.AsyncClient, url: str, req, start: float) -> dict:
@@ -127,7 +127,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         save_run(tmp, model, model.cfg, tokenizer)
         with open(os.path.join(tmp, "serve_load.log"), "w+") as log:
-            child, url = start_server(tmp, args, args.blocks * block_bytes(model.cfg, 16), log)
+            child, url = start_server(tmp, args, args.blocks * page_bytes(model.cfg, 16), log)
             try:
                 results, wall = asyncio.run(replay(url + "/v1/completions", trace))
                 health = wait_idle(url)

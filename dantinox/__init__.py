@@ -12,8 +12,9 @@ from .generation.diffusion import (DiffusionResult, DualCache, diffusion_generat
 from .generation.generator import Generator
 from .generation.paradigm import generate
 from .generation.sampling import SamplingParams, make_sampling_params, sample_next
-from .model.cache import (CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV,
-                          bytes_per_token_per_layer, cache_nbytes, init_cache)
+from .kv.static import CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, cache_nbytes
+from .kv.sizes import bytes_per_token_per_layer
+from .kv.cache import init_cache
 from .model.mla import MLAttention
 from .model.transformer import Transformer, build_model
 from .parallel.mesh import MeshError, make_mesh

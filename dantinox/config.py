@@ -20,7 +20,7 @@ KV_KEY_LAYOUTS = ("token", "channel")  # int8 key quantization: per token, or pe
 MLA_FIELDS = ("kv_latent_dim", "rope_head_dim", "q_latent_dim")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16"}
-CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: keys/values plus float32 scales (dantinox.quant.kv_rows)
+CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: keys/values plus float32 scales (dantinox.kv.int8_rows)
 
 
 class ConfigError(ValueError):
@@ -78,25 +78,30 @@ class ModelConfig:
       tie_embeddings: the output projection is the transposed token embedding.
       compute_dtype: "float32" or "bfloat16" (activations and matmuls; parameters stay float32).
       cache_dtype: "float32", "bfloat16" or "int8" (dtype of the stored keys and values; int8 stores symmetric
-        absmax int8 values with one float32 scale per token and KV head, see dantinox.quant.kv_rows, and keys
+        absmax int8 values with one float32 scale per token and KV head, see dantinox.kv.int8_rows, and keys
         as kv_keys says; not with paradigm="diffusion").
       kv_sink_tokens: int8 cache only: the first kv_sink_tokens positions of every sequence (its attention
         sinks) are also kept in float32 and attention reads them from there, so one outlier token does not
         move every later score (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks",
-        section 3; see dantinox.quant.kv_sinks and docs/quantization.md, "Attention sinks"). 0 turns it off.
+        section 3; see dantinox.kv.sinks and docs/quantization.md, "Attention sinks"). 0 turns it off.
         An integer >= 0 (at most max_context are kept: ``sink_slots``); no effect on float caches.
       kv_keys: int8 cache only: how keys are quantized. "channel" (the default: one scale per KV head and
         channel over each group of kv_key_group consecutive slots, the group still filling kept in float32:
-        KIVI, Liu et al. 2024, sections 3.2-3.3; ``dantinox.quant.kv_channels``; ``dantinox eval`` on SmolLM2's
+        KIVI, Liu et al. 2024, sections 3.2-3.3; ``dantinox.kv.channel_keys``; ``dantinox eval`` on SmolLM2's
         slices measured it ahead of per-token keys with sinks on every figure at equal bytes per token,
-        docs/quantization.md) or "token" (one scale per token and KV head, as values; ``dantinox.quant.kv_rows``).
+        docs/quantization.md) or "token" (one scale per token and KV head, as values; ``dantinox.kv.int8_rows``).
         Channel keys are for MHA / GQA / MQA: an MLA cache stays per token whatever kv_keys says (its latent has
         no per-head keys), see ``channel_keys``. No effect on float caches.
       kv_key_group: slots per key-scale group with kv_keys="channel": an integer >= 1 (default 64, where the
         key scales cost 4 K bytes per token as per-token scales do at D = 64). The cache uses ``key_group``,
         this value clipped to max_context.
-      sliding_window: if set, a query attends only to the last `sliding_window` positions (itself included).
-        The static cache still holds max_context slots.
+      sliding_window: if set, a query attends only to the last `sliding_window` positions (itself included):
+        every layer, or the layers ``layer_types`` names "sliding_attention". The static cache still holds
+        max_context slots.
+      layer_types: None, or one entry per layer, "full_attention" or "sliding_attention" (Hugging Face's
+        names): which layers use the sliding window (needs ``sliding_window``); see ``layer_kinds`` and
+        ``dantinox.kv.spec`` (one cache spec per layer). None: every layer sliding when sliding_window is set,
+        else every layer full.
       kv_latent_dim: MLA only (required there, None otherwise): d_c, the width C of the per-token latent c_kv
         that the cache stores instead of per-head keys and values.
       rope_head_dim: MLA only: d_rope, the width R of the decoupled RoPE key shared by all heads (and of each
@@ -148,6 +153,7 @@ class ModelConfig:
     kv_keys: str = "channel"
     kv_key_group: int = 64
     sliding_window: int | None = None
+    layer_types: tuple | None = None
     kv_latent_dim: int | None = None
     rope_head_dim: int | None = None
     q_latent_dim: int | None = None
@@ -193,6 +199,7 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window <= 0):
             _fail("sliding_window", self.sliding_window, "a positive integer or None")
+        set_("layer_types", self._checked_layer_types())
         set_("rope_scaling", normalize_rope_scaling(self.rope_scaling))
         if self.attention_scale is not None and (isinstance(self.attention_scale, bool) or not isinstance(
                 self.attention_scale, (int, float)) or not self.attention_scale > 0):
@@ -200,6 +207,29 @@ class ModelConfig:
         self._check_mla_fields()
         self._check_head_extras()
         self._check_diffusion_fields()
+
+    def _checked_layer_types(self) -> tuple | None:
+        """layer_types as a tuple of LAYER_TYPES, one per layer, or None; ConfigError otherwise."""
+        if self.layer_types is None:
+            return None
+        types = self.layer_types
+        if isinstance(types, str) or not isinstance(types, (list, tuple)) or len(types) != self.num_blocks:
+            _fail("layer_types", types, f"None or a list of num_blocks={self.num_blocks} entries, each one of "
+                  f"{LAYER_TYPES}")
+        bad = [t for t in types if t not in LAYER_TYPES]
+        if bad:
+            _fail("layer_types", types, f"entries one of {LAYER_TYPES} (got {bad[0]!r})")
+        if "sliding_attention" in types and self.sliding_window is None:
+            _fail("layer_types", types, "no 'sliding_attention' entry without sliding_window (give the window)")
+        return tuple(types)
+
+    @property
+    def layer_kinds(self) -> tuple:
+        """One entry of LAYER_TYPES per layer: ``layer_types``, or every layer "sliding_attention" when
+        sliding_window is set and layer_types is None, else every layer "full_attention"."""
+        if self.layer_types is not None:
+            return self.layer_types
+        return ("sliding_attention" if self.sliding_window else "full_attention",) * self.num_blocks
 
     def _check_head_extras(self) -> None:
         for name in ("qkv_bias", "qk_norm"):
@@ -304,7 +334,7 @@ class ModelConfig:
         """G, the slots per key-scale group the per-channel key cache uses: min(kv_key_group, max_context). A
         group completes only once all its G slots are written and is read from int8 only by later slots, so in
         a context of S <= G slots no group is ever read from int8 (every key stays in the float32 residual,
-        ``dantinox.quant.kv_channels``); clipping G to S changes no number and keeps the residual ring at
+        ``dantinox.kv.channel_keys``); clipping G to S changes no number and keeps the residual ring at
         2 S slots instead of 2 G (the tiny test configs, max_context 32 < 64)."""
         return min(self.kv_key_group, self.max_context)
 
@@ -369,6 +399,7 @@ class ModelConfig:
         return cls.from_dict({**PRESETS[name], **switch_attention(PRESETS[name], overrides)})
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")   # ModelConfig.layer_types entries (HF's names)
 DEFAULT_GQA_KV_HEADS = 2  # kv_heads of attention="gqa" when not given (the seeds' reference shape)
 MLA_FIELDS = ("kv_latent_dim", "rope_head_dim", "q_latent_dim")
 MLA_EXTRA_FIELDS = ("v_head_size", "mla_norm_eps")

@@ -19,7 +19,7 @@ if "DANTINOX_XLA_CACHE" not in os.environ:
     _RUN_XLA_CACHE = tempfile.mkdtemp(prefix="dantinox-test-xla-")
     os.environ["DANTINOX_XLA_CACHE"] = _RUN_XLA_CACHE
 
-# The program store (dantinox.program_store) is off in the suite: many tests retrace on purpose (a
+# The program store (dantinox.programs.store) is off in the suite: many tests retrace on purpose (a
 # monkeypatched function, jax.clear_caches() before counting compilations), and a stored program of a patched
 # trace would be found under the real code's key by later tests. tests/test_program_store.py turns it on.
 os.environ.setdefault("DANTINOX_PROGRAM_STORE", "off")
@@ -44,7 +44,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import dantinox as dx  # noqa: E402
-from dantinox.program_store import clear_programs  # noqa: E402
+from dantinox.programs.store import clear_programs  # noqa: E402
 
 
 def pytest_unconfigure(config):

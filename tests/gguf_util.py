@@ -13,18 +13,23 @@ from dantinox.runs.tokenizer import train_tokenizer
 
 DIM, HEADS, KV_HEADS, HEAD, FFN, BLOCKS = 64, 4, 2, 16, 96, 2
 WIDE = dict(dim=256, head=64, ffn=512)   # widths that K-quants' 256-value blocks divide
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")      # gguf.quants has no quantizer for these: random valid blocks instead
-K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}   # byte offsets of a block's float16 scales
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")   # 256-value blocks (the WIDE widths divide them)
+RANDOM_BLOCKS = K_QUANTS + ("IQ4_NL",)   # gguf.quants has no quantizer for these: random valid blocks instead
+# byte offsets of a block's float16 scales (ggml-common.h layouts) and their size, which keeps weights of order
+# 0.1-1 (IQ4_XS multiplies d by a 6-bit scale and table values up to 127)
+K_SCALES = {"Q2_K": ((80, 82), 0.003), "Q3_K": ((108,), 0.003), "Q4_K": ((0, 2), 0.003),
+            "Q5_K": ((0, 2), 0.003), "Q6_K": ((208,), 0.003), "IQ4_NL": ((0,), 0.003), "IQ4_XS": ((0,), 0.0002)}
 
 
 def random_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     """Random blocks of ``qtype`` for a [rows, cols] matrix (uint8 [rows, row bytes]): random bits, with the
-    float16 scales set to small finite values (|d| ~ 0.003) so the weights stay of order 0.1-1."""
+    float16 scales set to small finite values (K_SCALES) so the weights stay of order 0.1-1."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     data = rng.integers(0, 256, (rows, cols // block * size), dtype=np.uint8)
     blocks = data.reshape(-1, size)
-    for offset in K_SCALES[qtype.name]:
-        scale = (rng.uniform(0.5, 1.5, len(blocks)) * 0.003).astype(np.float16)
+    offsets, magnitude = K_SCALES[qtype.name]
+    for offset in offsets:
+        scale = (rng.uniform(0.5, 1.5, len(blocks)) * magnitude).astype(np.float16)
         blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
     return data
 
@@ -77,8 +82,8 @@ def gguf_name(hf: str) -> str:
 
 def write_tiny_gguf(path, qtype=gguf.GGMLQuantizationType.F32, arch: str = "llama", raw_override=None,
                     tied: bool = False, wide: bool = False, tensor_types=None) -> dict:
-    """Write the tiny model to ``path``; matrices in ``qtype`` (norms stay F32; K-quants as random valid
-    blocks; F16 as float16), or the type ``tensor_types`` gives their GGUF name ({"token_embd.weight": Q8_0}).
+    """Write the tiny model to ``path``; matrices in ``qtype`` (norms stay F32; K-quants and IQ4 as random
+    valid blocks; F16 as float16), or the type ``tensor_types`` gives their GGUF name ({"token_embd.weight": Q8_0}).
     raw_override: (GGUF tensor name, raw qtype) whose bytes are written as that type unchanged (zeros), or
     (name, qtype, bytes) written as given. tied: no output.weight (the head is the embedding). wide: the WIDE
     widths. Returns the HF tensors it started from (what F32 / gguf-quantized matrices were made from; K-quant
@@ -121,7 +126,7 @@ def write_tiny_gguf(path, qtype=gguf.GGMLQuantizationType.F32, arch: str = "llam
             w.add_tensor(target, raw, raw_dtype=raw_override[1])
         elif array.ndim == 2 and kind == gguf.GGMLQuantizationType.F16:
             w.add_tensor(target, array.astype(np.float16))
-        elif array.ndim == 2 and kind.name in K_QUANTS:
+        elif array.ndim == 2 and kind.name in RANDOM_BLOCKS:
             w.add_tensor(target, random_blocks(kind, *array.shape, rng), raw_dtype=kind)
         elif array.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
             w.add_tensor(target, quantize(array, kind), raw_dtype=kind)

@@ -9,7 +9,7 @@ from flax import nnx
 
 import dantinox as dx
 from dantinox.serving.engine import EngineConfig, PagedEngine
-from dantinox.serving.paged_cache import paged_views
+from dantinox.kv.paged import paged_views
 from dantinox.serving.request import SamplingOptions
 
 # Few buckets keep the number of compilations (and the suite's time on two CPUs) small.

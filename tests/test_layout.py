@@ -14,20 +14,21 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "dantinox"
 
 # Highest first: a package imports only packages of a lower number (or its own).
 LAYERS = {
-    "cli": 10,
-    "plan": 9,
-    "serving": 8,
-    "quality": 7, "budget": 7, "checkpoints": 7,
-    "generation": 6, "train": 6,
-    "runs": 5,
-    "model": 4,
+    "cli": 11,
+    "plan": 10,
+    "serving": 9,
+    "quality": 8, "budget": 8, "checkpoints": 8,
+    "generation": 7, "train": 7,
+    "runs": 6,
+    "model": 5,
+    "kv": 4,
     "quant": 3, "parallel": 3,
-    "program_store": 2,
+    "programs": 2,
     "config": 1, "xla": 1, "_version": 1, "_launch": 1,
 }
-ROOT_FILES = ["__init__.py", "_launch.py", "_version.py", "config.py", "program_store.py", "xla.py"]
-INFERENCE = ("generation", "serving", "plan", "quality", "checkpoints", "runs", "model", "quant", "parallel",
-             "budget")
+ROOT_FILES = ["__init__.py", "_launch.py", "_version.py", "config.py", "xla.py"]
+INFERENCE = ("generation", "serving", "plan", "quality", "checkpoints", "runs", "model", "kv", "quant",
+             "parallel", "budget")
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -1,4 +1,4 @@
-"""The program store (dantinox.program_store): a stored program is traced once, loaded afterwards without
+"""The program store (dantinox.programs.store): a stored program is traced once, loaded afterwards without
 tracing, gives the plain jit's results bit for bit (generation and the serving engine), keeps donation, and a
 damaged file is exported again. The suite runs with the store off (conftest); these tests turn it on in a
 temporary directory."""
@@ -15,8 +15,8 @@ from conftest import tiny_config
 from serving_util import drain, lively_model, make_engine
 
 import dantinox as dx
-from dantinox import program_store
-from dantinox.program_store import StoredFunction, clear_programs
+from dantinox.programs import store as program_store
+from dantinox.programs.store import StoredFunction, clear_programs
 from dantinox.serving.request import SamplingOptions
 
 

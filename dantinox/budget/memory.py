@@ -1,18 +1,12 @@
 """KV memory budgeting: bytes per sequence, the largest batch that fits, capacity for a mix of requests.
 
-Every figure comes from ``dantinox.model.cache.bytes_per_token_per_layer``, the same per-attention-kind number the
-allocator's shapes give, so ``kv_cache_bytes(cfg, B, cfg.max_context)`` equals, byte for byte, what
-``init_cache(cfg, B)`` allocates (tests/budget/test_planner.py checks it for every attention kind and dtype):
-
-  MHA / GQA / MQA   L x 2 x S x K x D x bytes_per_element        per sequence of S tokens
-  MLA               L x S x (C + R) x bytes_per_element          (latent plus shared RoPE key)
-  int8              adds one float32 scale per row (``kv_bytes_per_token``) and, once per sequence, the
-                    float32 rows of its A attention-sink tokens: L x A x 2 K D x 4 (MLA L x A x (C + R) x 4),
-                    ``kv_sink_bytes`` (``dantinox.quant.kv_sinks``)
-  per-channel keys  (cfg.channel_keys, KIVI) per layer and sequence of S slots S (2 K D + 4 K) for the int8
-                    keys, values and value scales, ceil(S / G) K D 4 for the key scales, G K D 4 for the
-                    filling group's float32 keys (``dantinox.quant.kv_channels.channel_key_cache_bytes``),
-                    plus the sinks as above: ``kv_cache_bytes`` counts them, and equals init_cache's arrays
+Every cache figure comes from the per-layer cache specs (``dantinox.kv.sizes``, summing
+``dantinox.kv.spec.LayerSpec``), the same fields the allocator's arrays are made from, so
+``kv_cache_bytes(cfg, B, cfg.max_context)`` equals, byte for byte, what ``init_cache(cfg, B)`` allocates
+(tests/budget/test_planner.py checks it for every attention kind and dtype). Per layer and sequence of S tokens:
+MHA / GQA / MQA 2 S K D elements, MLA S (C + R); int8 adds a float32 scale per row and the float32 rows of
+the A attention-sink tokens; per-channel int8 keys store key scales per group of G tokens and a float32 ring of
+2 G keys instead of per-token key scales (``dantinox.kv.channel_keys``).
 
 Device memory is split as  device_bytes = reserve + weights + B x bytes_per_sequence, where
 reserve = ceil(reserve_fraction x device_bytes) is explicit headroom for activations, XLA workspaces and
@@ -23,7 +17,7 @@ Admission rules for ``plan_capacity`` (how many tokens a sequence holds while it
   "max_context"  every sequence reserves all max_context slots: the static cache of ``init_cache``.
   "request"      a sequence reserves prompt_tokens + max_new_tokens: what a paged cache allocating on demand
                  needs at its peak for that request.
-Shapes and letters: see ``dantinox.model.attention``.
+Shapes and letters: see ``dantinox.kv.attend``.
 """
 
 from __future__ import annotations
@@ -40,9 +34,9 @@ from flax import nnx
 
 from ..config import ModelConfig
 from ..generation.diffusion import dual_cache_bytes
-from ..model.cache import bytes_per_token_per_layer, sink_bytes_per_layer
+from ..kv import sizes
+from ..kv.channel_keys import check_group
 from ..model.transformer import Transformer
-from ..quant.kv_channels import channel_key_cache_bytes
 from ..quant.weights import check_quantize, quantize_weights
 from .per_device import _sizes, kv_split, weights_bytes_per_device
 
@@ -64,31 +58,27 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def kv_bytes_per_token(cfg: ModelConfig | Mapping[str, Any], dtype: str | None = None) -> int:
-    """Cache bytes one token takes across all layers: L x bytes_per_token_per_layer(cfg, dtype).
+def kv_bytes_per_token(cfg: ModelConfig | Mapping[str, Any], dtype: str | None = None) -> float:
+    """Cache bytes one token takes across all layers (``dantinox.kv.sizes.token_bytes``: an int unless a
+    per-channel key cache shares a key group's scales over its G tokens).
 
-    dtype: cache dtype name ("float32", "bfloat16", "fp32", "bf16"; default cfg.cache_dtype).
+    dtype: cache dtype name ("float32", "bfloat16", "int8", "fp32", "bf16"; default cfg.cache_dtype).
     Raises ConfigError for an unknown dtype name.
     """
-    cfg = _as_config(cfg)
-    return cfg.num_blocks * bytes_per_token_per_layer(cfg, dtype)
+    return sizes.token_bytes(_as_config(cfg), dtype)
 
 
 def kv_sink_bytes(cfg: ModelConfig | Mapping[str, Any], dtype: str | None = None) -> int:
-    """Bytes of one sequence's float32 attention-sink rows across all layers (int8 caches only, else 0):
-    L x sink_bytes_per_layer(cfg, dtype). The paged pool holds one such set per sink slot
-    (``dantinox.serving.sink_slots``).
+    """Bytes of one sequence's float32 attention-sink rows across all layers (int8 caches only, else 0). The
+    paged pool holds one such set per sink slot (``dantinox.kv.sink_slots``).
     Raises ConfigError for an unknown dtype name."""
-    cfg = _as_config(cfg)
-    return cfg.num_blocks * sink_bytes_per_layer(cfg, dtype)
+    return sizes.sink_slot_bytes(_as_config(cfg), dtype)
 
 
 def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: int,
                    dtype: str | None = None) -> int:
-    """Exact bytes of the KV cache for `batch` sequences of `seq_len` tokens each:
-    batch x (seq_len x kv_bytes_per_token + kv_sink_bytes), or with per-channel keys (cfg.channel_keys and an
-    int8 dtype) batch x (channel_key_cache_bytes(cfg, seq_len, G) + kv_sink_bytes), G = min(kv_key_group,
-    seq_len): the key group of a cache of seq_len slots (``ModelConfig.key_group``).
+    """Exact bytes of the KV cache for `batch` sequences of `seq_len` tokens each (``dantinox.kv.sizes``: every
+    field of every layer, scales, key groups, residual ring and sinks included).
 
     seq_len may exceed cfg.max_context (to budget a longer context for the same shape); init_cache itself
     always allocates cfg.max_context slots, so kv_cache_bytes(cfg, B, cfg.max_context) is its size.
@@ -96,27 +86,29 @@ def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: in
     """
     batch = _positive_int("batch", batch)
     seq_len = _positive_int("seq_len", seq_len)
-    cfg = _as_config(cfg)
-    if channel_layout(cfg, dtype):
-        return batch * (channel_key_cache_bytes(cfg, seq_len, min(cfg.kv_key_group, seq_len))
-                        + kv_sink_bytes(cfg, dtype))
-    return batch * (seq_len * kv_bytes_per_token(cfg, dtype) + kv_sink_bytes(cfg, dtype))
+    return sizes.cache_bytes(_as_config(cfg), batch, seq_len, dtype)
 
 
 def channel_layout(cfg: ModelConfig, dtype: str | None = None) -> bool:
     """Does a cache of ``cfg`` in ``dtype`` (default cfg.cache_dtype) hold per-channel keys? cfg.channel_keys
     and an int8 dtype. Raises ConfigError for an unknown dtype name."""
-    return cfg.replace(cache_dtype=dtype).channel_keys if dtype else cfg.channel_keys
+    return sizes.with_dtype(cfg, dtype).channel_keys
 
 
 def kv_channel_key_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: int, group: int) -> int:
     """Exact bytes of ``batch`` sequences of ``seq_len`` tokens in the per-channel int8 key layout (KIVI,
-    ``dantinox.quant.kv_channels``: int8 keys and values, value scales per token, key scales per channel and
+    ``dantinox.kv.channel_keys``: int8 keys and values, value scales per token, key scales per channel and
     group of ``group`` tokens, the filling group's keys in float32), every layer, sinks not included (a config
     with channel keys gets its whole static cache, sinks included, from ``kv_cache_bytes``). Raises ValueError
     for a bad batch, seq_len or group, or attention="mla"."""
-    return _positive_int("batch", batch) * channel_key_cache_bytes(_as_config(cfg), _positive_int("seq_len", seq_len),
-                                                                   group)
+    cfg = _as_config(cfg)
+    if cfg.attention == "mla":
+        raise ValueError("per-channel keys (--kv-keys channel) are defined for MHA / GQA / MQA caches, not "
+                         "attention='mla' (its latent has no per-head keys)")
+    batch, seq_len = _positive_int("batch", batch), _positive_int("seq_len", seq_len)
+    channel = cfg.replace(cache_dtype="int8", kv_keys="channel", kv_key_group=check_group(group),
+                          max_context=max(cfg.max_context, group))
+    return batch * (sizes.cache_bytes(channel, 1, seq_len) - sizes.sink_slot_bytes(channel))
 
 
 def param_bytes(source: ModelConfig | Mapping[str, Any] | nnx.Module, quantize: str | None = None) -> int:
@@ -253,23 +245,18 @@ def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
         if prompt + new > cfg.max_context:
             raise ValueError(f"request (prompt {prompt}, max_new_tokens {new}) needs {prompt + new} cache "
                              f"slots, more than max_context={cfg.max_context}")
-    per_token, per_sequence, replicas = kv_bytes_per_token(cfg, dtype), kv_sink_bytes(cfg, dtype), 1
-    ways = 1
+    replicas, ways = 1, 1
     if mesh is not None:  # per device (docs/multi-device.md)
-
         replicas = _sizes(mesh)["data"]
         ways = kv_split(cfg, mesh)
-        per_token /= ways
-        per_sequence /= ways
         weights_bytes = weights_bytes_per_device(cfg, mesh) if weights_bytes is None else weights_bytes
     split = memory_split(cfg, device_bytes, weights_bytes, reserve_fraction)
     requests = sum(c for _, _, c in entries)
     used = sum((p + n) * c for p, n, c in entries)
     reserved = cfg.max_context * requests if admission == "max_context" else used
-    mix_bytes = reserved * per_token + requests * per_sequence   # the whole mix, its sink rows included
-    if channel_layout(cfg, dtype):   # key scales per group and a residual per sequence: count each request
-        slots = (lambda p, n: cfg.max_context) if admission == "max_context" else (lambda p, n: p + n)
-        mix_bytes = sum(c * kv_cache_bytes(cfg, 1, slots(p, n), dtype) for p, n, c in entries if c) / ways
+    slots = (lambda p, n: cfg.max_context) if admission == "max_context" else (lambda p, n: p + n)
+    # the whole mix, each request's own cache (its sinks, key groups and residual ring included)
+    mix_bytes = sum(c * kv_cache_bytes(cfg, 1, slots(p, n), dtype) for p, n, c in entries if c) / ways
     return CapacityPlan(
         admission=admission, split=split, requests=requests, tokens_per_request=reserved / requests,
         bytes_per_request=mix_bytes / requests,

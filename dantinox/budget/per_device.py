@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ..config import ModelConfig
-from ..model.cache import bytes_per_token_per_layer, sink_bytes_per_layer
+from ..kv.sizes import cache_bytes
 from ..model.transformer import abstract_transformer
 from ..parallel.mesh import mesh_shape
 from ..parallel.sharding import cache_layout, cache_specs, check_model_fits, param_spec
@@ -65,12 +65,11 @@ def kv_split(cfg: ModelConfig, mesh) -> int:
 
 def kv_bytes_per_sequence_per_device(cfg: ModelConfig, mesh, seq_len: int | None = None,
                                      dtype: str | None = None) -> int:
-    """Cache bytes one sequence of seq_len tokens (default max_context) puts on each device that holds it:
-    L x (bytes_per_token_per_layer x seq_len + sink_bytes_per_layer) / kv_split (the int8 cache's float32
-    sink rows split over model like its keys and values)."""
+    """Cache bytes one sequence of seq_len tokens (default max_context) puts on each device that holds it: its
+    whole cache (``dantinox.kv.sizes.cache_bytes``) / kv_split (scales, sinks and rings split over model like
+    the keys and values)."""
     seq_len = cfg.max_context if seq_len is None else int(seq_len)
-    per_layer = bytes_per_token_per_layer(cfg, dtype) * seq_len + sink_bytes_per_layer(cfg, dtype)
-    return cfg.num_blocks * per_layer // kv_split(cfg, mesh)
+    return cache_bytes(cfg, 1, seq_len, dtype) // kv_split(cfg, mesh)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,13 @@
   run_dir_writer.py  ``write_run_dir``: the one entry point every source (HF directory, GGUF) ends in
   gguf_source.py     ``read_gguf(path) -> hf_dir.HFCheckpoint``: a GGUF file as the same inputs (HF tensor
                      names and layouts, a tokenizer.json text, template, generation)
-  gguf_tokenizer.py  GGUF tokenizer metadata -> a tokenizer.json
-  errors.py          CheckpointError
+  gguf_architectures.py  general.architecture -> the HF twin's config and tensor names (llama, qwen2, qwen3,
+                     phi3); gguf_gemma3.py Gemma 3's mapping, refused until its switch is on
+  gguf_metadata.py   typed access to a file's metadata, errors naming the key
+  gguf_shapes.py     the metadata checked against the tensors' shapes before any tensor is read
+  gguf_rope.py       Llama 3's rope parameters recovered from rope_freqs.weight
+  gguf_tokenizer.py  GGUF tokenizer metadata -> a tokenizer.json (gguf_sentencepiece.py: SentencePiece)
+  errors.py          CheckpointError, GGUFError
 
 Every failure raises :class:`CheckpointError` with one line naming the file or field, the value and what is
 allowed; ``dantinox import`` prints it and exits 2.

@@ -2,57 +2,62 @@
 
 ``read_gguf(path)`` returns the :class:`~dantinox.checkpoints.hf_dir.HFCheckpoint` a Hugging Face model
 directory of the same model would give:
-  config             the config.json dict of the matching transformers class (LlamaForCausalLM)
+  config             the config.json dict of the matching transformers class (``gguf_architectures``: llama,
+                     qwen2, qwen3, phi3; gemma3 mapped in ``gguf_gemma3`` but refused until its model exists)
   tensors            HF tensor names ("model.layers.0.self_attn.q_proj.weight") -> float32 [out, in] arrays
-  tokenizer_json     tokenizer.json text (``dantinox.checkpoints.gguf_tokenizer``)
+  tokenizer_json     tokenizer.json text (``gguf_tokenizer``: byte-level BPE or SentencePiece)
   chat_template      tokenizer.chat_template, or None
   generation         bos_token_id, and eos_token_id: the ids of tokenizer.ggml.eos_token_id, eot_token_id
                      (end of turn) and eom_token_id (end of message), in that order, without repeats
   special_tokens     bos_token / eos_token: the texts of those ids
 so ``write_run_dir`` turns it into a run directory as it would a downloaded model (``dantinox import``).
 
-Tensors are dequantized with the ``gguf`` package's own ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0,
-Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K; whatever that package can dequantize). A GGUF tensor of
-logical shape [in, out] (ggml order, fastest dimension first) is the row-major array [out, in], which is
-already the HF / torch ``nn.Linear`` layout.
+Order of the checks. ``general.architecture`` and ``tokenizer.ggml.model`` are checked the moment the reader
+parses them (the first metadata entries in files llama.cpp writes), so an unsupported architecture or
+tokenizer kind is refused before the rest of the metadata and any tensor description is read. Then the
+architecture's config is built from the metadata, with the layer count and every tensor's shape checked
+against it (``gguf_shapes``, naming the key at fault), before any tensor data is read.
+
+Tensors are dequantized with the ``gguf`` package's own ``gguf.quants.dequantize`` (F32, F16, BF16 and every
+block format that package reads). A GGUF tensor of logical shape [in, out] (ggml order, fastest dimension
+first) is the row-major array [out, in], which is already the HF / torch ``nn.Linear`` layout.
 
 With ``keep_blocks=True`` (what ``dantinox import FILE.gguf`` does unless --dtype is given) the matrices in a
-block format dantinox's kernel runs (``dantinox.quant.block_formats``: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
-stay as stored: a :class:`~dantinox.quant.block_formats.BlockMatrix` of the raw uint8 rows (q/k rows
-reordered as whole rows, which does not touch a block). F32 / F16 / BF16 tensors are widened to float32 as
-before. A matrix in another format (Q5_0, Q5_1, Q2_K, Q3_K, ...) is refused naming the tensor and format, and
-a block whose float16 scale is NaN or inf is refused naming the tensor.
+block format dantinox's kernel runs (``dantinox.quant.block_formats.BLOCK_FORMATS``: Q8_0, Q4_0, Q4_1, Q5_0,
+Q5_1, IQ4_NL, Q2_K..Q6_K, IQ4_XS) stay as stored: a :class:`~dantinox.quant.block_formats.BlockMatrix` of the
+raw uint8 rows (q/k rows reordered as whole rows, which does not touch a block). F32 / F16 / BF16 tensors are
+widened to float32 as before. A matrix in another format (Q8_1, MXFP4, the 1-3-bit IQ formats, ...) is refused
+naming the tensor and format, and a block whose float16 scale is NaN or inf is refused naming the tensor.
 
-RoPE layout. llama.cpp applies rotary embeddings to adjacent pairs (x[2i], x[2i+1]); HF Llama rotates halves
-(x[i], x[i + D/2]). Its converter (convert_hf_to_gguf.py, ``LlamaModel.permute``) therefore reorders the
-rows of q_proj and k_proj inside each head: HF row (h, j, r) with j in {0, 1} (which half), r < D/2 becomes
-GGUF row (h, r, j). :func:`unpermute_rope_rows` undoes it (as transformers does when it loads a GGUF file),
-so the tensors are exactly HF's.
+RoPE layout (llama only). llama.cpp applies rotary embeddings to adjacent pairs (x[2i], x[2i+1]) for llama
+files; HF Llama rotates halves (x[i], x[i + D/2]). Its converter (convert_hf_to_gguf.py, ``LlamaModel.permute``)
+therefore reorders the rows of q_proj and k_proj inside each head: HF row (h, j, r) with j in {0, 1} (which
+half), r < D/2 becomes GGUF row (h, r, j). :func:`unpermute_rope_rows` undoes it (as transformers does when it
+loads a GGUF file), so the tensors are exactly HF's. qwen2, qwen3 and phi3 files rotate halves already.
 
 Errors: :class:`GGUFError` (a CheckpointError) with one line: not a GGUF file, corrupt or truncated, an
-architecture other than "llama", a tensor type the ``gguf`` package cannot dequantize (the tensor and type
-named), an unknown tensor name, a tensor whose shape disagrees with the metadata.
+unsupported architecture or tokenizer kind, metadata that disagrees with the tensors (the key named), a tensor
+type the ``gguf`` package cannot dequantize (the tensor and type named), an unknown tensor name.
 Shape letters: E model width, F MLP width, H query heads, K KV heads, D head size, V vocabulary.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import struct
 
 import numpy as np
 
 from ..quant.block_formats import BLOCK_FORMATS, BlockMatrix, check_blocks, row_bytes
-from .errors import CheckpointError
-from .gguf_tokenizer import GGUFTokenizerError, tokenizer_json
+from .errors import CheckpointError, GGUFError
+from .gguf_architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, GGUFArchitecture, check_architecture
+from .gguf_metadata import Metadata
+from .gguf_tokenizer import GGUFTokenizerError, check_tokenizer_kind, tokenizer_json
 from .hf_dir import HFCheckpoint
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-
-class GGUFError(CheckpointError):
-    """A GGUF file that cannot be imported; the message names the file and the reason in one line."""
+__all__ = ["GGUFError", "SUPPORTED_ARCHITECTURES", "read_gguf", "open_reader", "read_metadata"]
+# metadata keys checked while the reader parses them (before the tensor descriptions): key -> check(value)
+EARLY_CHECKS = {"general.architecture": check_architecture, "tokenizer.ggml.model": check_tokenizer_kind}
 
 
 def read_metadata(reader) -> dict:
@@ -67,7 +72,9 @@ def read_metadata(reader) -> dict:
 
 def open_reader(path: str | os.PathLike):
     """A ``gguf.GGUFReader`` for ``path``. Raises GGUFError for a missing, non-GGUF, corrupt or truncated file
-    (a tensor whose data runs past the end of the file is named, with the bytes it needs and the bytes left)."""
+    (a tensor whose data runs past the end of the file is named, with the bytes it needs and the bytes left),
+    and GGUFError / GGUFTokenizerError for an unsupported architecture or tokenizer kind (EARLY_CHECKS, raised
+    as soon as the key is parsed)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise GGUFError(f"{path}: no such file")
@@ -77,6 +84,8 @@ def open_reader(path: str | os.PathLike):
         raise GGUFError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
         return _checked_reader_class()(path, "r")
+    except CheckpointError as err:   # an EARLY_CHECKS refusal
+        raise type(err)(f"{path}: {err}") from None
     except _TruncatedTensor as err:
         raise GGUFError(f"{path}: {err}") from None
     except Exception as err:  # the reader raises ValueError, struct.error, IndexError... on damaged files
@@ -100,13 +109,19 @@ class _TruncatedTensor(ValueError):
 
 
 def _checked_reader_class():
-    """gguf.GGUFReader that first checks every tensor's byte range against the file's size, so a truncated
-    file is reported by tensor name and sizes instead of by the numpy reshape that would fail inside the
-    reader. The ranges follow the reader's own layout (data offset + offset of the tensor; ggml's bytes per
-    block from gguf.GGML_QUANT_SIZES)."""
+    """gguf.GGUFReader that runs EARLY_CHECKS on each key as it is parsed, and first checks every tensor's byte
+    range against the file's size, so a truncated file is reported by tensor name and sizes instead of by the
+    numpy reshape that would fail inside the reader. The ranges follow the reader's own layout (data offset +
+    offset of the tensor; ggml's bytes per block from gguf.GGML_QUANT_SIZES)."""
     import gguf
 
     class CheckedReader(gguf.GGUFReader):
+        def _push_field(self, field, skip_sum=False):
+            size = super()._push_field(field, skip_sum)
+            if field.name in EARLY_CHECKS:
+                EARLY_CHECKS[field.name](field.contents())
+            return size
+
         def _build_tensors(self, start_offs, fields):
             for field in fields:
                 problem = _past_the_end(field, start_offs, len(self.data))
@@ -147,29 +162,6 @@ def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     rows = weight.shape[0]
     return (weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2)
             .reshape(weight.shape))
-
-
-_BLOCK_NAMES = {  # GGUF name inside blk.N -> HF name inside model.layers.N
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def hf_tensor_name(name: str) -> str | None:
-    """The HF Llama name of a GGUF tensor name ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj
-    .weight"); None for a name this mapping does not know."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _BLOCK.match(name)
-    if match and match.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
-    return None
 
 
 def dequantize(tensor, path: str) -> np.ndarray:
@@ -220,47 +212,22 @@ def raw_blocks(tensor, path: str) -> BlockMatrix | None:
     return BlockMatrix(qtype.name, data, n_out, n_in)
 
 
-def llama_config(meta: dict, path: str, tied: bool) -> dict:
-    """The HF LlamaForCausalLM config.json of a GGUF file's ``llama.*`` metadata.
-
-    Raises GGUFError naming a missing key, or a rope scaling type other than none / linear.
-    """
-    def need(key):
-        if key not in meta:
-            raise GGUFError(f"{path}: metadata key {key!r} is missing")
-        return meta[key]
-
-    heads = int(need("llama.attention.head_count"))
-    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
-    dim = int(need("llama.embedding_length"))
-    head_dim = int(meta.get("llama.attention.key_length", meta.get("llama.rope.dimension_count", dim // heads)))
-    vocab = int(meta.get("llama.vocab_size", len(meta.get("tokenizer.ggml.tokens") or [])))
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": dim, "intermediate_size": int(need("llama.feed_forward_length")),
-        "num_hidden_layers": int(need("llama.block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab,
-        "max_position_embeddings": int(need("llama.context_length")),
-        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "tie_word_embeddings": tied, "attention_bias": False, "mlp_bias": False, "rope_scaling": None,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "torch_dtype": "float32",
-    }
-    scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(need("llama.rope.scaling.factor"))}
-    elif scaling != "none":
-        raise GGUFError(f"{path}: llama.rope.scaling.type={scaling!r} is not supported: 'none' or 'linear'")
-    return config
+def architecture(meta: dict, path: str) -> GGUFArchitecture:
+    """The GGUFArchitecture of ``general.architecture``; GGUFError when the key is missing or unsupported."""
+    if "general.architecture" not in meta:
+        raise GGUFError(f"{path}: metadata key 'general.architecture' is missing")
+    try:
+        check_architecture(meta["general.architecture"])
+    except GGUFError as err:
+        raise GGUFError(f"{path}: {err}") from None
+    return ARCHITECTURES[meta["general.architecture"]]
 
 
 def read_gguf(path: str | os.PathLike, keep_blocks: bool = False) -> HFCheckpoint:
-    """Read ``path`` (a .gguf file of a Llama-architecture model) as an HFCheckpoint.
+    """Read ``path`` (a .gguf file of a supported architecture) as an HFCheckpoint.
 
-    Returns float32 tensors in HF layout and names (q/k rows un-permuted, see the module docstring); with
-    keep_blocks, the matrices in the kernel's block formats as BlockMatrix (see the module docstring).
+    Returns float32 tensors in HF layout and names (q/k rows un-permuted for llama, see the module docstring);
+    with keep_blocks, the matrices in the kernel's block formats as BlockMatrix (see the module docstring).
     Raises GGUFError / GGUFTokenizerError (both ValueError) with one line naming the problem.
     """
     path = os.fspath(path)
@@ -269,23 +236,22 @@ def read_gguf(path: str | os.PathLike, keep_blocks: bool = False) -> HFCheckpoin
         meta = read_metadata(reader)
     except Exception as err:
         raise GGUFError(f"{path}: corrupt GGUF metadata ({type(err).__name__}: {err})") from None
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"{path}: general.architecture={arch!r} is not supported: one of {SUPPORTED_ARCHITECTURES}")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise GGUFError(f"{path}: tensor rope_freqs.weight (per-frequency RoPE scaling, Llama 3.1 style) is not "
-                        "supported from GGUF; import the Hugging Face directory instead")
-    config = llama_config(meta, path, tied="output.weight" not in names)
+    arch = architecture(meta, path)
+    by_name = {t.name: t for t in reader.tensors}
+    config = arch.config(Metadata(meta, arch.name, path), by_name)
     tensors = {}
     for tensor in reader.tensors:
-        hf_name = hf_tensor_name(tensor.name)
+        if tensor.name in arch.consumed:
+            continue
+        hf_name = arch.hf_name(tensor.name)
         if hf_name is None:
-            raise GGUFError(f"{path}: unknown tensor {tensor.name!r} for a llama model")
+            raise GGUFError(f"{path}: unknown tensor {tensor.name!r} for a {arch.name} model")
         array = (raw_blocks(tensor, path) if keep_blocks else None)
         if array is None:
             array = dequantize(tensor, path)
-        tensors[hf_name] = _rows_reordered(array, hf_name, config)
+            if arch.norm_offset and tensor.name.endswith("norm.weight"):
+                array = array + np.float32(arch.norm_offset)
+        tensors[hf_name] = _rows_reordered(array, hf_name, config) if arch.rope_rows_permuted else array
     try:
         tok_json = tokenizer_json(meta)
     except GGUFTokenizerError as err:

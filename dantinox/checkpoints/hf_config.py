@@ -8,6 +8,9 @@ Supported ``architectures`` (transformers class names) and what each maps to:
   Qwen2ForCausalLM     as Llama plus a bias on the q, k and v projections (ModelConfig.qkv_bias)
   Qwen3ForCausalLM     as Llama plus an RMSNorm over each query and key head (ModelConfig.qk_norm); head_dim
                        may differ from hidden_size / num_attention_heads
+  Phi3ForCausalLM      as Mistral (``sliding_window`` on every layer when set) with fused weights (qkv_proj,
+                       gate_up_proj: split by rows in ``hf_weights``); partial_rotary_factor must be 1 and
+                       rope_scaling none (Phi-3's LongRoPE "longrope" / "su" is refused)
   DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
                        multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1):
                        q_lora_rank -> q_latent_dim, kv_lora_rank -> kv_latent_dim, qk_nope_head_dim ->
@@ -32,11 +35,11 @@ from typing import Any, Mapping
 from ..config import ConfigError, ModelConfig
 from .errors import CheckpointError
 
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ARCHITECTURES = LLAMA_LIKE + DEEPSEEK
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM"}
 DEFAULT_MAX_CONTEXT = 8192      # static cache slots when the checkpoint allows more and --max_context is not given
 DEEPSEEK_LATENT_EPS = 1e-6      # transformers' DeepSeek q_a_layernorm / kv_a_layernorm ignore rms_norm_eps
@@ -175,7 +178,7 @@ def _yarn(hf: Mapping[str, Any], params: dict) -> dict:
 
 
 def _llama_fields(hf: Mapping[str, Any], arch: str) -> dict:
-    """Attention fields of Llama, Mistral, Qwen2 and Qwen3."""
+    """Attention fields of Llama, Mistral, Qwen2, Qwen3 and Phi-3."""
     heads = _int(hf, "num_attention_heads")
     kv = _int(hf, "num_key_value_heads", heads)
     head_dim = hf.get("head_dim") or _int(hf, "hidden_size") // heads
@@ -186,14 +189,14 @@ def _llama_fields(hf: Mapping[str, Any], arch: str) -> dict:
     fields = dict(attention=attention, kv_heads=None if attention != "gqa" else kv, head_size=head_dim,
                   qkv_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
                   rope_scaling=_rope_parameters(hf)[1])
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         fields["sliding_window"] = hf.get("sliding_window")
     elif arch.startswith("Qwen") and hf.get("use_sliding_window", False):
         refuse("use_sliding_window", True, f"false for {arch} (its per-layer windows are not implemented)")
     elif hf.get("sliding_window") is not None and arch == "LlamaForCausalLM":
         refuse("sliding_window", hf["sliding_window"], "null for LlamaForCausalLM")
     types = hf.get("layer_types")
-    if types is not None and set(types) - {"full_attention"} and arch != "MistralForCausalLM":
+    if types is not None and set(types) - {"full_attention"} and arch not in ("MistralForCausalLM", "Phi3ForCausalLM"):
         refuse("layer_types", sorted(set(types)), "only 'full_attention' layers")
     return fields
 

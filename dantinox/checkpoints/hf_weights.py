@@ -6,9 +6,11 @@ kernels are [in, out], the transpose of torch's ``weight``). Per block N, with H
   input_layernorm.weight, post_attention_layernorm.weight   -> attn_norm.scale, mlp_norm.scale
   mlp.gate_proj / up_proj / down_proj                       -> mlp.gate_up.kernel [E, 2F] (gate columns first),
                                                                mlp.down.kernel [F, E]
+  (Phi-3: mlp.gate_up_proj [2F, E], gate rows first)        -> mlp.gate_up.kernel as one matrix
   Llama family: self_attn.q_proj, k_proj, v_proj           -> attn.qkv.kernel [E, (H + 2K) D] (q | k | v);
                 (Qwen2 biases -> attn.qkv.bias), o_proj      -> attn.out.kernel; Qwen3 q_norm, k_norm -> attn.q_norm,
                                                                attn.k_norm (.scale)
+  Phi-3:        self_attn.qkv_proj [(H + 2K) D, E] (q | k | v rows) -> attn.qkv.kernel as one matrix
   DeepSeek MLA: q_a_proj + kv_a_proj_with_mqa               -> attn.down.kernel [E, Q + C + R]
                 q_a_layernorm, kv_a_layernorm               -> attn.q_norm, attn.kv_norm
                 q_b_proj (or q_proj)                        -> attn.q_up.kernel [Q or E, H (D + R)]
@@ -135,8 +137,11 @@ def convert_weights(tensors: Mapping[str, np.ndarray], spec: ImportSpec) -> dict
         out[q + "attn_norm.scale"] = src.take(p + "input_layernorm.weight", (E,))
         out[q + "mlp_norm.scale"] = src.take(p + "post_attention_layernorm.weight", (E,))
         F = cfg.mlp_hidden
-        out[q + "mlp.gate_up.kernel"] = concat_columns(
-            [src.linear(p + "mlp.gate_proj", F, E), src.linear(p + "mlp.up_proj", F, E)])
+        if p + "mlp.gate_up_proj.weight" in tensors:   # Phi-3's fused gate | up rows
+            out[q + "mlp.gate_up.kernel"] = src.linear(p + "mlp.gate_up_proj", 2 * F, E)
+        else:
+            out[q + "mlp.gate_up.kernel"] = concat_columns(
+                [src.linear(p + "mlp.gate_proj", F, E), src.linear(p + "mlp.up_proj", F, E)])
         out[q + "mlp.down.kernel"] = src.linear(p + "mlp.down_proj", E, F)
         attention = _mla_block if cfg.attention == "mla" else _gqa_block
         out.update({q + k: v for k, v in attention(src, p + "self_attn.", spec).items()})
@@ -148,12 +153,15 @@ def convert_weights(tensors: Mapping[str, np.ndarray], spec: ImportSpec) -> dict
 
 
 def _gqa_block(src: _Tensors, p: str, spec: ImportSpec) -> dict[str, np.ndarray]:
-    """One Llama / Mistral / Qwen2 / Qwen3 attention: fused qkv (+ bias), out, optional per-head norms."""
+    """One Llama / Mistral / Qwen2 / Qwen3 / Phi-3 attention: fused qkv (+ bias), out, optional per-head norms."""
     cfg = spec.cfg
     E, H, K, D = cfg.dim, cfg.n_heads, cfg.kv_heads, cfg.head_size
     parts = [("q_proj", H * D), ("k_proj", K * D), ("v_proj", K * D)]
-    out = {"attn.qkv.kernel": concat_columns([src.linear(p + name, w, E) for name, w in parts]),
-           "attn.out.kernel": src.linear(p + "o_proj", E, H * D)}
+    if p + "qkv_proj.weight" in src.tensors:   # Phi-3: already q | k | v rows
+        qkv = src.linear(p + "qkv_proj", (H + 2 * K) * D, E)
+    else:
+        qkv = concat_columns([src.linear(p + name, w, E) for name, w in parts])
+    out = {"attn.qkv.kernel": qkv, "attn.out.kernel": src.linear(p + "o_proj", E, H * D)}
     if cfg.qkv_bias:
         out["attn.qkv.bias"] = np.concatenate([src.take(f"{p}{name}.bias", (w,)) for name, w in parts])
     if cfg.qk_norm:

@@ -39,7 +39,7 @@ import numpy as np
 import safetensors.numpy
 
 from .._version import __version__
-from ..model.cache import bytes_per_token_per_layer
+from ..kv.sizes import token_bytes
 from ..model.transformer import abstract_transformer
 from ..runs import weights_checksum
 from ..runs.files import atomic_write_bytes, atomic_write_json
@@ -178,17 +178,14 @@ def _generation(generation: Mapping[str, Any] | None, tokenizer: TextTokenizer, 
 
 def stored_arrays(params: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict]:
     """(the arrays model.safetensors holds, the block layout for its metadata): a BlockParts parameter
-    ``<module>.kernel`` / ``embed.embedding`` becomes ``<module>.parts.<i>.data`` per part. Raises CheckpointError
-    for block weights on a projection with a bias (BlockLinear has none)."""
+    ``<module>.kernel`` / ``embed.embedding`` becomes ``<module>.parts.<i>.data`` per part (a projection's bias,
+    Qwen2's, stays ``<module>.bias``)."""
     arrays, layout = {}, {}
     for name, value in params.items():
         if not isinstance(value, BlockParts):
             arrays[name] = value
             continue
         module = name.rpartition(".")[0]
-        if f"{module}.bias" in params:
-            raise CheckpointError(f"{module}: block-quantized weights with a bias are not supported; import with "
-                                  "--dtype float32")
         layout[module] = [[p.fmt, p.n_out, p.n_in] for p in value.parts]
         for i, part in enumerate(value.parts):
             arrays[f"{module}.parts.{i}.data"] = np.ascontiguousarray(part.data)
@@ -212,7 +209,7 @@ def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, c
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     summary = {"dantinox_version": __version__, "parameters": int(sum(a.size for a in params.values())),
                "weight_format": weight_format(layout),
-               "kv_bytes_per_token": int(bytes_per_token_per_layer(cfg) * cfg.num_blocks),
+               "kv_bytes_per_token": int(token_bytes(cfg)),
                "tokenizer": tokenizer.kind, "imported_from": source, "architecture": spec.architecture,
                "stop_token_ids": gen["eos_token_ids"],
                "stop_tokens": [tokenizer.hf.id_to_token(i) for i in gen["eos_token_ids"]],

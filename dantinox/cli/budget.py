@@ -24,12 +24,13 @@ import os
 
 import jax
 
-from ..budget.memory import (channel_layout, kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes)
+from ..budget.memory import kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes
 from ..budget.per_device import plan_mesh
 from ..budget.size_flags import parse_size_flag
 from ..config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
-from ..model.cache import cache_nbytes, init_cache
-from ..quant.kv_channels import config_with_kv_keys
+from ..kv.static import cache_nbytes
+from ..kv.cache import init_cache
+from ..kv.channel_keys import config_with_kv_keys
 from ..parallel.mesh import MeshError, parse_mesh
 
 MIB = 2 ** 20
@@ -151,13 +152,9 @@ def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, 
 
 
 def token_bytes(cfg: ModelConfig, dtype: str) -> float:
-    """Cache bytes per token, all layers, in ``dtype``: ``kv_bytes_per_token``, or with per-channel int8 keys
-    (``channel_layout``) L x (2 K D + 4 K + 4 K D / G), the key scales of a group shared by its G tokens (the
-    residual ring and the sinks are per sequence, not per token)."""
-    if not channel_layout(cfg, dtype):
-        return kv_bytes_per_token(cfg, dtype)
-    K, D, G = cfg.kv_heads, cfg.head_size, cfg.key_group
-    return cfg.num_blocks * (2 * K * D + 4 * K + 4 * K * D / G)
+    """Cache bytes per token, all layers, in ``dtype`` (``dantinox.kv.sizes.token_bytes``: with per-channel int8
+    keys a key group's scales are shared by its G tokens; the residual ring and the sinks are per sequence)."""
+    return kv_bytes_per_token(cfg, dtype)
 
 
 def _bytes_text(value: float) -> str:

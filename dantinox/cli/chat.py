@@ -16,7 +16,7 @@ import sys
 import time
 
 from ..generation.sampling import make_sampling_params
-from ..model.cache import CapacityError
+from ..kv.static import CapacityError
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights

@@ -35,7 +35,7 @@ import sys
 from .._launch import guard_exit, release_imports
 from .._version import __version__
 from ..config import ConfigError
-from ..model.cache import CapacityError
+from ..kv.static import CapacityError
 from ..runs.bundled import DEFAULT_BUNDLED, bundled_root, bundled_slice_names, describe_bundled
 from ..runs.interrupts import EXIT_STATUS as INTERRUPTED_STATUS
 from .flags import (

@@ -41,7 +41,7 @@ import tempfile
 
 from ..parallel.mesh import mesh_from_flag, mesh_shape, naming_flag
 from ..quality.gate import GATE_METRICS, check_gate, gate_passes, gate_value, load_gate
-from ..quant.kv_channels import DEFAULT_GROUP
+from ..kv.channel_keys import DEFAULT_GROUP
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights, quantize_weights
 from ..runs.bundled import bundled_slice_names, resolve_slice_file
@@ -165,10 +165,10 @@ def candidate_model(model, kv_dtype: str | None, quantize: str | None, sinks: in
                     keys: str | None = None, group: int | None = None):
     """``model`` with the cache dtype ``kv_dtype`` (the same parameters; ``dantinox.quant.kv_dtype.with_kv_dtype``),
     ``sinks`` int8 sink tokens (None: its own), the int8 key layout ``keys`` / ``group`` (None: its own; by
-    default per-channel keys in groups of 64 on MHA / GQA / MQA, ``dantinox.quant.kv_channels.with_kv_keys``)
+    default per-channel keys in groups of 64 on MHA / GQA / MQA, ``dantinox.kv.channel_keys.with_kv_keys``)
     and the weights of ``quantize``. Raises KVDtypeError / ValueError naming --kv-dtype, --kv-sinks, --kv-keys,
     --kv-key-group or --quantize (sinks or channel keys on a cache that is not int8, channel keys on MLA)."""
-    from ..quant.kv_channels import with_kv_keys
+    from ..kv.channel_keys import with_kv_keys
     from ..quant.kv_dtype import with_config, with_kv_dtype
 
     model = with_kv_dtype(model, kv_dtype)

@@ -103,7 +103,7 @@ def _add_kv_dtype(p: argparse.ArgumentParser) -> None:
 
 
 def _add_kv_keys(p: argparse.ArgumentParser) -> None:
-    """--kv-keys token|channel and --kv-key-group G (read with ``dantinox.quant.kv_channels.with_kv_keys``)."""
+    """--kv-keys token|channel and --kv-key-group G (read with ``dantinox.kv.channel_keys.with_kv_keys``)."""
     p.add_argument("--kv-keys", default=None, metavar="token|channel",
                    help="int8 cache keys: channel (one scale per channel over groups of --kv-key-group tokens, "
                         "KIVI; MHA / GQA / MQA, MLA stays per token) or token (one scale per token and KV head, "

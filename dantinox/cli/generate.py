@@ -26,7 +26,7 @@ import numpy as np
 from ..generation.prompts import check_request
 from ..generation.sampling import make_sampling_params
 from ..parallel.mesh import mesh_from_flag, naming_flag
-from ..quant.kv_channels import check_spec_group
+from ..kv.channel_keys import check_spec_group
 from ..quant.kv_dtype import parse_kv_dtype
 from ..quant.weights import check_quantize, describe_weights
 from .flags import describe_spec_stats, draft_run_of, spec_kwargs, speculative_from_args

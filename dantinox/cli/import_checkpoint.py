@@ -2,7 +2,7 @@
 
 SOURCE is a Hugging Face model directory (``dantinox.checkpoints.hf_dir``) or a ``.gguf`` file
 (``dantinox.checkpoints.gguf_source.read_gguf``, which returns the same ``HFCheckpoint``). Without --dtype a
-GGUF file's quantized matrices are kept in their block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; float32
+GGUF file's quantized matrices are kept in their block formats (``dantinox.quant.block_formats.BLOCK_FORMATS``; float32
 compute; another block format is refused naming the tensor); ``--dtype float32`` (or bfloat16) dequantizes
 every tensor to float32 as before, with one warning line naming the formats the block kernel would not run. Both end in
 ``dantinox.checkpoints.write_run_dir``, which writes an ordinary run directory atomically. Bad input (a

@@ -6,6 +6,7 @@
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
                  [--no-prefix-caching] [--no-warmup] [--max-request-bytes 1MiB] [--config serve.yaml]
+                 [--api-key KEY ... [--api-key-all]] [--strict-fields] [--shutdown-grace 5]
                  [--speculative ngram|draft:RUN [--spec-tokens 4] [--spec-ngram-max 4] [--spec-ngram-min 1]]
 
 Without --kv-memory the pool holds max-running sequences of max_context tokens; --kv-memory sizes it from a
@@ -16,9 +17,9 @@ is refused at start (``check_pool_fits_host``) unless --kv-overcommit is given. 
 (L = max_context; C = min(N // blocks per request, max-running)).
 --kv-dtype (float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same
 --kv-memory holds 4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D
-(3.6x at D = 32; the float32 scales included, dantinox.quant.kv_rows), up to the max-running cap.
+(3.6x at D = 32; the float32 scales included, dantinox.kv.int8_rows), up to the max-running cap.
 An int8 pool of an MHA / GQA / MQA model stores the keys per channel over groups of --kv-key-group tokens
-(KIVI, the default: --kv-keys channel, or the run's kv_keys; ``dantinox.serving.paged_channel_keys``); the
+(KIVI, the default: --kv-keys channel, or the run's kv_keys; ``dantinox.kv.channel_paged``); the
 block size must then be a multiple of the group and defaults to it (64 unless set), and a --block-size that
 is not is refused naming both flags. --kv-keys token keeps one scale per token (with the float32 sinks); MLA
 pools are always per token.
@@ -28,8 +29,13 @@ It listens as soon as the model is loaded; the warm-up compiles the engine's pro
 most likely first (``dantinox.serving.warmup``), logging its progress, while requests are served: GET /health
 says "warming up" (200), GET /ready answers 503 until the warm-up is done. --no-warmup compiles only on demand.
 Ctrl-C, during loading and warm-up as while serving, ends the command with one line on stderr and exit
-status 130 (``dantinox.cli.entrypoint``); uvicorn finishes the requests in flight for up to
-GRACEFUL_SHUTDOWN_S seconds first.
+status 130 (``dantinox.cli.entrypoint``); the requests in flight may finish for up to --shutdown-grace seconds
+(default GRACEFUL_SHUTDOWN_S), then each still running is ended with OpenAI's error object (a plain request
+503, a stream its error event and its normal end; ``dantinox.serving.shutdown``), no traceback.
+--api-key KEY (repeatable) or DANTINOX_API_KEY (keys separated by commas) makes every request but GET
+/health, /ready and /metrics (--api-key-all: those too) show a key, else 401 (``dantinox.serving.api_keys``);
+without a key, a --host beyond loopback is warned about at start. --strict-fields refuses request fields the
+server does not read (400), where the default ignores them and names them in the X-Ignored-Fields header.
 --speculative ngram decodes with n-gram (prompt lookup) speculation in the engine: each decode step verifies
 up to --spec-tokens proposals per request in one compiled call (greedy output unchanged; docs/serving.md,
 "Speculative decoding"); --speculative draft:RUN takes the proposals from RUN's model instead (same tokenizer,
@@ -50,7 +56,7 @@ import re
 import socket
 
 from ..parallel.mesh import mesh_from_flag, naming_flag, parse_mesh
-from ..quant.kv_channels import with_kv_keys
+from ..kv.channel_keys import with_kv_keys
 from ..quant.weights import check_quantize, quantize_weights
 from .flags import option_names
 from .flags import add_mesh_argument, add_quantize_argument, add_speculative_arguments, speculative_from_args
@@ -66,7 +72,8 @@ _INT_FLAGS = (("--block-size", "block_size", 1), ("--kv-key-group", "kv_key_grou
 
 # serve flags whose default None means "not given" and the type their value has (for --config files)
 _INT_VALUED = {"block_size": int, "kv_key_group": int, "spec_tokens": int, "ngram_max": int, "ngram_min": int,
-               "spec_verify_cost": str, "max_loaded_programs": int}
+               "spec_verify_cost": str, "max_loaded_programs": int, "api_key": list,
+               "model_alias": list}
 
 GRACEFUL_SHUTDOWN_S = 5  # after Ctrl-C, seconds uvicorn waits for requests in flight before closing them
 
@@ -129,9 +136,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-log", default=None,
                    help="append one JSONL line per finished request (a trace for dantinox plan --trace)")
     p.add_argument("--model-name", default=None, help="name reported by /v1/models (default: run dir name)")
+    p.add_argument("--model-alias", action="append", default=None, metavar="NAME",
+                   help="another name a request's model may give for the served model (repeatable; answers still "
+                        "report --model-name)")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="the tool-call syntax chat answers are read in (default: the one the chat template shows; "
                         "docs/structured-outputs.md)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require this key (Authorization: Bearer KEY) on every request but GET /health, /ready "
+                        "and /metrics; repeat for several keys (default: the comma-separated keys of "
+                        "DANTINOX_API_KEY, else none)")
+    p.add_argument("--api-key-all", action="store_true",
+                   help="with an API key: require it on /health, /ready and /metrics too")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="answer 400 to request fields the server does not read (default: ignore them, name them "
+                        "in the X-Ignored-Fields header and the log)")
+    p.add_argument("--shutdown-grace", type=float, default=GRACEFUL_SHUTDOWN_S, metavar="S",
+                   help=f"after Ctrl-C, seconds the requests in flight may still run before they are ended with "
+                        f"an error answer (default {GRACEFUL_SHUTDOWN_S})")
     p.add_argument("--config", default=None, help="YAML/JSON file of serve flags (e.g. a plan's serve.yaml); "
                    "flags given on the command line win")
     add_quantize_argument(p)
@@ -205,7 +227,7 @@ def check_pool_fits_host(engine, overcommit: bool = False) -> None:
 
 def host_available_bytes() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (Linux), None where it cannot be read. The pool's pages are
-    resident only once written (``dantinox.model.zero_pages``), so a pool larger than this starts, and fills
+    resident only once written (``dantinox.kv.zero_pages``), so a pool larger than this starts, and fills
     later."""
     try:
         with open("/proc/meminfo") as meminfo:
@@ -223,9 +245,9 @@ def _draft_share(engine) -> str:
     draft_cfg = getattr(engine, "draft_cfg", None)
     if draft_cfg is None:
         return ""
-    from ..serving.paged_cache import block_bytes
+    from ..kv.sizes import page_bytes
 
-    nbytes = engine.allocator.num_blocks * block_bytes(draft_cfg, engine.allocator.block_size)
+    nbytes = engine.allocator.num_blocks * page_bytes(draft_cfg, engine.allocator.block_size)
     return f", of which the draft model's {draft_cfg.cache_dtype} layers {nbytes / 2**20:.2f} MiB"
 
 
@@ -300,6 +322,11 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value} is not allowed: an integer >= {low}")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} is not allowed: an integer in 1..65535")
+    grace = getattr(args, "shutdown_grace", GRACEFUL_SHUTDOWN_S)
+    if not 0 <= grace < float("inf"):
+        raise ValueError(f"--shutdown-grace {grace} is not allowed: seconds >= 0")
+    from ..serving.api_keys import parse_api_keys
+    parse_api_keys(getattr(args, "api_key", None))
     host = args.host
     try:
         ipaddress.ip_address(host.strip("[]"))
@@ -310,7 +337,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory)
     if getattr(args, "max_loaded_programs", None) is None:   # the variable applies: refuse a bad one now
-        from ..program_store import max_loaded_programs
+        from ..programs.store import max_loaded_programs
         max_loaded_programs()
     max_request_bytes(args)
     if getattr(args, "mesh", None) is not None:
@@ -505,14 +532,16 @@ def _serve(args: argparse.Namespace) -> int:
     from ..runs.bundled import resolve_run_dir
     from ..runs.chat import load_chat_format
     from ..runs.stop_ids import describe_stop_ids, read_stop_ids
+    from ..serving.api_keys import exposure_warning, parse_api_keys
     from ..serving.server import create_app
+    from ..serving.shutdown import DrainingServer
 
     configure_logging()
     log = logging.getLogger("dantinox.serving")
     engine, tokenizer, name = build_engine(args)   # checks the flags first
     check_pool_fits_host(engine, getattr(args, "kv_overcommit", False))  # before the warm-up: refused in seconds
     if args.max_loaded_programs is not None:
-        from ..program_store import set_max_loaded_programs
+        from ..programs.store import set_max_loaded_programs
         set_max_loaded_programs(args.max_loaded_programs)
     chat_format = load_chat_format(resolve_run_dir(args.run_dir), tokenizer)
     stop_ids = read_stop_ids(resolve_run_dir(args.run_dir), tokenizer)
@@ -539,10 +568,17 @@ def _serve(args: argparse.Namespace) -> int:
         from ..serving.warmup import Warmup
 
         warmup = Warmup(engine.warmup_items())  # its first line comes from the engine thread, once serving
+    keys = parse_api_keys(args.api_key)
     app = create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args), max_request_bytes(args),
-                     tool_parser=args.tool_call_parser, warmup=warmup)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=uvicorn_log_config(),
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                     tool_parser=args.tool_call_parser, warmup=warmup, api_keys=keys, api_key_all=args.api_key_all,
+                     strict_fields=args.strict_fields, model_aliases=tuple(args.model_alias or ()))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=uvicorn_log_config())
+    if keys:
+        log.info("API keys: %d configured; every request needs one%s", len(keys),
+                 "" if args.api_key_all else " (but GET /health, /ready and /metrics)")
+    warning = exposure_warning(args.host, keys)
+    if warning is not None:
+        log.warning(warning)
     log.info("listening on http://%s:%d (Ctrl-C to stop)", args.host, args.port)
-    uvicorn.Server(config).run(sockets=[sock])
+    DrainingServer(config, app.state.worker, args.shutdown_grace).run(sockets=[sock])
     return 0

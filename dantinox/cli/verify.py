@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model.cache import CapacityError
+from ..kv.static import CapacityError
 from ..parallel.mesh import mesh_from_flag, naming_flag
 from ..parallel.sharding import shard_model
-from ..quant.kv_channels import with_kv_keys
+from ..kv.channel_keys import with_kv_keys
 from ..quant.kv_dtype import parse_kv_dtype, with_kv_dtype
 from ..quant.weights import check_quantize, describe_weights, quantize_weights
 

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ..model.cache import init_cache
+from ..kv.cache import init_cache
 from ..parallel.mesh import mesh_of, mesh_scope
 from .decode import GenerationResult, _prepare, new_cache, place_on_mesh, split_model
 from .grammar import Constraint, all_allowed_mask

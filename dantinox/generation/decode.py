@@ -35,13 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..model.attention_kernel import kernel_available
-from ..model.cache import KVCache, first_slots, init_cache
-from ..model.zero_pages import pages_available
+from ..kv.decode_kernel import kernel_available
+from ..kv.static import KVCache, first_slots
+from ..kv.cache import init_cache
+from ..kv.zero_pages import pages_available
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..parallel.sharding import shard_model
-from ..program_store import stored_jit
+from ..programs.store import stored_jit
 from .prompts import bucket_length, check_request, eos_array, is_eos, prepare_prompts
 from .sampling import SamplingParams, make_sampling_params, sample_next
 
@@ -54,7 +55,7 @@ class DecodeState(NamedTuple):
     index: jax.Array   # [B] int32: cache slot where `token` will be written
     done: jax.Array    # [B] bool: the row has produced its EOS
     out: jax.Array     # [B, S] int32: generated tokens; `fill` after a row's EOS
-    cache: KVCache     # per layer cache pytree, see dantinox.model.cache
+    cache: KVCache     # per layer cache pytree, see dantinox.kv.static
 
 
 class GenerationResult(NamedTuple):
@@ -92,7 +93,7 @@ def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_i
 def new_cache(cfg, batch_size: int, params) -> KVCache | None:
     """The empty static cache ``prefill`` fills for a batch of ``batch_size`` rows of the model whose
     parameters are ``params``: ``init_cache(cfg, B)`` allocated outside the call with its pages left to the
-    operating system (``dantinox.model.zero_pages``). None where that cannot be done, so prefill allocates the
+    operating system (``dantinox.kv.zero_pages``). None where that cannot be done, so prefill allocates the
     cache inside its call as before (zero-filled in one program instead of one dispatch per array): parameters
     on a mesh (the cache then takes the mesh's layout), no CPU backend or no compiled extension. With a
     bfloat16 cache XLA:CPU still rewrites the whole cache in the prefill (it widens each layer's cache to
@@ -173,7 +174,7 @@ def decode_windows(cfg, batch_size: int, bound: int | None = None) -> tuple[int,
 
 def reads_only_filled_slots(cfg) -> bool:
     """True when a decode step of this ModelConfig attends in the compiled kernel on this process
-    (``dantinox.model.attention_kernel``: MHA / GQA / MQA, float32 cache and compute, CPU, extension built),
+    (``dantinox.kv.decode_kernel``: MHA / GQA / MQA, float32 cache and compute, CPU, extension built),
     which reads each row's filled slots only. Under a mesh the kernel steps aside and XLA's attention reads
     the whole window."""
     return (cfg.attention != "mla" and cfg.cache_dtype == "float32" and cfg.compute_dtype == "float32"
@@ -259,7 +260,7 @@ def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: Sampl
 def cache_window(cache, width: int):
     """The first ``width`` slots of every layer's cache arrays (a copy; the S axis is -2 in every layout:
     [B, K, S, D], [B, S, C], [B, S, R] and the int8 scales [..., S, 1]; per-channel key scales keep the groups
-    that cover the width and the key residual stays whole, ``dantinox.model.cache.first_slots``). The cache
+    that cover the width and the key residual stays whole, ``dantinox.kv.static.first_slots``). The cache
     itself when width covers it."""
     if width >= cache[0][0].shape[-2]:
         return cache

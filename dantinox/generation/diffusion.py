@@ -52,8 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..model.attention import NEG_INF, grouped_scores, grouped_values
-from ..model.cache import CapacityError, LayerKV
+from ..kv.attend import NEG_INF
+from ..kv.scores import grouped_scores, grouped_values
+from ..kv.sizes import cache_bytes
+from ..kv.static import CapacityError, LayerKV
 from .prompts import bucket_length, prepare_prompts
 from .sampling import temperature_problem
 
@@ -116,7 +118,7 @@ class DualView:
     def tree_unflatten(cls, mode, children):
         return cls(*children, mode)
 
-    def attend_and_write(self, q, k, v, cache_index, key_start, window):
+    def attend_and_write(self, q, k, v, cache_index, key_start, window, stored=None):
         """q: [B, K, G, T, D] (scaled); k, v: [B, K, T, D]; cache_index, key_start: [B] int32.
         Returns (y [B, K, G, T, D] float32, the updated DualView)."""
         P, T = self.prefix.k.shape[2], k.shape[2]
@@ -154,7 +156,7 @@ class StepView:
     def tree_unflatten(cls, _, children):
         return cls(*children)
 
-    def attend_and_write(self, q, k, v, cache_index, key_start, window):
+    def attend_and_write(self, q, k, v, cache_index, key_start, window, stored=None):
         """q: [B, K, G, T, D] (scaled); k, v: [B, K, T, D]; cache_index, key_start: [B] int32.
         Returns (y [B, K, G, T, D] float32, the StepView with the T slots overwritten)."""
         dt, start = self.kv.k.dtype, cache_index[0]
@@ -473,7 +475,8 @@ def prompt_slots(cfg, prompt_len: int, gen_len: int) -> int:
 
 def dual_cache_bytes(cfg, prompt_len: int, gen_len: int, batch_size: int = 1) -> int:
     """Bytes of the DualCache that :func:`diffusion_generate` allocates (and holds at its peak) for prompts of
-    up to prompt_len tokens: L x 2 x B x K x (P + M) x D x bytes_per_element, P = prompt_slots(...).
+    up to prompt_len tokens: the float cache of B sequences of P + M slots (prefix and suffix;
+    ``dantinox.kv.sizes.cache_bytes``), P = prompt_slots(...).
 
     The transient keys and values of the W block positions inside one forward are activations, not counted.
     Raises CapacityError if prompt_len + gen_len > max_context.
@@ -481,5 +484,4 @@ def dual_cache_bytes(cfg, prompt_len: int, gen_len: int, batch_size: int = 1) ->
     if prompt_len + gen_len > cfg.max_context:
         raise CapacityError(f"prompt_len={prompt_len} + gen_len={gen_len} exceeds max_context={cfg.max_context}")
     P = prompt_slots(cfg, prompt_len, gen_len)
-    item = np.dtype(cfg.jnp_cache_dtype).itemsize
-    return cfg.num_blocks * 2 * batch_size * cfg.kv_heads * (P + gen_len) * cfg.head_size * item
+    return cache_bytes(cfg, batch_size, P + gen_len)

@@ -36,15 +36,15 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..parallel.sharding import shard_model
-from ..program_store import store_dir
-from ..quant.kv_channels import check_spec_group, with_kv_keys
+from ..programs.store import store_dir
+from ..kv.channel_keys import check_spec_group, with_kv_keys
 from ..quant.kv_dtype import with_kv_dtype
 from ..quant.weights import check_quantize, quantize_weights
 from ..runs.bundled import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # noqa: F401 (re-exported)
 from ..runs.chat import load_chat_format, require_chat_format
 from ..runs.chat_template import ChatTemplateError
 from ..runs.draft_run import load_draft_run
-from ..model.cache import CapacityError
+from ..kv.static import CapacityError
 from ..runs.run_dir import load_run
 from ..runs.stop_ids import read_stop_ids
 from ..runs.tokenizer import StreamDecoder
@@ -119,7 +119,7 @@ class Generator:
         docs/multi-device.md); None: one device.
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
       kv_keys, kv_key_group: the int8 cache's key layout, "channel" (per-channel keys over groups of
-        kv_key_group slots, KIVI: ``dantinox.model.channel_layout``; the default of an int8 MHA / GQA / MQA
+        kv_key_group slots, KIVI: ``dantinox.kv.channel_layout``; the default of an int8 MHA / GQA / MQA
         cache) or "token"; None keeps the run's. An explicit "channel" needs an int8 MHA / GQA / MQA cache,
         and speculation over channel keys needs spec_tokens + 1 <= the key group (ValueError naming the flag).
       quantize: None (float32 weights), "bf16", "int8" (weight-only, per output channel), "int4" or "q8_0"

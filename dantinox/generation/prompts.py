@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..model.cache import CapacityError
+from ..kv.static import CapacityError
 
 MIN_BUCKET = 16
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..model.cache import KVCache
+from ..kv.static import KVCache
 from .draft import propose_draft
 from .ngram import propose_ngram
 from .prompts import is_eos

@@ -28,8 +28,8 @@ from flax import nnx
 
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
-from ..model.cache import init_cache
-from ..quant.kv_channels import check_spec_group
+from ..kv.cache import init_cache
+from ..kv.channel_keys import check_spec_group
 from .decode import (SINGLE_ROW_WINDOW, DecodeState, _finish, _prepare, _windows, cache_window, decode, new_cache,
                      place_on_mesh, prefill, split_model)
 from .speculative import MAX_SPEC_TOKENS, spec_state, speculative_decode

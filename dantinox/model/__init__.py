@@ -7,8 +7,9 @@
   layers.py        RMSNorm, SwiGLU, rotary position embeddings
 """
 
-from .cache import (CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV,
-                    bytes_per_token_per_layer, cache_nbytes, init_cache, sink_bytes_per_layer)
+from ..kv.static import CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, cache_nbytes
+from ..kv.sizes import bytes_per_token_per_layer, sink_bytes_per_layer
+from ..kv.cache import init_cache
 from .mla import MLAttention
 from .transformer import Transformer, build_model
 

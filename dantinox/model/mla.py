@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA) over a compressed latent cache.
 
-DeepSeek-V2 (DeepSeek-AI 2024, arXiv 2405.04434), section 2.1. Shape letters as in ``dantinox.model.attention``;
+DeepSeek-V2 (DeepSeek-AI 2024, arXiv 2405.04434), section 2.1. Shape letters as in ``dantinox.kv.attend``;
 the MLA ones are C = kv_latent_dim (d_c), R = rope_head_dim (d_rope), Q = q_latent_dim (d_c').
 
 Per token with input h [E] (section 2.1.2, eqs. 9-13, and 2.1.3, eqs. 14-19):
@@ -18,7 +18,7 @@ latents follow section 3.1.2 ("additional RMSNorm layers after the compressed la
 Two ways to run the same attention, same parameters, same logits (``cfg.mla_absorb`` picks the decode path;
 with it, calls of many tokens still run naive where that is cheaper, see ``MLAttention._path``):
   naive     expand the latents (old cache and new tokens) to per-head k_C, v_C and run ordinary multi-head
-            attention (``dantinox.model.attention.attend`` with K = H). Costs S * C * H * 2D per step: a reference.
+            attention (``dantinox.kv.attend.attend`` with K = H). Costs S * C * H * 2D per step: a reference.
   absorbed  q_C . (W_UK c) = (W_UK^T q_C) . c, so fold W_UK into the query (q_lat = W_UK^T q_C, [H, C]) and
             attend against c_kv directly; the value side sums probabilities times latents first
             (o_lat [H, C]) and applies W_UV afterwards (section 2.1.2: "W_UK can be absorbed into W_UQ, and
@@ -26,9 +26,9 @@ with it, calls of many tokens still run naive where that is cheaper, see ``MLAtt
             k_R [B, S, R] only; nothing cache-sized is expanded per head.
 
 int8 cache (cfg.cache_dtype="int8", ``QuantLatentKV``): the new latent and RoPE key are quantized once per
-token (one scale each, ``dantinox.quant.kv_rows``); attention uses their read-back values, the int8 rows and scales
+token (one scale each, ``dantinox.kv.int8_rows``); attention uses their read-back values, the int8 rows and scales
 are stored, and both forms read the old slots back (``_float_latents``) before attending. The first A tokens of
-each row (attention sinks, ``dantinox.quant.kv_sinks``) keep their float latents, stored in the cache's float32
+each row (attention sinks, ``dantinox.kv.sinks``) keep their float latents, stored in the cache's float32
 sink arrays and read from there instead of their int8 rows.
 
 Both attend over the old cache slots plus the new tokens' own latents jointly and write afterwards (see
@@ -44,17 +44,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..config import ModelConfig
-from ..quant.kv_rows import roundtrip_for
-from ..quant.kv_sinks import keep_sinks, sink_flags
-from .attention import NEG_INF, attend, new_token_mask, old_slot_mask, old_slots, sink_mask
-from .cache import LatentCacheView, LatentKV, LayerCacheView, LayerKV, write_rows
+from ..kv.attend import NEG_INF, attend, new_token_mask, old_slot_mask, sink_mask
+from ..kv.spec import layer_spec
+from ..kv.static import LatentKV, LayerCacheView, LayerKV
 from .layers import RMSNorm, apply_rope
 
 
 def _float_latents(old, dtype):
-    """The old slots as float latents and the float32 sinks: (a QuantLatentKV read back in ``dtype``, its
-    sinks LatentKV [B, A, C] / [B, A, R] or None when A = 0); (LatentKV or None, None) for a float cache."""
-    return (old.dequantized(dtype), old.sinks()) if hasattr(old, "dequantized") else (old, None)
+    """The old slots as float latents and the float32 sinks (the layer type's ``read``: an int8 layer reads
+    back in ``dtype`` and brings its sinks LatentKV [B, A, C] / [B, A, R] or None); (None, None) for no old
+    slots."""
+    return (None, None) if old is None else old.read(dtype)
 
 
 class MLAttention(nnx.Module):
@@ -66,14 +66,14 @@ class MLAttention(nnx.Module):
     [H Dv, E]. The up-projections are stored in the layouts the absorbed einsums consume (contraction axis
     second), so no weight is transposed per step. The layer cache is the static LatentKV, or an object with
     an ``attend_and_write_latent(attend_over, stored, cache_index, key_start) -> (o, new cache)`` method (the
-    paged serving cache, ``dantinox.serving.paged_cache.PagedLatentView``) that gathers its old latents as a
+    paged serving cache, ``dantinox.kv.paged.PagedLatentView``) that gathers its old latents as a
     LatentKV (or QuantLatentKV), calls ``attend_over`` on them and writes ``stored`` itself: (c_new [B, T, C],
     kr_new [B, T, R]), or for cache_dtype="int8" (c_q, kr_q int8, c_scale, r_scale [B, T, 1] float32, then
     the full-precision c_new, kr_new for the sink arrays).
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
+        self.cfg, self.layer = cfg, layer   # layer: its index, for its cache spec (``dantinox.kv.spec``)
         H, D, C, R, E = cfg.n_heads, cfg.head_size, cfg.kv_latent_dim, cfg.rope_head_dim, cfg.dim
         Dv = cfg.value_size
 
@@ -96,7 +96,7 @@ class MLAttention(nnx.Module):
         """x: [B, T, E]; rope: (cos, sin) each [B, T, R/2]; layer_cache: LatentKV (c_kv [B, S, C], k_rope
         [B, S, R]) or None; cache_index: [B] int32 slot of the first new token; key_start: [B] int32 or None;
         read_slots: old cache slots to attend over (None all, 0 none, L the first L; see
-        ``dantinox.model.attention.old_slots``).
+        ``dantinox.kv.attend.old_slots``).
 
         Returns (y [B, T, E], updated LatentKV or None).
         """
@@ -112,24 +112,11 @@ class MLAttention(nnx.Module):
         q_nope, q_rope = q[..., :D], apply_rope(q[..., D:], *rope)              # [B,T,H,D], [B,T,H,R]
         c_new = self.kv_norm(c_new)                                              # [B, T, C]
         kr_new = apply_rope(kr_new[:, :, None, :], *rope)[:, :, 0, :]            # [B, T, R]
-        stored = (c_new, kr_new)
-        if cfg.cache_dtype == "int8":  # quantize once: attend over the read-back values, store the int8 rows
-            (c_back, (c_q, c_s)), (kr_back, (r_q, r_s)) = (roundtrip_for(layer_cache, c_new, "c_kv"),
-                                                           roundtrip_for(layer_cache, kr_new, "k_rope"))
-            stored = (c_q, r_q, c_s, r_s, c_new, kr_new)   # the full latents for the sink arrays
-            sinks = sink_flags(cache_index, key_start, T, cfg.sink_slots)
-            c_new, kr_new = keep_sinks(c_back, c_new, sinks), keep_sinks(kr_back, kr_new, sinks)
         attention = self._path(T)
-        if isinstance(layer_cache, LatentCacheView):  # the paged pool (dantinox.serving.paged_cache)
-            o, new_cache = layer_cache.attend_and_write_latent(
-                lambda old: attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start),
-                stored, cache_index, key_start)
-            return self.out(o.reshape(B, T, -1).astype(x.dtype)), new_cache
-        old = old_slots(layer_cache, read_slots)
-        o = attention(q_nope, q_rope, c_new, kr_new, old, cache_index, key_start)  # [B, T, H, Dv] float32
-        y = self.out(o.reshape(B, T, -1).astype(x.dtype))
-        new_cache = None if layer_cache is None else write_rows(layer_cache, stored, cache_index, key_start)
-        return y, new_cache
+        o, new_cache = layer_spec(cfg, self.layer).attend_latent(
+            lambda c, kr, old: attention(q_nope, q_rope, c, kr, old, cache_index, key_start),
+            (c_new, kr_new), layer_cache, cache_index, key_start, read_slots)   # [B, T, H, Dv] float32
+        return self.out(o.reshape(B, T, -1).astype(x.dtype)), new_cache
 
     def _path(self, T: int):
         """The attention form for a call with T new tokens per row (static).
@@ -172,7 +159,7 @@ class MLAttention(nnx.Module):
                  + jnp.einsum("bsr,brn->bsn", kr, q_rot, preferred_element_type=f32))
             return s.transpose(0, 2, 1).reshape(B, T, H, -1)
 
-        window = self.cfg.sliding_window
+        window = layer_spec(self.cfg, self.layer).window
         new_mask = new_token_mask(T, cache_index, key_start, window)                   # [1|B, T, T]
         new_scores = jnp.where(new_mask[:, :, None, :], scores(c_new, kr_new), NEG_INF)
         if old is None:
@@ -212,7 +199,7 @@ class MLAttention(nnx.Module):
             return None if lat is None else LayerKV(*self._expand(lat.c_kv.astype(q.dtype),
                                                                   lat.k_rope.astype(q.dtype)))
 
-        y = attend(q, k, v, expand(old), cache_index, key_start, self.cfg.sliding_window,
+        y = attend(q, k, v, expand(old), cache_index, key_start, layer_spec(self.cfg, self.layer).window,
                    sinks=expand(sinks))                                               # [B, H, 1, T, D]
         return y[:, :, 0].transpose(0, 2, 1, 3)
 

@@ -24,8 +24,9 @@ from flax import nnx
 from ..config import ModelConfig
 from ..parallel.sharding import constrain_cache, shard_model
 from .attention import Attention
-from .cache import KVCache, LatentCacheView, LayerCacheView, cache_field_shapes, check_cache_capacity, sink_shapes
-from .channel_layout import channel_cache_shapes
+from ..kv.static import KVCache, LatentCacheView, LayerCacheView, check_cache_capacity
+from ..kv.cache import cache_shapes
+from ..kv.spec import describe, layer_specs
 from .layers import RMSNorm, SwiGLU, rope_angles
 from .mla import MLAttention
 
@@ -54,9 +55,10 @@ class Block(nnx.Module):
     The attention is MLAttention for cfg.attention == "mla", Attention (MHA / GQA / MQA) otherwise.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = MLAttention(cfg, rngs=rngs) if cfg.attention == "mla" else Attention(cfg, rngs=rngs)
+        kind = MLAttention if cfg.attention == "mla" else Attention
+        self.attn = kind(cfg, rngs=rngs, layer=layer)   # layer: its cache spec's index (dantinox.kv.spec)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden, cfg.jnp_compute_dtype, rngs=rngs)
 
@@ -81,7 +83,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
                                embedding_init=nnx.initializers.normal(stddev=0.02), rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_blocks)])
+        self.blocks = nnx.List([Block(cfg, rngs=rngs, layer=n) for n in range(cfg.num_blocks)])
         self.final_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nnx.Linear(
             cfg.dim, cfg.vocab_size, use_bias=False, dtype=cfg.jnp_compute_dtype, param_dtype=jnp.float32,
@@ -182,17 +184,20 @@ def build_model(cfg: ModelConfig, seed: int = 0, mesh=None) -> Transformer:
 def abstract_transformer(cfg: ModelConfig) -> Transformer:
     """``Transformer(cfg)`` as shapes only: every parameter a jax.ShapeDtypeStruct, nothing allocated, nothing
     random drawn (what ``nnx.eval_shape`` of the constructor gives), in time flat in depth: one block is traced
-    and the other num_blocks - 1 are its copies, since every block of a config is built alike. SmolLM2 (30
-    blocks): 21 ms instead of 310 ms, on every ``load_run``."""
-    model = nnx.eval_shape(lambda: Transformer(cfg.replace(num_blocks=1), rngs=nnx.Rngs(0)))
+    and the other num_blocks - 1 are its copies (each told its own layer index), since every block of a config
+    is built alike. SmolLM2 (30 blocks): 21 ms instead of 310 ms, on every ``load_run``."""
+    model = nnx.eval_shape(lambda: Transformer(cfg.replace(num_blocks=1, layer_types=None), rngs=nnx.Rngs(0)))
     block = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))   # its modules keep the whole cfg
     model.cfg = cfg
-    model.blocks = nnx.List([block] + [nnx.clone(block) for _ in range(cfg.num_blocks - 1)])
+    blocks = [block] + [nnx.clone(block) for _ in range(cfg.num_blocks - 1)]
+    for n, copy in enumerate(blocks):
+        copy.attn.layer = n
+    model.blocks = nnx.List(blocks)
     return model
 
 
 def _attends_itself(kv_caches) -> bool:
-    """True for layer caches that run their own attention and checks (dantinox.serving.paged_cache)."""
+    """True for layer caches that run their own attention and checks (dantinox.kv.paged)."""
     return bool(kv_caches) and isinstance(kv_caches[0], (LayerCacheView, LatentCacheView))
 
 
@@ -241,27 +246,16 @@ def _check_ids(ids, vocab_size: int):
 
 
 def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
+    """ValueError unless ``kv_caches`` is one static layer per block with the shapes its spec allocates
+    (``dantinox.kv.cache.cache_shapes``), for max_context slots or a cut to the first S' slots."""
     if kv_caches is None:
         raise ValueError("use_cache=True needs kv_caches: allocate them with dantinox.init_cache(cfg, batch_size)")
     if len(kv_caches) != cfg.num_blocks:
         raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has num_blocks={cfg.num_blocks}")
-    got = tuple(tuple(a.shape) for a in kv_caches[0])
-    window = got[0][-2] if got and len(got[0]) >= 2 else None   # a cache may be cut to its first slots
-    if cfg.channel_keys:
-        want = channel_cache_shapes(cfg, batch, window if window and 1 <= window <= cfg.max_context else None)
-    else:
-        want = cache_field_shapes(cfg, batch)
-    if not cfg.channel_keys and window is not None and 1 <= window <= cfg.max_context:   # a cut keeps <= window sinks
-        sinks = len(sink_shapes(cfg, batch))
-        want = tuple(w[:-2] + (window if i < len(want) - sinks else min(w[-2], window),) + w[-1:]
-                     for i, w in enumerate(want))
+    got = tuple(tuple(tuple(a.shape) for a in layer) for layer in kv_caches)
+    window = got[0][0][-2] if got[0] and len(got[0][0]) >= 2 else None   # a cache may be cut to its first slots
+    want = cache_shapes(cfg, batch, window if window and 1 <= window <= cfg.max_context else None)
     if got != want:
-        layout = "c_kv [B, S, C], k_rope [B, S, R]" if cfg.attention == "mla" else "k, v [B, K, S, D]"
-        if cfg.channel_keys:
-            layout = ("k, v [B, K, S, D], key scales [B, K, ceil(S / G), D], value scales [B, K, S, 1], the key "
-                      "residual ring [B, K, 2 G, D] and sinks (cache_dtype='int8' with per-channel keys, "
-                      "kv_keys='channel')")
-        elif cfg.cache_dtype == "int8":
-            layout += " and their scales [..., 1] and sinks (cache_dtype='int8')"
-        raise ValueError(f"kv_caches layer shapes {got} do not match {layout} = {want}; allocate them with "
-                         "dantinox.init_cache(cfg, batch_size)")
+        layout = "; ".join(describe(spec) for spec in dict.fromkeys(layer_specs(cfg)))
+        raise ValueError(f"kv_caches layer shapes {got[0]} do not match the model's cache ({layout}) = {want[0]}; "
+                         "allocate them with dantinox.init_cache(cfg, batch_size)")

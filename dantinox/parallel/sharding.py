@@ -191,7 +191,7 @@ def _per_field(specs: tuple[P, P], layer) -> tuple[P, ...]:
 
 
 def constrain_pool(pool):
-    """Inside a compiled serving call: pin a paged pool (``dantinox.serving.paged_cache``) to its layout on the
+    """Inside a compiled serving call: pin a paged pool (``dantinox.kv.paged``) to its layout on the
     ambient mesh, so calls hand the pool to each other unchanged (no resharding, no recompilation): per-head
     arrays [N, P, K, D] split K over model where it divides, anything else (MLA's [N, P, C]) replicated.
     A no-op without an ambient (data, model) mesh."""

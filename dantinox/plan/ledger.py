@@ -1,20 +1,19 @@
 """The memory ledger of a candidate on one device: weights + KV pool + reserve against device memory.
 
-Reuses dantinox.budget.memory: ``memory_split`` for the reserve (ceil(reserve_fraction x device bytes)) and
-``kv_bytes_per_token`` for the pool (N blocks x P tokens x bytes per token, N = max_running x ceil(max_context / P),
-the engine's default pool). Weights are counted by ``param_bytes(cfg, quantize)`` (variants.quantized_weight_bytes),
-the int8 cache's scales included by ``kv_bytes_per_token`` and its float32 attention-sink rows, one set per sink
-slot of the pool (R = ``dantinox.serving.sink_slots.slots_for(max_running)`` slots of ``kv_sink_bytes`` each, as the
-engine allocates them): every figure is counted, none estimated (the ledger's ``estimated`` field stays in the plan
-format and is False)."""
+Reuses dantinox.budget.memory's ``memory_split`` for the reserve (ceil(reserve_fraction x device bytes)) and
+``dantinox.kv.sizes.pool_bytes`` for the engine's default pool: N = max_running x ceil(max_context / P) blocks of
+P tokens, R = ``dantinox.kv.sink_slots.slots_for(max_running)`` sink slots and max_running residual slots, as the
+engine allocates them (every field of every layer spec: scales, key groups, sinks and rings included). Weights
+are counted by ``param_bytes(cfg, quantize)`` (variants.quantized_weight_bytes): every figure is counted, none
+estimated (the ledger's ``estimated`` field stays in the plan format and is False)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..budget.memory import kv_bytes_per_token, kv_sink_bytes, memory_split
-from ..serving.paged_cache import pool_bytes
-from ..serving.sink_slots import slots_for
+from ..budget.memory import memory_split
+from ..kv.sizes import pool_bytes, with_dtype
+from ..kv.sink_slots import slots_for
 from ..serving.step_plan import default_block_size
 from .variants import quantized_weight_bytes
 
@@ -45,14 +44,6 @@ class Ledger:
         return dict(asdict(self), total=self.total, fits=self.fits)
 
 
-def kv_bytes_per_token_for(cfg, kv_dtype: str) -> tuple[int, bool]:
-    """(bytes one token takes in the cache across layers, estimated?)."""
-    try:
-        return kv_bytes_per_token(cfg, kv_dtype), False
-    except (ValueError, KeyError) as err:
-        raise ValueError(f"kv_dtype={kv_dtype!r} is not allowed: float32, bfloat16 or int8 ({err})") from None
-
-
 def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,
                   reserve_fraction: float = 0.1) -> Ledger:
     """The candidate's ledger per replica. Raises ValueError for a bad device size or dtype, or a block size
@@ -63,18 +54,17 @@ def memory_ledger(cfg, candidate, weights_f32_bytes: int, device_bytes: int,
         reserve = memory_split(cfg, device_bytes, weights, reserve_fraction).reserve_bytes
     except ValueError:  # weights + reserve exceed the device: the ledger shows by how much
         reserve = memory_split(cfg, device_bytes, 0, reserve_fraction).reserve_bytes
-    per_token, estimated = kv_bytes_per_token_for(cfg, candidate.kv_dtype)
-    variant = cfg.replace(cache_dtype=candidate.kv_dtype)
+    try:
+        variant = with_dtype(cfg, candidate.kv_dtype)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"kv_dtype={candidate.kv_dtype!r} is not allowed: float32, bfloat16 or int8 ({err})") from None
     P = candidate.block_size or default_block_size(variant)         # None: serve's default for the model
+    if variant.channel_keys and P % variant.key_group:   # per-channel int8 keys: whole key groups per block
+        raise ValueError(f"candidate {getattr(candidate, 'name', '?')!r}: block_size={P} is not allowed with "
+                         f"kv_dtype=int8: the int8 cache keeps keys per channel in groups of "
+                         f"{variant.key_group} tokens (kv_key_group), and a block must hold whole groups (give "
+                         f"block_size={default_block_size(variant)} or another multiple of {variant.key_group}, "
+                         "or leave it out)")
     blocks = candidate.max_running * -(-cfg.max_context // P)
-    sinks = kv_sink_bytes(cfg, candidate.kv_dtype)
-    kv = blocks * P * per_token + (slots_for(candidate.max_running) * sinks if sinks else 0)
-    if variant.channel_keys:   # per-channel int8 keys (the int8 default on MHA / GQA / MQA): a key group per block
-        if P % variant.key_group:
-            raise ValueError(f"candidate {getattr(candidate, 'name', '?')!r}: block_size={P} is not allowed with "
-                             f"kv_dtype=int8: the int8 cache keeps keys per channel in groups of "
-                             f"{variant.key_group} tokens (kv_key_group), and a block must hold whole groups (give "
-                             f"block_size={default_block_size(variant)} or another multiple of {variant.key_group}, "
-                             "or leave it out)")
-        kv = pool_bytes(variant, blocks, P, slots_for(candidate.max_running), candidate.max_running)
-    return Ledger(device_bytes, weights, kv, reserve, blocks, estimated or w_estimated)
+    kv = pool_bytes(variant, blocks, P, slots_for(candidate.max_running), candidate.max_running)
+    return Ledger(device_bytes, weights, kv, reserve, blocks, w_estimated)

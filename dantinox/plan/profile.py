@@ -148,13 +148,12 @@ def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
     """A function running the decode_steps call that _time_decode times."""
     z = np.zeros(B, np.int32)
     start = np.full(B, M * engine.allocator.block_size // 2, np.int32)
-    table = _distinct_table(B, M, engine.allocator.num_blocks)
+    tables = engine.cache.tables([], B, M)._replace(table=_distinct_table(B, M, engine.allocator.num_blocks))
     sampling = make_sampling_params(B)   # greedy
 
     def call():
         out, engine.pool = decode_steps(engine.graph, engine.params, engine.pool, z, start, np.full(B, n, np.int32),
-                                        table, np.zeros(B, np.uint32), z, sampling, engine._sink_rows([], B),
-                                        engine._residual_rows([], B), max_steps=max_steps)
+                                        tables, np.zeros(B, np.uint32), z, sampling, max_steps=max_steps)
         return jax.device_get(out)
     return call
 
@@ -163,14 +162,14 @@ def _time_forward(engine, B: int, T: int, repeats: int, warm: int = 3) -> float:
     """Seconds of one forward_step of B rows x T new tokens over distinct blocks (as _time_decode)."""
     z = np.zeros(B, np.int32)
     ids, num_new = np.zeros((B, T), np.int32), np.full(B, T, np.int32)
-    table = _distinct_table(B, engine.table_width, engine.allocator.num_blocks)
+    tables = engine.cache.tables([], B, engine.table_width)._replace(
+        table=_distinct_table(B, engine.table_width, engine.allocator.num_blocks))
     sampling = make_sampling_params(B)   # greedy
 
     def call():
-        out, _, engine.pool = forward_step(engine.graph, engine.params, engine.pool, ids, z, num_new, table,
+        out, _, engine.pool = forward_step(engine.graph, engine.params, engine.pool, ids, z, num_new, tables,
                                            np.zeros(B, np.uint32), z, sampling, np.bool_(False),
-                                           all_allowed_mask(B, engine.vocab_size), engine._sink_rows([], B),
-                                           engine._residual_rows([], B))
+                                           all_allowed_mask(B, engine.vocab_size))
         return np.asarray(out)
     return _median_seconds(call, repeats, warm)
 

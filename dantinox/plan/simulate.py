@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from ..serving.allocator import BlockAllocator
+from ..kv.allocator import BlockAllocator
 from ..serving.request import QueueFullError, Request, RequestError, RequestStatus, SamplingOptions
 from ..serving.scheduler import Scheduler
 from ..serving.step_plan import (advance, bucket, decode_step_calls, engine_buckets, engine_policy, finish_reason,

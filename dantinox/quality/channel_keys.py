@@ -1,19 +1,19 @@
-"""The per-channel key cache (KIVI, ``dantinox.quant.kv_channels``) as a layer-cache view ``dantinox eval`` runs.
+"""The per-channel key cache (KIVI, ``dantinox.kv.channel_keys``) as a layer-cache view ``dantinox eval`` runs.
 
-``ChannelKeyKV`` is a ``dantinox.model.cache.LayerCacheView``: ``dantinox.model.attention.Attention`` hands it
+``ChannelKeyKV`` is a ``dantinox.kv.static.LayerCacheView``: ``dantinox.model.attention.Attention`` hands it
 the new tokens' queries, their int8 read-back values and (in ``stored``) their full-precision keys, and it
 attends and writes. It keeps the keys in float32 and reads each one back the way the layout of
-``dantinox.quant.kv_channels`` would give it to a query at slot t: from its group's per-channel int8 codes when
+``dantinox.kv.channel_keys`` would give it to a query at slot t: from its group's per-channel int8 codes when
 the group was complete before t ((s // G + 1) G <= t), in full precision otherwise (the filling group), and in
 full precision for the row's first A = cfg.sink_slots tokens when the candidate also keeps sinks (which then
 count as zeros in their group's scales: their codes are never read). Values are
-the model's per-token int8 read-back (``dantinox.quant.kv_rows``; the sinks' in full). So the numbers are the
+the model's per-token int8 read-back (``dantinox.kv.int8_rows``; the sinks' in full). So the numbers are the
 per-channel layout's; its memory is not (float32 keys are held here; the bytes that layout takes are
-``dantinox.quant.kv_channels.channel_key_cache_bytes``).
+``dantinox.budget.kv_channel_key_cache_bytes``).
 
 The view is a pytree (children k, v; static group and sinks), so it is carried through ``lax.scan``. Slots are
 grouped from slot 0 and a row's sequence starts at slot 0 (no left padding: key_start must be None); no
-sliding window. Shape letters as in ``dantinox.model.attention``.
+sliding window. Shape letters as in ``dantinox.kv.attend``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..model.attention import NEG_INF, grouped_scores, grouped_values
-from ..model.cache import LayerKV, write_layer
-from ..quant.kv_channels import channel_roundtrip, check_group, reads_int8
+from ..kv.attend import NEG_INF
+from ..kv.scores import grouped_scores, grouped_values
+from ..kv.static import LayerKV, write_layer
+from ..kv.channel_keys import channel_roundtrip, check_group, reads_int8
 
 
 @jax.tree_util.register_pytree_node_class
@@ -50,7 +51,7 @@ class ChannelKeyKV:
         Returns (y [B, K, G', T, D] float32, the updated view). Raises ValueError for a float cache
         (stored None), left padding or a sliding window.
         """
-        if stored is None:
+        if stored is None or len(stored) != 6:
             raise ValueError("per-channel keys need the int8 cache (cache_dtype='int8' / --kv-dtype int8)")
         if key_start is not None or window is not None:
             raise ValueError("per-channel keys run without left padding (key_start) and without a sliding window")

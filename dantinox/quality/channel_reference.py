@@ -6,23 +6,23 @@ agree to the last bits only, and an element on a rounding boundary of its int8 g
 neighbouring step in one run and not in the other. Values are per-token rows: they are adopted exactly as
 ``int8_reference`` adopts them (``adopt_cached_rounding``). Keys of a complete group are quantized per channel
 over the group's G slots, i.e. each (group, KV head, channel) is one row of G elements with one scale
-(``dantinox.quant.kv_channels``); transposed to [.., D, G] they are rows again, and ``adopt_cached_rounding``
+(``dantinox.kv.channel_keys``); transposed to [.., D, G] they are rows again, and ``adopt_cached_rounding``
 applies unchanged (a code one step away only at a boundary, a scale within ROW_ULPS ulps; anything else is a
 fault). Keys of the filling group stay float32 and are never adopted. Attention then runs the per-channel
-layout over the new tokens only, as the uncached forward does (``dantinox.model.channel_attention``), so with
+layout over the new tokens only, as the uncached forward does (``dantinox.kv.channel_attention``), so with
 nothing to adopt the logits equal ``model(ids, use_cache=False)``.
 
-Shape letters as in ``dantinox.model.channel_attention``; N the complete groups among the T positions.
+Shape letters as in ``dantinox.kv.channel_attention``; N the complete groups among the T positions.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from ..model.channel_attention import attend_channels, quantized_keys, written_sinks
-from ..model.channel_layout import ChannelQuantLayerKV
-from ..quant.kv_channels import group_span
-from ..quant.kv_rows import dequantize_rows, roundtrip
+from ..kv.channel_attention import attend_channels, quantized_keys, written_sinks
+from ..kv.channel_layout import ChannelQuantLayerKV
+from ..kv.channel_keys import group_span
+from ..kv.int8_rows import dequantize_rows, roundtrip
 from .int8_reference import adopt_cached_rounding
 
 
@@ -62,7 +62,7 @@ class AdoptingChannelLayerKV:
         """The span's keys read back from int8 ([B, K, Lx, D] float32): the first N groups with the cached
         run's flips adopted (one row per (group, channel) of G elements), the rest from the reference's own
         quantization (never read as int8 before they complete)."""
-        from ..quant.kv_channels import channel_roundtrip
+        from ..kv.channel_keys import channel_roundtrip
         G = self.cfg.key_group
         own = channel_roundtrip(span, G)
         if N == 0:

@@ -1,7 +1,7 @@
 """verify's int8 reference: the uncached forward, adopting only the cache's rounding-boundary flips.
 
 Why a plain uncached reference is not enough. With cache_dtype="int8" both the cached run and the uncached
-forward quantize every new key/value row (``dantinox.quant.kv_rows``), but not from the same float32 values: the
+forward quantize every new key/value row (``dantinox.kv.int8_rows``), but not from the same float32 values: the
 cached run computes a decoded token's row in a one-token call, the reference in one call over the whole
 sequence, and the two matmuls (other shapes, other summation orders) agree only to the last bits. Where an
 element x of a row sits on a rounding boundary of its grid (x / s = k + 0.5 up to those bits, s the row's
@@ -34,7 +34,7 @@ is counted and reported (``RoundingAudit``), so nothing is hidden.
 
 How it reaches the model. The reference calls the model with use_cache=True and, as each layer's cache, an
 ``AdoptingLayerKV`` (MHA / GQA / MQA) or ``AdoptingLatentKV`` (MLA: the latent c_kv and the RoPE key k_R,
-one scale per token each). Their ``roundtrip_int8(x, field)`` hook (``dantinox.quant.kv_rows.roundtrip_for``)
+one scale per token each). Their ``roundtrip_int8(x, field)`` hook (``dantinox.kv.int8_rows.roundtrip_for``)
 replaces the model's own round trip, and their ``attend_and_write`` / ``attend_and_write_latent`` hook runs
 the attention exactly as the uncached forward does (over the new tokens only, cache_index 0, causal), so with
 nothing to adopt the reference's logits are bit-identical to ``model(ids, use_cache=False)``
@@ -47,7 +47,7 @@ Scope: rows computed in float32 (compute_dtype="float32"; the weights may be bfl
 read back to float32). With compute_dtype="bfloat16" the two runs' rows differ by bfloat16 rounding, and
 ``dantinox.quality.verify`` compares with the plain uncached forward instead.
 
-Shape letters as in ``dantinox.model.attention``; W is a row's width (D, C or R).
+Shape letters as in ``dantinox.kv.attend``; W is a row's width (D, C or R).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..model.attention import attend
-from ..quant.kv_rows import QMAX, dequantize_rows, quantize_rows
+from ..kv.attend import attend
+from ..kv.int8_rows import QMAX, dequantize_rows, quantize_rows
 
 ROW_ULPS = 64   # float32 ulps of a row's absmax the two runs' pre-quantization values may differ by
 

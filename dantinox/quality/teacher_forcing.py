@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..model.cache import init_cache
-from ..model.channel_layout import init_channel_layer
+from ..kv.cache import init_cache
+from ..kv.channel_layout import init_channel_layer
 from ..parallel.distributed import to_host
 from ..parallel.mesh import mesh_of, mesh_scope
 from .channel_keys import channel_key_cache

@@ -6,14 +6,14 @@ tokens and compares the logits position by position: the prompt positions from p
 against the reference at the same position. Shape letters: T tokens, V vocabulary.
 
 With cache_dtype="int8" the reference is the uncached forward that round-trips every key/value row through
-int8 the same way (``dantinox.quant.kv_rows``), so like is compared with like and the tolerance stays tight. Its
+int8 the same way (``dantinox.kv.int8_rows``), so like is compared with like and the tolerance stays tight. Its
 rows are computed by another matmul shape than the cached run's, so an element on a rounding boundary can
 round to the neighbouring int8 step; the reference adopts exactly those flips (and last-bit scale
 differences) from the cached run's final cache and counts them, and any other disagreement with the stored
 rows is a cache fault that fails the check (``dantinox.quality.int8_reference``, ``VerifyReport.rounding_flips``).
 That rule is a float32 one: with compute_dtype="bfloat16" the two runs' rows differ by bfloat16 rounding, far
 beyond any boundary, so the reference is the plain uncached forward and the logits alone decide. Per-channel
-int8 keys (cfg.channel_keys, ``dantinox.model.channel_layout``) get the same treatment, their complete key
+int8 keys (cfg.channel_keys, ``dantinox.kv.channel_layout``) get the same treatment, their complete key
 groups adopted per (group, channel) (``dantinox.quality.channel_reference``): the uncached forward runs the
 same layout and read rule over the whole sequence in one call.
 The report then also carries ``float_distance``, the largest |logit difference| between the int8 cached run
@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from ..generation.prompts import check_request, prepare_prompts
-from ..model.cache import init_cache
+from ..kv.cache import init_cache
 from ..parallel.mesh import mesh_of, mesh_scope
 from ..parallel.sharding import shard_cache
 from ..quant.kv_dtype import with_kv_dtype

@@ -21,9 +21,9 @@ from flax import nnx
 
 from ..generation.ngram import propose_ngram
 from ..generation.prompts import check_request, prepare_prompts
-from ..model.cache import init_cache
+from ..kv.cache import init_cache
 from ..parallel.mesh import mesh_of, mesh_scope
-from ..quant.kv_channels import check_spec_group
+from ..kv.channel_keys import check_spec_group
 from .int8_reference import RoundingAudit
 from .verify import VerifyReport, _int8_reference, _reference, _step
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..program_store import register_custom_calls
+from ..programs.store import register_custom_calls
 from .block_formats import block_format, dequantize_blocks
 
 # Rows up to which the kernel runs: at 64 and 128 rows a SmolLM2 prefill takes as long through the kernel as through
@@ -41,7 +41,7 @@ from .block_formats import block_format, dequantize_blocks
 KERNEL_MAX_ROWS = 128
 TARGET = "dantinox_block_matmul"
 ATTENTION_TARGET = "dantinox_decode_attention"
-ZERO_PAGES_TARGET = "dantinox_zero_pages"   # zeros without writing the pages, dantinox.model.zero_pages
+ZERO_PAGES_TARGET = "dantinox_zero_pages"   # zeros without writing the pages, dantinox.kv.zero_pages
 ISA_CODES = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 ENV = "DANTINOX_BLOCK_KERNEL"
 log = logging.getLogger("dantinox.quant")
@@ -54,7 +54,7 @@ def _load() -> tuple[object | None, str]:
         try:
             module = importlib.import_module("dantinox.quant._block_matmul")
             jax.ffi.register_ffi_target(TARGET, module.handler(), platform="cpu")
-            if hasattr(module, "attention_handler"):  # decode attention, dantinox.model.attention_kernel
+            if hasattr(module, "attention_handler"):  # decode attention, dantinox.kv.decode_kernel
                 jax.ffi.register_ffi_target(ATTENTION_TARGET, module.attention_handler(), platform="cpu")
             if hasattr(module, "zero_pages_handler"):
                 jax.ffi.register_ffi_target(ZERO_PAGES_TARGET, module.zero_pages_handler(), platform="cpu")

@@ -1,6 +1,7 @@
 """Projections and the token embedding whose weights stay in GGUF's block formats (``block_formats``).
 
-``BlockLinear``   a bias-free projection x [..., M] -> [..., N] whose weight W [N, M] is the row-wise
+``BlockLinear``   a projection x [..., M] -> [..., N] (+ a float32 bias [N] when the model's has one: Qwen2's
+                  q | k | v) whose weight W [N, M] is the row-wise
                   concatenation of parts, each in its own format (a fused q | k | v or gate | up whose source
                   tensors were quantized differently, as llama.cpp's mixed files do), computed by
                   ``block_kernel.block_matmul`` (the compiled kernel for decode, XLA's dot on the dequantized
@@ -62,14 +63,18 @@ def empty_part(fmt: str, n_out: int, n_in: int) -> BlockPart:
 
 
 class BlockLinear(nnx.Module):
-    """A bias-free projection x [..., M] -> [..., N] (N = sum of the parts' n_out), output in x's dtype."""
+    """A projection x [..., M] -> [..., N] (N = sum of the parts' n_out) plus ``bias`` [N] float32 when given
+    (added in float32), output in x's dtype."""
 
-    def __init__(self, parts: list[BlockPart]):
+    def __init__(self, parts: list[BlockPart], bias=None):
         self.parts = nnx.List(parts)
+        self.bias = None if bias is None else nnx.Param(jnp.asarray(bias, jnp.float32))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         outs = [part(x) for part in self.parts]
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)
+        if self.bias is not None:
+            out = out + self.bias[...]
         return out.astype(x.dtype)
 
 
@@ -109,9 +114,10 @@ def _set_at(root, path: str, value) -> None:
 
 
 def apply_block_layout(model, layout: dict) -> None:
-    """Replace, in place, each module named in ``layout`` ({path: [[format, N, M], ...]}) by a BlockLinear /
-    BlockEmbed ("embed") of zeros of those parts. ValueError naming the path when it is not a bias-free
-    nnx.Linear / nnx.Embed whose shape the parts add up to, or a format is unknown."""
+    """Replace, in place, each module named in ``layout`` ({path: [[format, N, M], ...]}) by a BlockLinear
+    (with a zero bias of the same shape when the nnx.Linear has one) / BlockEmbed ("embed") of zeros of those
+    parts. ValueError naming the path when it is not an nnx.Linear / nnx.Embed whose shape the parts add up to,
+    or a format is unknown."""
     for path, parts in layout.items():
         try:
             node = _node_at(model, path)
@@ -122,11 +128,12 @@ def apply_block_layout(model, layout: dict) -> None:
         if isinstance(node, nnx.Embed) and path == EMBED and len(blocks) == 1:
             want = tuple(node.embedding.get_value().shape)
             replacement = BlockEmbed(blocks[0], node.dtype)
-        elif isinstance(node, nnx.Linear) and node.bias is None:
+        elif isinstance(node, nnx.Linear):
             want = tuple(node.kernel.get_value().shape)[::-1]
-            replacement = BlockLinear(blocks)
+            bias = None if node.bias is None else np.zeros(node.bias.get_value().shape, np.float32)
+            replacement = BlockLinear(blocks, bias)
         else:
-            raise ValueError(f"block layout names {path!r}, which is not a bias-free projection or the embedding")
+            raise ValueError(f"block layout names {path!r}, which is not a projection or the embedding")
         if len(cols) != 1 or (rows, cols.pop()) != want:
             raise ValueError(f"block layout of {path!r}: parts {parts} do not make the matrix {list(want)}")
         _set_at(model, path, replacement)

@@ -28,13 +28,14 @@
 request_limits, worker, metrics, protocol) are not imported here, so the engine works without FastAPI installed.
 """
 
-from .allocator import BlockAllocator
-from .block_pool import BlockPool, NoFreeBlocksError
+from ..kv.allocator import BlockAllocator
+from ..kv.block_pool import BlockPool, NoFreeBlocksError
 from .engine import Engine, EngineConfig, PagedEngine
-from .paged_cache import init_pool, num_blocks_for_memory
+from ..kv.pool import init_pool
+from ..kv.sizes import blocks_for_memory
 from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
 from .scheduler import ContextPolicy
 
 __all__ = ["BlockAllocator", "BlockPool", "ContextPolicy", "Engine", "EngineConfig", "NoFreeBlocksError",
            "PagedEngine", "QueueFullError", "RequestError", "RequestOutput", "SamplingOptions", "init_pool",
-           "num_blocks_for_memory"]
+           "blocks_for_memory"]

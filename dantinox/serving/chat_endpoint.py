@@ -12,12 +12,18 @@ completions``): stop strings, n choices with seeds seed + i, streaming, client d
 Like a completion, each choice stops at the model's stop ids (counted in usage, not shown; finish_reason
 "stop"), unless the request sets ignore_eos. Supported fields: model, messages, max_tokens,
 max_completion_tokens, temperature (default 1.0), top_p, top_k (an extension), seed, stop, stream,
-stream_options.include_usage, n, ignore_eos (vLLM's extension), user (ignored), and the structured-output
-fields (response_format, structured_outputs, guided_*: ``dantinox.serving.structured_request``), tools,
-tool_choice and parallel_tool_calls (``dantinox.serving.tool_calls``, ``tool_chat``), with ``role: tool``
-messages and assistant messages that carry ``tool_calls``. Fields this server does not implement (logprobs,
-top_logprobs, penalties, logit_bias) are rejected with 400 naming the field unless they hold their no-op
-value. A model without a template answers 400 (param "model"), a message with an unknown role 400 naming
+stream_options.include_usage, n, ignore_eos (vLLM's extension), user (ignored), logprobs and top_logprobs
+(0..MAX_LOGPROBS), the structured-output fields (response_format, structured_outputs, guided_*:
+``dantinox.serving.structured_request``), tools, tool_choice and parallel_tool_calls (``dantinox.serving.
+tool_calls``, ``tool_chat``; "auto" on a template without tools: ``generic_tools``), with ``role: tool``
+messages and assistant messages that carry ``tool_calls``. Fields this server does not implement (penalties,
+logit_bias) are rejected with 400 naming the field unless they hold their no-op value. logprobs: each choice's
+``logprobs`` is {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null} (``protocol.
+LogprobsLog``), the same figures as /v1/completions' for the same tokens (the target model's raw
+log-probabilities, with speculation too); streamed, each content chunk carries the entries of the tokens
+consumed since the previous one (a streamed answer with tools carries none). Usage has
+prompt_tokens_details.cached_tokens. A model without a template answers 400 (param "model"), another model
+name 404 model_not_found, a message with an unknown role 400 naming
 ``messages[i].role``. The conversation is rendered and encoded in a worker thread, and a rendered prompt too
 long for the context by its characters alone is refused (400 on "messages") before it is encoded
 (``dantinox.serving.request_limits``).
@@ -32,31 +38,44 @@ import time
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import StrictInt
+from pydantic import StrictBool, StrictInt
 
 from ..runs.chat_template import ChatTemplateError
-from .completions import _Completion
+from .api_errors import check_model, request_error_response
+from .completions import _Completion, with_ignored
 from .protocol import MAX_CHOICES, MAX_STOP_STRINGS, SamplingRequest, error_body
-from .request import RequestError, SamplingOptions
+from .request import MAX_LOGPROBS, RequestError, SamplingOptions
 from .request_log import slice_from
 from .structured_request import request_constraint
 from .tool_calls import parse_tool_request
 from .tool_chat import prepare_tools, tool_events
 
 # fields this endpoint does not implement -> the values that change nothing
-UNSUPPORTED_CHAT_FIELDS = {"logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0),
-                           "presence_penalty": (None, 0), "logit_bias": (None, {}), "functions": (None, []),
-                           "audio": (None,), "modalities": (None, ["text"])}
+UNSUPPORTED_CHAT_FIELDS = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
+                           "functions": (None, []), "audio": (None,), "modalities": (None, ["text"])}
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+
+    def logprob_count(self) -> int | None:
+        """top_logprobs alternatives per token (0 when not given) with logprobs true, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def check_supported(self) -> None:
-        """Raise RequestError naming the field for n, seed, stop or an unimplemented OpenAI field."""
+        """Raise RequestError naming the field for n, seed, stop, top_logprobs or an unimplemented OpenAI
+        field."""
         if not 1 <= self.n <= MAX_CHOICES:
             raise RequestError("n", f"n={self.n} is not allowed: an integer in [1, {MAX_CHOICES}]")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise RequestError("top_logprobs", f"top_logprobs={self.top_logprobs} is not allowed: null or an "
+                                   f"integer in [0, {MAX_LOGPROBS}]")
+            if not self.logprobs:
+                raise RequestError("top_logprobs", "top_logprobs needs logprobs=true")
         for name, no_op in UNSUPPORTED_CHAT_FIELDS.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and not any(_same(value, v) for v in no_op if v is not None):
@@ -68,10 +87,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise RequestError("stop", f"stop={self.stop!r} is not allowed: stop strings must be non-empty")
         if len(stops) > MAX_STOP_STRINGS:
             raise RequestError("stop", f"{len(stops)} stop strings given; at most {MAX_STOP_STRINGS}")
-
-    @property
-    def logprobs(self):  # read by the shared per-choice pipeline; chat answers carry no logprobs
-        return None
 
     def token_limit(self) -> tuple[str, int | None]:
         """(field name, value) of the completion token limit: max_completion_tokens, else max_tokens."""
@@ -87,7 +102,9 @@ def _same(value, no_op) -> bool:
 
 class _ChatCompletion(_Completion):
     """One accepted chat request of n choices -> a ``chat.completion`` body or ``chat.completion.chunk`` events
-    (its choices, as a completion's, hide the stop ids; they carry no logprobs)."""
+    (its choices, as a completion's, hide the stop ids; with logprobs they carry them in the chat format)."""
+
+    chat = True
 
     def _object(self, kind: str, choices: list, usage: dict | None) -> dict:
         body = {"id": self.cid, "object": kind, "created": int(time.time()), "model": self.service.model_name,
@@ -96,19 +113,24 @@ class _ChatCompletion(_Completion):
             body["usage"] = usage
         return body
 
-    tool_answer = None  # a tool_chat.ToolAnswer when the request has tools (set by the route)
+    tool_answer = None  # a tool_chat.ToolAnswer when the request has tools (set by start_chat)
+    ignored: list = []  # the request's fields no part of the server reads (the X-Ignored-Fields header)
 
     def _final_body(self, texts: dict[int, str]) -> dict:
         if self.tool_answer is not None:  # tool calls parsed from the text (tool_chat)
             answers = [self.tool_answer.message(texts[c.index], c.finish_reason) for c in self.choices]
         else:
             answers = [({"role": "assistant", "content": texts[c.index]}, c.finish_reason) for c in self.choices]
-        choices = [{"index": c.index, "message": message, "logprobs": None, "finish_reason": reason}
+        choices = [{"index": c.index, "message": message,
+                    "logprobs": None if c.logprobs is None else c.logprobs.body(), "finish_reason": reason}
                    for c, (message, reason) in zip(self.choices, answers)]
-        return self._object("chat.completion", choices, self._usage())
+        body = self._object("chat.completion", choices, self._usage())
+        if self.tool_answer is not None:
+            body["tool_format"] = self.tool_answer.format
+        return body
 
-    def _chunk(self, index: int, delta: dict, finish_reason: str | None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _chunk(self, index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return _event(self._object("chat.completion.chunk", [choice], None))
 
     async def sse(self, request: HttpRequest | None = None):
@@ -121,7 +143,8 @@ class _ChatCompletion(_Completion):
                 yield self._chunk(choice.index, {"role": "assistant", "content": ""}, None)
             async for choice, text in self.pieces(request):  # with request: disconnects noticed (K10)
                 if text:
-                    yield self._chunk(choice.index, {"content": text}, None)
+                    logprobs = None if choice.logprobs is None else choice.logprobs.take()
+                    yield self._chunk(choice.index, {"content": text}, None, logprobs)
                 if not choice.done:
                     continue
                 if choice.finish_reason == "error":
@@ -148,53 +171,77 @@ def add_chat_route(app, service, chat_format, tool_parser: str | None = None) ->
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: HttpRequest):
-        if not service.worker.alive:
-            service.metrics.rejected(reason="unavailable")
-            return JSONResponse(error_body("the engine is not running", None, "server_error"), status_code=503)
-        try:  # rendering and tokenizing in a worker thread: the event loop keeps serving (request_limits)
-            prompt_ids, options, tool_answer = await asyncio.to_thread(_prepare, service, chat_format, body,
-                                                                       tool_parser)
-        except RequestError as err:
-            service.metrics.rejected(err)
-            return JSONResponse(error_body(str(err), err.field), status_code=400)
-        cid, rids, events, refused = await service.submit("chatcmpl", prompt_ids, options, _as_messages_error,
-                                                          slice_name=slice_from(body.model_extra))
-        if refused is not None:
-            return refused
-        session = _ChatCompletion(service, cid, rids, len(prompt_ids), body, events)
-        session.tool_answer = tool_answer
-        if body.stream:
-            return StreamingResponse(session.sse(request), media_type="text/event-stream")
-        return await session.respond(request)
+        return await chat_response(service, chat_format, tool_parser, body, request)
+
+
+async def chat_response(service, chat_format, tool_parser, body: ChatCompletionRequest, request: HttpRequest):
+    """The answer to one chat request: 200 with a ``chat.completion`` body or its events, or OpenAI's error
+    object (``api_errors``). With tools, the X-Tool-Format header names the tool format that ran."""
+    session = await start_chat(service, chat_format, tool_parser, body)
+    if not isinstance(session, _ChatCompletion):
+        return session   # the refusal
+    if body.stream:
+        response = StreamingResponse(session.sse(request), media_type="text/event-stream")
+    else:
+        response = await session.respond(request)
+    if session.tool_answer is not None:
+        response.headers["X-Tool-Format"] = session.tool_answer.format
+    return with_ignored(response, session.ignored)
+
+
+async def start_chat(service, chat_format, tool_parser, body: ChatCompletionRequest, rename=lambda err: err):
+    """Validate, render and submit one chat request: the accepted ``_ChatCompletion`` or the error response
+    (400 / 404 / 429 / 503). rename: RequestError -> RequestError, restating a refusal in the fields of the
+    API the client used (the Responses API's)."""
+    if not service.worker.alive:
+        service.metrics.rejected(reason="unavailable")
+        return JSONResponse(error_body("the engine is not running", None, "server_error"), status_code=503)
+    try:  # rendering and tokenizing in a worker thread: the event loop keeps serving (request_limits)
+        prompt_ids, options, tool_answer, ignored = await asyncio.to_thread(_prepare, service, chat_format, body,
+                                                                            tool_parser)
+    except RequestError as err:
+        service.metrics.rejected(err)
+        return request_error_response(rename(err))
+    cid, rids, events, refused = await service.submit("chatcmpl", prompt_ids, options,
+                                                      lambda err: _renamed(rename, _as_messages_error(err)),
+                                                      slice_name=slice_from(body.model_extra))
+    if refused is not None:
+        return refused
+    session = _ChatCompletion(service, cid, rids, len(prompt_ids), body, events)
+    session.tool_answer, session.ignored = tool_answer, ignored
+    return session
+
+
+def _renamed(rename, err: Exception) -> Exception:
+    return rename(err) if isinstance(err, RequestError) else err
 
 
 def _as_messages_error(err: Exception) -> Exception:
     """An admission error on ``prompt`` (too many tokens) restated for the JSON field a chat client sent,
     ``messages``; other errors unchanged."""
     if isinstance(err, RequestError) and err.field == "prompt":
-        return RequestError("messages", f"messages: after the chat template, the {err}")
+        return RequestError("messages", f"messages: after the chat template, the {err}", err.code)
     return err
 
 
 def _prepare(service, chat_format, body: ChatCompletionRequest, tool_parser: str | None = None) -> tuple:
-    """(prompt ids, one SamplingOptions per choice, the ToolAnswer or None). Raises RequestError naming the
-    field."""
+    """(prompt ids, one SamplingOptions per choice, the ToolAnswer or None, the ignored fields). Raises
+    RequestError naming the field."""
+    check_model(body.model, service.model_name, service.aliases)
     if chat_format is None:
         raise RequestError("model", f"model {service.model_name!r} has no chat template, so it cannot answer "
                            "chat requests: use /v1/completions with a plain prompt")
     body.check_supported()
-    body.warn_ignored("/v1/chat/completions", UNSUPPORTED_CHAT_FIELDS)
-    if body.model is not None and body.model != service.model_name:
-        raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
-                           f"{service.model_name!r}")
+    ignored = service.ignored_fields(body, "/v1/chat/completions", UNSUPPORTED_CHAT_FIELDS)
     tools = parse_tool_request(body.model_extra)  # tools, tool_choice, parallel_tool_calls (tool_calls)
-    rendered, tool_grammar, tool_answer = prepare_tools(tools, chat_format, service, body.messages, tool_parser)
+    messages, rendered, tool_grammar, tool_answer = prepare_tools(tools, chat_format, service, body.messages,
+                                                                  tool_parser)
 
     def fits(num_chars: int) -> None:
         service.length_bound.check(num_chars, "messages", "the prompt rendered from messages")
 
     try:
-        prompt_ids = chat_format.prompt_ids(body.messages, service.tokenizer, before_encoding=fits, tools=rendered)
+        prompt_ids = chat_format.prompt_ids(messages, service.tokenizer, before_encoding=fits, tools=rendered)
     except ChatTemplateError as err:
         raise RequestError(err.field, str(err)) from None
     field, limit = body.token_limit()
@@ -209,6 +256,6 @@ def _prepare(service, chat_format, body: ChatCompletionRequest, tool_parser: str
                            "cannot also follow response_format / structured_outputs: give one of them")
     constraint = constraint or tool_grammar
     return prompt_ids, [SamplingOptions(max_new_tokens=limit, temperature=body.temperature, top_k=body.top_k,
-                                        top_p=body.top_p, seed=(seed + i) % 2**32,
+                                        top_p=body.top_p, seed=(seed + i) % 2**32, logprobs=body.logprob_count(),
                                         stop_token_ids=service.stops_for(body), constraint=constraint)
-                        for i in range(body.n)], tool_answer
+                        for i in range(body.n)], tool_answer, ignored

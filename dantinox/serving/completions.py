@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import secrets
 import uuid
@@ -20,6 +21,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..runs.tokenizer import StreamDecoder, UnknownCharactersError
+from .api_errors import UNKNOWN_FIELD, check_model, request_error_response
 from .protocol import (UNSUPPORTED_FIELDS, CompletionRequest, LogprobsLog, StopChecker, choice_body, completion_body,
                        error_body, usage_body)
 from .request import QueueFullError, RequestError, RequestOutput, SamplingOptions
@@ -27,6 +29,8 @@ from .request_limits import PromptLengthBound
 from .request_log import slice_from
 from .structured_request import constrained, request_constraint
 from .worker import EngineWorker
+
+log = logging.getLogger("dantinox.serving")
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions, cut to what is left of the context
 
@@ -44,11 +48,25 @@ class _Service:
     """The completions endpoint's logic (one instance per app)."""
 
     def __init__(self, worker: EngineWorker, tokenizer, model_name: str, max_context: int, metrics,
-                 stop_ids: tuple = ()):
+                 stop_ids: tuple = (), strict_fields: bool = False, aliases: tuple = ()):
         self.worker, self.tokenizer, self.metrics = worker, tokenizer, metrics
-        self.model_name, self.max_context = model_name, max_context
+        self.model_name, self.max_context, self.aliases = model_name, max_context, tuple(aliases)
         self.stop_ids = tuple(stop_ids)
         self.length_bound = PromptLengthBound(tokenizer, max_context)
+        self.strict_fields = strict_fields
+
+    def ignored_fields(self, body, path: str, checked=()) -> list[str]:
+        """The body's fields no part of the server reads (``SamplingRequest.ignored_fields``): logged in one
+        warning line and returned (the answer names them in its X-Ignored-Fields header); with
+        strict_fields (``serve --strict-fields``, OpenAI's own behaviour) the first one is refused instead
+        (RequestError naming it, code unknown_field)."""
+        ignored = body.ignored_fields(checked)
+        if ignored and self.strict_fields:
+            raise RequestError(ignored[0], f"Unrecognized request argument supplied: {', '.join(ignored)} (this "
+                               "server was started with --strict-fields)", UNKNOWN_FIELD)
+        if ignored:
+            log.warning("%s: request fields ignored (this server does not read them): %s", path, ", ".join(ignored))
+        return ignored
 
     def stops_for(self, body) -> tuple:
         """The stop ids of a request: the model's, or none when it asks for ignore_eos."""
@@ -60,26 +78,24 @@ class _Service:
             return JSONResponse(error_body("the engine is not running", None, "server_error"),
                                 status_code=503)
         try:
+            check_model(body.model, self.model_name, self.aliases)
             body.check_supported()
-            body.warn_ignored("/v1/completions", UNSUPPORTED_FIELDS)
-            if body.model is not None and body.model != self.model_name:
-                raise RequestError("model", f"model={body.model!r} is not served here: this server serves "
-                                   f"{self.model_name!r}")
+            ignored = self.ignored_fields(body, "/v1/completions", UNSUPPORTED_FIELDS)
             prompt_ids = await self.encode_prompt(body.prompt)
             options = self._options(body, len(prompt_ids))
             # structured outputs: response_format / structured_outputs / guided_* (structured_request)
             options = constrained(options, request_constraint(body.model_extra, self.tokenizer, self.stop_ids))
         except RequestError as err:
             self.metrics.rejected(err)
-            return JSONResponse(error_body(str(err), err.field), status_code=400)
+            return request_error_response(err)
         cid, rids, events, refused = await self.submit("cmpl", prompt_ids, options,
                                                        slice_name=slice_from(body.model_extra))
         if refused is not None:
             return refused
         session = _Completion(self, cid, rids, len(prompt_ids), body, events)
         if body.stream:
-            return StreamingResponse(session.sse(request), media_type="text/event-stream")
-        return await session.respond(request)
+            return with_ignored(StreamingResponse(session.sse(request), media_type="text/event-stream"), ignored)
+        return with_ignored(await session.respond(request), ignored)
 
     async def submit(self, kind: str, prompt_ids: list[int], options: list, rejected=lambda err: err,
                      slice_name: str | None = None):
@@ -128,15 +144,25 @@ class _Service:
         default = max(1, min(DEFAULT_MAX_TOKENS, self.max_context - prompt_tokens))
         max_tokens = default if body.max_tokens is None else body.max_tokens
         return [SamplingOptions(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                                top_p=body.top_p, seed=(seed + i) % 2**32, logprobs=body.logprobs,
+                                top_p=body.top_p, seed=(seed + i) % 2**32, logprobs=body.logprob_count(),
                                 stop_token_ids=self.stops_for(body))
                 for i in range(body.n)]
+
+
+def with_ignored(response, ignored: list[str]):
+    """``response`` with the header X-Ignored-Fields naming the request fields the server ignored (none: as
+    it was)."""
+    if ignored:
+        response.headers["X-Ignored-Fields"] = ", ".join(ignored)
+    return response
 
 
 def _rejection(err: Exception) -> JSONResponse:
     if isinstance(err, QueueFullError):
         return JSONResponse(error_body(str(err), None, "rate_limit_error", "queue_full"), status_code=429,
                             headers={"Retry-After": str(max(1, math.ceil(err.retry_after)))})
+    if isinstance(err, RequestError):
+        return request_error_response(err)
     return JSONResponse(error_body(str(err), getattr(err, "field", None)), status_code=400)
 
 
@@ -166,12 +192,13 @@ class _Choice:
     Tokens in ``hidden`` (the request's stop ids) count as completion tokens but add no text or logprobs."""
 
     def __init__(self, index: int, rid: str, tokenizer, stops: list[str], logprobs: int | None,
-                 hidden: tuple = ()):
+                 hidden: tuple = (), chat: bool = False):
         self.index, self.rid = index, rid
         self.hidden = frozenset(hidden)
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopChecker(stops)
-        self.logprobs = None if logprobs is None else LogprobsLog(tokenizer.decode)
+        self.logprobs = None if logprobs is None else LogprobsLog(tokenizer.decode, chat)
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (the engine's first output says)
         self.decoded = 0  # characters the decoder has produced: the text_offset of the next token
         self.completion_tokens = 0
         self.speculative: tuple | None = None
@@ -184,6 +211,7 @@ class _Choice:
         choice ends (engine finished, or a stop string: the caller then aborts the engine request)."""
         self.completion_tokens += len(out.new_token_ids)
         self.speculative = out.speculative or self.speculative   # (proposed, accepted) so far
+        self.cached_tokens = max(self.cached_tokens, getattr(out, "num_cached_tokens", 0))
         piece = ""
         for i, token in enumerate(out.new_token_ids):
             if token in self.hidden:
@@ -215,12 +243,15 @@ class _Choice:
 class _Completion:
     """One accepted request of n choices: engine outputs -> text pieces -> a JSON body or server-sent events."""
 
+    chat = False  # log-probabilities in the chat format (LogprobsLog)
+    shutting_down = False  # the server ended it while shutting down (answered 503, not 500)
+
     def __init__(self, service: _Service, cid: str, rids: list[str], prompt_tokens: int, body: CompletionRequest,
                  events: asyncio.Queue):
         self.service, self.cid, self.body, self.events = service, cid, body, events
         self.prompt_tokens = prompt_tokens
-        self.choices = [_Choice(i, rid, service.tokenizer, body.stop_strings(), body.logprobs,
-                                service.stops_for(body)) for i, rid in enumerate(rids)]
+        self.choices = [_Choice(i, rid, service.tokenizer, body.stop_strings(), body.logprob_count(),
+                                service.stops_for(body), self.chat) for i, rid in enumerate(rids)]
         self.by_rid = {c.rid: c for c in self.choices}
 
     @property
@@ -245,7 +276,8 @@ class _Completion:
             if event is None:  # the client disconnected
                 self._abort()
                 return
-            if event[0] == "dead":
+            if event[0] in ("dead", "shutdown"):   # the engine failed, or the server drains (worker item 6)
+                self.shutting_down = event[0] == "shutdown"
                 for choice in self.choices:
                     if not choice.done:
                         choice.fail(event[1])
@@ -270,7 +302,8 @@ class _Completion:
     def _usage(self) -> dict:
         spec = [c.speculative for c in self.choices if c.speculative is not None]
         total = tuple(map(sum, zip(*spec))) if spec else None
-        return usage_body(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), total)
+        return usage_body(self.prompt_tokens, sum(c.completion_tokens for c in self.choices), total,
+                          self.choices[0].cached_tokens)   # the prompt once: the first choice's cache hit
 
     async def respond(self, request: HttpRequest):
         texts = {c.index: "" for c in self.choices}
@@ -279,7 +312,7 @@ class _Completion:
         failed = next((c for c in self.choices if c.finish_reason == "error"), None)
         if failed is not None:
             return JSONResponse(error_body(failed.error or "generation failed", None, "server_error"),
-                                status_code=500)
+                                status_code=503 if self.shutting_down else 500)
         if any(c.finish_reason is None for c in self.choices):  # the client went away; nobody reads this
             return JSONResponse(error_body("client disconnected", None), status_code=499)
         return JSONResponse(self._final_body(texts))

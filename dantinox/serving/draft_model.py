@@ -28,7 +28,9 @@ from flax import nnx
 from ..config import ModelConfig
 from ..generation.speculative_generate import check_draft
 from ..quant.kv_dtype import with_kv_dtype
-from .paged_cache import PagedPool, block_bytes, init_pool
+from ..kv.paged import PagedPool
+from ..kv.sizes import page_bytes
+from ..kv.pool import init_pool
 
 
 def float_draft(draft):
@@ -67,7 +69,7 @@ class TargetWithDraft(nnx.Module):
 def pair_block_bytes(cfg: ModelConfig, draft_cfg: ModelConfig, block_size: int) -> int:
     """Bytes one block takes over the target's layers (``paged_cache.block_bytes``) and the draft's float
     layers (draft_cfg's cache dtype, a float one)."""
-    return block_bytes(cfg, block_size) + block_bytes(draft_cfg, block_size)
+    return page_bytes(cfg, block_size) + page_bytes(draft_cfg, block_size)
 
 
 def init_draft_pool(draft_cfg: ModelConfig, num_blocks: int, block_size: int) -> PagedPool:

@@ -38,7 +38,7 @@ from flax import nnx
 from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, filtered_probs, greedy_argmax
 from ..generation.speculative import accept_proposals
 from ..parallel.sharding import constrain_pool
-from .paged_cache import PagedPool, paged_views
+from ..kv.paged import BlockTables, PagedPool, paged_views
 from .runner import StaticGraph
 from .verify_step import VerifyOut, verify_logprobs
 
@@ -83,27 +83,27 @@ def propose(draft, pool: PagedPool, tokens, start, limit, block_table, keys, sam
 
 
 @partial(jax.jit, static_argnames=("graph", "k", "target_layers"), donate_argnames=("pool",))
-def draft_verify_step(graph: StaticGraph, params, pool: PagedPool, tokens, start, limit, block_table, seeds, steps,
-                      sampling: SamplingParams, with_logprobs, sink_slot, residual_slot=None, *, k: int,
+def draft_verify_step(graph: StaticGraph, params, pool: PagedPool, tokens, start, limit, tables: BlockTables, seeds,
+                      steps, sampling: SamplingParams, with_logprobs, *, k: int,
                       target_layers: int) -> tuple[VerifyOut, PagedPool]:
     """Draft k tokens per row and verify them with the target in one call (module docstring).
 
     graph / params: a ``TargetWithDraft``; pool: its L target layers then the draft's; tokens: [B] int32 each
     row's last token (not yet cached), at position start [B] int32; limit: [B] int32 in 0..k, the proposals row
     b may have accepted (bounded by its remaining max_tokens and the blocks it holds; -1 marks an unused padding
-    row, which writes nothing); block_table: [B, M] int32 covering start .. start + limit; seeds: [B] uint32;
-    steps: [B] int32 tokens generated so far; sampling: per-row settings [B]; with_logprobs: bool scalar
-    (traced); sink_slot, residual_slot: [B] int32 (the target's, as ``runner.forward_step``); k, target_layers
-    (L): static. Returns (VerifyOut: proposed is limit for every live row, the updated pool)."""
+    row, which writes nothing); tables: BlockTables whose block tables [B, M] cover start .. start + limit (its
+    sink and residual slots are the target's); seeds: [B] uint32; steps: [B] int32 tokens generated so far;
+    sampling: per-row settings [B]; with_logprobs: bool scalar (traced); k, target_layers (L): static. Returns
+    (VerifyOut: proposed is limit for every live row, the updated pool)."""
     pair = nnx.merge(graph.graphdef, params)
-    L = target_layers
+    L, block_table = target_layers, tables.table
     live_limit = jnp.maximum(limit, 0)
     draft_keys = jax.vmap(lambda seed, step: jax.random.split(jax.random.fold_in(
         jax.random.fold_in(jax.random.key(seed), DRAFT_STREAM), step), k))(seeds, steps)          # [B, k]
     proposals, q, draft_pool = propose(pair.draft, pool[L:], tokens, start, limit, block_table, draft_keys,
                                        sampling, k)
     inputs = jnp.concatenate([tokens[:, None], proposals], axis=1)                              # [B, k + 1]
-    views = paged_views(pool[:L], block_table, limit + 1, sink_slot, residual_slot)
+    views = paged_views(pool[:L], tables, limit + 1)
     logits, views, _ = pair.target(inputs, use_cache=True, kv_caches=views, cache_index=start)
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds, steps)
     out_tokens, accepted = accept_proposals(logits, proposals, keys, sampling, limit=live_limit, q=q)

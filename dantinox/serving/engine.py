@@ -24,34 +24,30 @@ Not thread-safe: one thread drives an engine (the server runs it in a background
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 from flax import nnx
 
 from ..generation.sampling import SamplingParams
-from ..quant.kv_channels import check_spec_group
+from ..kv.channel_keys import check_spec_group
 from ..runs.interrupts import deferred_interrupts
 from ..xla import CompileCounter
-from .allocator import BlockAllocator
-from .draft_model import TargetWithDraft, init_draft_pool, pair_block_bytes
+from .draft_model import TargetWithDraft, pair_block_bytes
 from .draft_verify import draft_verify_step
 from .grammar_rows import grammar_finish, step_mask
-from .paged_cache import init_pool, pool_bytes, pool_nbytes, sink_set_bytes
+from ..kv.manager import CacheManager
+from ..kv.pool import pool_nbytes
+from .engine_api import Engine, EngineConfig
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
-from .residual_slots import ResidualSlots
-from .runner import (StepLogprobs, copy_blocks, copy_sinks, decode_steps, forward_step, read_blocks, read_residual,
-                     read_sinks, static_graph, write_blocks, write_residual, write_sinks)
+from .runner import StepLogprobs, decode_steps, forward_step, static_graph
 from .scheduler import Chunk, Schedule, Scheduler
-from .sink_slots import SinkSlots
-from .speculation import SpecConfig, eligible, plan_speculation, record
+from .speculation import eligible, plan_speculation, record
 from .step_plan import (advance, bucket, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
                         default_block_size, plan_decode_steps, pool_size, resume_align)
 from .verify_cost import VerifyCostMeter
@@ -61,87 +57,6 @@ from .warmup import WarmupItem
 log = logging.getLogger("dantinox.serving")
 
 MIN_TABLE_TOKENS = 64  # the narrowest block-table width of a multi-step decode call, in tokens
-
-
-class Engine(abc.ABC):
-    """What the server (and tests) need from an engine. One thread calls it; nothing here blocks for long."""
-
-    vocab_size: int
-    max_context: int
-
-    @abc.abstractmethod
-    def add_request(self, prompt_ids, options: SamplingOptions, request_id: str | None = None,
-                    share_prompt_with: str | None = None) -> str:
-        """Queue a request; returns its id. Raises RequestError (invalid, or can never fit; ``field``
-        names the input) or QueueFullError (queue at its bound).
-
-        share_prompt_with: the id of a queued or running request with the same prompt (the first of n
-        choices); this one then waits until that one's prompt is computed and takes its full prompt blocks
-        from the prefix cache instead of computing them again. An engine may ignore it."""
-
-    def check_request(self, prompt_ids, options: SamplingOptions) -> None:
-        """Raise the RequestError ``add_request`` would raise for a request that is invalid or can never fit,
-        from fixed sizes only (no queue state), so any thread may call it: the server answers such a request
-        at once, even while the engine thread compiles a warm-up program. The default checks nothing."""
-        return None
-
-    @abc.abstractmethod
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that got a token or finished."""
-
-    @abc.abstractmethod
-    def abort(self, request_id: str, reason: str = "abort") -> bool:
-        """Stop a request and free its blocks; its final output comes from the next step() with finish reason
-        ``reason``: "abort" (the client left) or "stop" (the server ended it on a stop string, which the
-        engine does not see; counted as finished in ``stats``, as /metrics counts it). Returns False if the id
-        is unknown or already finished."""
-
-    @abc.abstractmethod
-    def stats(self) -> dict:
-        """Counters and gauges: waiting, running, swapped, blocks_total/used/free, preemptions, ..."""
-
-    @abc.abstractmethod
-    def has_unfinished(self) -> bool:
-        """True while any request is queued, running or has an unreported final output."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine sizes. Pool: num_blocks blocks of block_size tokens; or with kv_memory_bytes (bytes) as many as
-    fit, but at most the max_running x ceil(max_context / block_size) blocks the running sequences can hold
-    (kv_memory_all=True takes every block that fits, e.g. to keep more finished prompts in the prefix
-    cache); or by default exactly those max_running full-context sequences (``step_plan.pool_size``). See
-    ContextPolicy for the bounds.
-    max_decode_steps: when a step would only decode, run up to this many decode steps in one compiled call
-    (multi-step decoding; 1 turns it off). With requests waiting, it runs only as many steps as the running
-    request closest to its max_new_tokens needs, so no slot sits finished while a request waits.
-    decode_buckets / prefill_buckets: batch sizes of the compiled calls (default: powers of two up to
-    max_running, and (1, 2, 4)), cut after the first that holds max_running rows (``step_plan.batch_buckets``:
-    max_running 1 compiles no prefill at B = 2 or 4); chunk_buckets: prefill chunk lengths (default: powers of
-    two from 8 up to min(max_batched_tokens, max_context)).
-    speculative: None (plain decoding) or a ``speculation.SpecConfig``: speculative decoding of the decode rows
-    with n-gram (prompt lookup) or draft-model proposals (the greedy output is unchanged; sampled output keeps
-    the target's distribution).
-    block_size: tokens per KV block; None (the default) takes ``step_plan.default_block_size`` of the model:
-    16, or the key group G with per-channel int8 keys (a block size must then be a multiple of G)."""
-
-    block_size: int | None = None
-    num_blocks: int | None = None
-    kv_memory_bytes: int | None = None
-    kv_memory_all: bool = False
-    max_running: int = 16
-    max_queued: int = 256
-    max_batched_tokens: int = 64
-    max_prompt_tokens: int | None = None
-    max_total_tokens: int | None = None
-    preemption: str = "recompute"
-    enable_prefix_caching: bool = True
-    swap_space_blocks: int | None = None
-    decode_buckets: tuple | None = None
-    prefill_buckets: tuple = (1, 2, 4)
-    chunk_buckets: tuple | None = None
-    max_decode_steps: int = 8
-    speculative: SpecConfig | None = None
 
 
 class PagedEngine(Engine):
@@ -154,7 +69,7 @@ class PagedEngine(Engine):
     named), for a paradigm="diffusion" model, and for a draft given without proposer "draft" or missing with it.
     """
 
-    def __init__(self, model, config: EngineConfig = EngineConfig(), draft=None):
+    def __init__(self, model, config: EngineConfig = EngineConfig(), draft=None):  # noqa: B008 (frozen)
         cfg = model.cfg
         if cfg.paradigm != "ar":
             raise ValueError(f"the serving engine decodes autoregressive models; this model has paradigm="
@@ -177,20 +92,16 @@ class PagedEngine(Engine):
         P = config.block_size
         self.pool_size = pool_size(cfg, config, self._budget_block_bytes(cfg), self._budget_sink_bytes(cfg),
                                    self._budget_residual_bytes(cfg))
-        num_blocks = self.pool_size.blocks
-        self.pool = self._init_pool(num_blocks)
-        self.allocator = BlockAllocator(num_blocks, P, config.enable_prefix_caching)
-        # int8 sinks: each running sequence's slot of the pool's float32 sink rows (sink_slots.py)
-        self.sinks = (SinkSlots(self.pool_size.sink_slots, self.allocator.pool.uncache)
-                      if sink_set_bytes(cfg) else None)
-        # per-channel int8 keys: each running sequence's residual slot (its filling key group in float32)
-        self.residuals = ResidualSlots(self.pool_size.residual_slots) if cfg.channel_keys else None
+        # the pool, the allocator with its prefix cache, sink and residual slots, swap and copy-on-write
+        self.cache = CacheManager(cfg, self.pool_size.blocks, P, self.pool_size.sink_slots,
+                                  self.pool_size.residual_slots, config.enable_prefix_caching, config.max_running,
+                                  self.draft_cfg, self._place_pool)
         self.policy = engine_policy(config, cfg.max_context, resume_align(cfg))
         self.speculative = config.speculative
         self.verify_meter = VerifyCostMeter()  # c(B) from timed calls when SpecConfig.verify_costs is empty
         self.scheduler = Scheduler(self.policy, self.allocator,
                                    self.speculative.spec_tokens if self.speculative else 0)
-        self.table_width = -(-cfg.max_context // P)  # M
+        self.table_width = self.cache.table_width  # M
         # Block-table widths of the multi-step decode call: it gathers only the blocks the batch's longest
         # row reaches, rounded up to a power of two of at least 64 tokens (the gather is most of a decode
         # step's attention cost on the CPU).
@@ -298,25 +209,34 @@ class PagedEngine(Engine):
         """Bytes one residual slot of per-channel keys takes out of kv_memory_bytes (None: the whole slot)."""
         return None
 
-    def _init_pool(self, num_blocks: int):
-        """A zero pool of ``num_blocks`` blocks with the engine's sink and residual slots (then, with a draft
-        model, the draft's layers over the same blocks). Raises ValueError naming the pool's bytes when the
-        host cannot allocate it."""
-        try:
-            pool = init_pool(self.cfg, num_blocks, self.config.block_size, self.pool_size.sink_slots,
-                             self.pool_size.residual_slots)
-            if self.draft_cfg is not None:
-                pool += init_draft_pool(self.draft_cfg, num_blocks, self.config.block_size)
-        except jax.errors.JaxRuntimeError as err:
-            if "RESOURCE_EXHAUSTED" not in str(err):
-                raise
-            nbytes = pool_bytes(self.cfg, num_blocks, self.config.block_size, self.pool_size.sink_slots,
-                                self.pool_size.residual_slots)
-            raise ValueError(f"the KV pool of {num_blocks} blocks ({nbytes / 2**20:.0f} MiB, "
-                             f"{nbytes // self.cfg.num_blocks / 2**20:.0f} MiB per layer) could not be allocated "
-                             f"on this host ({str(err).splitlines()[0][:120]}): lower kv_memory_bytes or "
-                             f"max_running (serve: --kv-memory, --max-running)") from None
+    def _place_pool(self, pool):
+        """Where a freshly allocated pool goes (the sharded engine places it on its mesh)."""
         return pool
+
+    # The cache manager's parts, as the planner and the tests read them --------------------------------------
+    @property
+    def pool(self):
+        """The paged pool (``CacheManager.pool``)."""
+        return self.cache.pool
+
+    @pool.setter
+    def pool(self, pool) -> None:
+        self.cache.pool = pool
+
+    @property
+    def allocator(self):
+        """The block allocator with its prefix cache (``CacheManager.allocator``)."""
+        return self.cache.allocator
+
+    @property
+    def sinks(self):
+        """The int8 pool's sink slots, or None (``CacheManager.sinks``)."""
+        return self.cache.sinks
+
+    @property
+    def residuals(self):
+        """The per-channel key pool's residual slots, or None (``CacheManager.residuals``)."""
+        return self.cache.residuals
 
     # Warm-up --------------------------------------------------------------------------------------
     def warmup(self) -> CompileCounter:
@@ -366,121 +286,24 @@ class PagedEngine(Engine):
 
     def _warm_block_moves(self) -> None:
         """Compile the block and sink moves (copy-on-write, swap out and in) without running them."""
-        src, dst = self._pad_copies([])
-        copy_blocks.lower(self.pool, src, dst).compile()
-        ids = np.zeros(self.table_width, np.int32)
-        read_blocks.lower(self.pool, ids).compile()
-        write_blocks.lower(self.pool, ids, jax.eval_shape(read_blocks, self.pool, ids)).compile()
-        if self.sinks is not None:
-            last = np.int32(self.sinks.num_slots - 1)
-            copy_sinks.lower(self.pool, last, last).compile()
-            read_sinks.lower(self.pool, last).compile()
-            write_sinks.lower(self.pool, last, jax.eval_shape(read_sinks, self.pool, last)).compile()
-        if self.residuals is not None:
-            last = np.int32(self.residuals.num_slots - 1)
-            read_residual.lower(self.pool, last).compile()
-            write_residual.lower(self.pool, last, jax.eval_shape(read_residual, self.pool, last)).compile()
+        self.cache.warm_block_moves()
 
     # Internals ------------------------------------------------------------------------------------
     def _move_blocks(self, sched: Schedule) -> None:
-        for req, blocks in sched.swap_out:
-            req.swap_data = self._read_host(blocks), self._read_sinks(req), self._read_residual(req)
-            self.step_calls.append(("swap_out",))
-        for req in sched.preempted:
-            self._release_sinks(req)
-        if self.sinks is not None:  # copies of first blocks first: a hit may read its sinks through the copy
-            for src, dst in sched.copies:
-                self.sinks.copied(src, dst)
-        self._assign_sinks(skip={req.request_id for req, _ in sched.swap_in})
-        self._assign_residuals()
-        for req, blocks in sched.swap_in:
-            data, sinks, residual = req.swap_data
-            self._write_host(blocks, data)
-            if residual is not None:   # the filling key group comes back in the slot just taken
-                self.pool = write_residual(self.pool, np.int32(self.residuals.slot(req.request_id)), residual)
-            if self.sinks is not None:   # the sinks come back in a slot of their own, mapped to the new block
-                slot = self.sinks.fresh(req.request_id, blocks[0])
-                self.pool = write_sinks(self.pool, np.int32(slot), sinks)
-            req.swap_data = None
-            self.step_calls.append(("swap_in",))
-        self._copy_blocks(sched.copies)
-
-    def _read_sinks(self, req: Request):
-        """The host copy of ``req``'s sink rows (None without int8 sinks)."""
-        slot = None if self.sinks is None else self.sinks.slot(req.request_id)
-        return None if slot is None else jax.device_get(read_sinks(self.pool, np.int32(slot)))
-
-    def _release_sinks(self, req: Request) -> None:
-        """Release ``req``'s sink slot and residual slot (finished or preempted)."""
-        if self.sinks is not None:
-            self.sinks.release(req.request_id)
-        if self.residuals is not None:
-            self.residuals.release(req.request_id)
-
-    def _read_residual(self, req: Request):
-        """The host copy of ``req``'s residual keys (None without per-channel keys)."""
-        slot = None if self.residuals is None else self.residuals.slot(req.request_id)
-        return None if slot is None else jax.device_get(read_residual(self.pool, np.int32(slot)))
-
-    def _assign_residuals(self) -> None:
-        """Give every running request without a residual slot one (per-channel keys only)."""
-        if self.residuals is None:
-            return
-        for req in self.scheduler.running:
-            if self.residuals.slot(req.request_id) is None:
-                self.residuals.take(req.request_id)
-
-    def _assign_sinks(self, skip=frozenset()) -> None:
-        """Give every running request without a sink slot (but those in ``skip``: swapped in, their sinks come
-        from host memory) one: the slot of its first block when its first tokens are computed (a prefix-cache
-        hit), else a fresh one. Hits go first, so a fresh slot never takes the sinks a hit of the same step is
-        about to read."""
-        if self.sinks is None:
-            return
-        waiting = [r for r in self.scheduler.running if r.request_id not in skip
-                   and self.sinks.slot(r.request_id) is None and self.allocator.table(r.request_id)]
-        for req in sorted(waiting, key=lambda r: r.num_computed == 0):
-            first = self.allocator.table(req.request_id)[0]
-            if req.num_computed > 0:
-                self.sinks.share(req.request_id, first)
-            else:
-                self.sinks.fresh(req.request_id, first)
+        """The step's block work, done by the cache manager (swap, slots, copy-on-write)."""
+        self.cache.apply(sched, self.scheduler.running)
+        self.step_calls += ([("swap_out",)] * len(sched.swap_out) + [("swap_in",)] * len(sched.swap_in)
+                            + [("copy",)] * -(-len(sched.copies) // self.policy.max_running))
 
     def _copy_blocks(self, pairs: list) -> None:
-        """Perform copy-on-write block copies [(source, destination)], max_running per compiled call."""
-        C = self.policy.max_running
-        for i in range(0, len(pairs), C):
-            self.pool = copy_blocks(self.pool, *self._pad_copies(pairs[i:i + C]))
-            self.step_calls.append(("copy",))
-        if self.sinks is not None:
-            for src, dst in pairs:  # a copy of a first block stands for the same sinks
-                self.sinks.copied(src, dst)
-
-    def _pad_copies(self, pairs: list) -> tuple[np.ndarray, np.ndarray]:
-        C = self.policy.max_running
-        src = np.zeros(C, np.int32)
-        dst = np.full(C, self.allocator.num_blocks, np.int32)  # N: dropped
-        for i, (s, d) in enumerate(pairs):
-            src[i], dst[i] = s, d
-        return src, dst
+        """Perform copy-on-write block copies [(source, destination)] (``CacheManager.copy_blocks``)."""
+        self.step_calls += [("copy",)] * self.cache.copy_blocks(pairs)
 
     def _read_host(self, blocks: list) -> tuple:
-        ids = np.zeros(self.table_width, np.int32)
-        ids[:len(blocks)] = blocks
-        data = jax.device_get(read_blocks(self.pool, ids))
-        n = len(blocks)
-        return tuple(tuple(a[:n].copy() for a in layer) for layer in data)
+        return self.cache.read_host(blocks)
 
     def _write_host(self, blocks: list, data: tuple) -> None:
-        M = self.table_width
-        ids = np.full(M, self.allocator.num_blocks, np.int32)
-        ids[:len(blocks)] = blocks
-
-        def pad(a):
-            return np.concatenate([a, np.zeros((M - len(a),) + a.shape[1:], a.dtype)])
-
-        padded = tuple(tuple(pad(a) for a in layer) for layer in data)
-        self.pool = write_blocks(self.pool, ids, padded)
+        self.cache.write_host(blocks, data)
 
     def _run(self, chunks: list[Chunk]) -> list[tuple[list[int], list | None, tuple | None]]:
         """Run the chunks in bucketed calls; returns per chunk (its sampled tokens: one, or several from a
@@ -563,10 +386,9 @@ class PagedEngine(Engine):
             for b, chunk in enumerate(part):
                 tokens = chunk.request.all_tokens[:chunk.start + 1]
                 seq[b, :len(tokens)] = tokens
-        start, table, seeds, steps, sampling = self._row_inputs(part, B, M)
+        start, tables, seeds, steps, sampling = self._row_inputs(part, B, M)
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
-        return (self.graph, self.params, self.pool, seq, start, limit, table, seeds, steps, sampling,
-                with_logprobs, self._sink_rows(part, B), self._residual_rows(part, B))
+        return (self.graph, self.params, self.pool, seq, start, limit, tables, seeds, steps, sampling, with_logprobs)
 
     def _verify_fn(self):
         """The compiled verify call and its static arguments: ``verify_step`` (n-gram) or ``draft_verify_step``."""
@@ -641,61 +463,36 @@ class PagedEngine(Engine):
         """Compile the multi-step decode loop for bucket (B, M) without running it (as ``_warm_forward``)."""
         z = np.zeros(B, np.int32)
         sampling = SamplingParams(np.zeros(B, np.float32), z, np.ones(B, np.float32))
-        decode_steps.prepare(self.graph, self.params, self.pool, z, z, z, np.zeros((B, M), np.int32),
-                             np.zeros(B, np.uint32), z, sampling, self._sink_rows([], B), self._residual_rows([], B),
-                             max_steps=self.config.max_decode_steps)
+        decode_steps.prepare(self.graph, self.params, self.pool, z, z, z, self.cache.tables([], B, M),
+                             np.zeros(B, np.uint32), z, sampling, max_steps=self.config.max_decode_steps)
 
     def _call_decode_steps(self, part: list[Chunk], counts: list[int], B: int, M: int) -> np.ndarray:
         """One decode_steps call for ``part`` padded to B rows, over block tables cut to M entries."""
         tokens, num_steps = np.zeros(B, np.int32), np.zeros(B, np.int32)
         for b, (chunk, count) in enumerate(zip(part, counts)):
             tokens[b], num_steps[b] = chunk.request.all_tokens[chunk.start], count
-        start, table, seeds, steps, sampling = self._row_inputs(part, B, M)
-        out, self.pool = decode_steps(self.graph, self.params, self.pool, tokens, start, num_steps, table, seeds,
-                                      steps, sampling, self._sink_rows(part, B), self._residual_rows(part, B),
-                                      max_steps=self.config.max_decode_steps)
+        start, tables, seeds, steps, sampling = self._row_inputs(part, B, M)
+        out, self.pool = decode_steps(self.graph, self.params, self.pool, tokens, start, num_steps, tables, seeds,
+                                      steps, sampling, max_steps=self.config.max_decode_steps)
         self.counters["forward_calls"] += bool(part)
         self.counters["multi_step_calls"] += bool(part)
         self.step_calls.append(("decode", B, M * self.allocator.block_size, int(num_steps.max())))
         return jax.device_get(out)
 
     def _row_inputs(self, part: list[Chunk], B: int, M: int) -> tuple:
-        """Per-row inputs of a compiled call for ``part`` padded to B rows: (start [B] int32, block tables
-        [B, M] int32 cut to M entries, seeds [B] uint32, steps [B] int32 tokens generated so far, the rows'
-        SamplingParams); padding rows are zeros (greedy)."""
+        """Per-row inputs of a compiled call for ``part`` padded to B rows: (start [B] int32, the rows'
+        BlockTables cut to M entries (``CacheManager.tables``), seeds [B] uint32, steps [B] int32 tokens generated
+        so far, the rows' SamplingParams); padding rows are zeros (greedy)."""
         start, steps, top_k = (np.zeros(B, np.int32) for _ in range(3))
-        table = np.zeros((B, M), np.int32)
         seeds = np.zeros(B, np.uint32)
         temperature, top_p = np.zeros(B, np.float32), np.ones(B, np.float32)
         for b, chunk in enumerate(part):
             req, opts = chunk.request, chunk.request.options
             start[b], steps[b] = chunk.start, len(req.output_ids)
-            blocks = self.allocator.table(req.request_id)[:M]
-            table[b, :len(blocks)] = blocks
             seeds[b], temperature[b], top_p[b] = opts.seed, opts.temperature, opts.top_p
             top_k[b] = min(opts.top_k, self.vocab_size)
-        return start, table, seeds, steps, SamplingParams(temperature, top_k, top_p)
-
-    def _sink_rows(self, part: list[Chunk], B: int) -> np.ndarray:
-        """Each row's sink slot, [B] int32: the slot its request holds, R (written nowhere) for padding rows
-        and pools without int8 sinks."""
-        R = 1 if self.sinks is None else self.sinks.num_slots
-        slots = np.full(B, R, np.int32)
-        for b, chunk in enumerate(part):
-            slot = None if self.sinks is None else self.sinks.slot(chunk.request.request_id)
-            if slot is not None:
-                slots[b] = slot
-        return slots
-
-    def _residual_rows(self, part: list[Chunk], B: int) -> np.ndarray | None:
-        """Each row's residual slot, [B] int32 (Q, written nowhere, for padding rows); None without per-channel
-        keys."""
-        if self.residuals is None:
-            return None
-        slots = np.full(B, self.residuals.num_slots, np.int32)
-        for b, chunk in enumerate(part):
-            slots[b] = self.residuals.slot(chunk.request.request_id)
-        return slots
+        tables = self.cache.tables([c.request.request_id for c in part], B, M)
+        return start, tables, seeds, steps, SamplingParams(temperature, top_k, top_p)
 
     def _forward_args(self, part: list[Chunk], B: int, T: int) -> tuple:
         """forward_step's arguments for ``part`` padded to B rows of T tokens (the engine's pool included)."""
@@ -703,11 +500,11 @@ class PagedEngine(Engine):
         for b, chunk in enumerate(part):
             ids[b, :chunk.num_tokens] = chunk.request.all_tokens[chunk.start:chunk.start + chunk.num_tokens]
             num_new[b] = chunk.num_tokens
-        start, table, seeds, steps, sampling = self._row_inputs(part, B, self.table_width)
+        start, tables, seeds, steps, sampling = self._row_inputs(part, B, self.table_width)
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
         token_mask = step_mask(part, B, self.vocab_size)  # structured outputs (grammar_rows)
-        return (self.graph, self.params, self.pool, ids, start, num_new, table, seeds, steps, sampling,
-                with_logprobs, token_mask, self._sink_rows(part, B), self._residual_rows(part, B))
+        return (self.graph, self.params, self.pool, ids, start, num_new, tables, seeds, steps, sampling,
+                with_logprobs, token_mask)
 
     def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[jax.Array, StepLogprobs | None]:
         """Dispatch one forward_step for ``part`` padded to B rows of T tokens; returns the device arrays
@@ -738,7 +535,7 @@ class PagedEngine(Engine):
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.remove(req)
-        self._release_sinks(req)
+        self.cache.release(req.request_id)
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         del self.requests[req.request_id]
         self.finished.append(req)
@@ -747,7 +544,7 @@ class PagedEngine(Engine):
     def _output(self, req: Request, new_tokens: list, logprobs: list | None = None) -> RequestOutput:
         spec = None if req.spec is None else (req.spec.proposed, req.spec.accepted)
         return RequestOutput(req.request_id, new_tokens, req.finished, req.finish_reason, req.error,
-                             len(req.prompt_ids), len(req.output_ids), logprobs, spec)
+                             len(req.prompt_ids), len(req.output_ids), logprobs, spec, req.num_prompt_cached)
 
     def _fail_running(self, message: str) -> list[RequestOutput]:
         """After a failed device step: end every request whose keys and values may be lost (running, or
@@ -757,10 +554,7 @@ class PagedEngine(Engine):
         failed = list(self.scheduler.running) + lost
         for req in failed:
             self._finish(req, "error", message)
-        self.pool = self._init_pool(self.allocator.num_blocks)
-        self.allocator.pool.forget_all_hashes()  # cached prefixes pointed into the old pool
-        if self.sinks is not None:
-            self.sinks.reset()
+        self.cache.reset()   # a fresh pool, no cached prefixes (they pointed into the old one)
         return [self._output(req, []) for req in failed]
 
 

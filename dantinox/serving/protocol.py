@@ -1,17 +1,19 @@
 """The OpenAI completions protocol: the request body, response bodies, and stop-string handling.
 
 Supported fields of ``POST /v1/completions``: model, prompt (a string, a list of token ids, or a list of one
-string), max_tokens (default: 16, or what is left of the context if less), temperature (default 1.0;
-0 = greedy), top_p, top_k (an extension; 0 = off), seed, stop (a string or up to 4), stream,
-stream_options.include_usage, n (1..MAX_CHOICES choices per prompt), logprobs (null or 0..MAX_LOGPROBS),
-echo (must be false), user (ignored), ignore_eos (vLLM's extension, default false). Types are strict:
-max_tokens: "5" or true, stream: "yes" get 400 naming the field (every error is OpenAI's error object).
-seed must be in [0, 2**32); model, when given, must be the served model's name; stop strings must not be
-empty. OpenAI fields this server does not implement (best_of, suffix, frequency_penalty,
-presence_penalty, logit_bias) are rejected with 400 naming the field unless they hold their no-op value
-(null, best_of 1, penalties 0, logit_bias {}); any other field no part of the server reads (a misspelt
-"max_token", another server's extension) is ignored and named in one warning line of the server's log
-(``SamplingRequest.ignored_fields``; vLLM does the same, OpenAI answers 400).
+string), max_tokens (default: 16, or what is left of the context if less), temperature (default 1.0; 0 =
+greedy), top_p, top_k (an extension; 0 = off), seed, stop (a string or up to 4), stream,
+stream_options.include_usage, n (1..MAX_CHOICES choices per prompt), logprobs (null or
+0..MAX_COMPLETION_LOGPROBS), echo (must be false), user (ignored), ignore_eos (vLLM's extension, default
+false). Types are strict: max_tokens: "5" or true, stream: "yes" get 400 naming the field (every error is
+OpenAI's error object, ``api_errors``). seed must be in [0, 2**32); model, when given, must be the served
+model's name (else 404 model_not_found); stop strings must not be empty. OpenAI fields this server does not
+implement (best_of, suffix, frequency_penalty, presence_penalty, logit_bias) are rejected with 400 naming the
+field unless they hold their no-op value (null, best_of 1, penalties 0, logit_bias {}); any other field no
+part of the server reads (a misspelt "max_token", another server's extension) is ignored, named in one warning
+line of the server's log and in the answer's ``X-Ignored-Fields`` header (``SamplingRequest.ignored_fields``;
+vLLM ignores and logs such fields, llama-server ignores them); ``serve --strict-fields`` refuses them with 400
+naming the field, as OpenAI does.
 
 Stop ids. Every choice ends at the model's stop ids (its end-of-turn / end-of-text tokens,
 ``dantinox.runs.stop_ids``; case K11) with finish_reason "stop"; the stop token is counted in usage but not
@@ -37,21 +39,19 @@ entries of the tokens consumed since the previous chunk.
 
 from __future__ import annotations
 
-import logging
 import time
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from .request import MAX_LOGPROBS, RequestError, TokenLogprobs
+from .request import RequestError, TokenLogprobs
 
 MAX_STOP_STRINGS = 4
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions' logprobs (chat's top_logprobs: 20)
 MAX_CHOICES = 16  # most choices (n) per request
 # OpenAI completions fields this server does not implement -> the values that change nothing
 UNSUPPORTED_FIELDS = {"best_of": (None, 1), "suffix": (None,), "frequency_penalty": (None, 0),
                       "presence_penalty": (None, 0), "logit_bias": (None, {})}
 
-
-log = logging.getLogger("dantinox.serving")
 
 # fields beyond SamplingRequest's own that the server reads: structured outputs (structured_request), tools
 # (tool_calls) and the request log's slice (request_log.slice_from)
@@ -86,18 +86,17 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    def logprob_count(self) -> int | None:
+        """How many most likely alternatives each token's log-probabilities carry; None: no log-probabilities
+        (the endpoints' own fields decide: completions' logprobs, chat's logprobs and top_logprobs)."""
+        return None
+
     def ignored_fields(self, checked=()) -> list[str]:
         """Sorted names of the body's fields that no part of the server reads: every field beyond the model's
         own, READ_EXTRA_FIELDS and ``checked`` (the endpoint's unimplemented OpenAI fields, which
-        check_supported refuses unless they hold their no-op value)."""
+        check_supported refuses unless they hold their no-op value). The server logs them and names them in
+        the answer's X-Ignored-Fields header (``completions._Service.ignored_fields``)."""
         return sorted(set(self.model_extra or {}) - READ_EXTRA_FIELDS - set(checked))
-
-    def warn_ignored(self, path: str, checked=()) -> None:
-        """Log one warning line naming the fields ``ignored_fields(checked)`` finds (none: nothing)."""
-        ignored = self.ignored_fields(checked)
-        if ignored:
-            log.warning("%s: request fields ignored (this server does not read them): %s", path,
-                        ", ".join(ignored))
 
 
 class CompletionRequest(SamplingRequest):
@@ -105,9 +104,13 @@ class CompletionRequest(SamplingRequest):
     echo: StrictBool = False
     logprobs: StrictInt | None = None
 
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
     def check_supported(self) -> None:
         """Raise RequestError naming the field for values this server does not offer (n outside
-        [1, MAX_CHOICES], logprobs outside [0, MAX_LOGPROBS], echo, several prompts, too many stops)."""
+        [1, MAX_CHOICES], logprobs outside [0, MAX_COMPLETION_LOGPROBS], echo, several prompts, too many
+        stops)."""
         if not 1 <= self.n <= MAX_CHOICES:
             raise RequestError("n", f"n={self.n} is not allowed: an integer in [1, {MAX_CHOICES}]")
         if self.echo:
@@ -122,9 +125,9 @@ class CompletionRequest(SamplingRequest):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stops):
             raise RequestError("stop", f"stop={self.stop!r} is not allowed: stop strings must be non-empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise RequestError("logprobs", f"logprobs={self.logprobs} is not allowed: null or an integer in "
-                               f"[0, {MAX_LOGPROBS}]")
+                               f"[0, {MAX_COMPLETION_LOGPROBS}]")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
             if len(self.prompt) != 1:
                 raise RequestError("prompt", f"a batch of {len(self.prompt)} prompts is not supported: send "
@@ -167,37 +170,60 @@ class StopChecker:
 
 
 class LogprobsLog:
-    """One choice's token log-probabilities in the legacy completions format, collected token by token.
+    """One choice's token log-probabilities, collected token by token, in either OpenAI format.
 
-    ``add(lp, offset)`` records a TokenLogprobs at character ``offset`` of the choice's text; ``take()``
-    returns the entries added since the previous take as {tokens, token_logprobs, top_logprobs,
-    text_offset}; ``body()`` returns them all. ``decode``: the tokenizer's decode (list of ids -> str).
+    ``add(lp, offset)`` records a TokenLogprobs at character ``offset`` of the choice's text. The legacy
+    completions format: ``take()`` returns the entries added since the previous take as {tokens,
+    token_logprobs, top_logprobs, text_offset}; ``body()`` returns them all. The chat format (``chat=True``):
+    ``take()`` / ``body()`` return {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
+    bytes}, ...]}, ...], "refusal": None}, top_logprobs holding the request's top_logprobs most likely
+    tokens, most likely first (a list: two tokens of the same text both appear). ``decode``: the tokenizer's
+    decode (list of ids -> str); a token's text is its id decoded alone and its bytes that text's UTF-8
+    bytes (a token holding part of a multi-byte character shows U+FFFD).
     """
 
-    def __init__(self, decode):
-        self.decode = decode
-        self.entries: list[tuple] = []  # (token text, logprob, {text: logprob}, offset)
+    def __init__(self, decode, chat: bool = False):
+        self.decode, self.chat = decode, chat
+        self.entries: list[tuple] = []  # (TokenLogprobs, offset)
         self.taken = 0
 
     def add(self, lp: TokenLogprobs, offset: int) -> None:
-        top: dict[str, float] = {}
-        for token_id, logprob in lp.top:  # most likely first: a shared text keeps the likelier token
-            top.setdefault(self.decode([token_id]), logprob)
-        text = self.decode([lp.token_id])
-        top.setdefault(text, lp.logprob)
-        self.entries.append((text, lp.logprob, top, offset))
+        self.entries.append((lp, offset))
 
     def take(self) -> dict:
         part, self.taken = self.entries[self.taken:], len(self.entries)
-        return _logprobs_body(part)
+        return self._body(part)
 
     def body(self) -> dict:
-        return _logprobs_body(self.entries)
+        return self._body(self.entries)
+
+    def _body(self, entries: list[tuple]) -> dict:
+        return _chat_logprobs(entries, self.decode) if self.chat else _logprobs_body(entries, self.decode)
 
 
-def _logprobs_body(entries: list[tuple]) -> dict:
-    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-            "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+def _logprobs_body(entries: list[tuple], decode) -> dict:
+    """The legacy completions format: top_logprobs[i] maps the text of the asked-for most likely tokens and
+    of the chosen token to their log-probabilities (a text shared by two tokens keeps the likelier)."""
+    tops = []
+    for lp, _ in entries:
+        top: dict[str, float] = {}
+        for token_id, logprob in lp.top:  # most likely first: a shared text keeps the likelier token
+            top.setdefault(decode([token_id]), logprob)
+        top.setdefault(decode([lp.token_id]), lp.logprob)
+        tops.append(top)
+    return {"tokens": [decode([lp.token_id]) for lp, _ in entries],
+            "token_logprobs": [lp.logprob for lp, _ in entries], "top_logprobs": tops,
+            "text_offset": [offset for _, offset in entries]}
+
+
+def _chat_logprobs(entries: list[tuple], decode) -> dict:
+    def one(token_id: int, logprob: float) -> dict:
+        text = decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]}
+               for lp, _ in entries]
+    return {"content": content, "refusal": None}
 
 
 def choice_body(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
@@ -215,12 +241,16 @@ def completion_body(request_id: str, model: str, choices: list[dict], usage: dic
     return body
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, speculative: tuple | None = None) -> dict:
-    """OpenAI's usage object (prompt tokens counted once; completion tokens of every choice); with
-    ``speculative`` (proposed, accepted) summed over the choices, from a speculating engine, also
-    "speculative": {"proposed": ..., "accepted": ...} (tokens proposed by the n-gram lookup and accepted)."""
+def usage_body(prompt_tokens: int, completion_tokens: int, speculative: tuple | None = None,
+               cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object (prompt tokens counted once; completion tokens of every choice), with
+    prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (whole KV blocks, never the
+    prompt's last token, which is computed for its logits); with ``speculative`` (proposed, accepted) summed
+    over the choices, from a speculating engine, also "speculative": {"proposed": ..., "accepted": ...}
+    (tokens proposed by the n-gram lookup and accepted)."""
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": int(cached_tokens)}}
     if speculative is not None:
         body["speculative"] = {"proposed": int(speculative[0]), "accepted": int(speculative[1])}
     return body

@@ -18,15 +18,18 @@ from ..generation.grammar import Constraint
 from ..generation.sampling import temperature_problem
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-MAX_LOGPROBS = 5  # most alternatives per token a request may ask for (OpenAI's limit for completions)
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's limit for chat top_logprobs)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a request longer than the context
 
 
 class RequestError(ValueError):
-    """A request is invalid or can never be served. ``field`` names the offending input."""
+    """A request is invalid or can never be served. ``field`` names the offending input; ``code`` is OpenAI's
+    error code for it when there is one (CONTEXT_LENGTH_EXCEEDED), else None."""
 
-    def __init__(self, field: str, message: str):
+    def __init__(self, field: str, message: str, code: str | None = None):
         super().__init__(message)
         self.field = field
+        self.code = code
 
 
 class QueueFullError(RuntimeError):
@@ -113,6 +116,8 @@ class Request:
     error: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0       # prompt tokens served by the prefix cache at the last admission
+    num_prompt_cached: int = 0       # prompt tokens not computed at the first admission: the prefix cache's hit
+                                     # as far as the scheduler used it (whole blocks, at most the prompt - 1)
     swap_data: Any = None            # host copy while SWAPPED: (per layer a tuple of its block arrays, numpy;
                                      # the int8 sink slot's rows per layer, or None)
     prompt_parent: "Request | None" = None  # a request with the same prompt whose prompt blocks this one
@@ -166,6 +171,8 @@ class RequestOutput:
     finish_reason is then one of FINISH_REASONS and error holds the message for "error".  logprobs: one
     TokenLogprobs per new token when the request asked for logprobs, else None.  speculative: (proposed,
     accepted), the request's speculative proposals so far, from an engine that speculates (None otherwise).
+    num_cached_tokens: prompt tokens the prefix cache served at the request's first admission (not computed
+    again; ``Request.num_prompt_cached``), as OpenAI's ``usage.prompt_tokens_details.cached_tokens``.
     """
 
     request_id: str
@@ -177,3 +184,4 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list | None = None
     speculative: tuple | None = None
+    num_cached_tokens: int = 0   # prompt tokens whose keys and values came from the prefix cache (first admission)

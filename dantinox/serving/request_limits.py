@@ -23,7 +23,7 @@ import re
 
 from ..runs.chars_per_token import fewest_tokens, max_chars_per_token
 from .protocol import error_body
-from .request import RequestError
+from .request import CONTEXT_LENGTH_EXCEEDED, RequestError
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: a 250,000-token prompt at 4 bytes per token fits
 LARGE_BODY = 1 << 20                 # bytes: bodies above this get TokenListBound's check before parsing
@@ -121,7 +121,7 @@ class TokenListBound:
         if count is None or count <= self.max_tokens:
             return None
         return error_body(f"prompt has {count:,} tokens; the context holds {self.max_tokens:,} tokens: send a "
-                          "shorter prompt", "prompt")
+                          "shorter prompt", "prompt", code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def _content_length(scope) -> int | None:
@@ -165,4 +165,5 @@ class PromptLengthBound:
         if fewest > self.max_tokens:
             raise RequestError(field, f"{what or field} has {num_chars:,} characters, so at least {fewest:,} "
                                f"tokens (no token of this model stands for more than {per} characters); the "
-                               f"context holds {self.max_tokens:,} tokens: shorten the {field}")
+                               f"context holds {self.max_tokens:,} tokens: shorten the {field}",
+                               CONTEXT_LENGTH_EXCEEDED)

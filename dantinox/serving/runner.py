@@ -1,8 +1,8 @@
-"""Device side of the engine: compiled functions over the paged pool (forward + sample, block copies, swap).
+"""Device side of the engine: compiled functions over the paged pool (forward + sample, multi-step decode).
 
 Every function has static shapes chosen by the caller (a batch bucket B and a chunk bucket T for the forward;
 fixed-length, padded index lists for the copies), so each compiles once per bucket. The pool is donated, so
-XLA updates it in place. Letters: see ``dantinox.serving.paged_cache``.
+XLA updates it in place. Letters: see ``dantinox.kv.paged``.
 
 The model's graph is a static argument. Hashing an nnx GraphDef walks the whole graph, on every call (its
 measured cost: docs/performance.md, "Costs behind choices in the code"), so the engine passes a
@@ -11,7 +11,6 @@ measured cost: docs/performance.md, "Costs behind choices in the code"), so the 
 
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -20,9 +19,8 @@ from flax import nnx
 
 from ..generation.sampling import GREEDY_TEMPERATURE, SamplingParams, apply_token_mask, greedy_argmax, sample_next
 from ..parallel.sharding import constrain_pool
-from ..program_store import stored_jit
-from .paged_channel_keys import PagedChannelKV
-from .paged_cache import BLOCK_FIELDS, SINK_FIELDS, PagedPool, block_fields, paged_views, sink_fields, with_sinks
+from ..programs.store import stored_jit
+from ..kv.paged import BlockTables, PagedPool, paged_views
 from .request import MAX_LOGPROBS
 
 
@@ -92,24 +90,22 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> StepLogprobs:
 
 
 @stored_jit(static_argnames=("graph",), donate_argnames=("pool",))
-def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_new, block_table, seeds, steps,
-                 sampling: SamplingParams, with_logprobs, token_mask, sink_slot, residual_slot=None):
+def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_new, tables: BlockTables, seeds, steps,
+                 sampling: SamplingParams, with_logprobs, token_mask):
     """Run T new tokens per row through the model over the paged pool and sample each row's next token.
 
     ids: [B, T] int32 (row b's tokens in ids[b, :num_new[b]], the rest padding); start: [B] int32 tokens
     already cached per row (the RoPE position of ids[b, 0]); num_new: [B] int32 (0 for an unused row);
-    block_table: [B, M] int32; seeds: [B] uint32; steps: [B] int32; sampling: per-row settings [B];
+    tables: the rows' BlockTables (block tables [B, M], sink and residual slots; ``dantinox.kv.paged``);
+    seeds: [B] uint32; steps: [B] int32; sampling: per-row settings [B];
     with_logprobs: bool scalar (traced, so either value runs the same compiled step): compute the
     log-probabilities (``token_logprobs``), else return zeros and skip the work; token_mask: [B, W] int32
     packed bits of the tokens each row may sample (structured outputs; all ones for a free row, whose logits
-    it leaves unchanged): tokens and log-probabilities come from the masked logits; sink_slot: [B] int32 each
-    row's sink slot of an int8 pool (``dantinox.serving.sink_slots``; R for an unused row); residual_slot: [B]
-    int32 each row's residual slot of a per-channel key pool (``dantinox.serving.residual_slots``; Q for an
-    unused row; None for other pools).
+    it leaves unchanged): tokens and log-probabilities come from the masked logits.
     Returns (tokens [B] int32 sampled from each row's last valid position, StepLogprobs, the updated pool).
     """
     model = nnx.merge(graph.graphdef, params)
-    views = paged_views(pool, block_table, num_new, sink_slot, residual_slot)
+    views = paged_views(pool, tables, num_new)
     logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start,
                              logits_at=jnp.maximum(num_new - 1, 0))
     last = apply_token_mask(logits[:, 0], token_mask)
@@ -121,14 +117,14 @@ def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_ne
 
 
 @stored_jit(static_argnames=("graph", "max_steps"), donate_argnames=("pool",))
-def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num_steps, block_table, seeds, steps,
-                 sampling: SamplingParams, sink_slot, residual_slot=None, *, max_steps: int):
+def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num_steps, tables: BlockTables, seeds,
+                 steps, sampling: SamplingParams, *, max_steps: int):
     """Up to ``max_steps`` decode steps for every row in one compiled loop (multi-step decoding).
 
     tokens: [B] int32 each row's last token, not yet cached, at position start [B] int32; num_steps: [B] int32
     steps to run for row b (0 for an unused row; at most max_steps; its blocks must cover positions
-    start .. start + num_steps - 1); block_table: [B, M] int32; seeds: [B] uint32; steps: [B] int32 tokens
-    generated so far; sampling: per-row settings [B]; sink_slot, residual_slot: [B] int32 (as in forward_step).
+    start .. start + num_steps - 1); tables: BlockTables (as in forward_step, tables of M entries); seeds: [B]
+    uint32; steps: [B] int32 tokens generated so far; sampling: per-row settings [B].
     Step j of row b feeds its previous token at position start + j and samples with
     ``fold_in(key(seed), steps + j)``: exactly what j + 1 calls of ``forward_step`` would do. A row stops
     writing after its num_steps (its later keys are never written). Returns (out [B, max_steps] int32, row
@@ -141,7 +137,7 @@ def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num
     def body(j, carry):
         token, out, pool = carry
         active = (j < num_steps).astype(jnp.int32)
-        views = paged_views(pool, block_table, active, sink_slot, residual_slot)
+        views = paged_views(pool, tables, active)
         logits, views, _ = model(token[:, None], use_cache=True, kv_caches=views, cache_index=start + j)
         token = sample_rows(logits[:, 0], seeds, steps + j, sampling)
         out = jax.lax.dynamic_update_slice(out, token[:, None], (0, j))
@@ -149,77 +145,3 @@ def decode_steps(graph: StaticGraph, params, pool: PagedPool, tokens, start, num
 
     _, out, pool = jax.lax.fori_loop(0, jnp.minimum(jnp.max(num_steps), max_steps), body, (tokens, out, pool))
     return out, constrain_pool(pool)
-
-
-# The block moves work on every block array of every layer alike (k and v [N, P, K, D], or for MLA c_kv [N, P, C]
-# and k_rope [N, P, R], and the int8 scales): the first BLOCK_FIELDS fields of each layer NamedTuple have the
-# block axis first. The int8 sinks (the next SINK_FIELDS fields, [R, A, ...]) are per sequence: read_sinks /
-# write_sinks; so is the per-channel keys' residual (the last field, [Q, 2 G, K, D]): read_residual / write_residual.
-
-def _with_blocks(layer, blocks) -> tuple:
-    """The layer with its block arrays replaced by ``blocks`` and its other arrays kept."""
-    return type(layer)(*blocks, *layer[BLOCK_FIELDS:])
-
-
-@partial(jax.jit, donate_argnames=("pool",))
-def copy_blocks(pool: PagedPool, src, dst) -> PagedPool:
-    """pool[dst[i]] = pool[src[i]] in every layer. src, dst: [C] int32; dst = N marks padding (dropped)."""
-    return constrain_pool(tuple(_with_blocks(layer, (a.at[dst].set(a[src], mode="drop") for a in block_fields(layer)))
-                                for layer in pool))
-
-
-@jax.jit
-def read_blocks(pool: PagedPool, blocks):
-    """Contents of ``blocks`` ([M] int32) in every layer: per layer a tuple of its block arrays ([M, P, K, D]
-    each for k and v, or [M, P, C] and [M, P, R] for MLA, then the int8 scales)."""
-    return tuple(tuple(a[blocks] for a in block_fields(layer)) for layer in pool)
-
-
-@partial(jax.jit, donate_argnames=("pool",))
-def write_blocks(pool: PagedPool, blocks, data) -> PagedPool:
-    """pool[blocks[i]] = data[i] in every layer. blocks: [M] int32 (N = padding, dropped); data: as returned
-    by ``read_blocks``."""
-    return constrain_pool(tuple(_with_blocks(layer, (a.at[blocks].set(d, mode="drop")
-                                                     for a, d in zip(block_fields(layer), new)))
-                                for layer, new in zip(pool, data)))
-
-
-@jax.jit
-def read_sinks(pool: PagedPool, slot):
-    """One sink slot's rows (``slot``, int32 scalar) in every layer: per layer a tuple of its sink arrays
-    ([A, K, D] each, or [A, C] and [A, R] for MLA; empty for a float pool)."""
-    return tuple(tuple(a[slot] for a in sink_fields(layer)) for layer in pool)
-
-
-@partial(jax.jit, donate_argnames=("pool",))
-def write_sinks(pool: PagedPool, slot, data) -> PagedPool:
-    """pool's sink slot ``slot`` (int32 scalar) set to ``data`` (as returned by ``read_sinks``) in every
-    layer."""
-    return constrain_pool(tuple(with_sinks(layer, [a.at[slot].set(d) for a, d in zip(sink_fields(layer), new)])
-                                for layer, new in zip(pool, data)))
-
-
-@partial(jax.jit, donate_argnames=("pool",))
-def copy_sinks(pool: PagedPool, src, dst) -> PagedPool:
-    """pool's sink slot dst = sink slot src (int32 scalars) in every layer."""
-    return constrain_pool(tuple(with_sinks(layer, [a.at[dst].set(a[src]) for a in sink_fields(layer)])
-                                for layer in pool))
-
-
-_RESIDUAL = BLOCK_FIELDS + SINK_FIELDS  # the per-channel key pool's residual field
-
-
-@jax.jit
-def read_residual(pool: PagedPool, slot):
-    """One residual slot (``slot``, int32 scalar) of a per-channel key pool: per layer its [2 G, K, D] float32
-    residual ring (``dantinox.serving.paged_channel_keys``); an empty tuple for a layer without one (a draft
-    model's float layers beside per-channel target layers)."""
-    return tuple(layer[_RESIDUAL][slot] if isinstance(layer, PagedChannelKV) else () for layer in pool)
-
-
-@partial(jax.jit, donate_argnames=("pool",))
-def write_residual(pool: PagedPool, slot, data) -> PagedPool:
-    """The per-channel key pool's residual slot ``slot`` (int32 scalar) set to ``data`` (as returned by
-    ``read_residual``) in every layer."""
-    return constrain_pool(tuple(layer._replace(k_resid=layer.k_resid.at[slot].set(d))
-                                if isinstance(layer, PagedChannelKV) else layer for layer, d in zip(pool, data)))

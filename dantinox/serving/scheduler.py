@@ -23,8 +23,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from .allocator import BlockAllocator
-from .request import QueueFullError, Request, RequestError, RequestStatus
+from ..kv.allocator import BlockAllocator
+from .request import CONTEXT_LENGTH_EXCEEDED, QueueFullError, Request, RequestError, RequestStatus
 
 log = logging.getLogger("dantinox.serving")
 
@@ -106,15 +106,16 @@ class Scheduler:
         pool; reads fixed sizes only, so any thread may call it."""
         if p > self.policy.max_prompt_tokens:
             raise RequestError("prompt", f"prompt has {p} tokens; the limit is max_prompt_tokens="
-                               f"{self.policy.max_prompt_tokens}")
+                               f"{self.policy.max_prompt_tokens}", CONTEXT_LENGTH_EXCEEDED)
         if p + n > self.policy.max_total_tokens:
             raise RequestError("max_tokens", f"prompt of {p} tokens + max_tokens={n} = {p + n} exceeds the "
                                f"context limit of {self.policy.max_total_tokens} tokens; use max_tokens <= "
-                               f"{max(self.policy.max_total_tokens - p, 0)} or a shorter prompt")
+                               f"{max(self.policy.max_total_tokens - p, 0)} or a shorter prompt",
+                               CONTEXT_LENGTH_EXCEEDED)
         need = self.allocator.blocks_for(p + n)
         if need > self.allocator.num_blocks:
             raise RequestError("max_tokens", f"prompt + max_tokens = {p + n} tokens need {need} KV blocks; "
-                               f"the whole cache has {self.allocator.num_blocks}")
+                               f"the whole cache has {self.allocator.num_blocks}", CONTEXT_LENGTH_EXCEEDED)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -199,6 +200,8 @@ class Scheduler:
                 req.num_cached_tokens = alloc.match_prefix(req.request_id, req.prompt_ids)
                 align = self.policy.resume_align
                 req.num_computed = min(req.num_cached_tokens, req.num_tokens - 1) // align * align
+                if not req.num_preemptions:   # the figure a client is told (usage.cached_tokens)
+                    req.num_prompt_cached = req.num_computed
             n = 1 if req.remaining == 1 else min(req.remaining, budget)
             copies = alloc.grow(req.request_id, req.num_computed, req.num_computed + n) if n else None
             if copies is None:

@@ -51,12 +51,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .api_errors import ModelNotFound
+from .api_keys import ApiKeyAuth
 from .chat_endpoint import add_chat_route
 from .completions import _Service
 from .engine import Engine
 from .metrics import ServerMetrics
 from .protocol import CompletionRequest, error_body
 from .request_limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, TokenListBound, check_max_bytes
+from .responses_endpoint import add_responses_route
 from .worker import EngineWorker
 
 log = logging.getLogger("dantinox.serving")
@@ -64,7 +67,8 @@ log = logging.getLogger("dantinox.serving")
 
 def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None,
                stop_ids=None, request_log=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               tool_parser: str | None = None, warmup=None) -> FastAPI:
+               tool_parser: str | None = None, warmup=None, api_keys: tuple = (), api_key_all: bool = False,
+               strict_fields: bool = False, model_aliases: tuple = ()) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
     engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
@@ -77,6 +81,10 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     ``dantinox.serving.tool_calls``); None: the one the chat template shows.
     warmup: a ``warmup.Warmup`` the engine thread runs in the background while serving (None: none; the
     engine is ready at once, e.g. warmed up before).
+    api_keys: the keys a request must show (``api_keys``; empty: none needed); api_key_all: also for /health,
+    /ready and /metrics. strict_fields: refuse request fields no part of the server reads (400) instead of
+    ignoring them. model_aliases: more names a request's ``model`` may give for this model (answers report
+    model_name; /v1/models lists model_name, GET /v1/models/{alias} finds it).
     Raises ValueError for a max_request_bytes below 1.
     """
     check_max_bytes(max_request_bytes, "max_request_bytes")
@@ -95,15 +103,20 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes,
                        on_reject=lambda reason: metrics.rejected(reason=reason),
                        precheck=TokenListBound(engine.max_context))
+    app.add_middleware(ApiKeyAuth, keys=tuple(api_keys), protect_all=api_key_all,   # outermost: before the body
+                       on_reject=lambda: metrics.rejected(reason="unauthorized"))
     app.state.worker, app.state.metrics, app.state.engine = worker, metrics, engine
     if stop_ids is None:
         stop_ids = chat_format.stop_ids if chat_format is not None else ()
-    service = _Service(worker, tokenizer, model_name, engine.max_context, metrics, stop_ids)
+    service = _Service(worker, tokenizer, model_name, engine.max_context, metrics, stop_ids, strict_fields,
+                       model_aliases)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):
-        body, label = _validation_error(exc, "messages" if request.url.path.endswith("/chat/completions")
-                                        else "prompt", request.headers.get("content-type"))
+        path = request.url.path
+        required = ("messages" if path.endswith("/chat/completions") else "input" if path.endswith("/responses")
+                    else "prompt")
+        body, label = _validation_error(exc, required, request.headers.get("content-type"))
         metrics.rejected(reason=f"invalid_{label or 'body'}")
         return JSONResponse(body, status_code=400)
 
@@ -119,11 +132,22 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
         return await service.complete(body, request)
 
     add_chat_route(app, service, chat_format, tool_parser)
+    add_responses_route(app, service, chat_format, tool_parser)
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "dantinox",
+            "max_model_len": engine.max_context}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "dantinox", "max_model_len": engine.max_context}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name and model_id not in model_aliases:
+            err = ModelNotFound(model_id, model_name)
+            return JSONResponse(error_body(str(err), "model", "invalid_request_error", err.code), status_code=404)
+        return card
+
+    _add_unversioned_paths(app)
 
     @app.get("/health")
     async def health():
@@ -132,14 +156,14 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
             label = "unhealthy"
         else:
             label = "ok" if warm["status"] == "ready" else "warming up"
-        return JSONResponse({"status": label, "error": worker.error, "warmup": warm, "engine": worker.snapshot},
+        return JSONResponse(_with_error({"status": label, "warmup": warm, "engine": worker.snapshot}, worker),
                             status_code=200 if worker.alive else 503)
 
     @app.get("/ready")
     async def ready():
         warm = _warmup_status(worker)
         label = warm["status"] if worker.alive else "unhealthy"
-        return JSONResponse({"status": label, "error": worker.error, "warmup": warm},
+        return JSONResponse(_with_error({"status": label, "warmup": warm}, worker),
                             status_code=200 if worker.ready else 503)
 
     @app.get("/metrics")
@@ -147,6 +171,21 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _add_unversioned_paths(app: FastAPI) -> None:
+    """The OpenAI routes also without their /v1 prefix (/chat/completions, ...), as llama-server serves
+    them: a client whose base URL lacks /v1 reaches the same handlers (left out of the OpenAPI schema)."""
+    for route in list(app.routes):
+        path = getattr(route, "path", "")
+        if path.startswith("/v1/"):
+            app.add_api_route(path[len("/v1"):], route.endpoint, methods=list(route.methods),
+                              include_in_schema=False)
+
+
+def _with_error(body: dict, worker: EngineWorker) -> dict:
+    """``body`` with "error": the engine's failure, when it failed (a healthy answer has no "error" key)."""
+    return {**body, "error": worker.error} if worker.error is not None else body
 
 
 def _warmup_status(worker: EngineWorker) -> dict:

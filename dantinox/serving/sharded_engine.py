@@ -22,7 +22,8 @@ from ..budget.per_device import kv_split
 from ..parallel.mesh import mesh_scope, mesh_shape
 from ..parallel.sharding import shard_model
 from .engine import EngineConfig, PagedEngine
-from .paged_cache import block_bytes, residual_set_bytes, sink_set_bytes
+from ..kv.sizes import residual_slot_bytes
+from ..kv.sizes import page_bytes, sink_slot_bytes
 from .warmup import WarmupItem
 
 
@@ -52,19 +53,18 @@ class ShardedPagedEngine(PagedEngine):
         shard_model(model, mesh)
         with mesh_scope(mesh):
             super().__init__(model, config)
-        self.pool = shard_pool(self.pool, self.cfg, mesh)
 
     def _budget_block_bytes(self, cfg) -> int:
         """One device's share of a block: kv_memory_bytes is a per-device budget."""
-        return block_bytes(cfg, self.config.block_size) // kv_split(cfg, self.mesh)
+        return page_bytes(cfg, self.config.block_size) // kv_split(cfg, self.mesh)
 
     def _budget_sink_bytes(self, cfg) -> int:
         """One device's share of an int8 sink slot (split over model like the keys and values)."""
-        return sink_set_bytes(cfg) // kv_split(cfg, self.mesh)
+        return sink_slot_bytes(cfg) // kv_split(cfg, self.mesh)
 
     def _budget_residual_bytes(self, cfg) -> int:
         """One device's share of a residual slot of per-channel keys (split over model like the keys)."""
-        return residual_set_bytes(cfg) // kv_split(cfg, self.mesh)
+        return residual_slot_bytes(cfg) // kv_split(cfg, self.mesh)
 
     def blocks_per_device(self) -> dict:
         """{"devices", "blocks", "heads_per_device", "bytes_per_device"}: each device holds every block, with
@@ -94,7 +94,6 @@ class ShardedPagedEngine(PagedEngine):
 
         return [WarmupItem(item.label, scoped(item.run)) for item in super().warmup_items()]
 
-    def _fail_running(self, message: str):
-        outputs = super()._fail_running(message)
-        self.pool = shard_pool(self._init_pool(self.allocator.num_blocks), self.cfg, self.mesh)
-        return outputs
+    def _place_pool(self, pool):
+        """A freshly allocated pool placed on the mesh (``shard_pool``): at start and after a failed step, once."""
+        return shard_pool(pool, self.cfg, self.mesh)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .allocator import BlockAllocator
-from .paged_cache import num_blocks_for_memory, residual_set_bytes, sink_set_bytes
+from ..kv.allocator import BlockAllocator
+from ..kv.sizes import residual_slot_bytes
+from ..kv.sizes import blocks_for_memory, sink_slot_bytes
 from .request import Request
 from .scheduler import ContextPolicy
-from .sink_slots import slots_for
+from ..kv.sink_slots import slots_for
 
 
 def powers_of_two(first: int, last: int) -> tuple:
@@ -138,9 +139,9 @@ def pool_size(cfg, config, block_bytes: int | None = None, sink_bytes: int | Non
         config = dataclasses.replace(config, block_size=default_block_size(cfg))
     per_sequence = -(-cfg.max_context // config.block_size)
     usable = config.max_running * per_sequence
-    slot_bytes = sink_set_bytes(cfg) if sink_bytes is None else int(sink_bytes)
+    slot_bytes = sink_slot_bytes(cfg) if sink_bytes is None else int(sink_bytes)
     slots = slots_for(config.max_running) if slot_bytes else 1
-    resid_bytes = residual_set_bytes(cfg) if residual_bytes is None else int(residual_bytes)
+    resid_bytes = residual_slot_bytes(cfg) if residual_bytes is None else int(residual_bytes)
     residuals = config.max_running if resid_bytes else 1
     sized = dict(per_sequence=per_sequence, sink_slots=slots, residual_slots=residuals)
     if config.num_blocks is not None:
@@ -149,7 +150,7 @@ def pool_size(cfg, config, block_bytes: int | None = None, sink_bytes: int | Non
         return PoolSize(usable, usable, None, False, **sized)
     fixed = (slots * slot_bytes if slot_bytes else 0) + (residuals * resid_bytes if resid_bytes else 0)
     if block_bytes is None:
-        budget = num_blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size, slots if slot_bytes else 0,
+        budget = blocks_for_memory(cfg, config.kv_memory_bytes, config.block_size, slots if slot_bytes else 0,
                                        residuals if resid_bytes else 0)
     else:
         budget = (int(config.kv_memory_bytes) - fixed) // int(block_bytes)

@@ -11,7 +11,8 @@
      "llama3_json" (Llama 3.1+: the whole answer is ``{"name": ..., "parameters": {...}}``, optionally after
      ``<|python_tag|>``, several separated by ";") when it writes ``<|python_tag|>`` or ``ipython``; the
      server's ``--tool-call-parser`` names it when the template says neither. A template that does not read
-     ``tools`` cannot show them to the model: "auto" is then refused with 400.
+     ``tools`` cannot show them to the model: "auto" then runs with the generic tool prompt
+     (``dantinox.serving.generic_tools``: the tools and the hermes syntax in the system message).
   3. "required" and a named function are enforced with a grammar (``tool_constraint``), as vLLM does: the
      answer must be a JSON array of 1 (or, with parallel_tool_calls, more) {"name": ..., "parameters": {...}}
      objects whose parameters are valid for that tool's schema, or for a named function its arguments object

@@ -23,17 +23,22 @@ from dataclasses import dataclass
 
 from ..generation.grammar import grammar_vocabulary
 from .request import RequestError
-from .tool_calls import (PartialCall, ToolParser, ToolRequest, check_no_special_text, new_call_id, parse_forced,
-                         parser_for, partial_forced, tool_constraint)
+from .generic_tools import with_generic_tools
+from .tool_calls import (HermesParser, PartialCall, ToolParser, ToolRequest, check_no_special_text, new_call_id,
+                         parse_forced, parser_for, partial_forced, tool_constraint)
 
 
 @dataclass
 class ToolAnswer:
     """How a choice's text becomes the answer: tools (the request's), parser (None when a grammar forced the
-    call)."""
+    call), format: the tool format that ran, told to the client in the X-Tool-Format header: "hermes" or
+    "llama3_json" (the template rendered the tools; the parser of that name reads the calls), "generic" (the
+    generic tool prompt, ``generic_tools``, read by the hermes parser) or "grammar" (tool_choice "required"
+    or a named function: a grammar forced the call)."""
 
     tools: ToolRequest
     parser: ToolParser | None
+    format: str = "grammar"
 
     def calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict]]:
         """(content, calls) of a finished choice's text."""
@@ -63,29 +68,29 @@ class ToolAnswer:
 
 
 def prepare_tools(tools: ToolRequest | None, chat_format, service, messages, tool_parser: str | None):
-    """(tool definitions to render or None, the forcing Constraint or None, ToolAnswer or None) for a chat
-    request. Raises RequestError naming the field: tools for a template that cannot render them ("auto"),
-    a template whose tool-call syntax is unknown and no parser named, special-token text in tools or tool
-    calls, parameters that are not a usable schema."""
+    """(messages to render, tool definitions to render or None, the forcing Constraint or None, ToolAnswer or
+    None) for a chat request. "auto" on a template that cannot render tools gets the generic tool prompt
+    (``generic_tools``): the messages carry the tools and the call syntax. Raises RequestError naming the
+    field: a template that renders tools in a syntax not recognized and no parser named, special-token text in
+    tools or tool calls, parameters that are not a usable schema."""
     if tools is None or tools.choice == "none":
-        return None, None, None
+        return messages, None, None, None
     special = [service.tokenizer.hf.id_to_token(i) for i in service.tokenizer.special_ids]
     check_no_special_text(tools, messages, special)
     template = chat_format.template
     rendered = [dict(t) for t in tools.tools] if template.supports_tools else None
     if tools.forced:
         vocabulary = grammar_vocabulary(service.tokenizer, service.stop_ids)
-        return rendered, tool_constraint(tools, vocabulary), ToolAnswer(tools, None)
+        return messages, rendered, tool_constraint(tools, vocabulary), ToolAnswer(tools, None, "grammar")
     if rendered is None:
-        raise RequestError("tools", f"model {service.model_name!r} has a chat template that does not render tools, "
-                           "so it cannot choose to call one: send tool_choice 'required' or a named function "
-                           "(a grammar then forces the call), or no tools")
+        generic = with_generic_tools(messages, tools.tools)   # its syntax is hermes', whatever --tool-call-parser
+        return generic, None, None, ToolAnswer(tools, HermesParser(), "generic")
     parser = parser_for(template.source, tool_parser)
     if parser is None:
         raise RequestError("tools", f"the tool-call syntax of model {service.model_name!r} is not recognized from "
                            "its chat template: start the server with --tool-call-parser hermes or llama3_json, or "
                            "send tool_choice 'required' or a named function")
-    return rendered, None, ToolAnswer(tools, parser)
+    return messages, rendered, None, ToolAnswer(tools, parser, parser.name)
 
 
 async def tool_events(session, request):

@@ -34,7 +34,7 @@ from ..generation.ngram import propose_ngram
 from ..generation.sampling import SamplingParams
 from ..generation.speculative import accept_proposals
 from ..parallel.sharding import constrain_pool
-from .paged_cache import PagedPool, paged_views
+from ..kv.paged import BlockTables, PagedPool, paged_views
 from .request import MAX_LOGPROBS
 from .runner import StaticGraph, StepLogprobs, token_logprobs
 
@@ -67,19 +67,19 @@ def verify_logprobs(logits, tokens, with_logprobs) -> StepLogprobs:
 
 
 @partial(jax.jit, static_argnames=("graph", "k", "ngram_max", "ngram_min"), donate_argnames=("pool",))
-def verify_step(graph: StaticGraph, params, pool: PagedPool, seq, start, limit, block_table, seeds, steps,
-                sampling: SamplingParams, with_logprobs, sink_slot, residual_slot=None, *, k: int, ngram_max: int,
+def verify_step(graph: StaticGraph, params, pool: PagedPool, seq, start, limit, tables: BlockTables, seeds, steps,
+                sampling: SamplingParams, with_logprobs, *, k: int, ngram_max: int,
                 ngram_min: int) -> tuple[VerifyOut, PagedPool]:
     """Propose k tokens per row by prompt lookup and verify them in one forward over the paged pool.
 
     seq: [B, W] int32 each row's tokens (prompt + generated), valid at 0..start[b]; start: [B] int32 the
     position of the row's last token (not yet cached; = tokens cached); limit: [B] int32 in 0..k, the
     proposals row b may have accepted (bounded by its remaining max_tokens, the context and the blocks it holds;
-    -1 marks an unused padding row, which writes nothing); block_table: [B, M] int32 covering positions
-    start .. start + limit; seeds: [B] uint32; steps: [B] int32 tokens generated so far (row b draws with
+    -1 marks an unused padding row, which writes nothing); tables: BlockTables (``dantinox.kv.paged``) whose
+    block tables [B, M] cover positions start .. start + limit; seeds: [B] uint32; steps: [B] int32 tokens generated
+    so far (row b draws with
     ``fold_in(key(seeds[b]), steps[b])``); sampling: per-row settings [B]; with_logprobs: bool scalar (traced);
-    sink_slot, residual_slot: [B] int32 (as ``runner.forward_step``; residual_slot None for a pool without
-    per-channel keys); k, ngram_max, ngram_min: static.
+    k, ngram_max, ngram_min: static.
     Returns (VerifyOut, the updated pool).
     """
     model = nnx.merge(graph.graphdef, params)
@@ -88,7 +88,7 @@ def verify_step(graph: StaticGraph, params, pool: PagedPool, seq, start, limit, 
     limit = jnp.where(found, limit, jnp.minimum(limit, 0))
     inputs = jnp.concatenate([seq[rows, start][:, None], proposals], axis=1)          # [B, k + 1]
     num_new = limit + 1                                                              # 0 for padding rows
-    views = paged_views(pool, block_table, num_new, sink_slot, residual_slot)
+    views = paged_views(pool, tables, num_new)
     logits, views, _ = model(inputs, use_cache=True, kv_caches=views, cache_index=start)
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds, steps)
     tokens, accepted = accept_proposals(logits, proposals, keys, sampling, limit=jnp.maximum(limit, 0))

@@ -15,6 +15,9 @@
   5. With a ``warmup.Warmup``, the worker runs its next item whenever the engine has nothing unfinished (no
      request waits on it), until every item ran: requests are served during warm-up, each compiling on demand
      what it needs that warm-up has not reached yet. A warm-up item that raises is an engine failure (4).
+  6. ``drain(message)`` (the server shutting down after its grace period, ``dantinox.serving.shutdown``):
+     every request in flight gets ("shutdown", message) and leaves the engine, and later submissions are
+     answered ("dead", message), so each handler ends its answer with an error instead of being cancelled.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class EngineWorker:
         self.healthy = True
         self.error: str | None = None
         self._streams: dict[str, _Stream] = {}
+        self.draining: str | None = None   # the message of drain(), once called
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dantinox-engine", daemon=True)
 
@@ -106,8 +110,16 @@ class EngineWorker:
                 self.metrics.rejected(err)
             _Stream(loop, events, time.perf_counter()).send(("rejected", err))
             return
+        if self.draining is not None:
+            _Stream(loop, events, time.perf_counter()).send(("dead", self.draining))
+            return
         self.commands.put(("submit", list(request_ids), prompt_ids, list(options), loop, events,
                            time.perf_counter(), slice_name))
+
+    def drain(self, message: str) -> None:
+        """End every request in flight with ("shutdown", message) and refuse later ones (see item 6)."""
+        self.draining = message
+        self.commands.put(("drain", message))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Ask the worker to stop ``request_id`` (one engine request) and free its blocks. ``reason`` is the
@@ -148,6 +160,15 @@ class EngineWorker:
     def _execute(self, command: tuple) -> None:
         if command[0] == "abort":
             self.engine.abort(command[1], command[2])
+            return
+        if command[0] == "drain":
+            for rid, stream in list(self._streams.items()):
+                self.engine.abort(rid)
+                stream.send(("shutdown", command[1]))
+            self._streams.clear()
+            return
+        if self.draining is not None:   # submitted before drain() was called, queued after it
+            _Stream(command[4], command[5], command[6]).send(("dead", self.draining))
             return
         _, rids, prompt_ids, options, loop, events, submitted, slice_name = command
         added = []

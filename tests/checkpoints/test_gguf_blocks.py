@@ -1,9 +1,10 @@
 """GGUF weights kept in their block formats (`dantinox import FILE.gguf` without --dtype, issue 23): the run
 stores the file's blocks byte for byte with their layout, and decodes the same greedy tokens as the float32 run
-of the dequantized weights (`--dtype float32`, today's import) for every format, tied and untied heads, mixed
-formats inside one fused projection; one decode program, as for float weights; the pure-JAX fallback gives the
-same tokens; verify and eval name the weight format. Bad input: a block format the kernel lacks (refused, or
-dequantized with one warning line under --dtype float32), a NaN scale, --quantize on blocks."""
+of the dequantized weights (`--dtype float32`, today's import) for every format (the twelve the kernel runs),
+tied and untied heads, mixed formats inside one fused projection; one decode program, as for float weights;
+the pure-JAX fallback gives the same tokens; verify and eval name the weight format. Bad input: a block format
+the kernel lacks (refused, or dequantized with one warning line under --dtype float32), a NaN scale,
+--quantize on blocks."""
 
 import json
 
@@ -44,7 +45,8 @@ def greedy(model, prompts, n=10):
     return np.asarray(dx.generate(model, prompts, n))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+                                   Q.Q6_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_block_run_stores_the_blocks_and_decodes_the_float32_tokens(tmp_path, capsys, qtype):
     path, blocks, floats, out = import_both(tmp_path, capsys, qtype)
     assert f"weights GGUF blocks {qtype.name}" in out and "weights float32" in out
@@ -124,12 +126,12 @@ def bad_import(tmp_path, capsys, path, *flags) -> tuple[int, str]:
 
 def test_a_format_the_kernel_lacks_is_refused_or_dequantized_with_a_warning(tmp_path, capsys):
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, Q.Q8_0, tensor_types={"blk.1.ffn_up.weight": Q.Q5_0})
+    write_tiny_gguf(path, Q.Q8_0, tensor_types={"blk.1.ffn_up.weight": Q.MXFP4})
     rc, err = bad_import(tmp_path, capsys, path)
     assert rc == 2 and err.count("\n") == 1
-    assert "tensor blk.1.ffn_up.weight is in block format Q5_0" in err and "--dtype float32" in err
+    assert "tensor blk.1.ffn_up.weight is in block format MXFP4" in err and "--dtype float32" in err
     rc, err = bad_import(tmp_path, capsys, path, "--dtype", "float32")
-    assert rc == 0 and err.count("\n") == 1 and "Q5_0" in err and err.startswith("warning: ")
+    assert rc == 0 and err.count("\n") == 1 and "MXFP4" in err and err.startswith("warning: ")
 
 
 def test_a_nan_scale_is_refused_naming_the_tensor(tmp_path, capsys):

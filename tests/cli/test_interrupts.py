@@ -5,12 +5,14 @@ listening: no traceback, no segfault. The child-process tests send SIGINT when t
 line, never after a sleep."""
 
 import gc
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -229,3 +231,55 @@ def test_interrupted_while_the_command_still_imports():
     assert child.returncode == 130, err
     assert "Traceback" not in err and err.count("\n") == 1 and err.rstrip().endswith("interrupted"), err
     assert out in ("", "Nel"), out
+
+
+@pytest.mark.slow
+def test_serve_interrupted_with_requests_in_flight_answers_them_in_openai_format(tmp_path):
+    """Ctrl-C while a plain and a streamed request still generate, past the grace period (--shutdown-grace 0):
+    the plain one gets 503 with OpenAI's error object, the stream ends with an error event and "[DONE]", the
+    command exits 130 with its one line and no traceback (it printed two uvicorn tracebacks and answered a bare
+    500 before)."""
+    port = _free_port()
+    run_dir = make_run(tmp_path / "long", max_context=4096)
+    proc = start_cli("serve", "--run_dir", run_dir, "--port", port, "--no-warmup", "--shutdown-grace", "0",
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                     env=cli_env(DANTINOX_XLA_CACHE="off"))
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"prompt": "Nel mezzo", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+    results, streaming = {}, threading.Event()
+
+    def plain():
+        results["plain"] = httpx.post(url, json=body, timeout=300)
+
+    def stream():
+        lines = []
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=300) as reply:
+            for line in reply.iter_lines():
+                lines.append(line)
+                streaming.set()
+        results["stream"] = lines
+
+    try:
+        deadline = time.monotonic() + 300
+        while not _answers(f"http://127.0.0.1:{port}/health"):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        workers = [threading.Thread(target=plain), threading.Thread(target=stream)]
+        for w in workers:
+            w.start()
+        assert streaming.wait(300), "no streamed token"
+        proc.send_signal(signal.SIGINT)
+        for w in workers:
+            w.join(120)
+        _, err = _rest(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err)
+    after = err.splitlines()[[i for i, line in enumerate(err.splitlines()) if "listening on" in line][0] + 1:]
+    assert after == ["dantinox serve: interrupted"], err   # no traceback, no uvicorn error line
+    answer = results["plain"]
+    assert answer.status_code == 503 and answer.headers["content-type"] == "application/json", answer.text
+    assert answer.json()["error"]["type"] == "server_error" and "shutting down" in answer.json()["error"]["message"]
+    events = [line[len("data: "):] for line in results["stream"] if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+    assert all(json.loads(e) for e in events[:-1])   # every event whole JSON, none cut

@@ -14,7 +14,7 @@ from flax import nnx
 from paths import TESTS
 
 import dantinox as dx
-from dantinox.model.cache import first_slots
+from dantinox.kv.static import first_slots
 
 
 def test_compile_count_across_prompts_sampling_and_lengths():
@@ -158,10 +158,10 @@ def decode_loop_carry(hlo: str) -> str:
                          ids=["gqa-token-keys", "gqa-channel-keys", "mla"])
 def test_int8_decode_loop_holds_int8_rows_and_scales_and_copies_nothing_cache_sized(attn):
     """max_context 384, batch 4: the loop decodes in windows (128, 256, 384), one while loop per window over a
-    cache of the window's first slots (``dantinox.model.cache.first_slots``). Each loop's state holds the int8
+    cache of the window's first slots (``dantinox.kv.static.first_slots``). Each loop's state holds the int8
     rows and their float32 scales at its width, and no float array of the rows' shapes (no dequantized copy is
     carried from step to step); no copy of rows or scales anywhere. (Each step reads its window back inside
-    attention.) The float32 attention-sink rows (A = 4 tokens, ``dantinox.quant.kv_sinks``) are carried at
+    attention.) The float32 attention-sink rows (A = 4 tokens, ``dantinox.kv.sinks``) are carried at
     their own size in every loop, and so, with per-channel keys (the int8 default; G = 24 here, so no shape
     of the key scales per group (ceil(width / G) groups), the filling group or the ring of 2 G slots is
     another field's), are the key scales and the ring. (The

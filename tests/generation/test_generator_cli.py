@@ -59,11 +59,11 @@ def test_verify_passes_and_detects_a_broken_cache(monkeypatch):
     model = spiky_model(tiny_config(attention="gqa", kv_heads=4))
     report = verify_cache(model, [3, 1, 4, 1, 5], 20)
     assert report.passed and report.max_diff.max() <= 1e-4 and len(report.positions) == 5 + 19
-    import dantinox.model.attention as attention
-    from dantinox.model import attention_kernel
+    import dantinox.kv.float_codec as float_codec
+    from dantinox.kv import decode_kernel as attention_kernel
 
-    real_write = attention.write_layer
-    monkeypatch.setattr(attention, "write_layer", lambda layer, k, v, i: real_write(layer, k * 0.5, v, i))
+    real_write = float_codec.write_layer
+    monkeypatch.setattr(float_codec, "write_layer", lambda layer, k, v, i: real_write(layer, k * 0.5, v, i))
     jax.clear_caches()  # drop the compiled steps traced with the real write
     broken = verify_cache(model, [3, 1, 4, 1, 5], 20)
     # a short cached call attends in the compiled kernel over the cache it has just written (verify_attention),

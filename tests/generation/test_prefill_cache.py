@@ -12,7 +12,7 @@ import pytest
 
 import dantinox as dx
 from dantinox.generation import decode as gen
-from dantinox.model import zero_pages
+from dantinox.kv import zero_pages
 
 CASES = {
     "mha float32": dict(preset="tiny"),

@@ -311,7 +311,9 @@ def test_forward_loop_runs_the_cached_forward_in_place(gqa_model):
     logits, want, _ = gqa_model(tokens, use_cache=True, kv_caches=dx.init_cache(cfg, 1), cache_index=index)
     graphdef, params = split_model(gqa_model)
     total, got = _forward_loop(graphdef, params, tokens, dx.init_cache(cfg, 1), index, 8)
+    # the loop is one compiled program and the reference runs op by op: XLA fuses the projections differently,
+    # which moved 2 of 2,048 cached values by 2.5e-6 on an AVX-512 Xeon (1e-6 held on a Zen 4)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(total), 8 * float(logits[0, -1, 0]), rtol=1e-5)
     assert 0 < forward_seconds(gqa_model, 3, repeats=2, at=7) < 60

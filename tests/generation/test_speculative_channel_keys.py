@@ -1,5 +1,5 @@
 """Speculative decoding over per-channel int8 keys (KIVI, issue 19 item 3): the residual ring of 2 G slots
-(``dantinox.quant.kv_channels``, Rollback) lets a verify call's rejected tokens complete a key group that the
+(``dantinox.kv.channel_keys``, Rollback) lets a verify call's rejected tokens complete a key group that the
 rollback un-completes. At G = 4 with k = 3 proposals: a rolled-back write reads as the plain uncached run;
 greedy speculation (n-gram and draft proposers) emits the plain greedy tokens; a second request compiles
 nothing; spec_tokens + 1 > G is refused naming both flags."""

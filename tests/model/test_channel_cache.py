@@ -1,4 +1,4 @@
-"""Per-channel int8 keys (KIVI) in the static cache (issue 19 item 3, K13): dantinox.model.channel_layout and
+"""Per-channel int8 keys (KIVI) in the static cache (issue 19 item 3, K13): dantinox.kv.channel_layout and
 channel_attention.
 
 The exactness property (one call, chunks or one token at a time give the same logits), equality with the eval
@@ -17,12 +17,12 @@ from flax import nnx
 import dantinox as dx
 from dantinox.budget import kv_cache_bytes, plan_capacity
 from dantinox.generation.speculative_generate import speculative_generate
-from dantinox.model.cache import cache_nbytes, first_slots
-from dantinox.model.channel_attention import channel_attention
-from dantinox.model.channel_layout import ChannelQuantLayerKV, init_channel_layer
+from dantinox.kv.static import cache_nbytes, first_slots
+from dantinox.kv.channel_attention import channel_attention
+from dantinox.kv.channel_layout import ChannelQuantLayerKV, init_channel_layer
 from dantinox.quality.channel_keys import channel_key_cache
-from dantinox.quant.kv_channels import config_with_kv_keys
-from dantinox.quant.kv_rows import quantize_rows
+from dantinox.kv.channel_keys import config_with_kv_keys
+from dantinox.kv.int8_rows import quantize_rows
 
 G = 4
 

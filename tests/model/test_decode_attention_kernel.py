@@ -1,4 +1,4 @@
-"""The compiled decode-attention kernel (``dantinox.model.attention_kernel``) against a numpy softmax over the
+"""The compiled decode-attention kernel (``dantinox.kv.decode_kernel``) against a numpy softmax over the
 visible slots, against XLA's ``attention.attend``, on every instruction set this CPU has; a row's output does
 not depend on the rows beside it; greedy decoding gives the same tokens with the kernel as without it."""
 
@@ -9,9 +9,9 @@ import pytest
 from conftest import tiny_config
 
 import dantinox as dx
-from dantinox.model import attention_kernel
-from dantinox.model.attention import attend
-from dantinox.model.cache import LayerKV
+from dantinox.kv import decode_kernel as attention_kernel
+from dantinox.kv.attend import attend
+from dantinox.kv.static import LayerKV
 from dantinox.quant.block_kernel import kernel_isa
 
 pytestmark = pytest.mark.skipif(not attention_kernel.kernel_available(),

@@ -14,7 +14,7 @@ from conftest import KV_DTYPES, forward, qdq_after_sinks, spiky_mla, tiered
 from flax import nnx
 
 import dantinox as dx
-from dantinox.model.cache import LatentKV
+from dantinox.kv.static import LatentKV
 
 EQ = 1e-5
 PATHS = {"absorbed": True, "naive": False}

@@ -1,4 +1,4 @@
-"""Zeros whose pages the operating system provides (``dantinox.model.zero_pages``): the same values as numpy's
+"""Zeros whose pages the operating system provides (``dantinox.kv.zero_pages``): the same values as numpy's
 zeros for every dtype and size (odd sizes, buffers under the 64 KiB threshold, memory that held other values
 just before), not resident until written, a tracer inside a trace, and ``jnp.zeros`` without the extension.
 The serving pool and the static cache are built with it (``zero_arrays``), so every engine and generation test
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from dantinox.cli.serve import host_available_bytes, kv_summary
-from dantinox.model import zero_pages
-from dantinox.model.cache import zero_arrays
+from dantinox.kv import zero_pages
+from dantinox.kv.static import zero_arrays
 
 needs_pages = pytest.mark.skipif(not zero_pages.pages_available(), reason="the compiled extension is not installed")
 

@@ -9,7 +9,7 @@ from dantinox import ModelConfig, build_model
 from dantinox.budget import kv_channel_key_cache_bytes
 from dantinox.quality.channel_keys import ChannelKeyKV
 from dantinox.quality.teacher_forcing import batches, fed_prefix, teacher_forced, window_length
-from dantinox.quant.kv_channels import channel_key_cache_bytes, channel_roundtrip, quantize_channels
+from dantinox.kv.channel_keys import channel_roundtrip, quantize_channels
 from dantinox.quant.kv_dtype import with_config
 
 
@@ -84,10 +84,10 @@ def test_channel_key_bytes_count_the_layout_arrays():
     arrays = [np.zeros((K, S, D), np.int8)] * 2 + [np.zeros((K, S, 1), np.float32),
                                                    np.zeros((K, 8, D), np.float32),
                                                    np.zeros((K, 2 * G, D), np.float32)]  # the residual ring: 2 groups
-    assert channel_key_cache_bytes(cfg, S, G) == cfg.num_blocks * sum(a.nbytes for a in arrays)
+    assert kv_channel_key_cache_bytes(cfg, 1, S, G) == cfg.num_blocks * sum(a.nbytes for a in arrays)
     assert kv_channel_key_cache_bytes(cfg, 3, S, G) == 3 * cfg.num_blocks * sum(a.nbytes for a in arrays)
     with pytest.raises(ValueError, match="attention='mla'"):
-        channel_key_cache_bytes(ModelConfig.from_preset("tiny-mla", cache_dtype="int8"), S, G)
+        kv_channel_key_cache_bytes(ModelConfig.from_preset("tiny-mla", cache_dtype="int8"), 1, S, G)
 
 
 def test_eval_window_and_cache_follow_the_slice_not_max_context():

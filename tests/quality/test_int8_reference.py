@@ -18,7 +18,7 @@ from flax import nnx
 import dantinox as dx
 from dantinox.quality import verify
 from dantinox.quality.int8_reference import ROW_ULPS, RoundingAudit, adopt_cached_rounding
-from dantinox.quant.kv_rows import dequantize_rows, quantize_rows
+from dantinox.kv.int8_rows import dequantize_rows, quantize_rows
 
 EQ = 1e-5
 STEP_ALLOWANCE = ROW_ULPS * float(np.finfo(np.float32).eps) * 127    # grid steps, about 9.7e-4

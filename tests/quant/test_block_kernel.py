@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
-from gguf_util import K_QUANTS, random_blocks
+from gguf_util import RANDOM_BLOCKS, random_blocks
 
 from dantinox.quant import block_kernel
 from dantinox.quant.block_formats import BLOCK_FORMATS, check_blocks, dequantize_blocks, row_bytes
@@ -26,7 +26,7 @@ ISAS = {"avx512": ("scalar", "avx2", "avx512"), "avx2": ("scalar", "avx2"), "sca
 def weights(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Blocks of ``fmt`` for a [rows, cols] matrix: gguf's quantizer where it has one, else random valid blocks."""
     rng = np.random.default_rng(seed)
-    if fmt in K_QUANTS:
+    if fmt in RANDOM_BLOCKS:
         return random_blocks(Q[fmt], rows, cols, rng)
     return quantize((rng.standard_normal((rows, cols)) * 0.5).astype(np.float32), Q[fmt])
 
@@ -72,6 +72,20 @@ def test_kernel_and_fallback_match_the_reference(fmt, monkeypatch):
         assert np.abs(np.asarray(fallback) - np.asarray(auto)).max() <= 1e-5 * np.abs(want).max()
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_kernel_decodes_every_weight_exactly(fmt):
+    """x = the identity: each output row is one column of W, a sum of one product w * 1 and zeros, so the
+    kernel's decoded weights appear bit for bit (every instruction set) and must equal gguf's dequantizer."""
+    rows, cols = 9, 512
+    data = weights(fmt, rows, cols, seed=11)
+    want = dequantize(data, Q[fmt]).T                                     # [cols, rows]
+    for isa in ISAS:
+        got = np.asarray(jax.jit(lambda x, d, isa=isa: kernel_matmul(x, d, fmt, isa))(np.eye(cols, dtype=np.float32),
+                                                                                     data))
+        assert np.array_equal(got, want), isa
+
+
 def test_fallback_matches_the_reference_without_the_kernel(monkeypatch):
     monkeypatch.setenv("DANTINOX_BLOCK_KERNEL", "off")
     assert kernel_status() == (False, "pure-JAX path (DANTINOX_BLOCK_KERNEL=off)")
@@ -108,8 +122,9 @@ def test_check_blocks_finds_nan_scales():
 
 
 def test_unknown_format_and_bad_width():
-    with pytest.raises(ValueError, match="'Q5_0' is not supported: one of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"):
-        row_bytes("Q5_0", 64)
+    with pytest.raises(ValueError, match="'Q8_1' is not supported: one of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, "
+                       "Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS"):
+        row_bytes("Q8_1", 64)
     with pytest.raises(ValueError, match="multiples of 256"):
         row_bytes("Q4_K", 64)
     assert block_kernel.KERNEL_MAX_ROWS == 128

@@ -4,7 +4,7 @@ The case: a tiny model with unit-scale random weights whose token-0 keys and val
 wrapper on the qkv projection; for MLA on the latent and the RoPE key), the attention sink of a real model.
 Teacher-force 24 tokens after a 12-token prompt with an int8 cache and with a float32 cache: the largest
 |logit difference| stays within 0.05. The fix keeps the first ``kv_sink_tokens`` (4) tokens of every sequence
-in float32 next to their int8 rows (``dantinox.quant.kv_sinks``); with kv_sink_tokens=0 (every row int8, the
+in float32 next to their int8 rows (``dantinox.kv.sinks``); with kv_sink_tokens=0 (every row int8, the
 old cache) the same run moves the logits by far more. That holds for both int8 key layouts: per-token keys
 (kv_keys="token") and the default per-channel keys (KIVI), whose group scales leave the sinks out (else the
 outlier sets the scale of its whole group: 0.088 at G = 8 before that rule). The same holds for MLA's latent
@@ -22,12 +22,14 @@ from flax import nnx
 from serving_util import drain, greedy, lively_model, make_engine, solo
 
 import dantinox as dx
-from dantinox.model.cache import sink_bytes_per_layer
+from dantinox.kv.sizes import sink_bytes_per_layer
 from dantinox.budget import kv_sink_bytes
 from dantinox.plan.ledger import memory_ledger
 from dantinox.serving import EngineConfig, PagedEngine
-from dantinox.serving.paged_cache import block_bytes, init_pool, paged_views, pool_nbytes, sink_set_bytes
-from dantinox.serving.sink_slots import SinkSlots, slots_for
+from dantinox.kv.paged import paged_views
+from dantinox.kv.sizes import page_bytes, sink_slot_bytes
+from dantinox.kv.pool import init_pool, pool_nbytes
+from dantinox.kv.sink_slots import SinkSlots, slots_for
 
 PROMPT, FORCED, OUTLIER = 12, 24, 50.0
 BOUND = 0.05          # the case's bound on max |int8 - float32| logits
@@ -187,8 +189,8 @@ def test_k13_budget_bytes_equal_the_arrays_bytes_with_the_sink_rows(attn, sinks)
     pool = init_pool(cfg, 5, 4, sink_slots=3)          # the sinks are per sequence (3 slots), not per block
     assert pool_nbytes(pool) == sum(x.nbytes for x in jax.tree_util.tree_leaves(pool))
     assert pool_nbytes(pool) == 5 * 4 * dx.kv_bytes_per_token(cfg) + 3 * kv_sink_bytes(cfg)
-    assert block_bytes(cfg, 4) == 4 * dx.kv_bytes_per_token(cfg)      # a block costs what it did before K13
-    assert sink_set_bytes(cfg) == kv_sink_bytes(cfg) == cfg.num_blocks * sink_bytes_per_layer(cfg)
+    assert page_bytes(cfg, 4) == 4 * dx.kv_bytes_per_token(cfg)      # a block costs what it did before K13
+    assert sink_slot_bytes(cfg) == kv_sink_bytes(cfg) == cfg.num_blocks * sink_bytes_per_layer(cfg)
     assert dx.kv_cache_bytes(cfg, 3, 20) == 3 * (20 * dx.kv_bytes_per_token(cfg) + cfg.num_blocks
                                                   * sink_bytes_per_layer(cfg))
     float_cfg = cfg.replace(cache_dtype="float32")
@@ -212,8 +214,8 @@ def test_k13_engine_pool_and_planner_ledger_count_the_per_sequence_sink_slots(at
     sized it and the planner's ledger agree byte for byte."""
     cfg = dx.ModelConfig.from_preset("tiny", cache_dtype="int8", max_context=32, **attn)
     model = dx.build_model(cfg, seed=0)
-    per_block = block_bytes(cfg, 4)
-    budget = 10 * per_block + slots_for(3) * sink_set_bytes(cfg) + per_block - 1       # 10 blocks and the slots
+    per_block = page_bytes(cfg, 4)
+    budget = 10 * per_block + slots_for(3) * sink_slot_bytes(cfg) + per_block - 1       # 10 blocks and the slots
     engine = PagedEngine(model, EngineConfig(block_size=4, max_running=3, kv_memory_bytes=budget,
                                              kv_memory_all=True))
     assert engine.allocator.num_blocks == 10 and engine.pool_size.sink_slots == 6

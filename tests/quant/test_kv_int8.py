@@ -12,8 +12,8 @@ import pytest
 from conftest import forward, qdq_rows, spiky_mla, spiky_model, tiered, tiny_config
 
 import dantinox as dx
-from dantinox.model.cache import QuantLatentKV
-from dantinox.quant.kv_rows import dequantize_rows, quantize_rows, roundtrip
+from dantinox.kv.static import QuantLatentKV
+from dantinox.kv.int8_rows import dequantize_rows, quantize_rows, roundtrip
 
 EQ = 1e-5
 KINDS = {"mha": dict(attention="mha", kv_heads=None), "gqa": dict(attention="gqa", kv_heads=2),

@@ -2,7 +2,7 @@
 
 A quantizer with one scale per tensor instead of one per (token, KV head) is swapped into the int8 cache path;
 a prompt whose first token's keys and values are scaled far above the rest (an attention sink) then makes the
-gate fail, while the real per-token quantizer (dantinox.quant.kv_rows) passes the same gate. And one outlier row
+gate fail, while the real per-token quantizer (dantinox.kv.int8_rows) passes the same gate. And one outlier row
 leaves the quantization error of every other row unchanged.
 """
 
@@ -15,7 +15,7 @@ from dantinox import ModelConfig, build_model
 from dantinox.cli.eval import candidate_model
 from dantinox.quality.gate import check_gate
 from dantinox.quality.slices import slice_quality
-from dantinox.quant import kv_rows as kv_quant
+from dantinox.kv import int8_rows as kv_quant
 
 SINK = 0
 GATE = {"sink": {"loss_change_pct": 0.5, "agreement_min": 0.75}}
@@ -70,7 +70,7 @@ def test_gate_fails_per_tensor_scale_and_passes_per_token_scale(monkeypatch):
     jax.clear_caches()
     good = gate_results(baseline, candidate)
     assert check_gate(GATE, good) == [], good
-    monkeypatch.setattr("dantinox.quant.kv_rows.roundtrip", per_tensor_roundtrip)  # via roundtrip_for
+    monkeypatch.setattr("dantinox.kv.int8_rows.roundtrip", per_tensor_roundtrip)  # via roundtrip_for
     jax.clear_caches()  # retrace with the faulty quantizer
     bad = gate_results(baseline, candidate)
     jax.clear_caches()

@@ -18,9 +18,11 @@ from serving_util import chunked_paged_run, drain, greedy, lively_model, make_en
 import dantinox as dx
 from dantinox.quality.channel_keys import channel_key_cache
 from dantinox.serving import EngineConfig, PagedEngine
-from dantinox.serving.paged_cache import block_bytes, init_pool, pool_nbytes, sink_set_bytes
-from dantinox.serving.paged_channel_keys import PagedChannelKV, residual_set_bytes
-from dantinox.serving.sink_slots import slots_for
+from dantinox.kv.sizes import page_bytes, sink_slot_bytes
+from dantinox.kv.pool import init_pool, pool_nbytes
+from dantinox.kv.channel_paged import PagedChannelKV
+from dantinox.kv.sizes import residual_slot_bytes
+from dantinox.kv.sink_slots import slots_for
 
 G = 4
 CFG = tiny_config(attention="gqa", kv_heads=2, max_context=64, cache_dtype="int8", kv_keys="channel",
@@ -154,11 +156,11 @@ def test_n_choices_share_the_prompt_blocks_and_match_the_eval_view(model):
 def test_pool_bytes_equal_the_engines_accounting_and_kv_memory_counts_the_residual_slots(model):
     K, D, L, P, R, Q = 2, 8, 2, 8, slots_for(3), 3
     per_block = L * (P * (2 * K * D + 4 * K) + (P // G) * K * D * 4)   # int8 k, v; value scales; key scales
-    assert block_bytes(CFG, P) == per_block
-    assert residual_set_bytes(CFG) == L * 2 * G * K * D * 4 and sink_set_bytes(CFG) == L * 4 * 2 * K * D * 4
+    assert page_bytes(CFG, P) == per_block
+    assert residual_slot_bytes(CFG) == L * 2 * G * K * D * 4 and sink_slot_bytes(CFG) == L * 4 * 2 * K * D * 4
     pool = init_pool(CFG, 5, P, sink_slots=R, residual_slots=Q)
-    assert pool_nbytes(pool) == 5 * per_block + R * sink_set_bytes(CFG) + Q * residual_set_bytes(CFG)
-    fixed = R * sink_set_bytes(CFG) + Q * residual_set_bytes(CFG)
+    assert pool_nbytes(pool) == 5 * per_block + R * sink_slot_bytes(CFG) + Q * residual_slot_bytes(CFG)
+    fixed = R * sink_slot_bytes(CFG) + Q * residual_slot_bytes(CFG)
     budget = fixed + 7 * per_block + per_block - 1                     # 7 blocks and a byte short of an 8th
     engine = PagedEngine(model, EngineConfig(block_size=P, max_running=3, kv_memory_bytes=budget,
                                              kv_memory_all=True))
@@ -166,7 +168,7 @@ def test_pool_bytes_equal_the_engines_accounting_and_kv_memory_counts_the_residu
     assert engine.stats()["kv_cache_bytes"] == fixed + 7 * per_block <= budget
     # at G = D the per-token cost is the per-token layout's (2 K (D + 4) bytes a layer), residual aside
     token = CFG.replace(kv_keys="token")
-    assert block_bytes(CFG.replace(kv_key_group=8, head_size=8), 8) == block_bytes(token, 8)
+    assert page_bytes(CFG.replace(kv_key_group=8, head_size=8), 8) == page_bytes(token, 8)
 
 
 def test_the_plan_ledger_counts_the_channel_pool_exactly(model):
@@ -316,7 +318,7 @@ def test_channel_keys_on_mla_are_refused_naming_the_flag():
 
 
 def test_residual_slots_are_one_per_running_sequence():
-    from dantinox.serving.residual_slots import ResidualSlots
+    from dantinox.kv.residual_slots import ResidualSlots
 
     slots = ResidualSlots(2)
     assert (slots.take("a"), slots.take("b")) == (0, 1)

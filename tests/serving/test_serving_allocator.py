@@ -3,8 +3,8 @@ LRU reuse."""
 
 import pytest
 
-from dantinox.serving.allocator import BlockAllocator, hash_block
-from dantinox.serving.block_pool import BlockPool, NoFreeBlocksError
+from dantinox.kv.allocator import BlockAllocator, hash_block
+from dantinox.kv.block_pool import BlockPool, NoFreeBlocksError
 
 
 def test_pool_allocate_release_and_double_free():

@@ -187,7 +187,9 @@ def test_n_greedy_choices_are_identical_and_usage_counts_them_all(server, loaded
     assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
     assert [c["text"] for c in reply["choices"]] == [want] * 3
     assert all(c["finish_reason"] == "length" and c["logprobs"] is None for c in reply["choices"])
+    cached = reply["usage"].pop("prompt_tokens_details")["cached_tokens"]   # the prompt counted once
     assert reply["usage"] == dict(prompt_tokens=len(ids), completion_tokens=30, total_tokens=len(ids) + 30)
+    assert cached == (len(ids) - 1) // 4 * 4 or cached == 0   # block size 4: a hit on whole blocks, or none
 
 
 def test_n_seeded_choices_are_reproducible_and_differ(server, loaded):

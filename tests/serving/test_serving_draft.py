@@ -26,7 +26,8 @@ from dantinox.cli.serve import kv_summary
 from dantinox.generation.sampling import filtered_probs, make_sampling_params
 from dantinox.serving.engine import EngineConfig, PagedEngine
 from dantinox.serving.metrics import ServerMetrics
-from dantinox.serving.paged_cache import block_bytes, pool_nbytes
+from dantinox.kv.sizes import page_bytes
+from dantinox.kv.pool import pool_nbytes
 from dantinox.serving.request import SamplingOptions
 from dantinox.serving.speculation import SpecConfig
 
@@ -132,15 +133,15 @@ def assert_same_logprobs(expected, got):
 def test_the_pool_budget_counts_the_drafts_blocks(target, draft):
     """kv_memory_bytes buys blocks of target + draft bytes; the pool allocated stays within the budget."""
     P, budget = 4, 200_000
-    per_block = block_bytes(CFG, P) + block_bytes(DRAFT_CFG, P)
+    per_block = page_bytes(CFG, P) + page_bytes(DRAFT_CFG, P)
     engine = PagedEngine(target, EngineConfig(block_size=P, kv_memory_bytes=budget, kv_memory_all=True,
                                               speculative=SPEC), draft=draft)
     assert engine.allocator.num_blocks == budget // per_block
     assert pool_nbytes(engine.pool) <= budget and len(engine.pool) == CFG.num_blocks + DRAFT_CFG.num_blocks
-    share = engine.allocator.num_blocks * block_bytes(DRAFT_CFG, P) / 2**20
+    share = engine.allocator.num_blocks * page_bytes(DRAFT_CFG, P) / 2**20
     assert f"of which the draft model's float32 layers {share:.2f} MiB" in kv_summary(engine)
     plain = PagedEngine(target, EngineConfig(block_size=P, kv_memory_bytes=budget, kv_memory_all=True))
-    assert plain.allocator.num_blocks == budget // block_bytes(CFG, P) > engine.allocator.num_blocks
+    assert plain.allocator.num_blocks == budget // page_bytes(CFG, P) > engine.allocator.num_blocks
 
 
 def test_a_draft_goes_with_the_draft_proposer_and_fits_the_target(target, draft):

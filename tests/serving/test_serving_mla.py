@@ -23,7 +23,9 @@ from dantinox.cli import entrypoint as cli
 from dantinox.cli.serve import build_engine, kv_summary
 from dantinox.runs.run_dir import save_run
 from dantinox.runs.tokenizer import train_tokenizer
-from dantinox.serving.paged_cache import PagedLatentKV, block_bytes, init_pool, pool_nbytes
+from dantinox.kv.paged import PagedLatentKV
+from dantinox.kv.sizes import page_bytes
+from dantinox.kv.pool import init_pool, pool_nbytes
 
 P = 4  # block size
 M = 8  # block-table entries (max_context 32 / P)
@@ -70,8 +72,8 @@ def test_mla_pool_bytes_use_the_planners_bytes_per_token():
     cfg = mla_config()
     per_token = (cfg.kv_latent_dim + cfg.rope_head_dim) * 4  # float32 latent + RoPE key
     assert dx.bytes_per_token_per_layer(cfg) == per_token
-    assert block_bytes(cfg, P) == P * cfg.num_blocks * per_token
-    assert pool_nbytes(init_pool(cfg, 7, P)) == 7 * block_bytes(cfg, P) == dx.kv_cache_bytes(cfg, 1, 7 * P)
+    assert page_bytes(cfg, P) == P * cfg.num_blocks * per_token
+    assert pool_nbytes(init_pool(cfg, 7, P)) == 7 * page_bytes(cfg, P) == dx.kv_cache_bytes(cfg, 1, 7 * P)
 
 
 def prompts(vocab, lengths, seed=0):

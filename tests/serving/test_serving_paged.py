@@ -8,7 +8,8 @@ from flax import nnx
 from serving_util import chunked_paged_run, paged_logits, static_logits
 
 import dantinox as dx
-from dantinox.serving.paged_cache import block_bytes, init_pool, num_blocks_for_memory, pool_nbytes
+from dantinox.kv.sizes import blocks_for_memory, page_bytes
+from dantinox.kv.pool import init_pool, pool_nbytes
 
 P = 4  # block size
 M = 8  # block-table entries (max_context 32 / P)
@@ -53,11 +54,11 @@ def test_padding_is_dropped_and_pool_is_sized_from_memory():
         k = np.asarray(layer.k)
         assert np.abs(k[1]).min() > 0 and np.abs(k[2, 0]).min() > 0  # tokens 0..4 written
         assert np.abs(k[2, 1:]).max() == 0 and np.abs(k[[0, 3, 4, 5]]).max() == 0  # padding dropped
-    per_block = block_bytes(cfg, P)
+    per_block = page_bytes(cfg, P)
     assert per_block == P * cfg.num_blocks * dx.bytes_per_token_per_layer(cfg)
     assert pool_nbytes(init_pool(cfg, 7, P)) == 7 * per_block
-    assert num_blocks_for_memory(cfg, 7 * per_block + per_block - 1, P) == 7
+    assert blocks_for_memory(cfg, 7 * per_block + per_block - 1, P) == 7
     with pytest.raises(ValueError, match="holds no block"):
-        num_blocks_for_memory(cfg, per_block - 1, P)
+        blocks_for_memory(cfg, per_block - 1, P)
     with pytest.raises(ValueError, match="block_size"):
         init_pool(cfg, 4, 0)

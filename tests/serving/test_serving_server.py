@@ -386,11 +386,14 @@ def test_strict_types_seed_range_unsupported_fields_and_bad_bodies(server):
     assert union["param"] == "stop" and "valid string" in union["message"] and "valid list" in union["message"]
     for body, field in ((dict(prompt="x", seed=-1), "seed"), (dict(prompt="x", seed=2**32), "seed"),
                         (dict(prompt="x", best_of=2), "best_of"), (dict(prompt="x", suffix="!"), "suffix"),
-                        (dict(prompt="x", model="gpt-4"), "model"), (dict(prompt="x", stop=[""]), "stop"),
+                        (dict(prompt="x", stop=[""]), "stop"),
                         (dict(prompt="x", stop=""), "stop"), (dict(prompt="x", echo=True), "echo")):
         reply = httpx.post(url, json=body, timeout=30)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == field, (body, reply.text)
         assert field in reply.json()["error"]["message"]
+    unknown = httpx.post(url, json=dict(prompt="x", model="gpt-4"), timeout=30)   # OpenAI: 404 model_not_found
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert unknown.json()["error"]["param"] == "model" and "'gpt-4'" in unknown.json()["error"]["message"]
     ok = httpx.post(url, json=dict(prompt="Nel", max_tokens=2, model="tiny", best_of=1, suffix=None,
                                    seed=2**32 - 1, temperature=1), timeout=30)
     assert ok.status_code == 200, ok.text

@@ -12,7 +12,7 @@ from serving_util import (assert_speculation_compiles_nothing_after_warmup,
 
 import dantinox as dx
 from dantinox.generation.speculative import PROBE_VERIFIES
-from dantinox.serving.allocator import BlockAllocator
+from dantinox.kv.allocator import BlockAllocator
 from dantinox.serving.metrics import ServerMetrics
 from dantinox.serving.protocol import usage_body
 from dantinox.serving.request import Request, SamplingOptions

@@ -1,6 +1,7 @@
 // dantinox's block matrix product as an XLA FFI custom call (CPU): y [R, N] = x [R, M] . W^T for float32
-// activations x and a weight matrix W [N, M] kept in one of ggml's block formats (Q8_0, Q4_0, Q4_1, Q4_K,
-// Q5_K, Q6_K), each block dequantized in registers right before its multiply, float32 accumulation.
+// activations x and a weight matrix W [N, M] kept in one of ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+// IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), each block dequantized right before its multiply, float32
+// accumulation.
 //
 // One pass over the weights serves up to MAX_ROWS activation rows (decode steps and small batches; the
 // Python side sends larger batches to XLA's dot on the dequantized weights). The output rows are cut into
@@ -9,7 +10,8 @@
 // times (AVX-512, AVX2 + FMA, and portable) and the CPU picks one at run time (__builtin_cpu_supports); the
 // 32-value formats (Q8_0, Q4_0, Q4_1) have hand-vectorised AVX2 / AVX-512 loops that keep each block in
 // registers (block_simd32.inc; on AVX-512 the 4-bit ones decode through a 16-entry table of weights,
-// block_avx512.inc), the K-quants the compiler-vectorised loops of block_formats.inc.
+// block_avx512.inc), the other formats the compiler-vectorised loops of block_formats.inc (one decode routine
+// per format: a block into floats).
 //
 // The same extension holds decode attention (decode_attention.inc, decode_attention_simd.inc): one new token
 // per row (or a few: a speculative verify call) attending over the filled slots of a float32 static cache, the
@@ -59,9 +61,11 @@ constexpr int MAX_ROWS = 16;
 #endif
 static_assert(Q8_PASS_ROWS_AVX512 >= 1 && Q8_PASS_ROWS_AVX512 <= 8, "simd_rows_any has cases for 1..8 rows");
 static_assert(Q4_PASS_ROWS_AVX512 >= 1 && Q4_PASS_ROWS_AVX512 <= 6, "dequantized_rows_any has cases for 1..6 rows");
-enum Format { FORMAT_Q8_0 = 0, FORMAT_Q4_0 = 1, FORMAT_Q4_1 = 2, FORMAT_Q4_K = 3, FORMAT_Q5_K = 4, FORMAT_Q6_K = 5 };
-constexpr int64_t BLOCK_SIZE[] = {32, 32, 32, 256, 256, 256};
-constexpr int64_t BLOCK_BYTES[] = {34, 18, 20, 144, 176, 210};
+enum Format { FORMAT_Q8_0 = 0, FORMAT_Q4_0 = 1, FORMAT_Q4_1 = 2, FORMAT_Q4_K = 3, FORMAT_Q5_K = 4, FORMAT_Q6_K = 5,
+              FORMAT_Q5_0 = 6, FORMAT_Q5_1 = 7, FORMAT_Q2_K = 8, FORMAT_Q3_K = 9, FORMAT_IQ4_NL = 10, FORMAT_IQ4_XS = 11,
+              FORMAT_LAST = FORMAT_IQ4_XS };
+constexpr int64_t BLOCK_SIZE[] = {32, 32, 32, 256, 256, 256, 32, 32, 256, 256, 32, 256};
+constexpr int64_t BLOCK_BYTES[] = {34, 18, 20, 144, 176, 210, 22, 24, 84, 110, 18, 136};
 enum Isa { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX512 = 3 };
 
 inline uint16_t load_u16(const uint8_t* p) {
@@ -449,7 +453,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
 
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                            ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t isa) {
-  if (format < 0 || format > FORMAT_Q6_K) return ffi::Error::InvalidArgument("unknown block format code");
+  if (format < 0 || format > FORMAT_LAST) return ffi::Error::InvalidArgument("unknown block format code");
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("block_matmul expects x [R, M], blocks [N, row bytes], y [R, N]");

@@ -1,12 +1,12 @@
 """The paged KV cache on the device: one pool of fixed-size blocks per layer, read through block tables.
 
-Letters (besides the legend in ``dantinox.model.attention``): N blocks in the pool, P tokens per block (block size),
+Letters (besides the legend in ``dantinox.kv.attend``): N blocks in the pool, P tokens per block (block size),
 M block-table entries per sequence (M = ceil(max_context / P)).
 
 Layout per layer, the static cache's layout with the slot axis cut into blocks, in cfg.cache_dtype:
   MHA / GQA / MQA   ``PagedLayerKV(k, v)``, each [N, P, K, D];
   MLA               ``PagedLatentKV(c_kv, k_rope)``: the latent [N, P, C] and the shared RoPE key [N, P, R]
-                    (what ``dantinox.model.cache.LatentKV`` holds per slot; never per-head keys and values).
+                    (what ``dantinox.kv.static.LatentKV`` holds per slot; never per-head keys and values).
   int8 (cache_dtype="int8") ``PagedQuantKV(k, v, k_scale, v_scale, k_sink, v_sink)``: int8 [N, P, K, D] plus
                     float32 scales [N, P, K, 1], and float32 sink rows [R, A, K, D];
                     ``PagedQuantLatentKV(c_kv, k_rope, c_scale, r_scale, c_sink, r_sink)``: int8 [N, P, C],
@@ -14,18 +14,18 @@ Layout per layer, the static cache's layout with the slot axis cut into blocks, 
                     blocks of their own arrays, indexed by the same block ids, so every block operation
                     (copy-on-write, swap out/in, prefix sharing) that moves or shares a block moves or shares
                     its scales with it (the first ``BLOCK_FIELDS`` fields of a layer have the block axis).
-                    The sinks are per SEQUENCE, not per block: R sink slots (``dantinox.serving.sink_slots``),
-                    each the full-precision rows of one sequence's first A tokens (``dantinox.quant.kv_sinks``);
+                    The sinks are per SEQUENCE, not per block: R sink slots (``dantinox.kv.sink_slots``),
+                    each the full-precision rows of one sequence's first A tokens (``dantinox.kv.sinks``);
                     each batch row names its slot (``sink_slot`` [B] int32, R = padding: never written).
                     Sinks live in a sequence's first block, so A <= P is required.
   int8 with per-channel keys (cfg.channel_keys, KIVI) ``PagedChannelKV(k, v, k_scale, v_scale, k_sink, v_sink,
                     k_resid)``: key scales per (group of G slots, KV head, channel) [N, P/G, K, D] (P a multiple
                     of G) and a float32 residual slot [Q, 2 G, K, D] per running sequence (a ring: its filling
-                    key group and the one before); its attention and writes are ``dantinox.serving.paged_channel_keys``.
+                    key group and the one before); its attention and writes are ``dantinox.kv.channel_paged``.
 Token t of a sequence whose block table is ``table`` lives in block ``table[t // P]`` at offset ``t % P``.
-The pool is sized from a memory budget with ``dantinox.model.cache.bytes_per_token_per_layer``, the figure
+The pool is sized from a memory budget with ``dantinox.kv.static.bytes_per_token_per_layer``, the figure
 ``dantinox.budget.memory`` sums (2 K D or C + R elements per token and layer), so N x ``block_bytes`` plus,
-for int8, R x ``sink_set_bytes`` (L x ``dantinox.model.cache.sink_bytes_per_layer``) and, for per-channel keys,
+for int8, R x ``sink_set_bytes`` (L x ``dantinox.kv.static.sink_bytes_per_layer``) and, for per-channel keys,
 Q x ``residual_set_bytes`` equals the bytes allocated (``pool_nbytes``; ``pool_bytes`` computes it).
 
 How the model reads it. Each attention kind accepts a layer cache object with its own hook (see
@@ -34,7 +34,7 @@ pool, the batch's block tables [B, M] and the number of valid new tokens per row
   ``PagedView.attend_and_write(q, k, v, cache_index, key_start, window)`` (MHA / GQA / MQA)
   1. gathers each row's blocks into a contiguous [B, K, M*P, D] view (slots past the row's length are
      masked by ``attend``, exactly as the static cache masks its unused slots),
-  2. runs the same softmax attention as the static cache (``dantinox.model.attention.attend``): old slots
+  2. runs the same softmax attention as the static cache (``dantinox.kv.attend.attend``): old slots
      s < cache_index[b] together with the T new keys, causal among the new ones,
   3. scatters the new keys and values into the pool at (block, offset), dropping the padding positions
      j >= num_new[b] (rows of a bucketed batch are right-padded; unused rows have num_new = 0).
@@ -53,12 +53,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..config import ModelConfig
-from ..model.attention import attend
-from ..model.cache import (LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, bytes_per_token_per_layer,
-                           sink_bytes_per_layer, zero_arrays)
-from .paged_channel_keys import (PagedChannelKV, PagedChannelView, channel_block_bytes, check_channel_block_size,
-                                 init_channel_layer, residual_set_bytes)
+from .attend import attend
+from .channel_paged import PagedChannelKV, PagedChannelView
+from .static import LatentKV, LayerKV, QuantLatentKV, QuantLayerKV
 
 
 class PagedLayerKV(NamedTuple):
@@ -104,6 +101,12 @@ class PagedQuantLatentKV(NamedTuple):
 _GATHERED = {PagedLayerKV: LayerKV, PagedQuantKV: QuantLayerKV, PagedLatentKV: LatentKV,
              PagedQuantLatentKV: QuantLatentKV}
 
+
+def _static_type(layer):
+    """The static layer type a pool layer's rows gather into: its class attribute ``STATIC`` when it has one (a
+    codec's own pool type), else the built-in pairs above."""
+    return getattr(layer, "STATIC", None) or _GATHERED[type(layer)]
+
 PagedPool = tuple  # tuple[PagedLayerKV, ...] (or tuple[PagedLatentKV, ...] for MLA), one entry per block
 
 
@@ -127,93 +130,6 @@ def with_sinks(layer, sinks) -> tuple:
     return type(layer)(*block_fields(layer), *sinks, *layer[BLOCK_FIELDS + SINK_FIELDS:])
 
 
-def block_bytes(cfg: ModelConfig, block_size: int) -> int:
-    """Bytes one block takes over all layers: P x L x bytes_per_token_per_layer(cfg) (the int8 sinks are per
-    sequence, ``sink_set_bytes``); with per-channel keys (cfg.channel_keys) ``channel_block_bytes``."""
-    if cfg.channel_keys:
-        return channel_block_bytes(cfg, block_size)
-    return int(block_size) * cfg.num_blocks * bytes_per_token_per_layer(cfg)
-
-
-def sink_set_bytes(cfg: ModelConfig) -> int:
-    """Bytes of one sink slot over all layers (one sequence's float32 attention sinks, int8 cache only, else 0):
-    L x ``dantinox.model.cache.sink_bytes_per_layer``."""
-    return cfg.num_blocks * sink_bytes_per_layer(cfg)
-
-
-def pool_bytes(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int = 0,
-               residual_slots: int = 0) -> int:
-    """Bytes of a pool of ``num_blocks`` blocks with ``sink_slots`` sink slots and ``residual_slots`` residual
-    slots: N ``block_bytes`` + R ``sink_set_bytes`` + Q ``residual_set_bytes`` (``pool_nbytes`` of
-    ``init_pool(cfg, N, P, R, Q)``: sink and residual slots of a pool that has none cost 0)."""
-    return (int(num_blocks) * block_bytes(cfg, block_size) + int(sink_slots) * sink_set_bytes(cfg)
-            + int(residual_slots) * residual_set_bytes(cfg))
-
-
-def num_blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int, sink_slots: int = 0,
-                          residual_slots: int = 0) -> int:
-    """How many blocks of ``block_size`` tokens fit in ``memory_bytes`` of KV memory (floor), after
-    ``sink_slots`` sink slots (``sink_set_bytes`` each) and ``residual_slots`` residual slots of per-channel
-    keys (``residual_set_bytes`` each, 0 unless cfg.channel_keys).
-
-    Raises ValueError if not even one block fits.
-    """
-    per_block = block_bytes(cfg, block_size)
-    left = (int(memory_bytes) - int(sink_slots) * sink_set_bytes(cfg)
-            - int(residual_slots) * residual_set_bytes(cfg))
-    count = max(left, 0) // per_block
-    if count < 1:
-        raise ValueError(f"kv memory {int(memory_bytes)} bytes holds no block: one block of {block_size} "
-                         f"tokens takes {per_block} bytes for this model"
-                         + (f", after {int(sink_slots)} sink slots of {sink_set_bytes(cfg)} bytes" if sink_slots
-                            and sink_set_bytes(cfg) else ""))
-    return count
-
-
-def init_pool(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int = 1,
-              residual_slots: int = 1) -> PagedPool:
-    """Zeros in cfg.cache_dtype, one entry per layer: PagedLayerKV(k, v) of [N, P, K, D] each, or for
-    attention="mla" PagedLatentKV(c_kv [N, P, C], k_rope [N, P, R]); for cache_dtype="int8" PagedQuantKV /
-    PagedQuantLatentKV, the same int8 arrays plus float32 zero scales ([N, P, K, 1] / [N, P, 1]) and zero
-    sinks for ``sink_slots`` sequences ([R, A, K, D] / [R, A, C], [R, A, R]; the engine uses max_running plus
-    as many kept for the prefix cache, ``dantinox.serving.sink_slots``). With per-channel keys
-    (cfg.channel_keys) PagedChannelKV layers (``dantinox.serving.paged_channel_keys``) with ``residual_slots``
-    residual slots (the engine: max_running).
-
-    Raises ValueError for a non-positive num_blocks, block_size, sink_slots or residual_slots, an int8 cache
-    whose sink tokens (cfg.kv_sink_tokens) do not fit in one block, or per-channel keys with a block size that
-    is not a multiple of cfg.key_group.
-    """
-    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("sink_slots", sink_slots),
-                        ("residual_slots", residual_slots)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
-    int8, A, R = cfg.cache_dtype == "int8", cfg.sink_slots, sink_slots
-    if cfg.channel_keys:
-        check_channel_block_size(cfg, block_size)
-    if A > block_size:
-        raise ValueError(f"block_size={block_size} is not allowed with kv_sink_tokens={cfg.kv_sink_tokens}: "
-                         "the int8 cache's sink tokens must fit in a sequence's first block (block_size >= "
-                         "kv_sink_tokens)")
-    if cfg.channel_keys:
-        return tuple(init_channel_layer(cfg, num_blocks, block_size, R, residual_slots)
-                     for _ in range(cfg.num_blocks))
-    if cfg.attention == "mla":
-        layer_type = PagedQuantLatentKV if int8 else PagedLatentKV
-        shapes = [(n, m, w) for n, m in ((num_blocks, block_size), (R, A))
-                  for w in (cfg.kv_latent_dim, cfg.rope_head_dim)]
-    else:
-        layer_type = PagedQuantKV if int8 else PagedLayerKV
-        shapes = [(n, m, cfg.kv_heads, cfg.head_size) for n, m in ((num_blocks, block_size), (R, A)) for _ in "kv"]
-    return tuple(layer_type(*zero_arrays(shapes[:2], cfg.jnp_cache_dtype, int8, shapes[2:]))
-                 for _ in range(cfg.num_blocks))
-
-
-def pool_nbytes(pool: PagedPool) -> int:
-    """Total bytes of the pool's arrays."""
-    return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(pool)))
-
-
 def gather_rows(layer: PagedLayerKV | PagedQuantKV, block_table: jax.Array,
                 sink_slot: jax.Array | None = None) -> LayerKV | QuantLayerKV:
     """Each row's blocks laid end to end. block_table: [B, M] int32 -> LayerKV of [B, K, M*P, D] (int8 pool:
@@ -227,7 +143,7 @@ def gather_rows(layer: PagedLayerKV | PagedQuantKV, block_table: jax.Array,
 
     arrays = [rows(a) for a in block_fields(layer)] + [a[_slots(sink_slot, B)].transpose(0, 2, 1, 3)
                                                        for a in sink_fields(layer)]
-    return _GATHERED[type(layer)](*arrays)
+    return _static_type(layer)(*arrays)
 
 
 def gather_latents(layer: PagedLatentKV | PagedQuantLatentKV, block_table: jax.Array,
@@ -240,7 +156,7 @@ def gather_latents(layer: PagedLatentKV | PagedQuantLatentKV, block_table: jax.A
     def rows(pool):
         return pool[block_table].reshape(B, M * pool.shape[1], pool.shape[2])
 
-    return _GATHERED[type(layer)](*([rows(a) for a in block_fields(layer)]
+    return _static_type(layer)(*([rows(a) for a in block_fields(layer)]
                                     + [a[_slots(sink_slot, B)] for a in sink_fields(layer)]))
 
 
@@ -384,12 +300,29 @@ class PagedLatentView(NamedTuple):
         return o, self._replace(pool=pool)
 
 
-def paged_views(pool: PagedPool, block_table, num_new, sink_slot=None, residual_slot=None) -> tuple:
+class BlockTables(NamedTuple):
+    """Where a batch's rows live in the pool, one argument of every compiled call over it (built by the cache
+    manager, ``dantinox.kv.manager.CacheManager.tables``).
+
+    table: [B, M] int32 each row's block table (padding rows: zeros, never written); sink_slot: [B] int32 each
+    row's sink slot of an int8 pool (R for padding rows and pools without sinks); residual_slot: [B] int32 each
+    row's residual slot of a per-channel key pool (Q for padding rows), or None for other pools."""
+
+    table: jax.Array
+    sink_slot: jax.Array
+    residual_slot: jax.Array | None = None
+
+
+def paged_views(pool: PagedPool, tables, num_new, sink_slot=None, residual_slot=None) -> tuple:
     """One view per layer (PagedView, PagedLatentView for an MLA layer, PagedChannelView for per-channel keys),
-    sharing the batch's block tables [B, M] int32, valid-token counts [B] int32, sink slots [B] int32 (int8
-    pools; None: row b's is slot b, so the pool needs R >= B) and residual slots [B] int32 (per-channel keys;
-    None: row b's is slot b). The view is chosen per layer, so one pool may hold layers of two kinds (the
+    sharing the batch's BlockTables (or a bare block table [B, M] int32 with sink_slot / residual_slot [B]
+    int32 given apart; None: row b's slot is b, so the pool needs R >= B) and valid-token counts num_new [B]
+    int32. The view is chosen per layer by its pool layer type, so one pool may hold layers of two kinds (the
     engine's target layers then a draft model's float layers, ``dantinox.serving.draft_model``)."""
+    if isinstance(tables, BlockTables):
+        block_table, sink_slot, residual_slot = tables
+    else:
+        block_table = tables
     B = block_table.shape[0]
     sinks, residual = _slots(sink_slot, B), _slots(residual_slot, B)
 

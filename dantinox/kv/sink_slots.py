@@ -1,8 +1,8 @@
 """SinkSlots: which per-sequence sink slot of an int8 pool each running sequence reads and writes (plain Python).
 
 An int8 paged pool keeps the float32 rows of every sequence's first A tokens (its attention sinks,
-``dantinox.quant.kv_sinks``) in R sink slots of their own, [R, A, ...] per layer
-(``dantinox.serving.paged_cache``), not in its blocks. A <= P, so the sinks are a function of a sequence's first
+``dantinox.kv.sinks``) in R sink slots of their own, [R, A, ...] per layer
+(``dantinox.kv.paged``), not in its blocks. A <= P, so the sinks are a function of a sequence's first
 block's contents; sequences that share that block (a prefix-cache hit, copy-on-write copies of it) share the
 slot, and a slot outlives its sequences while the first block stays in the prefix cache, so a later hit finds
 its sinks. R = 2 x max_running (``slots_for``): the running sequences hold at most max_running, the rest keep

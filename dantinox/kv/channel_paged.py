@@ -1,19 +1,19 @@
-"""Per-channel int8 keys (KIVI, Liu et al. 2024, sections 3.2-3.3; ``dantinox.quant.kv_channels``) in the paged
+"""Per-channel int8 keys (KIVI, Liu et al. 2024, sections 3.2-3.3; ``dantinox.kv.channel_keys``) in the paged
 pool: the layer type, its attention over block tables, its writes and its bytes.
 
-Letters as in ``dantinox.serving.paged_cache`` (N blocks, P tokens per block, M block-table entries, R sink
+Letters as in ``dantinox.kv.paged`` (N blocks, P tokens per block, M block-table entries, R sink
 slots, A sink tokens) plus G = cfg.key_group tokens per key-scale group and Q residual slots.
 
 Layout of one layer (``PagedChannelKV``), P a multiple of G so a group never straddles two blocks:
   k        [N, P, K, D] int8     keys of complete groups, per-channel codes
-  v        [N, P, K, D] int8     values, per token (``dantinox.quant.kv_rows``), as the per-token int8 pool
+  v        [N, P, K, D] int8     values, per token (``dantinox.kv.int8_rows``), as the per-token int8 pool
   k_scale  [N, P/G, K, D] f32    one scale per (group, KV head, channel): max over the group's G keys of |k| / 127
   v_scale  [N, P, K, 1] f32      one scale per (token, KV head)
-  k_sink, v_sink [R, A, K, D] f32 the sequence's first A tokens in full (``dantinox.serving.sink_slots``)
+  k_sink, v_sink [R, A, K, D] f32 the sequence's first A tokens in full (``dantinox.kv.sink_slots``)
   k_resid  [Q, 2G, K, D] f32     per running SEQUENCE: a ring of 2 G slots (slot s at s mod 2 G) with the
                                  full keys of its group still filling (KIVI's residual) and of the group
                                  before it, so a speculative rollback into that group still finds them
-                                 (``dantinox.quant.kv_channels``, Rollback; ``residual_slots``)
+                                 (``dantinox.kv.channel_keys``, Rollback; ``residual_slots``)
 The first four fields have the block axis, so copy-on-write, swap and prefix sharing move a block's key
 scales with it (``paged_cache.BLOCK_FIELDS``). A block in the prefix cache is full, so all its groups are
 complete and its keys are all int8: a prefix hit never needs a residual. The residual goes with its
@@ -47,11 +47,10 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..model.attention import NEG_INF
-from ..model.scores import grouped_scores, grouped_values
-from ..quant.kv_channels import RING_GROUPS, dequantize_channels, quantize_channels, reads_int8, ring_slots
-from ..quant.kv_rows import SCALE_BYTES, SCALE_DTYPE, dequantize_rows
-from ..quant.kv_sinks import SINK_DTYPE
+from .attend import NEG_INF
+from .scores import grouped_scores, grouped_values
+from .channel_keys import RING_GROUPS, dequantize_channels, quantize_channels, reads_int8
+from .int8_rows import dequantize_rows
 
 RESIDUAL_DTYPE = jnp.float32
 RESIDUAL_BYTES = 4
@@ -80,36 +79,6 @@ def check_channel_block_size(cfg: ModelConfig, block_size: int) -> None:
                          f"the int8 default) and --kv-key-group {G}: the block size must be a multiple of the key "
                          f"group (e.g. --block-size {G}, serve's default here), so a group of keys never straddles "
                          "two blocks; or give --kv-keys token")
-
-
-def channel_block_bytes(cfg: ModelConfig, block_size: int) -> int:
-    """Bytes of one block over all layers: L (P (2 K D + 4 K) + (P / G) K D 4) (int8 keys and values, value
-    scales per token, key scales per group and channel). Raises ValueError (``check_channel_block_size``)
-    for a block size that is not a multiple of G."""
-    check_channel_block_size(cfg, block_size)
-    P, G, K, D = int(block_size), cfg.key_group, cfg.kv_heads, cfg.head_size
-    return cfg.num_blocks * (P * (2 * K * D + SCALE_BYTES * K) + (P // G) * K * D * SCALE_BYTES)
-
-
-def residual_set_bytes(cfg: ModelConfig) -> int:
-    """Bytes of one residual slot (a ring of 2 G slots) over all layers, L 2 G K D 4 (0 unless
-    ``cfg.channel_keys``)."""
-    if not cfg.channel_keys:
-        return 0
-    return cfg.num_blocks * ring_slots(cfg.key_group) * cfg.kv_heads * cfg.head_size * RESIDUAL_BYTES
-
-
-def init_channel_layer(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int,
-                       residual_slots: int) -> PagedChannelKV:
-    """Zeros of one layer (shapes in the module docstring). Raises ValueError for a block size that is not a
-    multiple of the key group."""
-    check_channel_block_size(cfg, block_size)
-    N, P, G, K, D = num_blocks, block_size, cfg.key_group, cfg.kv_heads, cfg.head_size
-    A = cfg.sink_slots
-    return PagedChannelKV(jnp.zeros((N, P, K, D), jnp.int8), jnp.zeros((N, P, K, D), jnp.int8),
-                          jnp.zeros((N, P // G, K, D), SCALE_DTYPE), jnp.zeros((N, P, K, 1), SCALE_DTYPE),
-                          jnp.zeros((sink_slots, A, K, D), SINK_DTYPE), jnp.zeros((sink_slots, A, K, D), SINK_DTYPE),
-                          jnp.zeros((residual_slots, ring_slots(G), K, D), RESIDUAL_DTYPE))
 
 
 def _rows(pool: jax.Array, table: jax.Array) -> jax.Array:

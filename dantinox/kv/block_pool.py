@@ -11,7 +11,7 @@ so a later request can still revive it by hash; ``allocate`` takes the block at 
 evicts its hash only then. That makes cached prefixes an LRU cache living in otherwise idle memory: a block
 is never held back from a request that needs it.
 
-The device arrays live elsewhere (``dantinox.serving.paged_cache``); this class only hands out block ids.
+The device arrays live elsewhere (``dantinox.kv.paged``); this class only hands out block ids.
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 
 Why. Trained language models put a very large key and value on the first tokens of a sequence, which most
 heads attend to whatever the text (Xiao et al. 2023, "Efficient Streaming Language Models with Attention
-Sinks", sections 3.1-3.2, who call them attention sinks). Per-row absmax int8 (``dantinox.quant.kv_rows``)
+Sinks", sections 3.1-3.2, who call them attention sinks). Per-row absmax int8 (``dantinox.kv.int8_rows``)
 keeps every row's *relative* error the same, so a sink row 50 times larger than the others carries 50 times
 their absolute error, and every later query's score against it moves by that much. StreamingLLM keeps the
 first four tokens; KIVI (Liu et al. 2024, section 3) and KVQuant (Hooper et al. 2024, section 3.5) likewise
 keep a few tokens in full precision next to the quantized ones. docs/quantization.md, "Attention sinks", has
 the measured effect; "Attention sinks or per-channel keys" has SmolLM2's figures, where per-channel keys
-(``dantinox.quant.kv_channels``, eval only so far) measured better.
+(``dantinox.kv.channel_keys``, eval only so far) measured better.
 
 Which tokens. A = ``cfg.sink_slots`` (``ModelConfig.kv_sink_tokens``, 4 by default, 0 for float caches): the
 first A positions of each row's sequence, i.e. cache slots key_start .. key_start + A - 1 (key_start is the
@@ -19,7 +19,7 @@ positions in arrays of their own ([B, K, A, D] per k and v; MLA [B, A, C] and [B
 such set per block). Attention reads sink slots from the float32 arrays and every other slot from int8, and
 the new tokens that are sinks attend with their float values too, so cached and uncached runs still see the
 same keys and values. The bytes are A x (2 K D, or C + R) x 4 per layer and sequence (per block in the paged
-pool), counted by ``dantinox.model.cache.sink_bytes_per_layer``.
+pool), counted by ``dantinox.kv.static.sink_bytes_per_layer``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-channel int8 keys over groups of tokens (KIVI, Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit
 Quantization for KV Cache", sections 3.2-3.3): the default int8 key layout of MHA / GQA / MQA caches
 (``ModelConfig.kv_keys="channel"``); ``dantinox eval`` on SmolLM2's slices measured it ahead of the per-token rows
-of ``dantinox.quant.kv_rows`` with attention sinks (``kv_keys="token"``, docs/quantization.md).
+of ``dantinox.kv.int8_rows`` with attention sinks (``kv_keys="token"``, docs/quantization.md).
 
 Why per channel. Key outliers sit in a few fixed channels for every token (KIVI, figure 2), so one scale per
 token (row) is set by those channels and coarsens the rest of the row; one scale per channel over a group of G
@@ -29,14 +29,15 @@ write), still holds the keys of t''s group. A group is quantized from the ring a
 write completes it, also again after a rollback un-completed it; its stale codes meanwhile are never read,
 since the read rule asks (s // G + 1) G <= t of the reading query.
 
-Bytes (``channel_key_cache_bytes``), per layer and sequence of S slots: S (2 K D + 4 K) for the int8 keys,
+Bytes (``dantinox.kv.sizes``, from the codec's fields), per layer and sequence of S slots: S (2 K D + 4 K) for the
+int8 keys,
 values and value scales, ceil(S / G) K D 4 for the key scales and 2 G K D 4 for the residual ring (the static
-cache allocates exactly these arrays, ``dantinox.model.channel_layout``; float32 sinks come on top when A > 0).
+cache allocates exactly these arrays, ``dantinox.kv.channel_layout``; float32 sinks come on top when A > 0).
 Per token that is 2 K D + 4 K + 4 K D / G against 2 K (D + 4) for per-token keys: at G = D (64 for SmolLM2)
 exactly the per-token layout's bytes per token; G = 32 at D = 64 costs 4 K bytes more. The ring is a fixed
 2 G K D 4 per layer and sequence (SmolLM2, G = 64: 96 KiB per layer, 2.8 MiB over its 30 layers).
 
-Where it runs: the static cache (``dantinox.model.channel_layout.ChannelQuantLayerKV``, so the compiled decode
+Where it runs: the static cache (``dantinox.kv.channel_layout.ChannelQuantLayerKV``, so the compiled decode
 loop, ``dantinox generate`` / ``verify`` / ``budget`` / ``eval``) and the eval view
 ``dantinox.quality.channel_keys`` (keys stored in float32 and quantized on read: the same numbers). The shared
 write primitives below (``group_span``, ``reads_int8``, ``span_slots``) serve any cache that stores the layout.
@@ -44,13 +45,12 @@ write primitives below (``group_span``, ``reads_int8``, ``span_slots``) serve an
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from .kv_rows import QMAX, SCALE_BYTES, SCALE_DTYPE
+from .int8_rows import QMAX, SCALE_DTYPE
 
 DEFAULT_GROUP = 64   # G: key scales then cost 4 K bytes per token, as per-token rows do (KIVI uses 32 and 128;
                      # on SmolLM2 G = 64 measured better than 32, docs/quantization.md)
@@ -112,7 +112,7 @@ def config_with_kv_keys(cfg: ModelConfig, keys: str | None, group: int | None = 
 def with_kv_keys(model, keys: str | None, group: int | None = None):
     """The model with ``config_with_kv_keys(model.cfg, keys, group)`` (the same parameter arrays; the model
     itself when nothing changes). Raises ValueError as ``config_with_kv_keys``."""
-    from .kv_dtype import with_config
+    from ..quant.kv_dtype import with_config
     return with_config(model, config_with_kv_keys(model.cfg, keys, group))
 
 
@@ -192,23 +192,6 @@ def ring_group(ring: jax.Array, cache_index: jax.Array, group: int) -> jax.Array
     return jnp.take_along_axis(ring, (j % R)[:, None, :, None], axis=-2)
 
 
-def channel_key_cache_bytes(cfg: ModelConfig, seq_len: int, group: int) -> int:
-    """Bytes of one sequence's cache in the per-channel key layout (module docstring), every layer, sinks not
-    included: num_blocks x (S (2 K D + 4 K) + ceil(S / G) K D 4 + 2 G K D 4) with S = seq_len (the
-    residual is a ring of 2 G slots; the caches pass G = ``cfg.key_group``).
-    MHA / GQA / MQA only; raises ValueError for attention="mla" or a bad seq_len / group."""
-    if cfg.attention == "mla":
-        raise ValueError("per-channel keys (--kv-keys channel) are defined for MHA / GQA / MQA caches, not "
-                         "attention='mla' (its latent has no per-head keys)")
-    if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r} is not allowed: an integer >= 1")
-    G, K, D = check_group(group), cfg.kv_heads, cfg.head_size
-    S = seq_len
-    per_layer = (S * (2 * K * D + SCALE_BYTES * K) + math.ceil(S / G) * K * D * SCALE_BYTES
-                 + ring_slots(G) * K * D * 4)
-    return cfg.num_blocks * per_layer
-
-
-__all__ = ["DEFAULT_GROUP", "KEY_LAYOUTS", "RING_GROUPS", "channel_key_cache_bytes", "channel_roundtrip",
+__all__ = ["DEFAULT_GROUP", "KEY_LAYOUTS", "RING_GROUPS", "channel_roundtrip",
            "check_group", "check_spec_group", "config_with_kv_keys", "dequantize_channels", "group_span",
            "quantize_channels", "reads_int8", "ring_group", "ring_slots", "span_slots", "with_kv_keys"]

@@ -1,5 +1,5 @@
 """The two batched matmuls of grouped-query attention, shared by every attention over a KV cache
-(``dantinox.model.attention``, ``dantinox.model.channel_attention``, the cache views). Shape letters as in
+(``dantinox.model.attention``, ``dantinox.kv.channel_attention``, the cache views). Shape letters as in
 ``dantinox.model.attention``.
 """
 

@@ -1,10 +1,10 @@
 """ResidualSlots: which residual slot of a per-channel key pool each running sequence reads and writes (plain
 Python).
 
-With per-channel int8 keys (KIVI, ``dantinox.serving.paged_channel_keys``) the keys of a sequence's group still
+With per-channel int8 keys (KIVI, ``dantinox.kv.channel_paged``) the keys of a sequence's group still
 filling (fewer than G tokens) stay in float32, in a residual slot of the pool ([Q, 2 G, K, D] per layer: a ring
 that also keeps the group before, for speculative rollbacks), until the group completes and is quantized into
-its block. Unlike the sink slots (``dantinox.serving.sink_slots``) a
+its block. Unlike the sink slots (``dantinox.kv.sink_slots``) a
 residual is never shared: only full blocks enter the prefix cache, and all their groups are complete, so a
 prefix hit starts with an empty residual (a hit on a whole prompt resumes at a group boundary,
 ``ContextPolicy.resume_align``), and n > 1 choices take their prompt blocks from the prefix cache. So a slot

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..quant.block_kernel import ATTENTION_TARGET, ISA_CODES, extension
-from .cache import LayerKV
 
 ENV = "DANTINOX_ATTENTION_KERNEL"
 
@@ -57,7 +56,8 @@ def decode_kernel_applies(q: jax.Array, old, sinks) -> bool:
 def _kernel_reads(q: jax.Array, old) -> bool:
     """The kernel can attend q [B, K, G, T, D] over cache layer ``old``: a float32 LayerKV of q's head size
     (MLA's expanded values are narrower), float32 q, no ambient mesh, the kernel available."""
-    return (type(old) is LayerKV and q.shape[-1] == old.k.shape[-1] == old.v.shape[-1]
+    return (getattr(old, "_fields", None) == ("k", "v") and old.k.ndim == 4   # a float LayerKV's layout
+            and q.shape[-1] == old.k.shape[-1] == old.v.shape[-1]
             and q.dtype == jnp.float32 and old.k.dtype == jnp.float32 and old.v.dtype == jnp.float32
             and jax.sharding.get_abstract_mesh().empty and kernel_available())
 

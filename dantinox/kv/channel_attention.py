@@ -1,6 +1,6 @@
 """Attention over the per-channel int8 key cache (KIVI, Liu et al. 2024, sections 3.2-3.3): it reads and
-writes ``dantinox.model.channel_layout.ChannelQuantLayerKV`` (what is stored there; the read rule and bytes
-are ``dantinox.quant.kv_channels``'s). Shape letters as there; Lx the slots of the span a write touches.
+writes ``dantinox.kv.channel_layout.ChannelQuantLayerKV`` (what is stored there; the read rule and bytes
+are ``dantinox.kv.channel_keys``'s). Shape letters as there; Lx the slots of the span a write touches.
 
 Writes. A call writing T tokens at slot c of a row assembles the span of groups it touches, from the start
 r0 = (c // G) G of the group it begins in: the residual's first c - r0 keys, then the new keys
@@ -26,7 +26,7 @@ completed a group the row then continues inside. The residual is a ring of 2 G s
 last write ended in and the one before (``_write``), so the next write still assembles that group from its
 float keys and quantizes it again when it completes; the group's stale codes are never read meanwhile (the
 read rule). This needs the rolled-back write to span at most G slots: spec_tokens + 1 <= G
-(``dantinox.quant.kv_channels.check_spec_group``). Slots are grouped from slot 0, not from key_start.
+(``dantinox.kv.channel_keys.check_spec_group``). Slots are grouped from slot 0, not from key_start.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..quant.kv_channels import group_span, quantize_channels, reads_int8, ring_group
-from ..quant.kv_rows import dequantize_rows
-from ..quant.kv_sinks import SINK_DTYPE, write_sinks
-from .cache import LayerKV, write_layer
+from .channel_keys import group_span, quantize_channels, reads_int8, ring_group
+from .int8_rows import dequantize_rows
+from .sinks import SINK_DTYPE, write_sinks
+from .static import LayerKV, write_layer
 from .channel_layout import ChannelQuantLayerKV
 from .scores import grouped_scores, grouped_values
 
@@ -95,7 +95,7 @@ def written_sinks(cfg, layer, k, stored, cache_index, key_start):
     cfg.sink_slots). layer: the ChannelQuantLayerKV whose sinks are updated, or None (zeros: the uncached
     forward); k: [B, K, T, D] (its shape only); stored: ``channel_attention``'s (stored[4], stored[5]: the new
     keys and values in full); cache_index: [B] int32; key_start: [B] int32 or None
-    (``dantinox.quant.kv_sinks.write_sinks``)."""
+    (``dantinox.kv.sinks.write_sinks``)."""
     B, K, _, D = k.shape
     A = cfg.sink_slots
     if layer is None:

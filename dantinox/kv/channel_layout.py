@@ -1,6 +1,6 @@
 """The static cache's per-channel int8 key layout (KIVI, Liu et al. 2024, sections 3.2-3.3; the layout, read
-rule and bytes are ``dantinox.quant.kv_channels``'s): ``ChannelQuantLayerKV``, its shapes and allocation. The
-attention that writes and reads it is ``dantinox.model.channel_attention``.
+rule and bytes are ``dantinox.kv.channel_keys``'s): ``ChannelQuantLayerKV``, its shapes and allocation. The
+attention that writes and reads it is ``dantinox.kv.channel_attention``.
 
 What one layer stores (B batch, K KV heads, S slots, D head size, G = cfg.key_group, N = ceil(S / G),
 A = cfg.sink_slots):
@@ -11,8 +11,8 @@ A = cfg.sink_slots):
     After a write ending at slot e it holds the float keys of the groups e // G - 1 and e // G (the filling
     one), so a speculative rollback into the group before still finds its keys (``kv_channels``, Rollback).
     Rows have their own cache_index, so their own ring.
-  - v: [B, K, S, D] int8 and v_scale: [B, K, S, 1] float32, values per token (``dantinox.quant.kv_rows``).
-  - k_sink, v_sink: [B, K, A, D] float32, the row's first A tokens in full (``dantinox.quant.kv_sinks``).
+  - v: [B, K, S, D] int8 and v_scale: [B, K, S, 1] float32, values per token (``dantinox.kv.int8_rows``).
+  - k_sink, v_sink: [B, K, A, D] float32, the row's first A tokens in full (``dantinox.kv.sinks``).
 S need not be a multiple of G: the last, partial group never completes and stays in the residual.
 """
 
@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from ..config import ModelConfig
-from ..quant.kv_channels import RING_GROUPS, ring_slots
-from ..quant.kv_rows import SCALE_DTYPE
-from ..quant.kv_sinks import SINK_DTYPE
+from .channel_keys import RING_GROUPS, ring_slots
+from .int8_rows import SCALE_DTYPE
+from .sinks import SINK_DTYPE
 from .zero_pages import zeros
 
 class ChannelQuantLayerKV(NamedTuple):

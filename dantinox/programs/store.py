@@ -49,7 +49,7 @@ import numpy as np
 from jax import export
 from jax._src import config as jax_config   # trace_context: the settings jit keys its cache with
 
-from .xla import compilation_cache_dir
+from ..xla import compilation_cache_dir
 
 log = logging.getLogger("dantinox.programs")
 ENV = "DANTINOX_PROGRAM_STORE"
@@ -411,7 +411,7 @@ def _environment() -> list[str]:
     import flax
     import jaxlib
 
-    from ._version import __version__
+    from .._version import __version__
     device = jax.devices()[0]
     env = sorted(f"{k}={v}" for k, v in os.environ.items()
                  if (k.startswith("DANTINOX_") and k not in _NOT_KEYED) or k == "XLA_FLAGS")
