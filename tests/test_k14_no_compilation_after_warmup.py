@@ -9,14 +9,15 @@ zero, under both policies, with and without the persistent program store (serve 
 Each case starts from empty caches (``jax.clear_caches``, ``clear_programs``), as a new server process does:
 otherwise a program compiled by an earlier case would hide a compilation here.
 
-Known fault (the ``store-on`` cases, marked xfail until the engine is fixed): the warm-up lowers the block moves
-(``PagedEngine._warm_block_moves``: ``copy_blocks`` / ``read_blocks`` / ``write_blocks``.lower(self.pool, ...)
-.compile()) with the pool fresh from ``init_pool``, whose arrays are uncommitted (argument sharding
-UnspecifiedValue), while the step calls them with the pool that the stored forward program returned, whose arrays
-are committed (SingleDeviceSharding): jit's cache key differs, so ``copy_blocks`` compiles at the first
-copy-on-write and ``read_blocks`` / ``write_blocks`` at the first swap. With the store off, ``forward_step`` is a
-plain jit whose outputs stay uncommitted, and nothing compiles. Committing the pool where it is made (placing it
-on the engine's device) gives zero in all four cases."""
+Known fault (the ``store-on`` cases, strict xfail until the engine is fixed): the warm-up lowers the block moves
+(``CacheManager.warm_block_moves`` in dantinox/kv/manager.py: ``copy_blocks`` / ``read_blocks`` /
+``write_blocks``.lower(self.pool, ...).compile()) with the pool fresh from ``init_pool``, whose arrays are
+uncommitted (argument sharding UnspecifiedValue: ``PagedEngine._place_pool`` returns it as it is), while the
+step calls them with the pool the stored forward program returned, whose arrays are committed
+(SingleDeviceSharding): jit's cache key differs, so ``copy_blocks`` compiles at the first copy-on-write and
+``read_blocks`` / ``write_blocks`` at the first swap. With the store off, ``forward_step`` is a plain jit whose
+outputs stay uncommitted, and nothing compiles. ``_place_pool`` committing the pool to the engine's device
+(``jax.device_put(pool, device)``) gives zero in all four cases."""
 
 import jax
 import numpy as np
@@ -25,7 +26,7 @@ from conftest import tiny_config
 from serving_util import drain, lively_model, make_engine
 
 import dantinox as dx
-from dantinox.program_store import clear_programs
+from dantinox.programs.store import clear_programs
 from dantinox.serving.request import SamplingOptions
 
 CFG = tiny_config(attention="gqa", kv_heads=2, max_context=64)
@@ -65,7 +66,8 @@ def test_k14_no_compilation_after_warmup(model, store, policy):
         for i, n in enumerate([3, 17, 30, 6, 9]):                 # more than 14 blocks: preemption
             engine.add_request(rng.integers(0, CFG.vocab_size, n).tolist(),
                                SamplingOptions(max_new_tokens=12 + i, temperature=0.5 * (i % 2), seed=i))
-        drain(engine)
+        results = drain(engine)
+    assert {reason for _, reason in results.values()} <= {"length", "stop"}, results   # no failed step
     stats = engine.stats()
     assert stats["cow_copies"] >= 1 and stats["prefix_cache_hits"] >= 2 and stats["preemptions"] >= 1, stats
     assert counted.compilations == 0 and counted.cache_hits == 0, counted

@@ -104,8 +104,8 @@ class CacheManager:
         sequence that lacks one (``running``: the scheduler's running requests), swap-ins written back and
         copy-on-write copies made."""
         for req, blocks in sched.swap_out:
-            req.swap_data = self.read_host(blocks), self._read_sinks(req.request_id),
-            self._read_residual(req.request_id)
+            req.swap_data = (self.read_host(blocks), self._read_sinks(req.request_id),
+                             self._read_residual(req.request_id))
         for req in sched.preempted:
             self.release(req.request_id)
         if self.sinks is not None:  # copies of first blocks first: a hit may read its sinks through the copy
