@@ -17,6 +17,7 @@ once, so a file being written shows each line as it is logged.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import Callable
@@ -26,9 +27,9 @@ from tqdm.auto import tqdm
 DEFAULT_EVERY_S = 30.0   # seconds between two plain progress lines
 
 
-def flushed_print(line: str) -> None:
-    """print(line), flushed at once (stdout to a file is block-buffered otherwise: minutes without a line)."""
-    print(line, flush=True)
+# ``print`` flushed at once (stdout to a file is block-buffered otherwise: minutes without a line); the trainer's
+# default log, as ``print`` itself was
+flushed_print = functools.partial(print, flush=True)
 
 
 class StepProgress:
