@@ -2,6 +2,7 @@
 
   memory.py       KV bytes per token and per sequence, weights, the largest batch, capacity for a request mix
   per_device.py   the same per device on a (data, model) mesh, replication counted
+  size_flags.py   a memory size typed on a command line ("40GB"), refused naming the flag and the value
 """
 
 from .memory import (CapacityPlan, MemorySplit, kv_bytes_per_token, kv_cache_bytes, kv_channel_key_cache_bytes,

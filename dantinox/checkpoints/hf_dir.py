@@ -30,6 +30,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ..runs.input_files import read_json
 from ..runs.chat import SPECIAL_TOKENS
 from ..runs.stop_ids import id_list, token_text
 from .errors import CheckpointError
@@ -90,11 +91,7 @@ def _json(path: str, name: str, required: bool = False) -> Any:
         if required:
             raise CheckpointError(f"SOURCE {path} has no {name}")
         return None
-    try:
-        with open(file, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{file}: not readable JSON ({err})") from err
+    return read_json(file, error=CheckpointError)   # naming the file: a directory, not UTF-8, not JSON
 
 
 def _weight_files(path: str) -> list[str]:

@@ -11,7 +11,8 @@ plan and ``dx.Generator`` work unchanged) plus three files of imported models:
   tokenizer.json          the checkpoint's ``tokenizers`` file (padded with unused special tokens
                           ``<|dantinox_unused_N|>`` when the embedding has more rows than the tokenizer has ids)
   model_summary.json      parameters, KV bytes per token, tokenizer kind, ``imported_from``, ``architecture``,
-                          ``stop_token_ids`` and ``stop_tokens`` (their texts), for reference
+                          ``stop_token_ids`` and ``stop_tokens`` (their texts), for reference, and
+                          ``weights_sha256`` (of model.safetensors, checked on load: ``dantinox.runs.weights_checksum``)
   chat_template.jinja     the chat template, verbatim (only when the checkpoint has one)
   generation_config.json  the checkpoint's generation defaults as given (HF generation_config.json keys:
                           temperature, top_p, top_k, do_sample, bos_token_id, ...) plus ``eos_token_ids``: every
@@ -40,6 +41,7 @@ import safetensors.numpy
 from .._version import __version__
 from ..kv.sizes import token_bytes
 from ..model.transformer import abstract_transformer
+from ..runs import weights_checksum
 from ..runs.files import atomic_write_bytes, atomic_write_json
 from ..runs.stop_ids import TOKENIZER_CONFIG, merge_stop_ids
 from ..runs.tokenizer import TextTokenizer
@@ -202,14 +204,16 @@ def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, c
     atomic_write_json(os.path.join(tmp, "config.json"), cfg.to_dict())
     arrays, layout = stored_arrays(params)
     metadata = {"format": "np", **({LAYOUT_KEY: json.dumps(layout)} if layout else {})}
-    atomic_write_bytes(os.path.join(tmp, "model.safetensors"), safetensors.numpy.save(arrays, metadata))
+    data = safetensors.numpy.save(arrays, metadata)
+    atomic_write_bytes(os.path.join(tmp, "model.safetensors"), data)
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     summary = {"dantinox_version": __version__, "parameters": int(sum(a.size for a in params.values())),
                "weight_format": weight_format(layout),
                "kv_bytes_per_token": int(token_bytes(cfg)),
                "tokenizer": tokenizer.kind, "imported_from": source, "architecture": spec.architecture,
                "stop_token_ids": gen["eos_token_ids"],
-               "stop_tokens": [tokenizer.hf.id_to_token(i) for i in gen["eos_token_ids"]]}
+               "stop_tokens": [tokenizer.hf.id_to_token(i) for i in gen["eos_token_ids"]],
+               weights_checksum.KEY: weights_checksum.sha256_hex(data)}
     atomic_write_json(os.path.join(tmp, "model_summary.json"), summary)
     atomic_write_json(os.path.join(tmp, GENERATION_FILE), gen)
     if special:

@@ -19,16 +19,14 @@ of ``jax.live_arrays()`` otherwise, as on CPU). Exit status 1 if any array size 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
 import jax
-import yaml
 
-from ..budget.memory import (kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes,
-                             parse_memory_size)
+from ..budget.memory import kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes
 from ..budget.per_device import plan_mesh
+from ..budget.size_flags import parse_size_flag
 from ..config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
 from ..kv.static import cache_nbytes
 from ..kv.cache import init_cache
@@ -136,10 +134,7 @@ def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, 
         dtype = canonical_dtype("cache_dtype", args.dtype or cfg.cache_dtype, CACHE_DTYPES)
     except ValueError:
         raise ValueError(f"--dtype {args.dtype!r} is not allowed: bf16, bfloat16, fp32, float32 or int8") from None
-    try:
-        device_bytes = parse_memory_size(args.device_memory)
-    except ValueError as err:
-        raise ValueError(f"--device-memory {args.device_memory!r}: {err}") from None
+    device_bytes = parse_size_flag("--device-memory", args.device_memory)
     if not 0 <= args.reserve_fraction < 1:
         raise ValueError(f"--reserve-fraction {args.reserve_fraction} is not allowed: a number in [0, 1) "
                          "(the share of device memory kept free)")
@@ -204,32 +199,28 @@ def default_contexts(max_context: int) -> list[int]:
 def load_config(args: argparse.Namespace) -> ModelConfig:
     """The ModelConfig named by --preset, --config or --run_dir; ValueError when none is given."""
     if getattr(args, "config", None):
-        return ModelConfig.from_dict(_model_fields(_read_mapping(args.config), args.config))
+        return ModelConfig.from_dict(_model_fields(_read_mapping(args.config, "--config"), args.config))
     if getattr(args, "run_dir", None):
         from ..runs.bundled import resolve_run_dir
 
         path = os.path.join(resolve_run_dir(args.run_dir), "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--run_dir {args.run_dir}: no config.json there")
-        return ModelConfig.from_dict(_model_fields(_read_mapping(path), path))
+        return ModelConfig.from_dict(_model_fields(_read_mapping(path, f"--run_dir {args.run_dir}:"), path))
     if getattr(args, "preset", None):
         return ModelConfig.from_preset(args.preset)
     raise ValueError("no model shape given: pass one of --preset NAME (e.g. --preset reference), "
                      "--config FILE or --run_dir DIR")
 
 
-def _read_mapping(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    is_json = path.endswith(".json")
-    try:
-        data = json.loads(text) if is_json else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as err:
-        raise ValueError(f"config file {path} is not valid {'JSON' if is_json else 'YAML'}: {err}") from err
+def _read_mapping(path: str, label: str) -> dict:
+    """The mapping in a YAML or JSON (``*.json``) file; ValueError naming ``label`` and the file otherwise
+    (``dantinox.runs.input_files``)."""
+    from ..runs.input_files import read_json, read_yaml
+
+    data = (read_json if path.endswith(".json") else read_yaml)(path, label)
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of ModelConfig fields")
+        raise ValueError(f"{label} {path}: a mapping of ModelConfig fields is required")
     return data
 
 

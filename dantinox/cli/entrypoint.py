@@ -257,13 +257,29 @@ def _error_text(err: Exception, args: argparse.Namespace, flags: dict[str, str])
     names the flag whose value is that file; a multi-line message (a YAML parser's) is joined into one."""
     text = str(err)
     filename = getattr(err, "filename", None)
-    if isinstance(err, OSError) and filename is not None and text.startswith("[Errno"):
-        flag = next((flags[dest] for dest, value in vars(args).items()
-                     if dest in flags and (value == filename or (isinstance(value, list) and filename in value))),
-                    None)
-        reason = err.strerror or type(err).__name__
-        text = f"{flag} {filename}: {reason}" if flag else f"{filename}: {reason}"
+    source = getattr(err, "input_file", None)   # (path, reason) of dantinox.runs.input_files
+    if source is not None:
+        named = _flag_holding(args, flags, source[0])
+        if named is not None and not text.startswith(named):   # the library named the file, not the flag
+            text = f"{named}: {source[1]}"
+    elif isinstance(err, OSError) and filename is not None and text.startswith("[Errno"):
+        named = _flag_holding(args, flags, filename)
+        text = f"{named or filename}: {err.strerror or type(err).__name__}"
     return " ".join(line.strip() for line in text.splitlines() if line.strip() not in ("", "^"))
+
+
+def _flag_holding(args: argparse.Namespace, flags: dict[str, str], filename: str) -> str | None:
+    """How the command line gave ``filename``: "--config x.yaml", "--slice rare=x.txt" (a NAME=FILE value), or
+    None when no flag holds it."""
+    for dest, value in vars(args).items():
+        if dest not in flags:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if item == filename:
+                return f"{flags[dest]} {filename}"
+            if isinstance(item, str) and item.endswith("=" + filename):
+                return f"{flags[dest]} {item}"
+    return None
 
 
 def _all_option_names(parser: argparse.ArgumentParser | None) -> dict[str, str]:

@@ -117,16 +117,11 @@ def parse_slices(specs: list[str]) -> dict[str, str]:
 
 
 def read_slice(name: str, path: str) -> str:
-    """The text of a slice file. Raises ValueError: missing, unreadable, not UTF-8, empty or blank."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as err:
-        raise ValueError(f"--slice {name}={path}: cannot read the file ({err.strerror or err})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--slice {name}={path}: not UTF-8 text (byte {err.start})") from None
+    """The text of a slice file. Raises ValueError naming --slice NAME=FILE: missing, a directory, unreadable, not
+    UTF-8 (``dantinox.runs.input_files``), empty or blank."""
+    from ..runs.input_files import read_text
+
+    text = read_text(path, f"--slice {name}=")
     if not text.strip():
         raise ValueError(f"--slice {name}={path}: the file is empty")
     return text

@@ -168,7 +168,7 @@ def _convert_trace(args) -> int:
     fmt, path = args.convert_from
     if fmt not in TRACE_FORMATS:
         raise ValueError(f"--from {fmt!r} is not allowed: one of {', '.join(TRACE_FORMATS)}")
-    records = convert_trace(fmt, path)
+    records = convert_trace(fmt, path, f"--from {fmt}")
     from ..plan.trace import trace_text
 
     _write(args.out, trace_text(records).encode())
@@ -200,7 +200,7 @@ def _one_candidate(path):
     from ..plan.candidate import Candidate
     from ..plan.inputs import load_candidates
 
-    return load_candidates(path)[0] if path else Candidate()
+    return load_candidates(path, "--config")[0] if path else Candidate()
 
 
 def run_simulate_cmd(args) -> int:

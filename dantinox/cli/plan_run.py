@@ -52,7 +52,9 @@ def build_plan(args) -> tuple[dict, dict, str]:
     price = positive_number("--price-per-hour", args.price_per_hour)
     device = parse_memory("--device-memory", args.device_memory)
     candidates = load_candidates(args.candidates) if args.candidates else default_candidates()
-    slices = [f"{name}={path}" for name, path in resolve_slice_specs(args.slice)] if args.slice else []
+    resolved = resolve_slice_specs(args.slice) if args.slice else []
+    slices = [f"{name}={path}" for name, path in resolved]
+    check_gate_inputs(args.gate, resolved)
     baseline, last_good = _baseline(args.baseline)
     run_dir, model, cfg, tok = load_model(args.run_dir, getattr(args, "max_context", None))
     weights = param_bytes(model)
@@ -81,6 +83,20 @@ def build_plan(args) -> tuple[dict, dict, str]:
                            if getattr(args, "spec_acceptance", None) is not None else {}),
                         "profile_sha256": [file_sha256(p) for p in args.profile or []]})
     return plan, ttfts, run_dir
+
+
+def check_gate_inputs(gate: str | None, slices: list) -> None:
+    """Read the --gate file and the --slice files now, as ``dantinox eval`` will after the profile: a file that
+    is missing, a directory, not UTF-8 or not YAML, a gate naming another slice, an empty slice, is one error
+    naming the flag and the file before minutes of profiling (``load_gate``, ``read_slice``)."""
+    from ..quality.gate import load_gate
+    from .eval import read_slice
+
+    if not gate:
+        return
+    load_gate(gate, [name for name, _ in slices])
+    for name, path in slices:
+        read_slice(name, path)
 
 
 def _with_speculation(args, candidates: list, requests: list) -> list:

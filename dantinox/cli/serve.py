@@ -1,6 +1,7 @@
 """``dantinox serve``: load a run directory, size the paged KV pool from a memory budget, serve over HTTP.
 
   dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB [--kv-memory-all]]
+                 [--kv-overcommit]
                  [--kv-dtype int8 [--kv-keys token|channel] [--kv-key-group G]]
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
@@ -10,8 +11,10 @@
 
 Without --kv-memory the pool holds max-running sequences of max_context tokens; --kv-memory sizes it from a
 byte budget, but takes no more blocks than those max-running sequences can use (--kv-memory-all takes every
-block the budget holds). At start the server logs "KV cache: N blocks = T tokens, max concurrency C at L
-tokens per request (M MiB = B bytes, ...)" (L = max_context; C = min(N // blocks per request, max-running)).
+block the budget holds). A pool in host memory (a CPU backend) larger than the memory the host has available
+is refused at start (``check_pool_fits_host``) unless --kv-overcommit is given. At start the server logs
+"KV cache: N blocks = T tokens, max concurrency C at L tokens per request (M MiB = B bytes, ...)"
+(L = max_context; C = min(N // blocks per request, max-running)).
 --kv-dtype (float32, bfloat16, int8; default the run's cache_dtype) sets the pool's dtype: the same
 --kv-memory holds 4D / (D + 4) times the blocks in int8 as in float32 for MHA / GQA / MQA of head size D
 (3.6x at D = 32; the float32 scales included, dantinox.kv.int8_rows), up to the max-running cap.
@@ -44,6 +47,7 @@ FastAPI and uvicorn are imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -54,6 +58,7 @@ import socket
 from ..parallel.mesh import mesh_from_flag, naming_flag, parse_mesh
 from ..kv.channel_keys import with_kv_keys
 from ..quant.weights import check_quantize, quantize_weights
+from .flags import option_names
 from .flags import add_mesh_argument, add_quantize_argument, add_speculative_arguments, speculative_from_args
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -76,12 +81,9 @@ GRACEFUL_SHUTDOWN_S = 5  # after Ctrl-C, seconds uvicorn waits for requests in f
 def parse_bytes(text: str, flag: str = "--kv-memory") -> int:
     """'2GB' -> 2_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (``dantinox.budget.memory.parse_memory_size``).
     Raises ValueError naming ``flag`` and the value."""
-    from ..budget.memory import parse_memory_size
+    from ..budget.size_flags import parse_size_flag
 
-    try:
-        return parse_memory_size(text)
-    except ValueError as err:
-        raise ValueError(f"{flag}: {err}") from None   # err names the value and what is allowed
+    return parse_size_flag(flag, text)
 
 
 def max_request_bytes(args: argparse.Namespace) -> int:
@@ -101,6 +103,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-all", action="store_true",
                    help="allocate every block --kv-memory holds, beyond what --max-running can use (more room "
                         "for the prefix cache)")
+    p.add_argument("--kv-overcommit", action="store_true",
+                   help="start even when the KV pool (in host memory, on a CPU) is larger than the memory the host "
+                        "has available; by default that is refused, since the server would be killed as it fills")
     add_mesh_argument(p)
     p.add_argument("--kv-dtype", default=None,
                    help="KV cache dtype: float32, bfloat16 or int8 (default: the run's cache_dtype)")
@@ -178,9 +183,9 @@ def kv_summary(engine) -> str:
                  f"takes those of the {size.budget} --kv-memory holds (--kv-memory-all takes them all)")
     elif fit > concurrency:
         line += f"; --max-running {engine.config.max_running} bounds the concurrency ({fit} would fit)"
-    available = host_available_bytes()
-    if available is not None and nbytes > available:
-        line += (f"\nwarning: the KV pool ({nbytes / 2**20:.0f} MiB) is larger than the memory this host has "
+    available, host = host_available_bytes(), pool_host_bytes(engine)
+    if available is not None and host is not None and host > available:   # started with --kv-overcommit
+        line += (f"\nwarning: the KV pool ({host / 2**20:.0f} MiB) is larger than the memory this host has "
                  f"available ({available / 2**20:.0f} MiB); its pages are taken as blocks fill, and the server "
                  f"may be killed when they run out: lower --kv-memory"
                  f"{'' if engine.config.kv_memory_all else ' or --max-running'}")
@@ -188,6 +193,36 @@ def kv_summary(engine) -> str:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")
     return line
+
+
+def pool_host_bytes(engine) -> int | None:
+    """Bytes of host memory the engine's KV pool takes once its blocks are written: every shard of every pool
+    array (the draft model's layers included) when they live on CPU devices, which all share the host's memory
+    (a CPU --mesh holds one copy per data replica); None when the pool lives on an accelerator's own memory."""
+    import jax
+
+    shards = [shard for leaf in jax.tree_util.tree_leaves(engine.pool) for shard in leaf.addressable_shards]
+    if not shards or any(shard.device.platform != "cpu" for shard in shards):
+        return None
+    return int(sum(shard.data.nbytes for shard in shards))
+
+
+def check_pool_fits_host(engine, overcommit: bool = False) -> None:
+    """Refuse a KV pool in host memory larger than the host's available memory (MemAvailable, read after the
+    model is loaded), as vLLM refuses a KV cache that does not fit its memory budget: the pool's pages become
+    resident only as blocks fill (``dantinox.model.zero_pages``), so such a pool starts, and the server is killed
+    by the kernel later, under load, taking every request in flight with it. ValueError naming the pool's size,
+    the memory available and the flags that fix it; ``overcommit`` (--kv-overcommit) starts it anyway (the
+    start-up line then carries a warning). Memory for compiled programs, swapped-out blocks (--policy swap) and
+    requests is not counted here: the check is a floor, not a guarantee."""
+    need, available = pool_host_bytes(engine), host_available_bytes()
+    if overcommit or need is None or available is None or need <= available:
+        return
+    lower = "--kv-memory" if engine.config.kv_memory_all else "--kv-memory or --max-running"
+    raise ValueError(f"the KV pool needs {need / 2**20:,.0f} MiB of host memory ({engine.allocator.num_blocks} "
+                     f"blocks of {engine.allocator.block_size} tokens) and this host has {available / 2**20:,.0f} "
+                     f"MiB available: the server would start and be killed once its blocks fill that far; lower "
+                     f"{lower}, or pass --kv-overcommit to start anyway")
 
 
 def host_available_bytes() -> int | None:
@@ -218,22 +253,23 @@ def _draft_share(engine) -> str:
 
 def apply_config_file(args: argparse.Namespace) -> None:
     """Fill ``args`` from ``args.config`` (a YAML or JSON mapping of flag names, dashes or underscores) where
-    the command line left a flag at its default. Raises ValueError naming the file and an unknown key, a
-    value of the wrong type, or a file that is not a mapping; FileNotFoundError for a missing file."""
-    import yaml
+    the command line left a flag at its default; ``args.config_keys`` records {attribute: key as written} of
+    the values taken (``naming_config_keys`` names them in later errors). Raises ValueError naming the file and
+    an unknown key, a value of the wrong type or outside the flag's choices, or a file that is not a mapping,
+    not UTF-8, not YAML / JSON or a directory; FileNotFoundError for a missing file
+    (``dantinox.runs.input_files``)."""
+    from ..runs.input_files import read_yaml
 
     if not getattr(args, "config", None):
         return
-    with open(args.config, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)  # JSON is YAML
-        except yaml.YAMLError as err:
-            raise ValueError(f"--config {args.config}: not valid YAML or JSON ({err})") from None
+    data = read_yaml(args.config, "--config")  # JSON is YAML
     if not isinstance(data, dict):
         raise ValueError(f"--config {args.config}: a mapping of serve flags is required")
     defaults = argparse.ArgumentParser()
     add_serve_arguments(defaults)
     default = vars(defaults.parse_args([]))
+    choices = {action.dest: action.choices for action in defaults._actions if action.choices}
+    args.config_keys = {}
     for key, value in data.items():
         attr = str(key).replace("-", "_")
         if attr not in default or attr == "config":
@@ -242,9 +278,40 @@ def apply_config_file(args: argparse.Namespace) -> None:
         expected = type(default[attr]) if default[attr] is not None else _INT_VALUED.get(attr, str)
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             kind = {int: "an integer", bool: "true or false", str: "a string"}.get(expected, expected.__name__)
-            raise ValueError(f"--config {args.config}: {key}={value!r} is not allowed: {kind}")
+            raise ValueError(f"--config {args.config}: {key} {value!r} is not allowed: {kind}")
+        if attr in choices and value not in choices[attr]:
+            raise ValueError(f"--config {args.config}: {key} {value!r} is not allowed: one of "
+                             f"{', '.join(choices[attr])}")
         if getattr(args, attr) == default[attr]:
             setattr(args, attr, value)
+            args.config_keys[attr] = str(key)
+
+
+@contextlib.contextmanager
+def naming_config_keys(args: argparse.Namespace):
+    """Errors raised inside name the --config file and the key, as the file spells it, when the flag they name
+    took its value from that file (``apply_config_file`` records which): "--max-running 0 is not allowed: an
+    integer >= 1" becomes "--config serve.yaml: max_running 0 is not allowed: an integer >= 1". An error about
+    a flag given on the command line is left as it is."""
+    try:
+        yield
+    except ValueError as err:
+        text = str(err)
+        parser = argparse.ArgumentParser()
+        add_serve_arguments(parser)
+        for attr, key in getattr(args, "config_keys", {}).items():
+            flag = option_names(parser).get(attr) or f"--{attr.replace('_', '-')}"
+            found = re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)
+            if found:
+                text = f"--config {args.config}: {text[:found.start()]}{key}{text[found.end():]}"
+                break
+        if text == str(err):
+            raise
+        try:
+            renamed = type(err)(text)
+        except TypeError:   # an error type whose constructor takes other arguments
+            renamed = ValueError(text)
+        raise renamed from None
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -452,6 +519,12 @@ def _request_log(args):
 def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``dantinox serve``; blocks until the server stops (Ctrl-C)."""
     apply_config_file(args)
+    with naming_config_keys(args):   # a bad value from --config names the file and its key
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """``run_serve`` once the --config file is applied: check, bind, load, warm up and serve."""
     check_serve_args(args)  # before uvicorn and the model are imported / loaded
     sock = bind_address(args.host, args.port)
     import uvicorn
@@ -466,6 +539,7 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging()
     log = logging.getLogger("dantinox.serving")
     engine, tokenizer, name = build_engine(args)   # checks the flags first
+    check_pool_fits_host(engine, getattr(args, "kv_overcommit", False))  # before the warm-up: refused in seconds
     if args.max_loaded_programs is not None:
         from ..programs.store import set_max_loaded_programs
         set_max_loaded_programs(args.max_loaded_programs)

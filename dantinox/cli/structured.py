@@ -10,7 +10,6 @@ status 2 and one line naming the flag (docs/structured-outputs.md).
 from __future__ import annotations
 
 import argparse
-import json
 
 from ..generation.grammar import GrammarError
 
@@ -54,14 +53,8 @@ def constraint_kwargs(args, gen) -> dict:
 
 
 def _read(flag: str, path: str):
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as err:
-        raise ValueError(f"{flag} {path}: {err.strerror or type(err).__name__}") from None
-    if flag != "--json-schema":
-        return text
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{flag} {path}: not valid JSON: {err}") from None
+    """The text of a --grammar file, the JSON of a --json-schema file (``dantinox.runs.input_files``: one
+    error naming the flag and the file for a missing, unreadable, non-UTF-8 or non-JSON file)."""
+    from ..runs.input_files import read_json, read_text
+
+    return read_json(path, flag) if flag == "--json-schema" else read_text(path, flag)

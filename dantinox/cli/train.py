@@ -9,9 +9,8 @@ import re
 import typing
 from typing import Any
 
-import yaml
-
 from ..config import ConfigError, ModelConfig, config_field_names, switch_attention
+from ..runs.input_files import read_yaml
 from ..runs.tokenizer import KINDS
 from ..train.trainer import RESUME_HINT, TrainConfig, TrainError, check_out_dir, train
 
@@ -53,7 +52,11 @@ def add_train_arguments(parser) -> None:
         extra = {"choices": list(KINDS)} if name == "tokenizer" else {}
         parser.add_argument(f"--{name}", type=kind, default=None, help=help_text, **extra)
     parser.add_argument("--no_resume", action="store_true", help="start over even if a checkpoint exists")
-    parser.add_argument("--no_progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no_progress", action="store_true",
+                        help="no progress bar (on a terminal) and no progress lines (elsewhere)")
+    parser.add_argument("--progress_every", type=float, default=None, metavar="SECONDS",
+                        help="when stderr is not a terminal: seconds between two progress lines (step, loss, lr, "
+                             "tok/s, ETA; default 30, 0: every step)")
     parser.add_argument("--fsdp", action="store_true", help="with --mesh: also split parameters and optimizer "
                         "state over the data axis")
 
@@ -75,8 +78,9 @@ def run_train_from_args(args) -> int:
         options["resume"] = False
     if args.fsdp:
         options["fsdp"] = True
+    every = {} if args.progress_every is None else {"progress_every_s": args.progress_every}
     try:
-        train(cfg, args.data, args.out, progress=not args.no_progress, **options)
+        train(cfg, args.data, args.out, progress=not args.no_progress, **every, **options)
     except TrainError as err:  # the Python remedy, in the flags a command-line user types
         raise TrainError(str(err).replace(RESUME_HINT, CLI_RESUME_HINT)) from None
     return 0
@@ -109,12 +113,9 @@ def resolve_cli_config(preset: str | None, config_path: str | None,
 
 
 def load_yaml_config(path: str) -> tuple[dict, dict]:
-    """(model fields, trainer options) from a YAML file. Raises ConfigError naming the file and the key."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"cannot read config file {path!r}: {err}") from err
+    """(model fields, trainer options) from a YAML file. Raises ConfigError naming --config, the file and the key
+    (a missing file: InputFileNotFound; ``dantinox.runs.input_files``)."""
+    data = read_yaml(path, "--config", ConfigError) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of ModelConfig fields")
     options = data.pop("train", None) or {}

@@ -7,12 +7,12 @@ and line, the value, and what is allowed; the CLI prints it and exits 2.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 
-from ..budget.memory import parse_memory_size
+from ..budget.size_flags import parse_size_flag
 from ..runs.bundled import bundled_run_dir
 from ..runs.run_dir import load_run
+from ..runs.input_files import read_json, read_yaml, where
 from .candidate import Candidate
 from .trace import TraceError, prompt_token_ids, read_trace
 
@@ -46,12 +46,9 @@ def positive_number(flag: str, value) -> float:
 
 
 def parse_memory(flag: str, text: str) -> int:
-    """'80GB', '512MiB', '1000' -> bytes, via ``dantinox.budget.memory.parse_memory_size``; ValueError
-    naming ``flag``."""
-    try:
-        return parse_memory_size(text)
-    except ValueError as err:
-        raise ValueError(f"{flag}={text!r} is not allowed: {err}") from None
+    """'80GB', '512MiB', '1000' -> bytes, via ``dantinox.budget.size_flags.parse_size_flag``; ValueError
+    naming ``flag``, the value and what is allowed."""
+    return parse_size_flag(flag, text)
 
 
 def file_sha256(path: str) -> str:
@@ -88,10 +85,11 @@ def with_max_context(model, cfg, max_context: int, flag: str = "--max-context"):
     return model, model.cfg
 
 
-def load_trace(path: str, cfg, tokenizer) -> tuple[list, list]:
-    """(requests, prompt ids) of a trace for the model; TraceError naming file and line for a bad request,
-    including a text prompt that, encoded, no longer fits the context."""
-    requests = read_trace(path, cfg.max_context)
+def load_trace(path: str, cfg, tokenizer, flag: str = "--trace") -> tuple[list, list]:
+    """(requests, prompt ids) of a trace for the model; TraceError naming ``flag``, the file and the line for a
+    bad request, including a text prompt that, encoded, no longer fits the context (``read_trace``)."""
+    requests = read_trace(path, cfg.max_context, flag)
+    path = where(flag, path)
     prompts = []
     for q in requests:
         try:
@@ -106,28 +104,27 @@ def load_trace(path: str, cfg, tokenizer) -> tuple[list, list]:
 
 
 def load_json(flag: str, path: str) -> dict:
-    """A JSON object from ``path``; ValueError naming the flag for unreadable or non-object JSON."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{flag} {path}: not valid JSON (line {err.lineno}: {err.msg})") from None
+    """A JSON object from ``path``; ValueError naming the flag and the file for a missing, unreadable, non-UTF-8
+    or non-JSON file (``dantinox.runs.input_files``) or JSON that is not an object."""
+    data = read_json(path, flag)
     if not isinstance(data, dict):
         raise ValueError(f"{flag} {path}: a JSON object is required")
     return data
 
 
-def load_candidates(path: str) -> list:
-    """Candidates from a YAML file: a list of mappings (Candidate fields), or {"candidates": [...]}."""
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as err:
-            raise ValueError(f"--candidates {path}: not valid YAML ({err})") from None
+def load_candidates(path: str, flag: str = "--candidates") -> list:
+    """Candidates from a YAML file: a list of mappings (Candidate fields), or {"candidates": [...]}.
+    ValueError naming ``flag`` and the file: a missing,
+    unreadable, non-UTF-8 or non-YAML file (``dantinox.runs.input_files``), no candidates, a bad field."""
+    data = read_yaml(path, flag)
     if isinstance(data, dict):
         data = data.get("candidates")
     if not isinstance(data, list) or not data:
-        raise ValueError(f"--candidates {path}: a non-empty list of candidates is required")
-    return [Candidate.from_dict(d) for d in data]
+        raise ValueError(f"{flag} {path}: a non-empty list of candidates is required")
+    out = []
+    for d in data:
+        try:
+            out.append(Candidate.from_dict(d))
+        except ValueError as err:
+            raise ValueError(f"{flag} {path}: {err}") from None
+    return out

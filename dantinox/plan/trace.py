@@ -47,6 +47,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..runs.input_files import read_text, where
+
 ARRIVAL_PROCESSES = ("poisson", "gamma")
 _KNOWN = {"arrival", "prompt", "prompt_ids", "prompt_tokens", "max_tokens", "temperature", "top_p", "top_k",
           "seed", "slice", "prefix", "prefix_tokens", "hash_ids", "block_tokens", "spec_acceptance"}
@@ -184,19 +186,20 @@ def _check_sampling(obj: dict, where: str) -> None:
             raise TraceError(f"{where}: {name}={obj[name]!r} is not allowed: a string")
 
 
-def read_trace(path: str, max_context: int | None = None) -> list[TraceRequest]:
-    """Read and check a JSONL trace. Blank lines are skipped. Raises TraceError naming the file and line:
-    invalid JSON, a missing or bad field, a negative or decreasing arrival, a request longer than
-    ``max_context``; FileNotFoundError for a missing file."""
+def read_trace(path: str, max_context: int | None = None, label: str | None = None) -> list[TraceRequest]:
+    """Read and check a JSONL trace. Blank lines are skipped. Raises TraceError naming the file (after
+    ``label``, e.g. "--trace") and line: invalid JSON, a missing or bad field, a negative or decreasing arrival,
+    a request longer than ``max_context``; a file that is a directory, unreadable or not UTF-8
+    (``dantinox.runs.input_files``); InputFileNotFound (a FileNotFoundError) for a missing file."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                out.append((lineno, parse_line(text, lineno, max_context)))
-            except TraceError as err:
-                raise TraceError(f"{path} {err}") from None
+    name = where(label, path)
+    for lineno, text in enumerate(read_text(path, label, TraceError).split("\n"), 1):
+        if not text.strip():
+            continue
+        try:
+            out.append((lineno, parse_line(text, lineno, max_context)))
+        except TraceError as err:
+            raise TraceError(f"{name} {err}") from None
     if out and all(req.source == REQUEST_LOG for _, req in out):   # written as requests finished
         kept = sorted(((req.arrival, lineno, req) for lineno, req in out if req.max_tokens > 0),
                       key=lambda t: t[:2])
@@ -204,14 +207,14 @@ def read_trace(path: str, max_context: int | None = None) -> list[TraceRequest]:
     last = 0.0
     for lineno, req in out:
         if req.arrival < last:
-            raise TraceError(f"{path} line {lineno}: arrival={req.arrival} is not allowed: arrivals must "
+            raise TraceError(f"{name} line {lineno}: arrival={req.arrival} is not allowed: arrivals must "
                              f"not decrease (previous {last})")
         if req.max_tokens < 1:
-            raise TraceError(f"{path} line {lineno}: max_tokens=0 is not allowed in a trace mixing request-log "
+            raise TraceError(f"{name} line {lineno}: max_tokens=0 is not allowed in a trace mixing request-log "
                              "and other lines")
         last = req.arrival
     if not out:
-        raise TraceError(f"{path}: the trace has no requests")
+        raise TraceError(f"{name}: the trace has no requests")
     return [req for _, req in out]
 
 
@@ -325,7 +328,7 @@ def generate_trace(spec: TraceSpec) -> list[dict]:
     bad arguments, FileNotFoundError for a missing text file."""
     spec.validate()
     rng = np.random.Generator(np.random.PCG64(spec.seed))
-    texts = {c.name: [ln for ln in open(c.text_file, encoding="utf-8").read().splitlines(True) if ln.strip()]
+    texts = {c.name: [ln for ln in read_text(c.text_file, error=TraceError).splitlines(True) if ln.strip()]
              for c in spec.classes if c.text_file}
     weights = np.array([c.weight for c in spec.classes], float)
     arrivals = np.cumsum(_gaps(spec, rng))

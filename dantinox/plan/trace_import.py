@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+from ..runs.input_files import read_text, where
 from .trace import MOONCAKE_BLOCK_TOKENS, TraceError, _is_int, _is_num, read_trace
 
 TRACE_FORMATS = ("mooncake", "request-log")
@@ -46,39 +47,40 @@ def _mooncake_line(obj, where: str) -> dict:
     return obj
 
 
-def read_mooncake(path: str) -> list[dict]:
+def read_mooncake(path: str, label: str | None = None) -> list[dict]:
     """The Mooncake trace at ``path`` as trace records (see the module docstring). Raises TraceError naming the
-    file and line (not JSON, a missing, unknown or bad field, a decreasing timestamp, no requests) and
-    FileNotFoundError."""
+    file (after ``label``, e.g. "--from mooncake") and line (not JSON, a missing, unknown or bad field, a
+    decreasing timestamp, no requests), or the file (a directory, unreadable, not UTF-8:
+    ``dantinox.runs.input_files``), and InputFileNotFound (a FileNotFoundError)."""
     out, first, last = [], None, 0.0
-    with open(path, encoding="utf-8") as f:
-        for lineno, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                obj = _mooncake_line(json.loads(text), where)
-            except json.JSONDecodeError as err:
-                raise TraceError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            if obj["timestamp"] < last:
-                raise TraceError(f"{where}: timestamp={obj['timestamp']} is not allowed: timestamps must not "
-                                 f"decrease (previous {last})")
-            last = obj["timestamp"]
-            first = obj["timestamp"] if first is None else first
-            rec = {"arrival": round((obj["timestamp"] - first) / 1000.0, 6), "prompt_tokens": obj["input_length"],
-                   "max_tokens": obj["output_length"]}
-            if obj.get("hash_ids"):
-                rec["hash_ids"], rec["block_tokens"] = list(obj["hash_ids"]), MOONCAKE_BLOCK_TOKENS
-            out.append(rec)
+    name = where(label, path)
+    for lineno, text in enumerate(read_text(path, label, TraceError).split("\n"), 1):
+        if not text.strip():
+            continue
+        at = f"{name} line {lineno}"
+        try:
+            obj = _mooncake_line(json.loads(text), at)
+        except json.JSONDecodeError as err:
+            raise TraceError(f"{at}: not valid JSON ({err.msg} at column {err.colno})") from None
+        if obj["timestamp"] < last:
+            raise TraceError(f"{at}: timestamp={obj['timestamp']} is not allowed: timestamps must not "
+                             f"decrease (previous {last})")
+        last = obj["timestamp"]
+        first = obj["timestamp"] if first is None else first
+        rec = {"arrival": round((obj["timestamp"] - first) / 1000.0, 6), "prompt_tokens": obj["input_length"],
+               "max_tokens": obj["output_length"]}
+        if obj.get("hash_ids"):
+            rec["hash_ids"], rec["block_tokens"] = list(obj["hash_ids"]), MOONCAKE_BLOCK_TOKENS
+        out.append(rec)
     if not out:
-        raise TraceError(f"{path}: the trace has no requests")
+        raise TraceError(f"{name}: the trace has no requests")
     return out
 
 
-def read_request_log(path: str) -> list[dict]:
+def read_request_log(path: str, label: str | None = None) -> list[dict]:
     """A request log as plain trace records in arrival order (arrival, prompt_tokens, max_tokens, slice)."""
     out = []
-    for req in read_trace(path):
+    for req in read_trace(path, label=label):
         rec = {"arrival": req.arrival, "prompt_tokens": req.prompt_tokens, "max_tokens": req.max_tokens}
         if req.slice != "default":
             rec["slice"] = req.slice
@@ -86,11 +88,11 @@ def read_request_log(path: str) -> list[dict]:
     return out
 
 
-def convert_trace(fmt: str, path: str) -> list[dict]:
+def convert_trace(fmt: str, path: str, label: str | None = None) -> list[dict]:
     """Trace records converted from ``path`` in format ``fmt`` (one of TRACE_FORMATS). Raises ValueError for
-    another format, TraceError for a bad line (naming it), FileNotFoundError."""
+    another format, TraceError for a bad line or file (naming it after ``label``), FileNotFoundError."""
     if fmt == "mooncake":
-        return read_mooncake(path)
+        return read_mooncake(path, label)
     if fmt == "request-log":
-        return read_request_log(path)
+        return read_request_log(path, label)
     raise ValueError(f"format={fmt!r} is not allowed: one of {', '.join(TRACE_FORMATS)}")

@@ -20,7 +20,7 @@ import math
 import os
 from typing import Mapping
 
-import yaml
+from ..runs.input_files import read_yaml
 
 GATE_METRICS = ("loss_change_pct", "agreement_min", "max_logit_diff")
 
@@ -32,15 +32,12 @@ class GateError(ValueError):
 def load_gate(path: str | os.PathLike, slice_names) -> dict[str, dict[str, float]]:
     """Read a gate file; returns {slice: {metric: threshold}}.
 
-    Raises GateError: unreadable file or YAML, no top-level ``slices`` mapping, a slice not among slice_names,
+    Raises GateError: a file that is a directory, unreadable, not UTF-8 or not YAML
+    (``dantinox.runs.input_files``; InputFileNotFound for a missing one),
+    no top-level ``slices`` mapping, a slice not among slice_names,
     a metric not in GATE_METRICS, a threshold that is not a finite number >= 0.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise GateError(f"--gate {path}: cannot read it as YAML ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    data = read_yaml(path, "--gate", GateError)
     if not isinstance(data, Mapping) or set(data) != {"slices"} or not isinstance(data["slices"], Mapping):
         raise GateError(f"--gate {path}: expected one top-level key 'slices' mapping slice names to thresholds")
     gate = {}

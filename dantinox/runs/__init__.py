@@ -6,6 +6,8 @@
   stop_ids.py        the token ids that end generation (end of turn / end of text), merged from the run's files
   bundled.py         the run directories and quality slices shipped in the package, by name
   files.py           writes that leave the old content or the new, never half of either
+  input_files.py     files a user names (configs, traces, gates): read as UTF-8 / YAML / JSON, one error line
+  weights_checksum.py  the SHA-256 of model.safetensors: recorded at save, checked at load
   chars_per_token.py the most characters one token stands for: a lower bound on a text's tokens from its length
   interrupts.py      Ctrl-C: loops that stop at a whole state and say what they kept
 """

@@ -7,7 +7,9 @@
                        (``dantinox.quant.block_linear``), rebuilt as BlockLinear / BlockEmbed modules on load
   tokenizer.json       the Hugging Face ``tokenizers`` file (see ``dantinox.runs.tokenizer``)
   model_summary.json   parameter count, KV-cache bytes per token, validation loss, training time, tokens
-                       seen, steps, tokenizer kind, data file name and SHA-256, dantinox version
+                       seen, steps, tokenizer kind, data file name and SHA-256, dantinox version, and
+                       ``weights_sha256``: the SHA-256 of model.safetensors, checked on load
+                       (``dantinox.runs.weights_checksum``)
   training_log.csv     one row per evaluation: step, lr, train_loss, val_loss, tokens_per_s, elapsed_s
 
 Every file is written atomically (temporary file, fsync, ``os.replace``). :func:`load_run` checks each file
@@ -33,6 +35,8 @@ from ..parallel.distributed import to_host
 from ..model.transformer import Transformer, abstract_transformer
 from .files import atomic_write_bytes, atomic_write_json
 from .tokenizer import TextTokenizer
+from . import weights_checksum as checksum
+from .input_files import InputFileNotFound, read_json
 from .._version import __version__
 from ..kv.sizes import token_bytes
 from .bundled import bundled_names, resolve_run_dir
@@ -82,11 +86,12 @@ def save_run(out_dir: str | os.PathLike, model: nnx.Module, cfg: ModelConfig, to
     os.makedirs(out_dir, exist_ok=True)
     arrays = param_arrays(model)
     atomic_write_json(os.path.join(out_dir, CONFIG_FILE), cfg.to_dict())
-    atomic_write_bytes(os.path.join(out_dir, WEIGHTS_FILE), safetensors.numpy.save(arrays, {"format": "np"}))
+    data = safetensors.numpy.save(arrays, {"format": "np"})
+    atomic_write_bytes(os.path.join(out_dir, WEIGHTS_FILE), data)
     tokenizer.save(os.path.join(out_dir, TOKENIZER_FILE))
     summary = {"dantinox_version": __version__, "parameters": int(sum(a.size for a in arrays.values())),
                "kv_bytes_per_token": kv_bytes_per_token(cfg), "tokenizer": tokenizer.kind,
-               **(extra_summary or {})}
+               **(extra_summary or {}), checksum.KEY: checksum.sha256_hex(data)}
     atomic_write_json(os.path.join(out_dir, SUMMARY_FILE), summary)
 
 
@@ -115,7 +120,8 @@ def truncate_log(out_dir: str | os.PathLike, last_step: int) -> None:
     atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
 
 
-def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, TextTokenizer, dict]:
+def load_run(run_dir: str | os.PathLike, verify: bool = True) -> tuple[Transformer, ModelConfig, TextTokenizer,
+                                                                      dict]:
     """Load a run directory written by :func:`save_run`, or a bundled model by name (a path that does not
     exist but names one, see ``dantinox.runs.bundled``).
 
@@ -124,7 +130,9 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, Text
     Raises RunDirError naming the file: missing directory or file, unreadable JSON, an invalid config,
     a corrupt safetensors file, weights that do not match the config (missing / extra parameter, or a
     shape or dtype mismatch, with expected and found shapes), a tokenizer whose vocab_size differs from
-    config.vocab_size.
+    config.vocab_size, or weights whose SHA-256 is not the ``weights_sha256`` model_summary.json records
+    (``dantinox.runs.weights_checksum``; checked unless ``verify`` is False or DANTINOX_VERIFY_WEIGHTS=0; a
+    run directory without the entry loads unchecked).
     """
     run_dir = resolve_run_dir(run_dir)
     if not os.path.isdir(run_dir):
@@ -137,12 +145,25 @@ def load_run(run_dir: str | os.PathLike) -> tuple[Transformer, ModelConfig, Text
             hint = (" (it holds only a checkpoint: the training run did not finish; rerun the same "
                     "`dantinox train` command to resume it)") if unfinished else ""
             raise RunDirError(f"run directory {run_dir!r} has no {name}{hint}")
-    cfg = _load_config(os.path.join(run_dir, CONFIG_FILE))
-    tokenizer = _load_tokenizer(os.path.join(run_dir, TOKENIZER_FILE), cfg)
-    model = _abstract_model(cfg, os.path.join(run_dir, WEIGHTS_FILE))
-    _fill_params(model, os.path.join(run_dir, WEIGHTS_FILE))
     summary_path = os.path.join(run_dir, SUMMARY_FILE)
     summary = _read_json(summary_path) if os.path.isfile(summary_path) else {}
+    weights = os.path.join(run_dir, WEIGHTS_FILE)
+    expected = summary.get(checksum.KEY) if isinstance(summary, dict) else None
+    check = (checksum.WeightsCheck(weights, expected) if verify and isinstance(expected, str)
+             and checksum.verify_enabled() else None)   # hashes beside the loading below
+    cfg = _load_config(os.path.join(run_dir, CONFIG_FILE))
+    tokenizer = _load_tokenizer(os.path.join(run_dir, TOKENIZER_FILE), cfg)
+    try:
+        model = _abstract_model(cfg, weights)
+        _fill_params(model, weights)
+    except RunDirError:
+        damaged = check.mismatch() if check is not None else None
+        if damaged:   # a damaged file is the cause: say that rather than what it broke
+            raise RunDirError(damaged) from None
+        raise
+    damaged = check.mismatch() if check is not None else None
+    if damaged:
+        raise RunDirError(damaged)
     return model, cfg, tokenizer, summary
 
 
@@ -155,11 +176,11 @@ def read_summary(run_dir: str | os.PathLike) -> dict:
 
 
 def _read_json(path: str) -> Any:
+    """The JSON in ``path``; RunDirError naming it (missing, unreadable, not UTF-8, not JSON)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as err:
-        raise RunDirError(f"{path}: not readable JSON ({err})") from err
+        return read_json(path, error=RunDirError)
+    except InputFileNotFound as err:
+        raise RunDirError(str(err)) from None
 
 
 def _load_config(path: str) -> ModelConfig:

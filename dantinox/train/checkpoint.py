@@ -5,7 +5,9 @@ Layout of ``out_dir/checkpoint/``:
                                 entry per pytree leaf, keyed by its path joined with "/" (for example
                                 ``params/blocks/0/attn/qkv/kernel/value``).
   ``meta.json``                 step, numpy RNG state, elapsed time, tokens seen, the model config, the
-                                trainer options, the tokenizer and the name of the arrays file.
+                                trainer options, the tokenizer, the name of the arrays file and its SHA-256
+                                (``arrays_sha256``: a damaged arrays file is refused on resume, naming it; a
+                                checkpoint written without the entry resumes unchecked).
 
 Commit protocol: the arrays file for step N is written first (under a new name), then ``meta.json`` is
 replaced so that it points to it, and only then are older arrays files deleted. ``meta.json`` is the single
@@ -29,6 +31,7 @@ import safetensors.numpy
 
 from ..parallel.distributed import to_host
 from ..runs.files import atomic_write_bytes, atomic_write_json
+from ..runs.weights_checksum import file_sha256, sha256_hex, verify_enabled
 
 META_FILE = "meta.json"
 FORMAT_VERSION = 1
@@ -99,8 +102,10 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state, meta: dict) -> str:
     ckpt_dir = os.fspath(ckpt_dir)
     os.makedirs(ckpt_dir, exist_ok=True)
     name = f"state-{meta['step']:08d}.safetensors"
-    atomic_write_bytes(os.path.join(ckpt_dir, name), safetensors.numpy.save(flatten_tree(state)))
-    atomic_write_json(os.path.join(ckpt_dir, META_FILE), {**meta, "arrays": name, "format": FORMAT_VERSION})
+    data = safetensors.numpy.save(flatten_tree(state))
+    atomic_write_bytes(os.path.join(ckpt_dir, name), data)
+    atomic_write_json(os.path.join(ckpt_dir, META_FILE), {**meta, "arrays": name, "format": FORMAT_VERSION,
+                                                          "arrays_sha256": sha256_hex(data)})
     for old in os.listdir(ckpt_dir):
         if old.startswith("state-") and old.endswith(".safetensors") and old != name:
             os.remove(os.path.join(ckpt_dir, old))
@@ -129,12 +134,18 @@ def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict | None:
 def load_checkpoint(ckpt_dir: str | os.PathLike, template) -> tuple[Any, dict] | None:
     """Restore (state, meta) from ``ckpt_dir`` into the structure of ``template``; None if no checkpoint.
 
-    Raises CheckpointError naming the file for an unreadable arrays file or a tree that does not match.
+    Raises CheckpointError naming the file for an unreadable or damaged arrays file (its SHA-256 is not the
+    ``arrays_sha256`` meta.json records) or a tree that does not match.
     """
     meta = read_checkpoint_meta(ckpt_dir)
     if meta is None:
         return None
     path = os.path.join(os.fspath(ckpt_dir), meta["arrays"])
+    expected = meta.get("arrays_sha256")
+    found = file_sha256(path) if isinstance(expected, str) and verify_enabled() else expected
+    if found != expected:
+        raise CheckpointError(f"{path}: damaged: its sha256 is {found}, not the {expected} recorded in "
+                              f"{META_FILE} when the checkpoint was saved; restore it, or start the run over")
     try:
         arrays = safetensors.numpy.load_file(path)
     except Exception as err:  # safetensors raises its own error types for corrupt headers

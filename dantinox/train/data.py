@@ -15,7 +15,11 @@ from typing import Iterator
 
 import numpy as np
 
+from ..runs.input_files import fail
+from ..runs.input_files import read_text as read_text_file
 from ..runs.tokenizer import TextTokenizer
+
+LABEL = "training data file"   # how errors name the file (the command line names --data instead)
 
 
 class DataError(ValueError):
@@ -25,22 +29,16 @@ class DataError(ValueError):
 def read_text(path: str | os.PathLike) -> str:
     """The content of a UTF-8 text file.
 
-    Raises FileNotFoundError (naming the path) if it does not exist, DataError if it is empty or not UTF-8.
+    Raises InputFileNotFound (a FileNotFoundError naming the path) if it does not exist, DataError naming it if
+    it is a directory or a device, unreadable, not UTF-8 (the byte, its line and column) or empty
+    (``dantinox.runs.input_files``; the command line names its --data flag).
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"training data file {path!r} does not exist")
-    if not os.path.isfile(path):
-        raise DataError(f"training data file {path!r} is not a regular file (a directory or a device): give a "
-                        "UTF-8 text file")
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {err.start})") from err
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        fail(DataError, LABEL, path, "is not a regular file (a device or a pipe): give a UTF-8 text file")
+    text = read_text_file(path, LABEL, DataError)   # the file is hashed after reading, so it is read twice
     if not text:
-        raise DataError(f"{path}: the training data file is empty")
+        fail(DataError, LABEL, path, "the file is empty")
     return text
 
 

@@ -41,7 +41,6 @@ import functools
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -51,7 +50,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
 
 from ..config import ModelConfig
 from ..model.transformer import build_model
@@ -61,6 +59,7 @@ from ..runs import run_dir as rd
 from ..runs.interrupts import Interrupted, deferred_interrupts
 from ..runs.tokenizer import KINDS, MASK, TextTokenizer, train_tokenizer, with_mask_token
 from . import checkpoint as ckpt
+from .progress import DEFAULT_EVERY_S, StepProgress, flushed_print
 from .data import TokenData, file_sha256, read_text, sample_batch, split_text, val_batches
 from .init_from import init_from_run, load_source_tokenizer
 from .sharded import check_batch, constrain_state, place_batch, place_like, place_state
@@ -313,7 +312,7 @@ class _Session:
 
 def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.PathLike, *,
           log: Callable[[str], None] = print, progress: bool = True, stop_at: int | None = None,
-          **options: Any) -> dict:
+          progress_every_s: float = DEFAULT_EVERY_S, **options: Any) -> dict:
     """Train a model on a UTF-8 text file and write a run directory to ``out_dir``.
 
     cfg: model shape; its vocab_size is replaced by the tokenizer's.
@@ -323,9 +322,13 @@ def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.Path
     init_from (option): a run directory whose tokenizer (plus ``<mask>`` for diffusion) and weights start a
       fresh run (dantinox.train.init_from: AR -> diffusion adaptation); its validation loss before the first
       step is logged and kept as init_val_loss in the summary.
-    log: receives one line per evaluation and a start / end line.  progress: show a tqdm bar (only on a TTY).
+    log: receives one line per evaluation and a start / end line (``print``: flushed at once).
+    progress: show a tqdm bar when stderr is a terminal, else log a plain progress line (step, loss, lr, tok/s,
+      ETA) every progress_every_s seconds (``dantinox.train.progress``); False: neither.
     stop_at: stop after this step (writing a checkpoint and the run directory) even if steps is larger;
-      a later call with the same options resumes from there.
+      a later call with the same options resumes from there. Stopping before the end of the learning-rate
+      schedule (stop_at, or a resumed run's steps below its schedule_steps) is said in the log at the start
+      and in the last line, with the learning rate reached (``schedule_note``).
     Returns the model_summary.json dict: val_loss and train_loss (nats/token), val_nats_per_char, steps,
     tokens_seen, training_time_s (steps + evaluations, all sessions), tokens_per_s (training tokens per
     second of step time, compilation included), parameters, kv_bytes_per_token, data_file, data_sha256.
@@ -344,9 +347,31 @@ def train(cfg: ModelConfig, data_path: str | os.PathLike, out_dir: str | os.Path
     check_out_dir(out_dir, "out_dir")
     if stop_at is not None:
         _check_int("stop_at", stop_at, minimum=1)
+    if isinstance(progress_every_s, bool) or not isinstance(progress_every_s, (int, float)) \
+            or not progress_every_s >= 0:
+        _bad("progress_every_s", progress_every_s, "a number of seconds >= 0")
+    log = flushed_print if log is print else log
     session = _start_session(cfg, os.fspath(data_path), os.fspath(out_dir), opts, log)
-    _run_steps(session, min(opts.steps, stop_at or opts.steps), log, progress)
+    until = min(session.opts.steps, stop_at or session.opts.steps)
+    note = schedule_note(session.opts, until)
+    if note:
+        log(f"note: {note}")
+    _run_steps(session, until, log, progress, progress_every_s)
     return _finish(session, log)
+
+
+def schedule_note(opts: TrainConfig, until: int) -> str:
+    """"" when step ``until`` ends the learning-rate schedule (opts resolved), else what stopping there means:
+    the schedule's length, the learning rate at ``until`` against its peak and final values, and the step that
+    finishes it. The schedule is the run's (resuming keeps the checkpoint's schedule_steps: a --steps below
+    it ends the call early, it does not shorten the schedule)."""
+    if until >= opts.schedule_steps:
+        return ""
+    lr = float(learning_rate_schedule(opts)(until))
+    return (f"this call stops at step {until}, but the learning-rate schedule of the run spans "
+            f"{opts.schedule_steps} steps: the learning rate there is {lr:.3g} (peak {opts.lr:.3g}, min_lr "
+            f"{opts.min_lr:.3g} at step {opts.schedule_steps}); run it to step {opts.schedule_steps} to finish the "
+            "schedule")
 
 
 def check_out_dir(out_dir: str | os.PathLike, name: str = "out_dir") -> None:
@@ -491,13 +516,12 @@ def _save_checkpoint(s: _Session) -> None:
     s.saved_step = s.step
 
 
-def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
+def _run_steps(s: _Session, until: int, log, progress: bool, progress_every_s: float) -> None:
     train_step, eval_step = make_step_functions(s.graphdef, s.opts)
     s.eval_step = eval_step
     schedule = learning_rate_schedule(s.opts)
-    bar = tqdm(total=s.opts.steps, initial=s.step, unit="step", dynamic_ncols=True,
-               disable=not (progress and sys.stderr.isatty()))
-    emit = bar.write if (log is print and not bar.disable) else log
+    bar = StepProgress(s.opts.steps, s.step, until, log, progress, progress_every_s)
+    emit = bar.emit
     window_tokens, window_time, loss = 0, 0.0, float("nan")
     if s.step == 0 and s.opts.init_from is not None:
         t0 = time.perf_counter()
@@ -528,8 +552,7 @@ def _run_steps(s: _Session, until: int, log, progress: bool) -> None:
                 window_tokens, window_time = 0, 0.0
             if s.opts.checkpoint_every and s.step % s.opts.checkpoint_every == 0:
                 _save_checkpoint(s)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", val=f"{s.last_val:.3f}", tok_s=f"{tok_s:,.0f}")
+            bar.update(s.step, loss, float(schedule(s.step)), tok_s, s.last_val)
             s.train_loss = loss
         bar.close()
         if interrupt.requested:
@@ -594,12 +617,17 @@ def _finish(s: _Session, log) -> dict:
                "tokens_seen": s.tokens_seen, "training_time_s": round(s.elapsed_s, 3),
                "tokens_per_s": round(s.tokens_seen / max(s.step_time_s, 1e-9), 1),
                "data_file": os.path.basename(s.data_path), "data_sha256": s.data_sha256,
-               "seq_len": s.opts.seq_len, "batch_size": s.opts.batch_size,
+               "seq_len": s.opts.seq_len, "batch_size": s.opts.batch_size, "schedule_steps": s.opts.schedule_steps,
                **({"init_from": s.opts.init_from, "init_val_loss": s.init_val} if s.opts.init_from else {}),
                "val_loss_unit": "nats per masked token" if s.cfg.paradigm == "diffusion" else "nats per token"}
     rd.save_run(s.out_dir, model, s.cfg, s.tokenizer, summary)
     unit = "nats/masked token" if s.cfg.paradigm == "diffusion" else "nats/token"
-    log(f"done: step {s.step}, val {s.last_val:.4f} {unit}, run directory {s.out_dir}")
+    early = ""
+    if s.step < s.opts.schedule_steps:
+        early = (f" of a {s.opts.schedule_steps}-step schedule (learning rate "
+                 f"{float(learning_rate_schedule(s.opts)(s.step)):.3g}, not yet decayed to min_lr "
+                 f"{s.opts.min_lr:.3g}; run it to step {s.opts.schedule_steps} to finish the schedule)")
+    log(f"done: step {s.step}{early}, val {s.last_val:.4f} {unit}, run directory {s.out_dir}")
     return rd.read_summary(s.out_dir)
 
 

@@ -45,6 +45,32 @@ def test_parse_memory_size_rejects(text, match):
         parse_memory_size(text)
 
 
+UNITS = "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["budget", "--preset", "dante"], "--device-memory"),
+    (["plan", "--trace", "t.jsonl", "--slo", "ttft_p99=500"], "--device-memory"),
+    (["serve"], "--kv-memory"),
+    (["serve"], "--max-request-bytes"),
+])
+@pytest.mark.parametrize("value, reason", [
+    ("-1GB", f"the size is negative; allowed: a positive number with an optional unit {UNITS}, e.g. 40GB"),
+    ("0", "at least 1 byte"),
+    ("40G", "unit 'G' is ambiguous; write GB (powers of 1000) or GiB (powers of 1024)"),
+    ("40XB", "unknown unit 'XB'; allowed: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"),
+    ("lots", f"a positive number with an optional unit {UNITS}, e.g. 40GB"),
+    ("", f"a positive number with an optional unit {UNITS}, e.g. 40GB"),
+])
+def test_a_memory_size_flag_names_the_flag_the_value_and_what_is_allowed(capsys, argv, flag, value, reason):
+    from cli_util import run_main
+
+    status, out, err = run_main(argv + [f"{flag}={value}"], capsys)
+    shown = value or "''"
+    assert status == 2 and out == ""
+    assert err == f"dantinox {argv[0]}: error: {flag} {shown} is not allowed: {reason}\n"
+
+
 def test_seed_reference_table_from_the_cli(capsys):
     """The corrected seed table: 12 blocks, head_size 32, bf16: MHA 6, GQA 1.5, MQA 0.75, MLA d_c=96 without
     a RoPE key 1.125 MiB per sequence at 512 tokens (and x2, x8 at 1024, 4096)."""
@@ -98,7 +124,7 @@ def test_config_sources_yaml_json_and_run_dir(tmp_path, capsys):
 
 
 def test_bad_input(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="missing.yaml: no such file"):
         budget(["--config", str(tmp_path / "missing.yaml")], capsys)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         budget(["--run_dir", str(tmp_path)], capsys)

@@ -15,8 +15,8 @@ from dantinox.runs.bundled import bundled_slice_names, resolve_slice_file
 @pytest.mark.parametrize("flags,flag", [
     (["--reserve-fraction", "1.5"], "--reserve-fraction 1.5"),
     (["--reserve-fraction", "-0.1"], "--reserve-fraction -0.1"),
-    (["--device-memory", "0"], "--device-memory '0'"),
-    (["--device-memory", "7G"], "--device-memory '7G'"),
+    (["--device-memory", "0"], "--device-memory 0 is not allowed"),
+    (["--device-memory", "7G"], "--device-memory 7G is not allowed"),
     (["--context", "0"], "--context 0"),
     (["--kv-heads", "0"], "--kv-heads 0"),
     (["--kv-heads", "3"], "--kv-heads 3"),

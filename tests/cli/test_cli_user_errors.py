@@ -22,20 +22,21 @@ def _one_error_line(capsys, argv):
 def test_missing_or_directory_file_names_its_flag(tmp_path, capsys):
     missing = str(tmp_path / "missing.jsonl")
     line = _one_error_line(capsys, ["plan", "--trace", missing, "--slo", "ttft_p99=500", "--device-memory", "1GB"])
-    assert line == f"dantinox plan: error: --trace {missing}: No such file or directory"
+    assert line == f"dantinox plan: error: --trace {missing}: no such file"
     line = _one_error_line(capsys, ["plan", "--trace", str(tmp_path), "--slo", "ttft_p99=500",
                                     "--device-memory", "1GB"])
-    assert line == f"dantinox plan: error: --trace {tmp_path}: Is a directory"
+    assert line == f"dantinox plan: error: --trace {tmp_path}: is a directory, not a regular file"
     other = str(tmp_path / "other.json")
     line = _one_error_line(capsys, ["plan", "gate", "--candidate", missing, "--last-good", other])
-    assert line == f"dantinox plan: error: --candidate {missing}: No such file or directory"
+    assert line == f"dantinox plan: error: --candidate {missing}: no such file"
 
 
 def test_file_that_is_not_yaml_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("not: [yaml\n")
     line = _one_error_line(capsys, ["budget", "--config", str(bad)])
-    assert f"--config file {bad} is not valid YAML" in line and "expected ',' or ']'" in line
+    assert line == (f"dantinox budget: error: --config {bad}: not valid YAML: expected ',' or ']', but got "
+                    "'<stream end>' (line 2, column 1)")
 
 
 def test_mesh_error_names_the_flag_once():

@@ -1,5 +1,7 @@
 """Generator, streaming, cache verification and the CLI on a tiny run directory written by save_run."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -112,6 +114,12 @@ def test_non_finite_weights_are_a_corrupted_run(tmp_path):
     arrays[name] = arrays[name].copy()
     arrays[name].flat[3] = float("nan")
     safetensors.numpy.save_file(arrays, path)
+    with pytest.raises(RunDirError, match="model.safetensors: damaged: its sha256"):   # the recorded checksum
+        load_run(run)
+    summary_path = os.path.join(run, "model_summary.json")
+    summary = json.load(open(summary_path))
+    del summary["weights_sha256"]            # a run directory with no checksum recorded: the values are checked
+    json.dump(summary, open(summary_path, "w"))
     with pytest.raises(RunDirError, match=f"{name} holds 1 non-finite"):
         load_run(run)
     assert cli.main(["generate", "--run_dir", run, "--prompt", "Nel"]) == 2

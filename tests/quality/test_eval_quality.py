@@ -146,7 +146,7 @@ def bad_files(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["--slice", "x={d}/missing.txt"], "--slice x={d}/missing.txt: no such file, and not a bundled slice "
                                        "(bundled: en-shakespeare, it-heldout, rare-latin-occitan)"),
-    (["--slice", "x={d}"], "--slice x={d}: cannot read the file"),                # a directory
+    (["--slice", "x={d}"], "--slice x={d}: is a directory, not a regular file"),
     (["--slice", "it-heldout", "--slice", "nope"], "--slice 'nope' is not a bundled slice (bundled: "
                                                    "en-shakespeare, it-heldout, rare-latin-occitan)"),
     (["--slice", "x={d}/empty.txt"], "the file is empty"),

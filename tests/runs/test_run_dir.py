@@ -56,6 +56,9 @@ def test_corrupted_files(tmp_path):
     out, *_ = _save(tmp_path)
     weights = out / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(RunDirError, match="model.safetensors: damaged: its sha256"):
+        load_run(out)
+    _drop_checksum(out)   # without a recorded checksum (a run directory written before it existed)
     with pytest.raises(RunDirError, match="model.safetensors.*corrupted"):
         load_run(out)
     out, *_ = _save(tmp_path, "bad-config")
@@ -72,10 +75,19 @@ def test_corrupted_files(tmp_path):
         load_run(out)
 
 
+def _drop_checksum(out):
+    summary = json.loads((out / "model_summary.json").read_text())
+    del summary["weights_sha256"]
+    (out / "model_summary.json").write_text(json.dumps(summary))
+
+
 def _edit_weights(path, edit):
+    """Rewrite the weights file of a run directory by hand, as a user could: its checksum no longer applies, and
+    is dropped (with it, the edited file would be refused as damaged: tests/runs/test_weights_checksum.py)."""
     arrays = safetensors.numpy.load_file(path)
     edit(arrays)
     safetensors.numpy.save_file(arrays, path)
+    _drop_checksum(path.parent)
 
 
 def test_weights_that_do_not_match_the_config(tmp_path):

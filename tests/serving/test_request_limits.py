@@ -145,7 +145,7 @@ def test_body_over_the_limit_is_413_naming_size_and_limit(served):
 def test_max_request_bytes_flag_is_checked(capsys):
     assert cli.main(["serve", "--max-request-bytes", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--max-request-bytes: memory size '0' is not allowed" in err and len(err.strip().splitlines()) == 1
+    assert "--max-request-bytes 0 is not allowed: at least 1 byte" in err and len(err.strip().splitlines()) == 1
 
 
 # A prompt over the context by its characters ----------------------------------------------------------------
