@@ -9,15 +9,11 @@ zero, under both policies, with and without the persistent program store (serve 
 Each case starts from empty caches (``jax.clear_caches``, ``clear_programs``), as a new server process does:
 otherwise a program compiled by an earlier case would hide a compilation here.
 
-Known fault (the ``store-on`` cases, strict xfail until the engine is fixed): the warm-up lowers the block moves
-(``CacheManager.warm_block_moves`` in dantinox/kv/manager.py: ``copy_blocks`` / ``read_blocks`` /
-``write_blocks``.lower(self.pool, ...).compile()) with the pool fresh from ``init_pool``, whose arrays are
-uncommitted (argument sharding UnspecifiedValue: ``PagedEngine._place_pool`` returns it as it is), while the
-step calls them with the pool the stored forward program returned, whose arrays are committed
-(SingleDeviceSharding): jit's cache key differs, so ``copy_blocks`` compiles at the first copy-on-write and
-``read_blocks`` / ``write_blocks`` at the first swap. With the store off, ``forward_step`` is a plain jit whose
-outputs stay uncommitted, and nothing compiles. ``_place_pool`` committing the pool to the engine's device
-(``jax.device_put(pool, device)``) gives zero in all four cases."""
+The fault this case found on the way: the warm-up compiled the block moves on the pool as ``init_pool`` made it
+(uncommitted arrays), while the steps call them with the pool a stored forward program returned (committed to
+the CPU device), so with the program store on ``copy_blocks`` compiled at the first copy-on-write and
+``read_blocks`` / ``write_blocks`` at the first swap; the engine now commits its pool to its device
+(``PagedEngine._place_pool``)."""
 
 import jax
 import numpy as np
@@ -30,8 +26,6 @@ from dantinox.programs.store import clear_programs
 from dantinox.serving.request import SamplingOptions
 
 CFG = tiny_config(attention="gqa", kv_heads=2, max_context=64)
-STORE_FAULT = pytest.mark.xfail(strict=True, reason="K14: block moves warmed on an uncommitted pool compile at the "
-                                "first copy-on-write / swap when the program store is on (see the module docstring)")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def model():
     return lively_model(CFG)
 
 
-@pytest.fixture(params=["store-off", pytest.param("store-on", marks=STORE_FAULT)])
+@pytest.fixture(params=["store-off", "store-on"])
 def store(request, tmp_path, monkeypatch):
     """The program store off (the suite's default) or on in tmp_path; every cache empty at the start."""
     if request.param == "store-on":

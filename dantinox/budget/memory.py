@@ -80,13 +80,16 @@ def kv_cache_bytes(cfg: ModelConfig | Mapping[str, Any], batch: int, seq_len: in
     """Exact bytes of the KV cache for `batch` sequences of `seq_len` tokens each (``dantinox.kv.sizes``: every
     field of every layer, scales, key groups, residual ring and sinks included).
 
-    seq_len may exceed cfg.max_context (to budget a longer context for the same shape); init_cache itself
-    always allocates cfg.max_context slots, so kv_cache_bytes(cfg, B, cfg.max_context) is its size.
+    The cache is the model's at a context of seq_len tokens (``cfg`` with max_context = seq_len: its key group
+    and sinks fit that context), which may exceed cfg.max_context (to budget a longer context for the same
+    shape); kv_cache_bytes(cfg, B, cfg.max_context) is init_cache(cfg, B)'s size.
     Raises ValueError for a non-positive batch or seq_len, ConfigError for an unknown dtype name.
     """
     batch = _positive_int("batch", batch)
     seq_len = _positive_int("seq_len", seq_len)
-    return sizes.cache_bytes(_as_config(cfg), batch, seq_len, dtype)
+    cfg = _as_config(cfg)
+    at_context = cfg if seq_len == cfg.max_context else cfg.replace(max_context=seq_len)
+    return sizes.cache_bytes(at_context, batch, seq_len, dtype)
 
 
 def channel_layout(cfg: ModelConfig, dtype: str | None = None) -> bool:

@@ -210,8 +210,11 @@ class PagedEngine(Engine):
         return None
 
     def _place_pool(self, pool):
-        """Where a freshly allocated pool goes (the sharded engine places it on its mesh)."""
-        return pool
+        """Where a freshly allocated pool goes: committed to the default device, as every compiled call returns
+        it, so the block moves compiled at warm-up on this pool are the ones the steps call (K14: uncommitted,
+        their programs missed jit's cache after the first stored forward call). The sharded engine places it on
+        its mesh."""
+        return jax.device_put(pool, jax.devices()[0])
 
     # The cache manager's parts, as the planner and the tests read them --------------------------------------
     @property

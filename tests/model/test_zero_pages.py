@@ -110,12 +110,12 @@ def test_a_pool_the_host_cannot_allocate_is_one_clear_error(monkeypatch, capsys)
     """`serve --kv-memory 400GB --kv-memory-all` on a 24 GiB host: XLA's RESOURCE_EXHAUSTED becomes one line
     naming the pool's size and the flags, not a traceback (the allocation failure is simulated)."""
     from dantinox.cli import entrypoint as cli
-    from dantinox.serving import engine as engine_module
+    from dantinox.kv import manager as manager_module
 
     def exhausted(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 49999998976 bytes.")
 
-    monkeypatch.setattr(engine_module, "init_pool", exhausted)
+    monkeypatch.setattr(manager_module, "init_pool", exhausted)
     status = cli.main(["serve", "--port", "18999", "--kv-memory", "2MB", "--kv-memory-all", "--no-warmup"])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1, err
