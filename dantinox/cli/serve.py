@@ -4,7 +4,7 @@
                  [--kv-overcommit]
                  [--kv-dtype int8 [--kv-keys token|channel] [--kv-key-group G]]
                  [--policy swap|recompute]
-                 [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 64]
+                 [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 512]
                  [--no-prefix-caching] [--no-warmup] [--max-request-bytes 1MiB] [--config serve.yaml]
                  [--api-key KEY ... [--api-key-all]] [--strict-fields] [--shutdown-grace 5]
                  [--speculative ngram|draft:RUN [--spec-tokens 4] [--spec-ngram-max 4] [--spec-ngram-min 1]]
@@ -67,7 +67,8 @@ _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
 _INT_FLAGS = (("--block-size", "block_size", 1), ("--kv-key-group", "kv_key_group", 1),
               ("--max-running", "max_running", 1),
               ("--max-queued", "max_queued", 1), ("--max-batched-tokens", "max_batched_tokens", 1),
-              ("--max-decode-steps", "max_decode_steps", 1), ("--max-loaded-programs", "max_loaded_programs", 1))
+              ("--max-decode-steps", "max_decode_steps", 1), ("--max-loaded-programs", "max_loaded_programs", 1),
+              ("--min-prefill-chunk", "min_prefill_chunk", 1))
 
 
 # serve flags whose default None means "not given" and the type their value has (for --config files)
@@ -122,7 +123,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "group; a block size must then be a multiple of it)")
     p.add_argument("--max-running", type=int, default=16, help="sequences decoding at once")
     p.add_argument("--max-queued", type=int, default=256, help="waiting requests before answering 429")
-    p.add_argument("--max-batched-tokens", type=int, default=64, help="prefill tokens per engine step")
+    p.add_argument("--max-batched-tokens", type=int, default=512,
+                   help="prefill tokens per engine step, beside every running stream's decode token (default 512: "
+                        "chunks that large finish long prompts sooner; smaller ones keep steps short for the "
+                        "streams; --tpot-slo picks it per step)")
+    p.add_argument("--tpot-slo", type=float, default=None, metavar="SECONDS",
+                   help="a per-output-token latency to keep for running streams: each step's prefill budget is "
+                        "derived from it and the measured step costs, between --min-prefill-chunk and "
+                        "--max-batched-tokens (default: none, always --max-batched-tokens)")
+    p.add_argument("--min-prefill-chunk", type=int, default=32, metavar="TOKENS",
+                   help="with --tpot-slo, the smallest prefill budget of a step, so prompts keep moving (default 32)")
     p.add_argument("--max-decode-steps", type=int, default=8,
                    help="decode steps per compiled call when a step only decodes (1 = one token per call)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -340,6 +350,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
         from ..programs.store import max_loaded_programs
         max_loaded_programs()
     max_request_bytes(args)
+    from ..serving.token_budget import TokenBudget
+    TokenBudget(getattr(args, "tpot_slo", None), args.max_batched_tokens, getattr(args, "min_prefill_chunk", 32))
     if getattr(args, "mesh", None) is not None:
         parse_mesh(args.mesh)
     check_quantize(getattr(args, "quantize", None), "--quantize")
@@ -407,7 +419,9 @@ def build_engine(args: argparse.Namespace):
                           preemption=args.policy, max_decode_steps=args.max_decode_steps,
                           kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
                           kv_memory_all=bool(getattr(args, "kv_memory_all", False)),
-                          enable_prefix_caching=not args.no_prefix_caching, speculative=speculative)
+                          enable_prefix_caching=not args.no_prefix_caching, speculative=speculative,
+                          tpot_slo=getattr(args, "tpot_slo", None),
+                          min_prefill_chunk=getattr(args, "min_prefill_chunk", 32))
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))
     if getattr(args, "mesh", None) is not None:  # docs/multi-device.md
         from ..serving.sharded_engine import ShardedPagedEngine

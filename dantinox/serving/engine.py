@@ -39,19 +39,19 @@ from ..kv.channel_keys import check_spec_group
 from ..runs.interrupts import deferred_interrupts
 from ..xla import CompileCounter
 from .draft_model import TargetWithDraft, pair_block_bytes
-from .draft_verify import draft_verify_step
 from .grammar_rows import grammar_finish, step_mask
+from ..kv.decode_kernel import pool_reads_in_kernel
 from ..kv.manager import CacheManager
 from ..kv.pool import pool_nbytes
 from .engine_api import Engine, EngineConfig
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
 from .runner import StepLogprobs, decode_steps, forward_step, static_graph
 from .scheduler import Chunk, Schedule, Scheduler
-from .speculation import eligible, plan_speculation, record
-from .step_plan import (advance, bucket, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
+from .engine_speculation import SpeculationCalls, row_logprobs
+from .step_plan import (advance, decode_step_calls, engine_buckets, engine_policy, finish_reason, forward_calls,
                         default_block_size, plan_decode_steps, pool_size, resume_align)
+from .token_budget import TokenBudget
 from .verify_cost import VerifyCostMeter
-from .verify_step import verify_step
 from .warmup import WarmupItem
 
 log = logging.getLogger("dantinox.serving")
@@ -59,7 +59,7 @@ log = logging.getLogger("dantinox.serving")
 MIN_TABLE_TOKENS = 64  # the narrowest block-table width of a multi-step decode call, in tokens
 
 
-class PagedEngine(Engine):
+class PagedEngine(SpeculationCalls, Engine):
     """Continuous batching over a paged KV cache for a dantinox Transformer (MHA / GQA / MQA, or MLA with a
     latent pool).
 
@@ -99,13 +99,14 @@ class PagedEngine(Engine):
         self.policy = engine_policy(config, cfg.max_context, resume_align(cfg))
         self.speculative = config.speculative
         self.verify_meter = VerifyCostMeter()  # c(B) from timed calls when SpecConfig.verify_costs is empty
+        self.token_budget = TokenBudget(config.tpot_slo, config.max_batched_tokens, config.min_prefill_chunk)
         self.scheduler = Scheduler(self.policy, self.allocator,
                                    self.speculative.spec_tokens if self.speculative else 0)
         self.table_width = self.cache.table_width  # M
         # Block-table widths of the multi-step decode call: it gathers only the blocks the batch's longest
         # row reaches, rounded up to a power of two of at least 64 tokens (the gather is most of a decode
         # step's attention cost on the CPU).
-        self.buckets = engine_buckets(config, cfg.max_context, MIN_TABLE_TOKENS)
+        self.buckets = engine_buckets(config, cfg.max_context, MIN_TABLE_TOKENS, self._tables_read_filled())
         self.table_buckets, self.decode_buckets = self.buckets.table, self.buckets.decode
         self.prefill_buckets, self.chunk_buckets = self.buckets.prefill, self.buckets.chunk
         widest = min(config.max_batched_tokens, cfg.max_context)
@@ -149,16 +150,19 @@ class PagedEngine(Engine):
 
     def step(self) -> list[RequestOutput]:
         self.step_calls = []
-        sched = self.scheduler.schedule()
+        decoding = sum(r.remaining == 1 for r in self.scheduler.running)
+        sched = self.scheduler.schedule(self.token_budget.budget(decoding))
         for req in sched.preempted:  # its matcher is rebuilt from its tokens when it samples again
             req.matcher = None
         outputs, self._pending = self._pending, []
+        started = time.perf_counter()
         try:
             self._move_blocks(sched)
             sampled = self._run(sched.chunks)
         except Exception as err:  # a device failure: the pool may be gone; fail what it held, keep serving
             log.exception("engine step failed")
             return outputs + self._fail_running(f"engine step failed: {err!r}")
+        self._book_step(sched.chunks, sampled, time.perf_counter() - started)
         for chunk, (tokens, logprobs, verified) in zip(sched.chunks, sampled):
             before = len(chunk.request.output_ids)
             outs = self._advance(chunk, tokens[0], logprobs[0] if logprobs else None)
@@ -208,6 +212,18 @@ class PagedEngine(Engine):
     def _budget_residual_bytes(self, cfg) -> int | None:
         """Bytes one residual slot of per-channel keys takes out of kv_memory_bytes (None: the whole slot)."""
         return None
+
+    def _book_step(self, chunks: list[Chunk], sampled: list, seconds: float) -> None:
+        """Tell the token budget what the step cost: its prefill tokens, decode rows and decode iterations."""
+        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        rows = sum(c.num_tokens == 1 for c in chunks)
+        iterations = max((len(tokens) for tokens, _, _ in sampled), default=1)
+        self.token_budget.observe(prefill, rows, seconds, 1 if prefill else iterations)
+
+    def _tables_read_filled(self) -> bool:
+        """Whether the pool's attention reads only the filled blocks whatever the table's width (the compiled
+        paged kernel: float32 pool, CPU, extension built); the sharded engine says False (XLA on a mesh)."""
+        return pool_reads_in_kernel(self.cfg) and (self.draft_cfg is None or pool_reads_in_kernel(self.draft_cfg))
 
     def _place_pool(self, pool):
         """Where a freshly allocated pool goes: committed to the default device, as every compiled call returns
@@ -332,111 +348,12 @@ class PagedEngine(Engine):
             tokens = np.asarray(out)
             logprobs = None if logprobs is None else jax.device_get(logprobs)
             for b, chunk in enumerate(part):
-                lp = _row_logprobs(chunk, int(tokens[b]), logprobs, b)
+                lp = row_logprobs(chunk, int(tokens[b]), logprobs, b)
                 sampled[id(chunk)] = ([int(tokens[b])], None if lp is None else [lp], None)
         for part, out in checks:
             sampled.update(self._verified_rows(part, limits, out))
         self._time_call(plan, shapes, chunks, time.perf_counter() - started)
         return [sampled[id(c)] for c in chunks]
-
-    def _time_call(self, verifies: list, forwards: list, chunks: list[Chunk], seconds: float) -> None:
-        """Book a step that ran one call, a verify call or a decode-only forward call, in the verify-cost
-        meter (``verify_cost``); steps with several calls or prefill rows are not timed."""
-        if len(verifies) + len(forwards) != 1 or not self.speculative:
-            return
-        if verifies:
-            _, B, M = verifies[0]
-            self.verify_meter.verify(B, M, seconds)
-        elif all(c.num_tokens == 1 for c in chunks) and forwards[0][2] == 1:
-            self.verify_meter.plain(forwards[0][1], -1, seconds)
-
-    # Speculative decoding ---------------------------------------------------------------------------
-    def _plan_speculation(self, chunks: list[Chunk]) -> dict | None:
-        """{id(chunk): limit} of the decode chunks a verify call runs this step, or None (``speculation``)."""
-        if self.speculative is None:
-            return None
-        P = self.allocator.block_size
-        held = lambda c: len(self.allocator.table(c.request.request_id)) * P - c.start  # noqa: E731
-        if self.speculative.verify_costs:   # --spec-verify-cost: the user's c(n)
-            return plan_speculation(chunks, self.speculative, held)
-        rows = sum(map(eligible, chunks))
-        B = bucket(min(rows, self.decode_buckets[-1]), self.decode_buckets) if rows else 0
-        if not rows or self.verify_meter.needs_plain(B):   # probe: a plain step gets its time measured
-            return None
-        return plan_speculation(chunks, self.speculative, held, self.verify_meter.cost(B))
-
-    def _verify_calls(self, chunks: list[Chunk], limits: dict) -> list[tuple[list, int, int]]:
-        """The verify calls: [(chunks, B, M)], B at most the largest decode bucket, M the table bucket covering
-        the furthest position a row of the call writes."""
-        calls, width = [], self.decode_buckets[-1]
-        for i in range(0, len(chunks), width):
-            part = chunks[i:i + width]
-            reach = max(c.start + limits[id(c)] + 1 for c in part)
-            M = bucket(self.allocator.blocks_for(reach), self.table_buckets)
-            calls.append((part, bucket(len(part), self.decode_buckets), M))
-        return calls
-
-    def _verify_args(self, part: list[Chunk], limits: list[int], B: int, M: int) -> tuple:
-        """verify_step's arguments for ``part`` padded to B rows over block tables of M entries (the rows'
-        tokens seq [B, M * P] for prompt lookup; with a draft model draft_verify_step's, the last tokens [B])."""
-        limit = np.full(B, -1, np.int32)
-        limit[:len(part)] = limits
-        if self.draft_cfg is not None:   # the draft's pool holds each row's history: its last token only
-            seq = np.zeros(B, np.int32)
-            seq[:len(part)] = [c.request.all_tokens[c.start] for c in part]
-        else:
-            seq = np.zeros((B, M * self.allocator.block_size), np.int32)
-            for b, chunk in enumerate(part):
-                tokens = chunk.request.all_tokens[:chunk.start + 1]
-                seq[b, :len(tokens)] = tokens
-        start, tables, seeds, steps, sampling = self._row_inputs(part, B, M)
-        with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
-        return (self.graph, self.params, self.pool, seq, start, limit, tables, seeds, steps, sampling, with_logprobs)
-
-    def _verify_fn(self):
-        """The compiled verify call and its static arguments: ``verify_step`` (n-gram) or ``draft_verify_step``."""
-        spec = self.speculative
-        if self.draft_cfg is not None:
-            return draft_verify_step, dict(k=spec.spec_tokens, target_layers=self.cfg.num_blocks)
-        return verify_step, dict(k=spec.spec_tokens, ngram_max=spec.ngram_max, ngram_min=spec.ngram_min)
-
-    def _warm_verify(self, B: int, M: int) -> None:
-        """Compile the verify call for bucket (B, M) without running it (as ``_warm_forward``)."""
-        fn, statics = self._verify_fn()
-        fn.lower(*self._verify_args([], [], B, M), **statics).compile()
-
-    def _call_verify(self, part: list[Chunk], limits: list[int], B: int, M: int):
-        """Dispatch one verify call; returns its VerifyOut (device arrays) without waiting."""
-        fn, statics = self._verify_fn()
-        out, self.pool = fn(*self._verify_args(part, limits, B, M), **statics)
-        self.counters["forward_calls"] += 1
-        self.counters["spec_verify_calls"] += 1
-        self.step_calls.append(("verify", B, M * self.allocator.block_size, self.speculative.spec_tokens + 1))
-        return out
-
-    def _verified_rows(self, part: list[Chunk], limits: dict, out) -> dict:
-        """{id(chunk): (tokens, logprobs or None, (limit, proposed))} of one fetched verify call."""
-        out = jax.device_get(out)
-        rows = {}
-        for b, chunk in enumerate(part):
-            n = int(out.accepted[b]) + 1
-            tokens = [int(t) for t in out.tokens[b, :n]]
-            logprobs = None
-            if chunk.request.options.logprobs is not None:
-                lp = out.logprobs
-                logprobs = [_row_logprobs(chunk, t, StepLogprobs(lp.chosen[:, j], lp.top_ids[:, j], lp.top[:, j]), b)
-                            for j, t in enumerate(tokens)]
-            rows[id(chunk)] = (tokens, logprobs, (limits[id(chunk)], int(out.proposed[b])))
-        return rows
-
-    def _record_verify(self, req: Request, verified: tuple, emitted: int, outs: list[RequestOutput]) -> None:
-        """Book a verify call of ``req`` (engine counters, the request's SpecRowStats) and stamp its outputs."""
-        proposed, accepted = record(req, *verified, emitted)
-        self.counters["spec_proposed_tokens"] += proposed
-        self.counters["spec_accepted_tokens"] += accepted
-        totals = (req.spec.proposed, req.spec.accepted)
-        for out in outs:
-            out.speculative = totals
 
     def _plan_decode_steps(self, chunks: list[Chunk]) -> list[int] | None:
         """Decode steps per chunk for a multi-step call, or None for an ordinary step.
@@ -559,16 +476,6 @@ class PagedEngine(Engine):
             self._finish(req, "error", message)
         self.cache.reset()   # a fresh pool, no cached prefixes (they pointed into the old one)
         return [self._output(req, []) for req in failed]
-
-
-def _row_logprobs(chunk: Chunk, token: int, step: StepLogprobs | None, b: int) -> TokenLogprobs | None:
-    """Row b of a step's log-probabilities as the chunk's request asked for them (None if it did not; step is
-    None when no row of the call asked)."""
-    k = chunk.request.options.logprobs
-    if k is None:
-        return None
-    top = tuple((int(i), float(lp)) for i, lp in zip(step.top_ids[b, :k], step.top[b, :k]))
-    return TokenLogprobs(token, float(step.chosen[b]), top)
 
 
 def _check_prompt(prompt_ids, vocab_size: int) -> list:

@@ -73,6 +73,9 @@ class EngineConfig:
     speculative: None (plain decoding) or a ``speculation.SpecConfig``: speculative decoding of the decode rows
     with n-gram (prompt lookup) or draft-model proposals (the greedy output is unchanged; sampled output keeps
     the target's distribution).
+    tpot_slo: seconds per output token the running streams should keep: each step's prefill budget is derived
+    from it and the measured step costs, between min_prefill_chunk and max_batched_tokens
+    (``token_budget.TokenBudget``; None: always max_batched_tokens).
     block_size: tokens per KV block; None (the default) takes ``step_plan.default_block_size`` of the model:
     16, or the key group G with per-channel int8 keys (a block size must then be a multiple of G)."""
 
@@ -93,3 +96,5 @@ class EngineConfig:
     chunk_buckets: tuple | None = None
     max_decode_steps: int = 8
     speculative: SpecConfig | None = None
+    tpot_slo: float | None = None
+    min_prefill_chunk: int = 32

@@ -132,9 +132,11 @@ class Scheduler:
         self.allocator.free(req.request_id)
 
     # One step -------------------------------------------------------------------------------------
-    def schedule(self) -> Schedule:
+    def schedule(self, budget: int | None = None) -> Schedule:
+        """The next step: its chunks, preemptions and admissions (module docstring). budget: the prefill tokens
+        it may carry (default the policy's max_batched_tokens; the engine's TokenBudget under a TPOT target)."""
         out = Schedule()
-        budget = self.policy.max_batched_tokens
+        budget = self.policy.max_batched_tokens if budget is None else int(budget)
         decoding = [r for r in self.running if r.remaining == 1]
         prefilling = [r for r in self.running if r.remaining > 1]
         for req in decoding + prefilling:

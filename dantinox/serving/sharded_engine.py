@@ -94,6 +94,10 @@ class ShardedPagedEngine(PagedEngine):
 
         return [WarmupItem(item.label, scoped(item.run)) for item in super().warmup_items()]
 
+    def _tables_read_filled(self) -> bool:
+        """False: on a mesh the pool is attended by XLA, which reads the table's whole width."""
+        return False
+
     def _place_pool(self, pool):
         """A freshly allocated pool placed on the mesh (``shard_pool``): at start and after a failed step, once."""
         return shard_pool(pool, self.cfg, self.mesh)

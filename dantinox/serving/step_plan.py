@@ -56,16 +56,29 @@ def batch_buckets(sizes, max_running: int) -> tuple:
     return ordered[:holding[0] + 1] if holding else ordered
 
 
-def engine_buckets(config, max_context: int, min_table_tokens: int = 64) -> Buckets:
+def chunk_ladder(max_tokens: int) -> tuple:
+    """Default prefill chunk lengths up to ``max_tokens``: powers of two from 8 to 64, then x4 steps (256,
+    1,024, ...), the last one clipped to max_tokens: (8, 16, 32, 64) for 64, (8, 16, 32, 64, 256, 512) for 512.
+    A chunk pads to the next length, so short prompts keep short programs while a long prompt's chunks run at
+    the largest; every length is one compiled program per prefill batch size, hence the sparser steps above 64."""
+    first = min(8, max_tokens)
+    out = list(powers_of_two(first, min(64, max_tokens)))
+    while out[-1] < max_tokens:
+        out.append(min(out[-1] * 4, max_tokens))
+    return tuple(out)
+
+
+def engine_buckets(config, max_context: int, min_table_tokens: int = 64, full_tables: bool = False) -> Buckets:
     """The buckets an EngineConfig gives for a model of ``max_context`` tokens (see EngineConfig);
-    min_table_tokens: the narrowest multi-step block-table width, in tokens. Batch buckets above what
-    max_running rows need are dropped (``batch_buckets``)."""
+    min_table_tokens: the narrowest multi-step block-table width, in tokens; full_tables: the pool's attention
+    reads only the filled blocks whatever the table's width (the compiled paged kernel), so multi-step decode
+    needs one width, the whole table (fewer programs), instead of widths that cut what is read. Batch buckets
+    above what max_running rows need are dropped (``batch_buckets``)."""
     P = config.block_size
     width = -(-max_context // P)
-    table = powers_of_two(min(width, max(1, min_table_tokens // P)), width)
+    table = (width,) if full_tables else powers_of_two(min(width, max(1, min_table_tokens // P)), width)
     decode = batch_buckets(config.decode_buckets or powers_of_two(1, config.max_running), config.max_running)
-    chunk = tuple(sorted(config.chunk_buckets or powers_of_two(
-        min(8, config.max_batched_tokens), min(config.max_batched_tokens, max_context))))
+    chunk = tuple(sorted(config.chunk_buckets or chunk_ladder(min(config.max_batched_tokens, max_context))))
     return Buckets(decode, batch_buckets(config.prefill_buckets, config.max_running), chunk, table)
 
 
