@@ -58,14 +58,15 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-def kv_bytes_per_token(cfg: ModelConfig | Mapping[str, Any], dtype: str | None = None) -> float:
-    """Cache bytes one token takes across all layers (``dantinox.kv.sizes.token_bytes``: an int unless a
-    per-channel key cache shares a key group's scales over its G tokens).
+def kv_bytes_per_token(cfg: ModelConfig | Mapping[str, Any], dtype: str | None = None) -> int:
+    """Cache bytes one token takes across all layers with one scale per row (``dantinox.kv.sizes.
+    nominal_token_bytes``: per-channel key groups counted as per-token scales, exact when G = D; kv_cache_bytes
+    counts their real layout).
 
     dtype: cache dtype name ("float32", "bfloat16", "int8", "fp32", "bf16"; default cfg.cache_dtype).
     Raises ConfigError for an unknown dtype name.
     """
-    return sizes.token_bytes(_as_config(cfg), dtype)
+    return sizes.nominal_token_bytes(_as_config(cfg), dtype)
 
 
 def kv_sink_bytes(cfg: ModelConfig | Mapping[str, Any], dtype: str | None = None) -> int:

@@ -39,7 +39,7 @@ import numpy as np
 import safetensors.numpy
 
 from .._version import __version__
-from ..kv.sizes import token_bytes
+from ..kv.sizes import nominal_token_bytes
 from ..model.transformer import abstract_transformer
 from ..runs import weights_checksum
 from ..runs.files import atomic_write_bytes, atomic_write_json
@@ -209,7 +209,7 @@ def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, c
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     summary = {"dantinox_version": __version__, "parameters": int(sum(a.size for a in params.values())),
                "weight_format": weight_format(layout),
-               "kv_bytes_per_token": int(token_bytes(cfg)),
+               "kv_bytes_per_token": nominal_token_bytes(cfg),
                "tokenizer": tokenizer.kind, "imported_from": source, "architecture": spec.architecture,
                "stop_token_ids": gen["eos_token_ids"],
                "stop_tokens": [tokenizer.hf.id_to_token(i) for i in gen["eos_token_ids"]],

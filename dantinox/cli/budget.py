@@ -24,10 +24,11 @@ import os
 
 import jax
 
-from ..budget.memory import kv_bytes_per_token, kv_cache_bytes, memory_split, param_bytes
+from ..budget.memory import kv_cache_bytes, memory_split, param_bytes
 from ..budget.per_device import plan_mesh
 from ..budget.size_flags import parse_size_flag
 from ..config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
+from ..kv.sizes import token_bytes as token_bytes_of
 from ..kv.static import cache_nbytes
 from ..kv.cache import init_cache
 from ..kv.channel_keys import config_with_kv_keys
@@ -154,7 +155,7 @@ def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, 
 def token_bytes(cfg: ModelConfig, dtype: str) -> float:
     """Cache bytes per token, all layers, in ``dtype`` (``dantinox.kv.sizes.token_bytes``: with per-channel int8
     keys a key group's scales are shared by its G tokens; the residual ring and the sinks are per sequence)."""
-    return kv_bytes_per_token(cfg, dtype)
+    return token_bytes_of(cfg, dtype)
 
 
 def _bytes_text(value: float) -> str:

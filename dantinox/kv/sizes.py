@@ -98,14 +98,26 @@ def bytes_by_kind(cfg: ModelConfig, slots: int, dtype: str | None = None) -> dic
     return out
 
 
-def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> float:
-    """Bytes one token occupies in one layer (the first layer's ``LayerSpec.token_bytes``): 2 K D elements
-    for MHA / GQA / MQA, C + R for MLA; int8 adds a float32 scale per row (2 K (D + 4), or C + R + 8), and
-    per-channel keys store 2 K D + 4 K + 4 K D / G (int8 keys and values, value scales, key scales shared by a
-    group of G tokens). dtype: cache dtype name (default cfg.cache_dtype). Raises ConfigError for an unknown
-    dtype name."""
-    total = specs(cfg, dtype)[0].token_bytes()
-    return int(total) if float(total).is_integer() else total
+def nominal_token_bytes(cfg: ModelConfig, dtype: str | None = None) -> int:
+    """Bytes one token takes over all layers with one scale per row: 2 K D elements per layer for MHA / GQA /
+    MQA, C + R for MLA, and for int8 a float32 scale per row (2 K (D + 4), or C + R + 8). Per-channel keys are
+    counted as if their key scales were per token: exact when the key group G equals D, a per-token figure
+    otherwise (``token_bytes`` and ``cache_bytes`` count their groups and ring as allocated). The figure a run
+    directory's summary and the budget's per-token column print."""
+    rows = with_dtype(cfg, dtype)
+    if rows.channel_keys:
+        rows = rows.replace(kv_keys="token")
+    return int(token_bytes(rows))
+
+
+def bytes_per_token_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int:
+    """``nominal_token_bytes`` of one layer (the first layer's spec): 2 K D elements for MHA / GQA / MQA, C + R
+    for MLA; int8 adds a float32 scale per row. dtype: cache dtype name (default cfg.cache_dtype). Raises
+    ConfigError for an unknown dtype name."""
+    rows = with_dtype(cfg, dtype)
+    if rows.channel_keys:
+        rows = rows.replace(kv_keys="token")
+    return int(layer_specs(rows)[0].token_bytes())
 
 
 def sink_bytes_per_layer(cfg: ModelConfig, dtype: str | None = None) -> int:

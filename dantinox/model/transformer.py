@@ -256,6 +256,10 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
     window = got[0][0][-2] if got[0] and len(got[0][0]) >= 2 else None   # a cache may be cut to its first slots
     want = cache_shapes(cfg, batch, window if window and 1 <= window <= cfg.max_context else None)
     if got != want:
-        layout = "; ".join(describe(spec) for spec in dict.fromkeys(layer_specs(cfg)))
-        raise ValueError(f"kv_caches layer shapes {got[0]} do not match the model's cache ({layout}) = {want[0]}; "
-                         "allocate them with dantinox.init_cache(cfg, batch_size)")
+        bad = next(n for n in range(len(got)) if got[n] != want[n])
+        spec = layer_specs(cfg)[bad]
+        fields = spec.codec.static_type(spec.latent)._fields
+        layout = ", ".join(f"{name} {list(shape)}" for name, shape in zip(fields, want[bad]))
+        raise ValueError(f"kv_caches layer {bad} shapes {got[bad]} do not match the model's cache "
+                         f"(cache_dtype={cfg.cache_dtype!r}; {describe(spec)}): {layout}; allocate them with "
+                         "dantinox.init_cache(cfg, batch_size)")

@@ -38,7 +38,7 @@ from .tokenizer import TextTokenizer
 from . import weights_checksum as checksum
 from .input_files import InputFileNotFound, read_json
 from .._version import __version__
-from ..kv.sizes import token_bytes
+from ..kv.sizes import nominal_token_bytes
 from .bundled import bundled_names, resolve_run_dir
 from ..quant.block_formats import check_blocks
 from ..quant.block_linear import LAYOUT_KEY, apply_block_layout
@@ -68,7 +68,7 @@ def count_params(model: nnx.Module) -> int:
 
 def kv_bytes_per_token(cfg: ModelConfig) -> int:
     """KV-cache bytes one token occupies over all layers, in cfg.cache_dtype."""
-    return int(token_bytes(cfg))
+    return nominal_token_bytes(cfg)
 
 
 def save_run(out_dir: str | os.PathLike, model: nnx.Module, cfg: ModelConfig, tokenizer: TextTokenizer,

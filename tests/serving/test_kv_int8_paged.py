@@ -21,7 +21,7 @@ from dantinox.runs.tokenizer import train_tokenizer
 from dantinox.kv.paged import PagedQuantKV, PagedQuantLatentKV
 from dantinox.kv.sizes import page_bytes, sink_slot_bytes
 from dantinox.kv.pool import init_pool, pool_nbytes
-from dantinox.serving.runner import copy_blocks, read_blocks, write_blocks
+from dantinox.kv.block_moves import copy_blocks, read_blocks, write_blocks
 
 P, M = 4, 8  # block size; block-table entries (max_context 32 / P)
 # The per-token int8 pool (PagedQuantKV): kv_keys="token" (per-channel keys, the int8 default of MHA / GQA /
