@@ -145,11 +145,3 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, pool_k: jax.Array,
     y = call(q.transpose(0, 1, 3, 2, 4), pool_k, pool_v, table.astype(jnp.int32), k.astype(jnp.float32),
              v.astype(jnp.float32), lo.astype(jnp.int32), hi.astype(jnp.int32), isa=np.int64(ISA_CODES[isa]))
     return y.transpose(0, 1, 3, 2, 4)
-
-
-def pool_reads_in_kernel(cfg) -> bool:
-    """Whether a paged pool of ``cfg`` is attended by the compiled paged kernel in this process (a static
-    decision the engine and the planner's simulator share): a float32 MHA / GQA / MQA cache, float32 compute,
-    the kernel available. A sharded engine (a mesh) keeps XLA's attention whatever this says."""
-    return (cfg.cache_dtype == "float32" and cfg.compute_dtype == "float32" and cfg.attention != "mla"
-            and kernel_available() and hasattr(extension(), "paged_attention_handler"))

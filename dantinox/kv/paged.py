@@ -29,16 +29,16 @@ the layers' specs), exactly what ``dantinox.kv.pool.init_pool`` allocates.
 How the model reads it. Each attention kind accepts a layer cache object with its own hook (see
 ``dantinox.model.attention.Attention`` and ``dantinox.model.mla.MLAttention``); per call a view carries the layer's
 pool, the batch's block tables [B, M] and the number of valid new tokens per row [B]:
-  ``PagedView.attend_and_write(q, k, v, cache_index, key_start, window)`` (MHA / GQA / MQA). A float32 pool
-  on the CPU with the compiled extension writes the new rows first and attends in the kernel
-  (``dantinox.kv.decode_kernel.paged_attention``), which reads only the blocks each row has filled, in place.
-  Otherwise it
-  1. gathers each row's blocks into a contiguous [B, K, M*P, D] view (slots past the row's length are
-     masked by ``attend``, exactly as the static cache masks its unused slots),
-  2. runs the same softmax attention as the static cache (``dantinox.kv.attend.attend``): old slots
-     s < cache_index[b] together with the T new keys, causal among the new ones,
-  3. scatters the new keys and values into the pool at (block, offset), dropping the padding positions
-     j >= num_new[b] (rows of a bucketed batch are right-padded; unused rows have num_new = 0).
+  ``PagedView.attend_and_write(q, k, v, cache_index, key_start, window)`` (MHA / GQA / MQA). Both ways read
+  only the blocks a row has filled:
+  1. a few new tokens per row (decode steps, verify calls) over a float32 pool on the CPU with the compiled
+     extension: the new rows are written first and the kernel attends in place
+     (``dantinox.kv.decode_kernel.paged_attention``);
+  2. otherwise (prefill chunks, int8 and bfloat16 pools): the old slots are read a slab of blocks at a time
+     and folded into an online softmax with the new keys (``dantinox.kv.paged_slabs``), the same softmax
+     attention as the static cache's: old slots s < cache_index[b] together with the T new keys, causal among
+     the new ones; then the new keys and values are scattered into the pool at (block, offset), dropping the
+     padding positions j >= num_new[b] (rows of a bucketed batch are right-padded; unused rows have num_new 0).
   ``PagedLatentView.attend_and_write_latent(attend, stored, cache_index, key_start)`` (MLA) does
   the same with latents: it gathers LatentKV(c_kv [B, M*P, C], k_rope [B, M*P, R]), hands it to the
   model's own MLA attention (absorbed or naive, ``cfg.mla_absorb``) as the old cache, and scatters the new
@@ -54,8 +54,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .attend import attend
-from .decode_kernel import paged_attention, paged_kernel_applies
+from .decode_kernel import MAX_VERIFY_TOKENS, paged_attention, paged_kernel_applies
+from .paged_slabs import slab_attention
 from .channel_paged import PagedChannelKV, PagedChannelView
 from .static import LatentKV, LayerKV, QuantLatentKV, QuantLayerKV
 
@@ -266,12 +266,13 @@ class PagedView(NamedTuple):
         if len(stored) != len(self.pool):
             raise ValueError(f"the pool holds {type(self.pool).__name__} but the model writes {len(stored)} "
                              "arrays: build the pool from the model's config (cache_dtype)")
-        if type(self.pool) is PagedLayerKV and paged_kernel_applies(q, self.pool.k, self.pool.v):
-            # the compiled kernel reads the filled blocks in place, the new rows written first (verify order)
+        if (type(self.pool) is PagedLayerKV and q.shape[3] <= MAX_VERIFY_TOKENS
+                and paged_kernel_applies(q, self.pool.k, self.pool.v)):
+            # a few queries per row: the compiled kernel reads the filled blocks in place, new rows written first
             pool = scatter_new(self.pool, stored, self.block_table, cache_index, self.num_new, self.sink_slot)
             y = paged_attention(q, k, v, pool.k, pool.v, self.block_table, cache_index, window)
             return y, self._replace(pool=pool)
-        y = attend(q, k, v, gather_rows(self.pool, self.block_table, self.sink_slot), cache_index, None, window)
+        y = slab_attention(q, k, v, self.pool, gather_rows, self.block_table, self.sink_slot, cache_index, window)
         pool = scatter_new(self.pool, stored, self.block_table, cache_index, self.num_new, self.sink_slot)
         return y, self._replace(pool=pool)
 
@@ -341,3 +342,11 @@ def paged_views(pool: PagedPool, tables, num_new, sink_slot=None, residual_slot=
         return PagedView(layer, block_table, num_new, sink_slot)
 
     return tuple(view(layer) for layer in pool)
+
+
+def reads_filled_only(cfg) -> bool:
+    """Whether attention over a pool of ``cfg`` reads only the blocks each row has filled, whatever the block
+    table's width (the paged kernel or the slab loop: MHA / GQA / MQA pools with float or per-token int8 rows),
+    so a compiled call needs no narrower table to be cheap. False for MLA's latent pool and per-channel keys,
+    whose views gather the whole table."""
+    return cfg.attention != "mla" and not cfg.channel_keys

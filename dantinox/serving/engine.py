@@ -40,8 +40,8 @@ from ..runs.interrupts import deferred_interrupts
 from ..xla import CompileCounter
 from .draft_model import TargetWithDraft, pair_block_bytes
 from .grammar_rows import grammar_finish, step_mask
-from ..kv.decode_kernel import pool_reads_in_kernel
 from ..kv.manager import CacheManager
+from ..kv.paged import reads_filled_only
 from ..kv.pool import pool_nbytes
 from .engine_api import Engine, EngineConfig
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
@@ -221,9 +221,9 @@ class PagedEngine(SpeculationCalls, Engine):
         self.token_budget.observe(prefill, rows, seconds, 1 if prefill else iterations)
 
     def _tables_read_filled(self) -> bool:
-        """Whether the pool's attention reads only the filled blocks whatever the table's width (the compiled
-        paged kernel: float32 pool, CPU, extension built); the sharded engine says False (XLA on a mesh)."""
-        return pool_reads_in_kernel(self.cfg) and (self.draft_cfg is None or pool_reads_in_kernel(self.draft_cfg))
+        """Whether the pool's attention reads only the filled blocks whatever the table's width (``dantinox.kv.
+        paged.reads_filled_only``), so multi-step decode needs one table width; the sharded engine says False."""
+        return reads_filled_only(self.cfg) and (self.draft_cfg is None or reads_filled_only(self.draft_cfg))
 
     def _place_pool(self, pool):
         """Where a freshly allocated pool goes: committed to the default device, as every compiled call returns
