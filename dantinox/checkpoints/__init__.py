@@ -8,7 +8,7 @@
   gguf_source.py     ``read_gguf(path) -> hf_dir.HFCheckpoint``: a GGUF file as the same inputs (HF tensor
                      names and layouts, a tokenizer.json text, template, generation)
   gguf_architectures.py  general.architecture -> the HF twin's config and tensor names (llama, qwen2, qwen3,
-                     phi3); gguf_gemma3.py Gemma 3's mapping, refused until its switch is on
+                     phi3); gguf_gemma3.py Gemma 3's mapping
   gguf_metadata.py   typed access to a file's metadata, errors naming the key
   gguf_shapes.py     the metadata checked against the tensors' shapes before any tensor is read
   gguf_rope.py       Llama 3's rope parameters recovered from rope_freqs.weight

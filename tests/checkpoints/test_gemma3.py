@@ -10,6 +10,10 @@ its layer 1 is global with linear rope scaling and its own base):
   then decode) and a chunked prefill whose chunks straddle the window edge, for the float32 cache and the
   int8 caches (per-token keys with sinks, per-channel keys in groups of 4), each cache against the uncached
   forward of the same codec;
+- its GGUF twin (``gguf_twin.write_gguf_twin``, written as llama.cpp's converter writes a gemma3 file) imports
+  to the same ModelConfig except the query scale (GGUF has no key for query_pre_attn_scalar: llama.cpp, and so
+  dantinox, takes the head size) and to the same logits as the Hugging Face import given that scale; its Q8_0
+  twin with the blocks kept gives the logits of the same file dequantized (``--dtype float32``);
 - the transformers 4 spelling of the config (rope_theta, rope_local_base_freq, rope_scaling,
   sliding_window_pattern) maps to the same ModelConfig, Gemma 2's config maps to its fields, and what cannot
   run exactly is refused naming the field;
@@ -25,10 +29,12 @@ import os
 import re
 import shutil
 
+import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import forward, uncached_logits
+from gguf_twin import write_gguf_twin
 from paths import FIXTURES
 
 from dantinox import generate_result, verify_cache
@@ -129,6 +135,27 @@ def test_cached_equals_uncached_across_the_window_edge(imported, reference, cach
         at += size
     got = np.concatenate(got)
     assert at == len(seq) and np.abs(got - want).max() <= TOLERANCE, float(np.abs(got - want).max())
+
+
+def test_gguf_twin_is_the_hf_model_with_llama_cpp_query_scale(imported, reference, tmp_path):
+    _, hf_model = imported
+    ref, _ = reference
+    ids = ref["prompt_ids"] + ref["greedy_tokens"][:-1]
+    path = tmp_path / "twin.gguf"
+    write_gguf_twin(FIXTURE, path)
+    assert main(["import", str(path), "--out", str(tmp_path / "float")]) == 0
+    model, cfg, _, summary = load_run(tmp_path / "float")
+    assert summary["architecture"] == "Gemma3ForCausalLM" and summary["weight_format"] == "float32"
+    assert cfg == hf_model.cfg.replace(attention_scale=cfg.head_size ** -0.5)
+    want = full_logits(with_config(hf_model, cfg), ids)
+    assert np.abs(full_logits(model, ids) - want).max() <= 1e-6
+    write_gguf_twin(FIXTURE, path, qtypes=lambda _: gguf.GGMLQuantizationType.Q8_0)
+    assert main(["import", str(path), "--out", str(tmp_path / "blocks")]) == 0
+    assert main(["import", str(path), "--out", str(tmp_path / "dequantized"), "--dtype", "float32"]) == 0
+    blocks, _, _, summary = load_run(tmp_path / "blocks")
+    assert summary["weight_format"] == "GGUF blocks Q8_0"
+    want = full_logits(load_run(tmp_path / "dequantized")[0], ids)
+    assert np.abs(full_logits(blocks, ids) - want).max() <= 1e-5 * np.abs(want).max()
 
 
 def test_transformers_4_spelling_maps_to_the_same_config():
