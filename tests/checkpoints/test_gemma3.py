@@ -10,6 +10,9 @@ its layer 1 is global with linear rope scaling and its own base):
   then decode) and a chunked prefill whose chunks straddle the window edge, for the float32 cache and the
   int8 caches (per-token keys with sinks, per-channel keys in groups of 4), each cache against the uncached
   forward of the same codec;
+- the paged pool (what ``serve`` runs) gives the static cache's logits through ragged chunks across the window
+  edge, for the same three caches, and the serving engine answers a batch of prompts longer than the window
+  with the static greedy tokens;
 - its GGUF twin (``gguf_twin.write_gguf_twin``, written as llama.cpp's converter writes a gemma3 file) imports
   to the same ModelConfig except the query scale (GGUF has no key for query_pre_attn_scalar: llama.cpp, and so
   dantinox, takes the head size) and to the same logits as the Hugging Face import given that scale; its Q8_0
@@ -36,12 +39,14 @@ import pytest
 from conftest import forward, uncached_logits
 from gguf_twin import write_gguf_twin
 from paths import FIXTURES
+from serving_util import chunked_paged_run, drain, greedy, make_engine, solo, static_logits
 
 from dantinox import generate_result, verify_cache
 from dantinox.checkpoints.errors import CheckpointError
 from dantinox.checkpoints.hf_config import import_spec
 from dantinox.cli.entrypoint import main
 from dantinox.kv.cache import init_cache
+from dantinox.kv.pool import init_pool
 from dantinox.quant.kv_dtype import with_config
 from dantinox.runs.chat import load_chat_format
 from dantinox.runs.run_dir import load_run
@@ -135,6 +140,34 @@ def test_cached_equals_uncached_across_the_window_edge(imported, reference, cach
         at += size
     got = np.concatenate(got)
     assert at == len(seq) and np.abs(got - want).max() <= TOLERANCE, float(np.abs(got - want).max())
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_paged_pool_equals_the_static_cache_across_the_window_edge(imported, cache):
+    _, model = imported
+    model = with_config(model, model.cfg.replace(**CACHES[cache]))
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, 258, n).tolist() for n in (5, 11, 17)]   # chunked_paged_run's lengths; window 8
+    P = 4
+    tables = np.zeros((3, model.cfg.max_context // P), np.int32)
+    perm = 1 + rng.permutation(12)
+    tables[0, :2], tables[1, :3], tables[2, :5] = perm[:2], perm[2:5], perm[5:10]
+    got, _ = chunked_paged_run(model, init_pool(model.cfg, 13, P, 4, 4), seqs, tables)
+    for b, seq in enumerate(seqs):
+        want = static_logits(model, seq)
+        assert np.abs(got[b] - want).max() <= TOLERANCE, (cache, b, float(np.abs(got[b] - want).max()))
+
+
+def test_the_serving_engine_answers_with_the_static_greedy_tokens(imported):
+    _, model = imported
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (12, 9, 20)]   # all longer than the window of 8
+    engine = make_engine(model)
+    ids = [engine.add_request(p, greedy(10)) for p in prompts]
+    done = drain(engine)
+    for rid, prompt in zip(ids, prompts):
+        want = solo(model, prompt, 10)
+        assert done[rid][0] == (want[0] if np.ndim(want) == 2 else want)
 
 
 def test_gguf_twin_is_the_hf_model_with_llama_cpp_query_scale(imported, reference, tmp_path):
