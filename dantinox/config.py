@@ -18,6 +18,7 @@ PARADIGMS = ("ar", "diffusion")
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
 KV_KEY_LAYOUTS = ("token", "channel")  # int8 key quantization: per token, or per channel over groups (KIVI)
 MLA_FIELDS = ("kv_latent_dim", "rope_head_dim", "q_latent_dim")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate of the MLP: SwiGLU, or GeGLU with tanh-approximated GELU
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16"}
 CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: keys/values plus float32 scales (dantinox.kv.int8_rows)
@@ -49,7 +50,7 @@ def canonical_dtype(name: str, value: Any, allowed: Mapping[str, Any] = DTYPES) 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only transformer (RoPE, RMSNorm, SwiGLU, tied embeddings).
+    """Shape and numerics of a decoder-only transformer (RoPE, RMSNorm, a gated MLP, tied embeddings).
 
     Fields:
       paradigm: "ar" (autoregressive, causal attention) or "diffusion" (masked diffusion, LLaDA: Nie et al.
@@ -73,8 +74,20 @@ class ModelConfig:
         output projection maps H * D (MLA: H * v_head_size) back to E.
       n_heads: query heads H.  head_size: D.  num_blocks: decoder layers L.
       vocab_size: V.  max_context: S, the static cache length in tokens.
-      mlp_hidden: SwiGLU hidden width (default 4 * dim).
+      mlp_hidden: hidden width F of the gated MLP (default 4 * dim).
+      mlp_activation: the MLP's gate: "silu" (SwiGLU, the default) or "gelu_tanh" (GeGLU with the tanh
+        approximation of GELU, Gemma's ``gelu_pytorch_tanh``; Shazeer 2020, "GLU Variants Improve Transformer").
+      sandwich_norms: False (pre-norm blocks: x + Attn(N(x)), x + MLP(N(x))) or True (Gemma 2 / 3: the
+        attention's and the MLP's outputs are RMS-normalised too before they join the residual,
+        x + N'(Attn(N(x))), x + N'(MLP(N(x))); two more [E] weights per block).
+      embed_scale: None, or a factor on the token embeddings before the first block (Gemma: sqrt(dim), taken
+        as a float32 number; the tied output head reads the table unscaled).
       rope_theta: RoPE base (Su et al. 2021, "RoFormer").  norm_eps: RMSNorm epsilon.
+      rope_local_theta: None (every layer rotates with rope_theta and rope_scaling), or the RoPE base of the
+        "sliding_attention" layers, which then rotate with plain RoPE of that base while the full layers keep
+        rope_theta and rope_scaling (Gemma 3's local and global bases: rope_local_base_freq and rope_theta).
+      final_logit_softcap: None, or c > 0: the logits become c tanh(logits / c) (Gemma 2 / 3's
+        final_logit_softcapping; Gemma Team 2024, "Gemma 2", section 2).
       tie_embeddings: the output projection is the transposed token embedding.
       compute_dtype: "float32" or "bfloat16" (activations and matmuls; parameters stay float32).
       cache_dtype: "float32", "bfloat16" or "int8" (dtype of the stored keys and values; int8 stores symmetric
@@ -120,7 +133,8 @@ class ModelConfig:
         (Peng et al. 2023, "YaRN", sections 3.2-3.4: frequencies blended by a linear ramp between the beta_fast
         and beta_slow rotation counts, cos and sin multiplied by attention_factor). Nothing else is accepted.
       attention_scale: the softmax scale applied to q . k; None means 1 / sqrt(D) (MLA: 1 / sqrt(D + R)).
-        DeepSeek with YaRN multiplies its default by mscale^2 (``dantinox.checkpoints.hf_config``).
+        DeepSeek with YaRN multiplies its default by mscale^2 (``dantinox.checkpoints.hf_config``); Gemma's
+        query_pre_attn_scalar s gives 1 / sqrt(s).
       v_head_size: MLA only: width of each head's value (DeepSeek's v_head_dim); None means head_size.
         head_size is the width of each head's non-rotary query/key part (qk_nope_head_dim).
       mla_norm_eps: MLA only: epsilon of the RMSNorms on the query and kv latents (DeepSeek fixes it at
@@ -144,7 +158,12 @@ class ModelConfig:
     vocab_size: int = 256
     max_context: int = 512
     mlp_hidden: int | None = None
+    mlp_activation: str = "silu"
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
     rope_theta: float = 10000.0
+    rope_local_theta: float | None = None
+    final_logit_softcap: float | None = None
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     compute_dtype: str = "float32"
@@ -186,6 +205,7 @@ class ModelConfig:
             _fail("mlp_hidden", self.mlp_hidden, "a positive integer or None (4 * dim)")
         if not self.rope_theta > 0:
             _fail("rope_theta", self.rope_theta, "a positive number")
+        self._check_gemma_fields()
         if not self.norm_eps > 0:
             _fail("norm_eps", self.norm_eps, "a positive number")
         set_("compute_dtype", canonical_dtype("compute_dtype", self.compute_dtype))
@@ -230,6 +250,18 @@ class ModelConfig:
         if self.layer_types is not None:
             return self.layer_types
         return ("sliding_attention" if self.sliding_window else "full_attention",) * self.num_blocks
+
+    def _check_gemma_fields(self) -> None:
+        """mlp_activation, sandwich_norms and the optional positive numbers Gemma's layers use."""
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            _fail("mlp_activation", self.mlp_activation, f"one of {MLP_ACTIVATIONS}")
+        if not isinstance(self.sandwich_norms, bool):
+            _fail("sandwich_norms", self.sandwich_norms, "True or False")
+        for name in ("embed_scale", "rope_local_theta", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or not value > 0):
+                _fail(name, value, "None or a positive number")
 
     def _check_head_extras(self) -> None:
         for name in ("qkv_bias", "qk_norm"):

@@ -6,8 +6,12 @@ GGUF names, q / k rows permuted to llama.cpp's pair order for ``llama`` files on
 into block formats (``gguf.quants.quantize``; random valid blocks for formats it cannot produce).
 
 Architectures: llama / mistral fixtures -> ``llama`` (Mistral's window as ``llama.attention.sliding_window``),
-qwen2 -> ``qwen2``, qwen3 -> ``qwen3``; ``phi3=True`` writes a Llama-family fixture as ``phi3`` instead (fused
-``attn_qkv`` and ``ffn_up`` = gate | up rows, no permutation), which computes the same function.
+qwen2 -> ``qwen2``, qwen3 -> ``qwen3``, gemma3 -> ``gemma3`` (its four norms per block and q / k norms stored as
+1 + w, as llama.cpp's converter stores them; its window layers as a ``sliding_window_pattern`` array, the
+sliding layers' RoPE base as ``rope.freq_base_swa``, the full layers' linear scaling as ``rope.scaling.*``;
+GGUF has no key for query_pre_attn_scalar, which llama.cpp takes to be the head size); ``phi3=True`` writes a
+Llama-family fixture as ``phi3`` instead (fused ``attn_qkv`` and ``ffn_up`` = gate | up rows, no permutation),
+which computes the same function.
 Independent of dantinox: only json, numpy, safetensors and gguf are used."""
 
 import json
@@ -22,7 +26,7 @@ from safetensors.numpy import load_file
 
 Q = gguf.GGMLQuantizationType
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-        "Qwen3ForCausalLM": "qwen3"}
+        "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
 LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
                "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
                "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
@@ -30,6 +34,9 @@ LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
                "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
                "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+GEMMA3_NAMES = {**LAYER_NAMES, "post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
 TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
 
@@ -87,6 +94,22 @@ def _tokenizer(w, fixture):
     w.add_token_types(types)
 
 
+def _gemma3_metadata(w, config, head_dim):
+    """Gemma 3's keys beyond the shared ones: windows, the two RoPE bases and scaling, soft-capping."""
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    full, local = (dict(config["rope_parameters"][k]) for k in ("full_attention", "sliding_attention"))
+    w.add_rope_freq_base(full["rope_theta"])
+    w.add_rope_freq_base_swa(local["rope_theta"])
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_sliding_window(config["sliding_window"])
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+    if config.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
+
+
 def _metadata(w, config, arch, head_dim, phi3):
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
@@ -94,6 +117,9 @@ def _metadata(w, config, arch, head_dim, phi3):
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(config["num_attention_heads"])
     w.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
+    if arch == "gemma3":
+        w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        return _gemma3_metadata(w, config, head_dim)
     if head_dim != config["hidden_size"] // config["num_attention_heads"]:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -152,9 +178,12 @@ def write_gguf_twin(fixture: str, path, qtypes=None, phi3: bool = False, extra=N
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         if name in TOP_NAMES:
-            out[TOP_NAMES[name]] = array
+            out[TOP_NAMES[name]] = array + np.float32(1) if arch == "gemma3" and name.endswith("norm.weight") else array
             continue
         _, _, n, rest = name.split(".", 3)
+        if arch == "gemma3":
+            out[f"blk.{n}.{GEMMA3_NAMES[rest]}"] = array + np.float32(1) if rest.endswith("norm.weight") else array
+            continue
         if arch == "llama" and rest == "self_attn.q_proj.weight":
             array = llama_cpp_permute(array, H)
         elif arch == "llama" and rest == "self_attn.k_proj.weight":

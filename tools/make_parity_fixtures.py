@@ -62,6 +62,18 @@ FIXTURES = {
                                   rope_scaling=dict(rope_type="yarn", factor=4.0,
                                                     original_max_position_embeddings=16)),
               "RMSNorm on q and k per head, head_dim 24 != 48/4, tied, rope_scaling yarn"),
+    "gemma3": ("Gemma3TextConfig", dict(vocab_size=258, hidden_size=32, head_dim=8, intermediate_size=48,
+                                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=True, query_pre_attn_scalar=24, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        final_logit_softcapping=2.0,
+                                        rope_parameters={"full_attention": dict(rope_type="linear", factor=4.0,
+                                                                                rope_theta=1000000.0),
+                                                         "sliding_attention": dict(rope_type="default",
+                                                                                   rope_theta=10000.0)}),
+               "Gemma 3: sliding window 8 < sequence 43 on layer 0, global layer 1 with linear rope scaling and "
+               "its own base, QK norm, four (1 + w) norms, GeGLU, scaled embeddings, query scalar 24 != head_dim "
+               "8, final-logit soft-capping 2, tied"),
     "deepseek_v2": ("DeepseekV2Config", dict(vocab_size=258, hidden_size=64, intermediate_size=96,
                                              moe_intermediate_size=32, num_attention_heads=4,
                                              num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
@@ -96,9 +108,15 @@ def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return fast
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter drawn anew: norm weights 1 + N(0, 0.2), biases N(0, 0.1), embeddings and head N(0, 0.3),
-    other matrices N(0, 1/fan_in) (a small embedding keeps a tied model from echoing its last token)."""
+# fixtures whose embeddings are drawn smaller (Gemma multiplies them by sqrt(hidden_size) = 5.7 here: at 0.3 the tied
+# model echoes its last token)
+EMBED_STD = {"gemma3": 0.05}
+
+
+def randomize(model: torch.nn.Module, seed: int, embed_std: float = 0.3) -> None:
+    """Every parameter drawn anew: norm weights 1 + N(0, 0.2), biases N(0, 0.1), embeddings and head
+    N(0, embed_std), other matrices N(0, 1/fan_in) (a small embedding keeps a tied model from echoing its last
+    token)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -108,7 +126,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             elif p.ndim == 1:
                 p.copy_(0.1 * noise)
             elif "embed" in name or "lm_head" in name:
-                p.copy_(0.3 * noise)
+                p.copy_(embed_std * noise)
             else:
                 p.copy_(noise / p.shape[1] ** 0.5)
 
@@ -120,7 +138,7 @@ def build(name: str, out_dir: str, seed: int) -> dict:
                                              pad_token_id=None)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize(model, seed)
+    randomize(model, seed, EMBED_STD.get(name, 0.3))
     path = os.path.join(out_dir, name)
     shutil.rmtree(path, ignore_errors=True)
     model.save_pretrained(path, safe_serialization=True)

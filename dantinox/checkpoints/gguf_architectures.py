@@ -16,7 +16,8 @@ model has, so ``hf_config.import_spec`` gives the same ModelConfig for both:
          (``rope_factors_long`` / ``rope_factors_short`` tensors, ``rope.scaling.attn_factor``, scaling type
          ``longrope``) and partial rotary embeddings (``rope.dimension_count`` < head size, Phi-4-mini): the
          model has neither.
-  gemma3 mapped in ``gguf_gemma3`` and refused until ``gguf_gemma3.ENABLED`` (the model is not there yet).
+  gemma3 Gemma3ForCausalLM (``gguf_gemma3``): four norms per block stored as 1 + w, QK norm, per-layer windows
+         from ``attention.sliding_window_pattern``, local and global RoPE bases.
 
 qwen2, qwen3 and phi3 rotate halves as HF does (llama.cpp's NEOX RoPE), so their rows are as HF stores them.
 Shared keys (``{arch}.`` + block_count, context_length, embedding_length, feed_forward_length,
@@ -236,7 +237,7 @@ SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 def check_architecture(arch) -> None:
     """GGUFError (one line, without the path) unless ``general.architecture`` is supported; Gemma 3 has its own
-    line while its model is missing."""
+    line while its switch (``gguf_gemma3.ENABLED``) is off."""
     from . import gguf_gemma3
 
     if arch in ARCHITECTURES:

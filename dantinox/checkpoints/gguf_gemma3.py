@@ -1,7 +1,7 @@
 """Gemma 3 (GGUF ``general.architecture = gemma3``): its metadata as a :class:`Gemma3Spec`, its tensor names,
-and the transformers ``Gemma3ForCausalLM`` config the same model has. Not imported yet: dantinox's model lacks
-Gemma 3's layers and its sliding-window cache, so ``ENABLED`` is False and ``gguf_architectures`` refuses the
-architecture with ``NOT_YET``; setting ``ENABLED = True`` registers it once the model exists.
+and the transformers ``Gemma3ForCausalLM`` config the same model has (which ``hf_config`` / ``hf_gemma`` map to
+the ModelConfig). ``ENABLED`` registers the architecture in ``gguf_architectures``; with it False the
+architecture is refused with ``NOT_YET``.
 
 Metadata (``gemma3.`` + key; defaults are llama.cpp's and transformers' Gemma 3 values):
   embedding_length E, block_count L, attention.head_count H, attention.head_count_kv K, attention.key_length D
@@ -28,9 +28,9 @@ from .errors import GGUFError
 from .gguf_metadata import Metadata
 from .gguf_shapes import check_block_count, check_shapes, tensor_shape
 
-ENABLED = False   # the one switch: True once dantinox's model runs Gemma 3 (its layers and hybrid window cache)
-NOT_YET = ("general.architecture='gemma3' (Gemma 3) is not supported yet: dantinox's model does not have its "
-           "layers and sliding-window cache; supported: llama, qwen2, qwen3, phi3")
+ENABLED = True   # the one switch: the model runs Gemma 3's layers (its windows as masks over a full-length cache)
+NOT_YET = ("general.architecture='gemma3' (Gemma 3) is not supported in this build; supported: llama, qwen2, "
+           "qwen3, phi3")
 NORM_OFFSET = -1.0
 BLOCK_NAMES = {  # GGUF name inside blk.N -> HF Gemma3 name inside model.layers.N
     "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",

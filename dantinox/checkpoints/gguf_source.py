@@ -3,7 +3,7 @@
 ``read_gguf(path)`` returns the :class:`~dantinox.checkpoints.hf_dir.HFCheckpoint` a Hugging Face model
 directory of the same model would give:
   config             the config.json dict of the matching transformers class (``gguf_architectures``: llama,
-                     qwen2, qwen3, phi3; gemma3 mapped in ``gguf_gemma3`` but refused until its model exists)
+                     qwen2, qwen3, phi3, gemma3 through ``gguf_gemma3``)
   tensors            HF tensor names ("model.layers.0.self_attn.q_proj.weight") -> float32 [out, in] arrays
   tokenizer_json     tokenizer.json text (``gguf_tokenizer``: byte-level BPE or SentencePiece)
   chat_template      tokenizer.chat_template, or None

@@ -11,6 +11,10 @@ Supported ``architectures`` (transformers class names) and what each maps to:
   Phi3ForCausalLM      as Mistral (``sliding_window`` on every layer when set) with fused weights (qkv_proj,
                        gate_up_proj: split by rows in ``hf_weights``); partial_rotary_factor must be 1 and
                        rope_scaling none (Phi-3's LongRoPE "longrope" / "su" is refused)
+  Gemma3ForCausalLM    Gemma 3's text decoder (model_type gemma3_text) and Gemma2ForCausalLM without attention
+                       soft-capping: four (1 + w) norms per block, GeGLU, scaled embeddings, QK norm (Gemma 3),
+                       the query pre-attention scalar, final-logit soft-capping, per-layer sliding windows and
+                       local / global RoPE bases (``hf_gemma``)
   DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
                        multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, section 2.1):
                        q_lora_rank -> q_latent_dim, kv_lora_rank -> kv_latent_dim, qk_nope_head_dim ->
@@ -34,13 +38,15 @@ from typing import Any, Mapping
 
 from ..config import ConfigError, ModelConfig
 from .errors import CheckpointError
+from .hf_gemma import GEMMA, NORM_OFFSET, gemma_fields
+from .hf_gemma import MODEL_TYPES as GEMMA_MODEL_TYPES
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-ARCHITECTURES = LLAMA_LIKE + DEEPSEEK
+ARCHITECTURES = LLAMA_LIKE + GEMMA + DEEPSEEK
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", **GEMMA_MODEL_TYPES}
 DEFAULT_MAX_CONTEXT = 8192      # static cache slots when the checkpoint allows more and --max_context is not given
 DEEPSEEK_LATENT_EPS = 1e-6      # transformers' DeepSeek q_a_layernorm / kv_a_layernorm ignore rms_norm_eps
 
@@ -53,12 +59,15 @@ class ImportSpec:
     rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek) where dantinox rotates halves (x_i, x_{i+R/2}),
     so the weight converter permutes the rotary output rows of the query and RoPE-key projections.
     context_note: a line for the user when max_context was capped below the checkpoint's, else None.
+    norm_offset: added (float32) to every RMSNorm weight to give the scale dantinox multiplies by: 1 for
+    Gemma, whose norms multiply by 1 + w; 0 otherwise.
     """
 
     cfg: ModelConfig
     architecture: str
     rope_interleaved: bool
     context_note: str | None = None
+    norm_offset: float = 0.0
 
 
 def refuse(name: str, value: Any, why: str) -> None:
@@ -77,7 +86,11 @@ def import_spec(hf: Mapping[str, Any], dtype: str = "float32", max_context: int 
     if not isinstance(hf, Mapping):
         raise CheckpointError(f"config.json: expected a JSON object, got {type(hf).__name__}")
     arch = _architecture(hf)
-    fields, interleaved = (_deepseek_fields(hf, arch) if arch in DEEPSEEK else (_llama_fields(hf, arch), False))
+    common = _common_fields(hf, arch)   # sizes checked first: the architecture's fields read them
+    if arch in GEMMA:
+        fields, interleaved = gemma_fields(hf, arch, _rope_parameters), False
+    else:
+        fields, interleaved = (_deepseek_fields(hf, arch) if arch in DEEPSEEK else (_llama_fields(hf, arch), False))
     limit = _int(hf, "max_position_embeddings")
     chosen = max_context or min(limit, DEFAULT_MAX_CONTEXT)
     if chosen > limit:
@@ -85,9 +98,10 @@ def import_spec(hf: Mapping[str, Any], dtype: str = "float32", max_context: int 
                               f"max_position_embeddings={limit}")
     note = (f"max_context={chosen} cache slots (the checkpoint allows {limit}; set --max_context to change it)"
             if chosen < limit and max_context is None else None)
-    fields.update(_common_fields(hf), max_context=chosen, compute_dtype=dtype, cache_dtype=dtype)
+    fields.update({k: v for k, v in common.items() if k not in fields}, max_context=chosen, compute_dtype=dtype,
+                  cache_dtype=dtype)
     try:
-        return ImportSpec(ModelConfig(**fields), arch, interleaved, note)
+        return ImportSpec(ModelConfig(**fields), arch, interleaved, note, NORM_OFFSET if arch in GEMMA else 0.0)
     except ConfigError as err:
         raise CheckpointError(f"config.json: {err}") from err
 
@@ -108,22 +122,26 @@ def _int(hf: Mapping[str, Any], name: str, default: Any = None) -> int:
     return value
 
 
-def _common_fields(hf: Mapping[str, Any]) -> dict:
-    """Fields every supported architecture shares: sizes, norm eps, activation, tied head, RoPE base."""
-    if hf.get("hidden_act", "silu") != "silu":
+def _common_fields(hf: Mapping[str, Any], arch: str) -> dict:
+    """Fields every supported architecture shares: sizes, norm eps, activation, tied head, RoPE base (Gemma's
+    activation, tied default and RoPE: ``hf_gemma``, whose fields take precedence)."""
+    gemma = arch in GEMMA
+    if not gemma and hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", hf.get("hidden_act"), "'silu' (dantinox's MLP is SwiGLU)")
     if hf.get("mlp_bias", False):
         refuse("mlp_bias", hf["mlp_bias"], "false (dantinox's MLP has no biases)")
     eps = hf.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
         refuse("rms_norm_eps", eps, "a positive number")
-    tied = hf.get("tie_word_embeddings", False)
+    tied = hf.get("tie_word_embeddings", gemma)   # transformers' default: tied for Gemma, untied otherwise
     if not isinstance(tied, bool):
         refuse("tie_word_embeddings", tied, "true or false")
-    return dict(dim=_int(hf, "hidden_size"), n_heads=_int(hf, "num_attention_heads"),
-                num_blocks=_int(hf, "num_hidden_layers"), vocab_size=_int(hf, "vocab_size"),
-                mlp_hidden=_int(hf, "intermediate_size"), norm_eps=float(eps), tie_embeddings=tied,
-                rope_theta=float(_rope_parameters(hf)[0]))
+    out = dict(dim=_int(hf, "hidden_size"), n_heads=_int(hf, "num_attention_heads"),
+               num_blocks=_int(hf, "num_hidden_layers"), vocab_size=_int(hf, "vocab_size"),
+               mlp_hidden=_int(hf, "intermediate_size"), norm_eps=float(eps), tie_embeddings=tied)
+    if not gemma:
+        out["rope_theta"] = float(_rope_parameters(hf)[0])
+    return out
 
 
 def _rope_parameters(hf: Mapping[str, Any]) -> tuple[float, dict | None]:

@@ -4,10 +4,14 @@ Names and layouts on the dantinox side are the run directory's (``blocks.N.attn.
 kernels are [in, out], the transpose of torch's ``weight``). Per block N, with HF prefix ``model.layers.N.``:
 
   input_layernorm.weight, post_attention_layernorm.weight   -> attn_norm.scale, mlp_norm.scale
+  Gemma (cfg.sandwich_norms): input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+                post_feedforward_layernorm                  -> attn_norm, attn_post_norm, mlp_norm, mlp_post_norm
+                                                               (.scale); every Gemma norm (these, q_norm, k_norm,
+                                                               model.norm) stored as 1 + w (spec.norm_offset)
   mlp.gate_proj / up_proj / down_proj                       -> mlp.gate_up.kernel [E, 2F] (gate columns first),
                                                                mlp.down.kernel [F, E]
   (Phi-3: mlp.gate_up_proj [2F, E], gate rows first)        -> mlp.gate_up.kernel as one matrix
-  Llama family: self_attn.q_proj, k_proj, v_proj           -> attn.qkv.kernel [E, (H + 2K) D] (q | k | v);
+  Llama family and Gemma: self_attn.q_proj, k_proj, v_proj -> attn.qkv.kernel [E, (H + 2K) D] (q | k | v);
                 (Qwen2 biases -> attn.qkv.bias), o_proj      -> attn.out.kernel; Qwen3 q_norm, k_norm -> attn.q_norm,
                                                                attn.k_norm (.scale)
   Phi-3:        self_attn.qkv_proj [(H + 2K) D, E] (q | k | v rows) -> attn.qkv.kernel as one matrix
@@ -100,6 +104,12 @@ class _Tensors:
             return BlockParts(weight.parts, (n_in, n_out))
         return np.ascontiguousarray(weight.T)
 
+    def norm(self, name: str, size: int, offset: float) -> np.ndarray:
+        """An RMSNorm weight [size] as the scale dantinox multiplies by: the stored w, or offset + w in float32
+        (Gemma's 1 + w, the value its RMSNorm computes)."""
+        weight = self.take(name, (size,))
+        return weight + np.float32(offset) if offset else weight
+
     def leftover(self) -> list[str]:
         return sorted(n for n in self.tensors if n not in self.used and not n.endswith(IGNORED_SUFFIXES))
 
@@ -117,7 +127,7 @@ def convert_weights(tensors: Mapping[str, np.ndarray], spec: ImportSpec) -> dict
     cfg, src = spec.cfg, _Tensors(tensors)
     E, V = cfg.dim, cfg.vocab_size
     out = {"embed.embedding": src.take("model.embed_tokens.weight", (V, E)),
-           "final_norm.scale": src.take("model.norm.weight", (E,))}
+           "final_norm.scale": src.norm("model.norm.weight", E, spec.norm_offset)}
     if not cfg.tie_embeddings:
         out["lm_head.kernel"] = src.linear("lm_head", V, E)
     elif "lm_head.weight" in tensors:
@@ -134,8 +144,7 @@ def convert_weights(tensors: Mapping[str, np.ndarray], spec: ImportSpec) -> dict
         src.used.add("lm_head.weight")
     for n in range(cfg.num_blocks):
         p, q = f"model.layers.{n}.", f"blocks.{n}."
-        out[q + "attn_norm.scale"] = src.take(p + "input_layernorm.weight", (E,))
-        out[q + "mlp_norm.scale"] = src.take(p + "post_attention_layernorm.weight", (E,))
+        out.update({q + k: v for k, v in _norms(src, p, spec).items()})
         F = cfg.mlp_hidden
         if p + "mlp.gate_up_proj.weight" in tensors:   # Phi-3's fused gate | up rows
             out[q + "mlp.gate_up.kernel"] = src.linear(p + "mlp.gate_up_proj", 2 * F, E)
@@ -152,6 +161,15 @@ def convert_weights(tensors: Mapping[str, np.ndarray], spec: ImportSpec) -> dict
     return out
 
 
+def _norms(src: _Tensors, p: str, spec: ImportSpec) -> dict[str, np.ndarray]:
+    """One block's RMSNorm scales: two (pre-attention, pre-MLP), or Gemma's four (module docstring)."""
+    E, offset = spec.cfg.dim, spec.norm_offset
+    names = ({"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+              "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+             if spec.cfg.sandwich_norms else {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"})
+    return {f"{ours}.scale": src.norm(f"{p}{theirs}.weight", E, offset) for ours, theirs in names.items()}
+
+
 def _gqa_block(src: _Tensors, p: str, spec: ImportSpec) -> dict[str, np.ndarray]:
     """One Llama / Mistral / Qwen2 / Qwen3 / Phi-3 attention: fused qkv (+ bias), out, optional per-head norms."""
     cfg = spec.cfg
@@ -165,8 +183,8 @@ def _gqa_block(src: _Tensors, p: str, spec: ImportSpec) -> dict[str, np.ndarray]
     if cfg.qkv_bias:
         out["attn.qkv.bias"] = np.concatenate([src.take(f"{p}{name}.bias", (w,)) for name, w in parts])
     if cfg.qk_norm:
-        out["attn.q_norm.scale"] = src.take(p + "q_norm.weight", (D,))
-        out["attn.k_norm.scale"] = src.take(p + "k_norm.weight", (D,))
+        out["attn.q_norm.scale"] = src.norm(p + "q_norm.weight", D, spec.norm_offset)
+        out["attn.k_norm.scale"] = src.norm(p + "k_norm.weight", D, spec.norm_offset)
     return out
 
 

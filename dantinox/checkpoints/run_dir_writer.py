@@ -11,8 +11,9 @@ plan and ``dx.Generator`` work unchanged) plus three files of imported models:
   tokenizer.json          the checkpoint's ``tokenizers`` file (padded with unused special tokens
                           ``<|dantinox_unused_N|>`` when the embedding has more rows than the tokenizer has ids)
   model_summary.json      parameters, KV bytes per token, tokenizer kind, ``imported_from``, ``architecture``,
-                          ``stop_token_ids`` and ``stop_tokens`` (their texts), for reference, and
-                          ``weights_sha256`` (of model.safetensors, checked on load: ``dantinox.runs.weights_checksum``)
+                          ``stop_token_ids`` and ``stop_tokens`` (their texts), ``chat_template`` (where the
+                          template came from, when the importer says), for reference, and ``weights_sha256`` (of
+                          model.safetensors, checked on load: ``dantinox.runs.weights_checksum``)
   chat_template.jinja     the chat template, verbatim (only when the checkpoint has one)
   generation_config.json  the checkpoint's generation defaults as given (HF generation_config.json keys:
                           temperature, top_p, top_k, do_sample, bos_token_id, ...) plus ``eos_token_ids``: every
@@ -59,7 +60,8 @@ PAD_TOKEN = "<|dantinox_unused_{}|>"
 def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
                   tokenizer_json: str, chat_template: str | None, generation: Mapping[str, Any] | None,
                   dtype: str = "float32", max_context: int | None = None, source: str = "",
-                  special_tokens: Mapping[str, str] | None = None) -> ImportSpec:
+                  special_tokens: Mapping[str, str] | None = None, stop_tokens: tuple = (),
+                  template_origin: str | None = None) -> ImportSpec:
     """Convert a checkpoint and write it as the run directory ``out`` (which must not exist yet).
 
     The entry point of every importer (Hugging Face directory, GGUF file): the source reader produces
@@ -79,6 +81,9 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
       source: where the checkpoint came from (recorded in model_summary.json).
       special_tokens: {"bos_token", "eos_token", "unk_token", "pad_token"} -> text, as the checkpoint's
         tokenizer_config.json names them (or None).
+      stop_tokens: token texts that also end generation (the chat template's end of turn, e.g. Gemma's
+        ``<end_of_turn>``): their ids join the stop ids when the tokenizer holds them.
+      template_origin: where chat_template came from (recorded in model_summary.json), or None.
     Returns the ImportSpec (its cfg is the run's ModelConfig; context_note a line worth printing, or None).
     Raises CheckpointError (one line): ``out`` exists or cannot be created, an unsupported config, a missing or
     misshapen tensor, an unreadable tokenizer or one with more ids than vocab_size, eos ids outside the vocabulary.
@@ -92,7 +97,7 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
     _check_against_model(params, spec)
     tokenizer = _tokenizer(tokenizer_json, spec.cfg.vocab_size)
     special = {k: v for k, v in (special_tokens or {}).items() if isinstance(v, str) and v}
-    gen = _generation(generation, tokenizer, special.get("eos_token"))
+    gen = _generation(generation, tokenizer, special.get("eos_token"), stop_tokens)
     parent = os.path.dirname(out)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.import-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -102,7 +107,7 @@ def write_run_dir(out: str | os.PathLike, hf_config: Mapping[str, Any], tensors:
         raise CheckpointError(f"--out {out}: cannot create the run directory there "
                               f"({err.strerror or type(err).__name__})") from None
     try:
-        _write_files(tmp, spec, params, tokenizer, chat_template, gen, hf_config, source, special)
+        _write_files(tmp, spec, params, tokenizer, chat_template, gen, hf_config, source, special, template_origin)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,8 +167,10 @@ def _tokenizer(text: str, vocab_size: int) -> TextTokenizer:
     return tokenizer
 
 
-def _generation(generation: Mapping[str, Any] | None, tokenizer: TextTokenizer, eos_token: str | None) -> dict:
-    """The run's generation_config.json: ``generation`` plus eos_token_ids, the merged stop ids (K11)."""
+def _generation(generation: Mapping[str, Any] | None, tokenizer: TextTokenizer, eos_token: str | None,
+                stop_tokens: tuple = ()) -> dict:
+    """The run's generation_config.json: ``generation`` plus eos_token_ids, the merged stop ids (K11), then
+    the ids of ``stop_tokens`` the tokenizer holds."""
     gen = dict(generation or {})
     eos = gen.get("eos_token_id")
     try:
@@ -171,8 +178,11 @@ def _generation(generation: Mapping[str, Any] | None, tokenizer: TextTokenizer, 
     except ValueError:
         raise CheckpointError(f"generation_config.json: eos_token_id={eos!r} is not allowed: token ids in "
                               f"[0, vocab_size={tokenizer.vocab_size})") from None
-    eos_id = tokenizer.hf.token_to_id(eos_token) if eos_token is not None else None
-    gen["eos_token_ids"] = ids + ([eos_id] if eos_id is not None and eos_id not in ids else [])
+    for text in ((eos_token,) if eos_token is not None else ()) + tuple(stop_tokens):
+        token = tokenizer.hf.token_to_id(text)
+        if token is not None and token not in ids:
+            ids = ids + [token]
+    gen["eos_token_ids"] = ids
     return gen
 
 
@@ -199,7 +209,8 @@ def weight_format(layout: dict) -> str:
 
 
 def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, chat_template: str | None,
-                 gen: dict, hf_config: Mapping[str, Any], source: str, special: dict) -> None:
+                 gen: dict, hf_config: Mapping[str, Any], source: str, special: dict,
+                 template_origin: str | None = None) -> None:
     cfg = spec.cfg
     atomic_write_json(os.path.join(tmp, "config.json"), cfg.to_dict())
     arrays, layout = stored_arrays(params)
@@ -213,7 +224,8 @@ def _write_files(tmp: str, spec: ImportSpec, params, tokenizer: TextTokenizer, c
                "tokenizer": tokenizer.kind, "imported_from": source, "architecture": spec.architecture,
                "stop_token_ids": gen["eos_token_ids"],
                "stop_tokens": [tokenizer.hf.id_to_token(i) for i in gen["eos_token_ids"]],
-               weights_checksum.KEY: weights_checksum.sha256_hex(data)}
+               weights_checksum.KEY: weights_checksum.sha256_hex(data),
+               **({"chat_template": template_origin} if template_origin else {})}
     atomic_write_json(os.path.join(tmp, "model_summary.json"), summary)
     atomic_write_json(os.path.join(tmp, GENERATION_FILE), gen)
     if special:

@@ -1,4 +1,4 @@
-"""``dantinox import SOURCE --out runs/NAME [--dtype float32|bfloat16] [--max_context S]``.
+"""``dantinox import SOURCE --out runs/NAME [--dtype float32|bfloat16] [--max_context S] [--chat-template FILE]``.
 
 SOURCE is a Hugging Face model directory (``dantinox.checkpoints.hf_dir``) or a ``.gguf`` file
 (``dantinox.checkpoints.gguf_source.read_gguf``, which returns the same ``HFCheckpoint``). Without --dtype a
@@ -8,7 +8,9 @@ every tensor to float32 as before, with one warning line naming the formats the 
 ``dantinox.checkpoints.write_run_dir``, which writes an ordinary run directory atomically. Bad input (a
 directory without config.json or weights, a missing shard, a tensor whose shape disagrees with the config, an
 unsupported architecture or field) raises CheckpointError: one line, exit 2. It also prints the
-token ids generation will stop at (merged from the checkpoint's files, case K11; ``dantinox.runs.stop_ids``).
+token ids generation will stop at (merged from the checkpoint's files, case K11; ``dantinox.runs.stop_ids``),
+and one line naming the chat template the run got (``dantinox.checkpoints.chat_template_choice``: the file given
+with --chat-template, else the checkpoint's, else its architecture's built-in turn format, Gemma's, else none).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
                         "default float32, and a GGUF file's quantized weights kept in their block formats")
     p.add_argument("--max_context", type=int, default=None,
                    help="static cache slots (default: the checkpoint's context, at most 8192)")
+    p.add_argument("--chat-template", dest="chat_template", metavar="FILE", default=None,
+                   help="a Jinja chat template file for the run, instead of the checkpoint's own (or the built-in "
+                        "turn format of its architecture when it carries none)")
 
 
 def read_source(source: str, keep_blocks: bool = False):
@@ -82,6 +87,7 @@ def _dequantized_warning(source: str) -> str | None:
 def run_import(args) -> int:
     """Import SOURCE into --out; prints what was written. Raises CheckpointError / ValueError (exit 2)."""
     from ..checkpoints import write_run_dir
+    from ..checkpoints.chat_template_choice import choose_template
 
     if args.max_context is not None and args.max_context < 1:
         raise ValueError(f"--max_context {args.max_context} is not allowed: an integer >= 1")
@@ -89,18 +95,23 @@ def run_import(args) -> int:
         raise ValueError(f"--out {args.out} already exists; choose a new run directory")
     start = time.perf_counter()
     ckpt = read_source(args.source, keep_blocks=args.dtype is None)
+    archs = ckpt.config.get("architectures") if isinstance(ckpt.config, dict) else None
+    template = choose_template(ckpt.chat_template, archs[0] if isinstance(archs, list) and archs else "",
+                               getattr(args, "chat_template", None), ckpt.special_tokens)
     if args.dtype is not None and args.source.lower().endswith(".gguf"):
         warning = _dequantized_warning(args.source)
         if warning:
             print(warning, file=sys.stderr)
-    spec = write_run_dir(args.out, ckpt.config, ckpt.tensors, ckpt.tokenizer_json, ckpt.chat_template,
+    spec = write_run_dir(args.out, ckpt.config, ckpt.tensors, ckpt.tokenizer_json, template.text,
                          ckpt.generation, dtype=args.dtype or "float32", max_context=args.max_context,
-                         source=os.path.abspath(args.source), special_tokens=ckpt.special_tokens)
+                         source=os.path.abspath(args.source), special_tokens=ckpt.special_tokens,
+                         stop_tokens=template.stop_tokens, template_origin=template.origin)
     cfg = spec.cfg
     print(f"imported {spec.architecture} from {args.source} into {args.out} in "
           f"{time.perf_counter() - start:.1f} s: {cfg.num_blocks} blocks, dim {cfg.dim}, "
           f"attention {cfg.attention}, vocab {cfg.vocab_size}, dtype {cfg.compute_dtype}, "
-          f"chat template {'yes' if ckpt.chat_template else 'no'}, weights {_weight_format(args.out)}")
+          f"chat template {'yes' if template.text else 'no'}, weights {_weight_format(args.out)}")
+    print(template.line)
     print(f"stops at token ids: {_stop_ids_line(args.out)}")
     if spec.context_note:
         print(spec.context_note)

@@ -4,7 +4,7 @@
   attention.py     MHA / GQA / MQA over the static cache (one implementation; K KV heads)
   mla.py           multi-head latent attention over a compressed latent cache (DeepSeek-V2)
   cache.py         the cache pytree: LayerKV / LatentKV (and their int8 forms), init_cache, byte counts
-  layers.py        RMSNorm, SwiGLU, rotary position embeddings
+  layers.py        RMSNorm, the gated MLP (SwiGLU / GeGLU), rotary position embeddings
 """
 
 from ..kv.static import CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV, cache_nbytes

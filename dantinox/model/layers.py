@@ -1,4 +1,5 @@
-"""Building blocks shared by every attention kind: RMSNorm, the SwiGLU MLP and rotary position embeddings.
+"""Building blocks shared by every attention kind: RMSNorm, the gated MLP (SwiGLU / GeGLU) and rotary position
+embeddings.
 
 Shape letters (used in every docstring of the package):
   B batch, T new tokens in this call, S cache length (max_context), H query heads, K KV heads,
@@ -31,22 +32,33 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-class SwiGLU(nnx.Module):
-    """Gated MLP with a SiLU gate (Shazeer 2020, "GLU Variants Improve Transformer").
+ACTIVATIONS = {  # ModelConfig.mlp_activation -> the gate's nonlinearity
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),   # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+}
 
-    The gate and up projections are fused into one [E, 2F] matmul. x: [B, T, E] -> [B, T, E].
+
+class GatedMLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)) (Shazeer 2020, "GLU Variants Improve Transformer"): SwiGLU with
+    activation "silu", GeGLU with "gelu_tanh" (GELU's tanh approximation, Hendrycks & Gimpel 2016, section 2;
+    Gemma's ``gelu_pytorch_tanh``).
+
+    The gate and up projections are fused into one [E, 2F] matmul (gate columns first). x: [B, T, E] ->
+    [B, T, E]. KeyError for an activation not in ACTIVATIONS (ModelConfig validates the name first).
     """
 
-    def __init__(self, dim: int, hidden: int, dtype, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, hidden: int, dtype, *, rngs: nnx.Rngs, activation: str = "silu"):
         init = nnx.initializers.normal(stddev=0.02)
         self.gate_up = nnx.Linear(dim, 2 * hidden, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
                                   kernel_init=init, rngs=rngs)
         self.down = nnx.Linear(hidden, dim, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
                                kernel_init=init, rngs=rngs)
+        self.activation = activation
+        ACTIVATIONS[activation]   # noqa: B018 - an unknown name fails here, not at the first call
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
-        return self.down(jax.nn.silu(gate) * up)
+        return self.down(ACTIVATIONS[self.activation](gate) * up)
 
 
 def rope_angles(positions: jax.Array, head_size: int, theta: float,

@@ -27,7 +27,7 @@ from .attention import Attention
 from ..kv.static import KVCache, LatentCacheView, LayerCacheView, check_cache_capacity
 from ..kv.cache import cache_shapes
 from ..kv.spec import describe, layer_specs
-from .layers import RMSNorm, SwiGLU, rope_angles
+from .layers import GatedMLP, RMSNorm, rope_angles
 from .mla import MLAttention
 
 
@@ -50,17 +50,22 @@ def float32_matmuls(method):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).
+    """Pre-norm decoder block: x + Attention(RMSNorm(x)), then x + MLP(RMSNorm(x)); with cfg.sandwich_norms
+    each branch's output is RMS-normalised too before the residual add (Gemma 2 / 3: x + N'(Attention(N(x))),
+    then x + N'(MLP(N(x)))).
 
-    The attention is MLAttention for cfg.attention == "mla", Attention (MHA / GQA / MQA) otherwise.
+    The attention is MLAttention for cfg.attention == "mla", Attention (MHA / GQA / MQA) otherwise; the MLP is
+    the gated MLP with cfg.mlp_activation (SwiGLU or GeGLU).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         kind = MLAttention if cfg.attention == "mla" else Attention
         self.attn = kind(cfg, rngs=rngs, layer=layer)   # layer: its cache spec's index (dantinox.kv.spec)
+        self.attn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norms else None
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.dim, cfg.mlp_hidden, cfg.jnp_compute_dtype, rngs=rngs)
+        self.mlp = GatedMLP(cfg.dim, cfg.mlp_hidden, cfg.jnp_compute_dtype, rngs=rngs, activation=cfg.mlp_activation)
+        self.mlp_post_norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.sandwich_norms else None
 
     def __call__(self, x, rope, layer_cache, cache_index, key_start, read_slots, valid=None):
         """x: [B, T, E] -> ([B, T, E], updated layer cache or None). read_slots, valid: see Attention (valid
@@ -68,15 +73,22 @@ class Block(nnx.Module):
         extra = {} if valid is None or isinstance(self.attn, MLAttention) else {"valid": valid}
         h, layer_cache = self.attn(self.attn_norm(x), rope, layer_cache, cache_index, key_start, read_slots,
                                    **extra)
+        if self.attn_post_norm is not None:
+            h = self.attn_post_norm(h)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), layer_cache
+        h = self.mlp(self.mlp_norm(x))
+        if self.mlp_post_norm is not None:
+            h = self.mlp_post_norm(h)
+        return x + h, layer_cache
 
 
 class Transformer(nnx.Module):
-    """Decoder-only transformer with RoPE, RMSNorm, SwiGLU and (optionally) tied embeddings.
+    """Decoder-only transformer with RoPE, RMSNorm, a gated MLP and (optionally) tied embeddings.
 
     Build with ``Transformer(cfg, rngs=nnx.Rngs(seed))`` or ``dantinox.build_model(cfg, seed)``.
-    Parameters are float32; matmuls run in cfg.compute_dtype; logits are float32.
+    Parameters are float32; matmuls run in cfg.compute_dtype; logits are float32. Gemma's extras, each off by
+    default (``ModelConfig``): embeddings times cfg.embed_scale, sliding-window layers rotating with their own
+    base cfg.rope_local_theta, and logits soft-capped at cfg.final_logit_softcap.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -141,12 +153,14 @@ class Transformer(nnx.Module):
         if key_start is not None:
             key_start = jnp.asarray(key_start, jnp.int32)
             positions = jnp.maximum(positions - key_start[:, None], 0)
-        rope = rope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+        ropes = layer_ropes(cfg, positions)
         x = self.embed(ids)
+        if cfg.embed_scale is not None:
+            x = x * jnp.asarray(cfg.embed_scale, jnp.float32).astype(x.dtype)
         new_caches = []
         for n, block in enumerate(self.blocks):
             layer_cache = kv_caches[n] if use_cache else None
-            x, layer_cache = block(x, rope, layer_cache, index, key_start, 0 if fresh else attend_slots,
+            x, layer_cache = block(x, ropes[n], layer_cache, index, key_start, 0 if fresh else attend_slots,
                                    None if valid_tokens is None else jnp.asarray(valid_tokens, jnp.int32))
             new_caches.append(layer_cache)
         if use_cache and not _attends_itself(kv_caches):  # on a mesh: one cache layout (dantinox.parallel.sharding)
@@ -157,7 +171,8 @@ class Transformer(nnx.Module):
 
     @float32_matmuls
     def logits(self, h: jax.Array) -> jax.Array:
-        """Output projection. h: [B, T, E] -> logits [B, T, V] float32.
+        """Output projection. h: [B, T, E] -> logits [B, T, V] float32 (soft-capped, c tanh(logits / c), when
+        cfg.final_logit_softcap is c).
 
         A tied head contracts E with the table's last axis directly (dot_general on [V, E]); ``nnx.Embed.attend``
         writes ``embedding.T``, which XLA CPU materialised as a [E, V] transpose + copy every decode step (a
@@ -171,7 +186,20 @@ class Transformer(nnx.Module):
             out = jax.lax.dot_general(h.astype(dtype), table, (((h.ndim - 1,), (1,)), ((), ())))
         else:  # e.g. dantinox.quant.weights.LowPrecisionEmbed, which contracts its own table
             out = self.embed.attend(h)
-        return out.astype(jnp.float32)
+        out = out.astype(jnp.float32)
+        cap = self.cfg.final_logit_softcap
+        return out if cap is None else jnp.tanh(out / cap) * cap
+
+
+def layer_ropes(cfg: ModelConfig, positions: jax.Array) -> list:
+    """The rotary (cos, sin) each layer uses, [B, T, D/2] each (``rope_angles``) for positions [B, T] int32:
+    rope_theta with rope_scaling, except that with cfg.rope_local_theta the "sliding_attention" layers get plain
+    RoPE of that base (Gemma 3's local layers). Each distinct table is computed once."""
+    full = rope_angles(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.rope_local_theta is None or "sliding_attention" not in cfg.layer_kinds:
+        return [full] * cfg.num_blocks
+    local = rope_angles(positions, cfg.rope_dim, cfg.rope_local_theta)
+    return [local if kind == "sliding_attention" else full for kind in cfg.layer_kinds]
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, mesh=None) -> Transformer:

@@ -46,8 +46,11 @@ class AdoptingChannelLayerKV:
     def attend_and_write(self, q, k, v, cache_index, key_start, window, stored=None):
         """Per-channel attention over the new tokens only (cache_index 0), keys of complete groups read back
         from the adopted codes and scales; writes nothing. q: [B, K, G', T, D]; v: [B, K, T, D]; stored: the
-        int8 layer's tuple (stored[4]: the full keys). Returns (y [B, K, G', T, D] float32, this layer)."""
+        int8 layer's tuple (stored[4]: the full keys); window: this layer's sliding window (its spec's: a hybrid
+        model's full layers have none). Returns (y [B, K, G', T, D] float32, this layer)."""
         cfg, G = self.cfg, self.cfg.key_group
+        if window != cfg.sliding_window or cfg.layer_types is not None:   # attend_channels reads the window here
+            cfg = cfg.replace(sliding_window=window, layer_types=None)
         keys = stored[4]
         B, K, T, D = keys.shape
         zeros = jnp.zeros((B, K, G, D), jnp.float32)

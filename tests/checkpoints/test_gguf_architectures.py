@@ -2,7 +2,7 @@
 refused with one line naming the key or tensor (an unknown architecture or tokenizer kind refused while the
 metadata is parsed, before any tensor description; metadata that disagrees with the tensors; what Phi-3 and
 Llama files hold that the model cannot run), Llama 3's rope parameters recovered from ``rope_freqs.weight``
-against the published formula, and Gemma 3's mapping (refused for now, enabled by one switch)."""
+against the published formula, and Gemma 3's mapping (imported; refused with its switch off)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,7 @@ def twin(tmp_path, name="llama", **options):
 
 
 @pytest.mark.parametrize("arch, expected", [
-    ("mamba", "general.architecture='mamba' is not supported: one of llama, qwen2, qwen3, phi3"),
-    ("gemma3", "general.architecture='gemma3' (Gemma 3) is not supported yet")])
+    ("mamba", "general.architecture='mamba' is not supported: one of llama, qwen2, qwen3, phi3, gemma3")])
 def test_an_unsupported_architecture_is_refused_before_the_tensors(tmp_path, capsys, arch, expected):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, arch=arch)
@@ -169,11 +168,9 @@ def open_reader_unchecked(path):
     return gguf.GGUFReader(str(path))
 
 
-def test_gemma3_is_mapped_and_refused_until_its_switch_is_on(tmp_path, capsys, monkeypatch):
+def test_gemma3_is_mapped_and_refused_with_its_switch_off(tmp_path, capsys, monkeypatch):
     path = tmp_path / "gemma3.gguf"
     write_gemma3(path, layers=7)
-    with pytest.raises(GGUFError, match="Gemma 3"):
-        open_reader(path)
     m, tensors = gemma3_inputs(path)
     spec = gguf_gemma3.gemma3_spec(m, tensors)
     assert (spec.dim, spec.n_heads, spec.kv_heads, spec.head_dim, spec.mlp_hidden, spec.vocab_size) == (32, 2, 1, 16,
@@ -184,11 +181,14 @@ def test_gemma3_is_mapped_and_refused_until_its_switch_is_on(tmp_path, capsys, m
     assert spec.tie_embeddings and spec.norm_eps == 1e-6
     config = gguf_gemma3.hf_config(m, tensors)
     assert config["architectures"] == ["Gemma3ForCausalLM"] and config["layer_types"][5] == "full_attention"
-    monkeypatch.setattr(gguf_gemma3, "ENABLED", True)   # the switch: gemma3 joins the registry
-    arch = gguf_architectures._registry()["gemma3"]
+    arch = gguf_architectures.ARCHITECTURES["gemma3"]
     assert arch.hf_name("blk.3.post_ffw_norm.weight") == "model.layers.3.post_feedforward_layernorm.weight"
     assert arch.hf_name("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"
     assert arch.norm_offset == -1.0 and not arch.rope_rows_permuted
+    monkeypatch.setattr(gguf_gemma3, "ENABLED", False)   # the switch: gemma3 leaves the registry
+    monkeypatch.setattr(gguf_architectures, "ARCHITECTURES", gguf_architectures._registry())
+    with pytest.raises(GGUFError, match="Gemma 3"):
+        open_reader(path)
 
 
 def test_gemma3_window_metadata_that_disagrees_with_the_layers_names_the_key(tmp_path):

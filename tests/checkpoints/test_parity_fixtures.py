@@ -53,7 +53,7 @@ def test_fixtures_cover_every_architecture():
         with open(os.path.join(FIXTURES, name, "reference.json")) as f:
             archs.add(json.load(f)["architecture"])
     assert archs == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
+                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Gemma3ForCausalLM"}
 
 
 def test_generator_loads_an_imported_run(tmp_path):
