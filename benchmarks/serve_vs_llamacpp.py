@@ -72,8 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "llama-server -np (default 4)")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t and -tb (default 2)")
     p.add_argument("--only", choices=tuple(SERVERS), help="run one server only")
-    p.add_argument("--dantinox-args", default="", help="more dantinox serve flags, one string (e.g. scheduling)")
-    p.add_argument("--llamacpp-args", default="", help="more llama-server flags, one string")
+    p.add_argument("--dantinox-args", default="", help="more dantinox serve flags, one string "
+                   "written with '=' (e.g. --dantinox-args='--max-batched-tokens 256')")
+    p.add_argument("--llamacpp-args", default="", help="more llama-server flags, one string "
+                   "written with '='")
     p.add_argument("--llamacpp-from", metavar="JSON", help="llama-server's results from an earlier --out")
     p.add_argument("--single-lengths", type=int, nargs="*", default=[128, 1024, 4096], metavar="L")
     p.add_argument("--single-repeats", type=int, default=3)
@@ -290,7 +292,7 @@ def table(servers: dict, workloads: list) -> str:
         for figure, key, scale in ROWS[w.kind]:
             row(label, figure, sums[0].get(key), sums[1].get(key), scale)
             label = ""
-        lines.append(f"| | complete | {sums[0].get('complete', '-')}/{len(w.requests)} | "
+        lines.append(f"|  | complete | {sums[0].get('complete', '-')}/{len(w.requests)} | "
                      f"{sums[1].get('complete', '-')}/{len(w.requests)} | |")
     row("server", "start to ready, s", ours.get("ready_s"), theirs.get("ready_s"))
     row("", "peak RSS, MiB", ours.get("peak_rss_bytes"), theirs.get("peak_rss_bytes"), 2.0 ** -20)
@@ -351,6 +353,11 @@ def reuse_llamacpp(path: str, sha: str) -> dict:
     return earlier["servers"]["llamacpp"]
 
 
+def write_json(path: str, results: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -367,13 +374,11 @@ def main(argv=None) -> int:
                    workloads_sha256=sha, workloads=[workload_json(w) for w in workloads], servers=servers)
     if args.llama_server:
         results["llama_server_version"] = version_of(args.llama_server)
-    for name in SERVERS:
-        if args.only in (None, name) and name not in servers:
-            servers[name] = run_server(name, args, info, workloads)
-            servers = {n: servers[n] for n in SERVERS if n in servers}
-            results["servers"] = servers
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+    for name in [n for n in SERVERS if args.only in (None, n) and n not in servers]:
+        servers[name] = run_server(name, args, info, workloads)
+        write_json(args.out, results)  # kept after each server, in case the next one fails
+    results["servers"] = servers = {n: servers[n] for n in SERVERS if n in servers}
+    write_json(args.out, results)
     print(table(servers, workloads))
     print("\n".join(["", *checks(servers, workloads), "", "Commands:",
                      *(f"    {servers[n]['command']}" for n in servers)]))

@@ -11,6 +11,8 @@ Derived per request, as vLLM's benchmark_serving.py defines them: TTFT = first t
 (end - first text event) / (completion tokens - 1).
 Give a long timeout: a request may wait minutes in a busy server's queue, and llama-server keeps generating for a
 client that gave up (so an early timeout distorts every later request).
+Each request opens its own connection (no keep-alive): llama-server may close a connection after a stream, and
+a request sent on it would fail at once.
 A trace workload runs open loop: one asyncio task per request, each sleeping until its arrival time, so a slow
 server never delays the arrivals. Single prompts are sent one after another.
 """
@@ -90,8 +92,7 @@ async def run_workload(url: str, workload, timeout_s: float) -> tuple[list, floa
     """Run a Workload against ``url`` (the server's /v1/completions), each request waiting at most ``timeout_s``
     seconds between bytes. Returns (records in request order, wall seconds from the workload's start to its
     last stream's end)."""
-    n = len(workload.requests)
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    limits = httpx.Limits(max_connections=len(workload.requests), max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
         start = time.perf_counter()
         if workload.kind == "trace":
