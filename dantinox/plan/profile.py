@@ -137,17 +137,18 @@ def _distinct_table(B: int, M: int, num_blocks: int) -> np.ndarray:
     return (np.arange(B * M, dtype=np.int32).reshape(B, M) % num_blocks).astype(np.int32)
 
 
-def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int, warm: int = 3) -> float:
+def _time_decode(engine, B: int, M: int, n: int, max_steps: int, repeats: int, warm: int = 3,
+                 start: int | None = None) -> float:
     """Seconds of one decode_steps call of B rows over M table entries of distinct blocks running n
-    iterations from the middle of the table, its result fetched to the host as the engine does. It writes
-    into the pool: profile an engine that holds no request."""
-    return _median_seconds(_decode_call(engine, B, M, n, max_steps), repeats, warm)
+    iterations from slot ``start`` (default the middle of the table), its result fetched to the host as the
+    engine does. It writes into the pool: profile an engine that holds no request."""
+    return _median_seconds(_decode_call(engine, B, M, n, max_steps, start), repeats, warm)
 
 
-def _decode_call(engine, B: int, M: int, n: int, max_steps: int):
+def _decode_call(engine, B: int, M: int, n: int, max_steps: int, start: int | None = None):
     """A function running the decode_steps call that _time_decode times."""
     z = np.zeros(B, np.int32)
-    start = np.full(B, M * engine.allocator.block_size // 2, np.int32)
+    start = np.full(B, M * engine.allocator.block_size // 2 if start is None else start, np.int32)
     tables = engine.cache.tables([], B, M)._replace(table=_distinct_table(B, M, engine.allocator.num_blocks))
     sampling = make_sampling_params(B)   # greedy
 
@@ -174,6 +175,17 @@ def _time_forward(engine, B: int, T: int, repeats: int, warm: int = 3) -> float:
     return _median_seconds(call, repeats, warm)
 
 
+def _decode_widths(engine, max_steps: int) -> list[tuple[int, int | None]]:
+    """The (table entries M, attended slots S) a profile times decode at. An engine whose attention reads only
+    the filled blocks (one table width, ``PagedEngine.reads_filled``) costs with the slots filled: S at the
+    narrowest table bucket's tokens and at max_context, from a start S - n. Otherwise the cost follows the
+    table's width: the narrowest and the widest bucket (S None: M P)."""
+    if getattr(engine, "reads_filled", False):
+        P, M = engine.allocator.block_size, engine.table_buckets[-1]
+        return [(M, max(64, 2 * max_steps)), (M, min(M * P, engine.max_context))]
+    return [(M, None) for M in sorted({engine.table_buckets[0], engine.table_buckets[-1]})]
+
+
 def time_engine(engine, repeats: int = 15, max_steps: int = 8, warm: int = 3) -> dict:
     """Time ``engine``'s compiled calls (nothing is written to its pool): forward_step at every bucket it
     compiles (decode rows B x 1 and prefill chunks B x T), decode_steps at every decode batch bucket over the
@@ -188,9 +200,11 @@ def time_engine(engine, repeats: int = 15, max_steps: int = 8, warm: int = 3) ->
         points["forward"][f"{B},{T}"] = _time_forward(engine, B, T, repeats, warm)
     P = engine.allocator.block_size
     for B in engine.decode_buckets:
-        for M in sorted({engine.table_buckets[0], engine.table_buckets[-1]}):
+        for M, S in _decode_widths(engine, max_steps):
             for n in (max_steps // 2, max_steps):  # not n = 1: a lone iteration carries the loop's start-up
-                points["decode"][f"{B},{M * P},{n}"] = _time_decode(engine, B, M, n, max_steps, repeats, warm)
+                start = None if S is None else S - n
+                points["decode"][f"{B},{S or M * P},{n}"] = _time_decode(engine, B, M, n, max_steps, repeats, warm,
+                                                                         start)
     blocks = list(range(min(4, engine.allocator.num_blocks)))
     points["swap_out"] = _median_seconds(lambda: engine._read_host(blocks)[0][0], repeats)
     data = engine._read_host(blocks)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 from ..kv.allocator import BlockAllocator
+from ..kv.paged import reads_filled_only
 from ..serving.request import QueueFullError, Request, RequestError, RequestStatus, SamplingOptions
 from ..serving.scheduler import Scheduler
 from ..serving.step_plan import (advance, bucket, decode_step_calls, engine_buckets, engine_policy, finish_reason,
@@ -80,7 +81,8 @@ class SimReplica(ReplicaView):
         self.config, self.cost, self.spec, self.max_context = config, cost, spec, cfg.max_context
         self.allocator = BlockAllocator(pool_blocks(cfg, config), config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(engine_policy(config, cfg.max_context, resume_align(cfg)), self.allocator)
-        self.buckets = engine_buckets(config, cfg.max_context)
+        self.reads_filled = reads_filled_only(cfg)   # as PagedEngine: cost in the slots filled, one table width
+        self.buckets = engine_buckets(config, cfg.max_context, 64, self.reads_filled)
         self.inbox: list = []
         self.requests: list = []          # every request added, in order (finished ones included)
         self.finished_order: list = []
@@ -117,8 +119,10 @@ class SimReplica(ReplicaView):
                                            bool(self.scheduler.waiting))
         seconds += c.copy * math.ceil(len(copies) / self.scheduler.policy.max_running)
         if counts:  # a multi-step decode call
-            for _, part_counts, B, M in decode_step_calls(sched.chunks, counts, self.buckets, self.allocator):
-                seconds += c.decode_cost(B, M * self.allocator.block_size, max(part_counts))
+            for part, part_counts, B, M in decode_step_calls(sched.chunks, counts, self.buckets, self.allocator):
+                reach = (max(ch.start + n for ch, n in zip(part, part_counts)) if self.reads_filled
+                         else M * self.allocator.block_size)
+                seconds += c.decode_cost(B, reach, max(part_counts))
             return c.step_seconds(True, seconds, idle, warming, draw), self._advance_all(sched.chunks, counts)
         counts = [1] * len(sched.chunks)
         for _, B, T in forward_calls(sched.chunks, self.buckets):

@@ -106,7 +106,8 @@ class PagedEngine(SpeculationCalls, Engine):
         # Block-table widths of the multi-step decode call: it gathers only the blocks the batch's longest
         # row reaches, rounded up to a power of two of at least 64 tokens (the gather is most of a decode
         # step's attention cost on the CPU).
-        self.buckets = engine_buckets(config, cfg.max_context, MIN_TABLE_TOKENS, self._tables_read_filled())
+        self.reads_filled = self._tables_read_filled()   # attention reads only the filled blocks
+        self.buckets = engine_buckets(config, cfg.max_context, MIN_TABLE_TOKENS, self.reads_filled)
         self.table_buckets, self.decode_buckets = self.buckets.table, self.buckets.decode
         self.prefill_buckets, self.chunk_buckets = self.buckets.prefill, self.buckets.chunk
         widest = min(config.max_batched_tokens, cfg.max_context)
@@ -396,7 +397,8 @@ class PagedEngine(SpeculationCalls, Engine):
                                       steps, sampling, max_steps=self.config.max_decode_steps)
         self.counters["forward_calls"] += bool(part)
         self.counters["multi_step_calls"] += bool(part)
-        self.step_calls.append(("decode", B, M * self.allocator.block_size, int(num_steps.max())))
+        reach = int((start + num_steps).max()) if self.reads_filled else M * self.allocator.block_size
+        self.step_calls.append(("decode", B, reach, int(num_steps.max())))   # slots attended at most
         return jax.device_get(out)
 
     def _row_inputs(self, part: list[Chunk], B: int, M: int) -> tuple:
