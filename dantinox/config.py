@@ -111,6 +111,9 @@ class ModelConfig:
       sliding_window: if set, a query attends only to the last `sliding_window` positions (itself included):
         every layer, or the layers ``layer_types`` names "sliding_attention". The static cache still holds
         max_context slots.
+      window_cache: "ring" (default): a sliding-window layer's static cache keeps min(max_context, W + 64) slots,
+        position p in slot p mod R (``dantinox.kv.ring``); "full": max_context slots like a full layer (the same
+        numbers; verify's int8 reference reads positions from a full cache).
       layer_types: None, or one entry per layer, "full_attention" or "sliding_attention" (Hugging Face's
         names): which layers use the sliding window (needs ``sliding_window``); see ``layer_kinds`` and
         ``dantinox.kv.spec`` (one cache spec per layer). None: every layer sliding when sliding_window is set,
@@ -173,6 +176,7 @@ class ModelConfig:
     kv_key_group: int = 64
     sliding_window: int | None = None
     layer_types: tuple | None = None
+    window_cache: str = "ring"
     kv_latent_dim: int | None = None
     rope_head_dim: int | None = None
     q_latent_dim: int | None = None
@@ -220,6 +224,8 @@ class ModelConfig:
                                                 or self.sliding_window <= 0):
             _fail("sliding_window", self.sliding_window, "a positive integer or None")
         set_("layer_types", self._checked_layer_types())
+        if self.window_cache not in WINDOW_CACHES:
+            _fail("window_cache", self.window_cache, f"one of {WINDOW_CACHES}")
         set_("rope_scaling", normalize_rope_scaling(self.rope_scaling))
         if self.attention_scale is not None and (isinstance(self.attention_scale, bool) or not isinstance(
                 self.attention_scale, (int, float)) or not self.attention_scale > 0):
@@ -431,7 +437,8 @@ class ModelConfig:
         return cls.from_dict({**PRESETS[name], **switch_attention(PRESETS[name], overrides)})
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")   # ModelConfig.layer_types entries (HF's names)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+WINDOW_CACHES = ("ring", "full")   # ModelConfig.window_cache   # ModelConfig.layer_types entries (HF's names)
 DEFAULT_GQA_KV_HEADS = 2  # kv_heads of attention="gqa" when not given (the seeds' reference shape)
 MLA_FIELDS = ("kv_latent_dim", "rope_head_dim", "q_latent_dim")
 MLA_EXTRA_FIELDS = ("v_head_size", "mla_norm_eps")

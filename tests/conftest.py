@@ -93,7 +93,8 @@ def forward(model, ids, use_cache: bool = False, kv_caches=None, cache_index=0, 
     assert ids.ndim == 2 and 0 <= ids.min() and ids.max() < model.cfg.vocab_size, (ids.shape, ids.min(), ids.max())
     fresh = isinstance(cache_index, int) and not isinstance(cache_index, bool) and cache_index == 0
     if use_cache:
-        slots = kv_caches[0][0].shape[-2]
+        from dantinox.model.transformer import _capacity   # a sliding layer's ring holds fewer slots
+        slots = _capacity(kv_caches, model.cfg)
         assert int(np.max(np.asarray(cache_index))) + ids.shape[1] <= slots, (cache_index, ids.shape, slots)
     graphdef, state = nnx.split(model)
     return _jitted_call(graphdef, state, jnp.asarray(ids, jnp.int32), kv_caches if use_cache else None,

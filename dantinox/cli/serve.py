@@ -61,6 +61,9 @@ from ..quant.weights import check_quantize, quantize_weights
 from .flags import option_names
 from .flags import add_mesh_argument, add_quantize_argument, add_speculative_arguments, speculative_from_args
 
+# Prefill calls of one row each: with chunks of up to --max-batched-tokens, rows of a shared call would pad to the
+# longest chunk, and every batch size is one more compiled program per chunk length (start-up time and memory).
+SERVE_PREFILL_BATCHES = (1,)
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
 # flag -> (attribute, smallest allowed value); checked before the model loads or warms up (None: not given)
@@ -420,7 +423,7 @@ def build_engine(args: argparse.Namespace):
                           kv_memory_bytes=parse_bytes(args.kv_memory) if args.kv_memory else None,
                           kv_memory_all=bool(getattr(args, "kv_memory_all", False)),
                           enable_prefix_caching=not args.no_prefix_caching, speculative=speculative,
-                          tpot_slo=getattr(args, "tpot_slo", None),
+                          tpot_slo=getattr(args, "tpot_slo", None), prefill_buckets=SERVE_PREFILL_BATCHES,
                           min_prefill_chunk=getattr(args, "min_prefill_chunk", 32))
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))
     if getattr(args, "mesh", None) is not None:  # docs/multi-device.md

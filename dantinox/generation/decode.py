@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from ..kv.decode_kernel import kernel_available
+from ..kv.spec import layer_specs
 from ..kv.static import KVCache, first_slots
 from ..kv.cache import init_cache
 from ..kv.zero_pages import pages_available
@@ -252,19 +253,19 @@ def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: Sampl
             below = jnp.max(s.index) <= S if width == S else jnp.max(s.index) < width
             return (s.step < stop_step) & ~jnp.all(s.done) & below
 
-        state = jax.lax.while_loop(cond, step, state._replace(cache=cache_window(full, width)))
+        state = jax.lax.while_loop(cond, step, state._replace(cache=cache_window(full, width, model.cfg)))
         full = state.cache if width == S else put_window(full, state.cache)
     return state._replace(cache=full)
 
 
-def cache_window(cache, width: int):
-    """The first ``width`` slots of every layer's cache arrays (a copy; the S axis is -2 in every layout:
-    [B, K, S, D], [B, S, C], [B, S, R] and the int8 scales [..., S, 1]; per-channel key scales keep the groups
-    that cover the width and the key residual stays whole, ``dantinox.kv.static.first_slots``). The cache
-    itself when width covers it."""
-    if width >= cache[0][0].shape[-2]:
+def cache_window(cache, width: int, cfg):
+    """The first ``width`` slots of every full-length layer cache of ``cfg`` (a copy; the S axis is -2 in every
+    layout: [B, K, S, D], [B, S, C], [B, S, R] and the int8 scales [..., S, 1]; per-channel key scales keep the
+    groups that cover the width and the key residual stays whole, ``dantinox.kv.static.first_slots``); a
+    sliding layer's ring (``dantinox.kv.ring``) stays whole. The cache itself when width covers it."""
+    if width >= cfg.max_context:
         return cache
-    return tuple(first_slots(layer, width) for layer in cache)
+    return tuple(layer if spec.ring else first_slots(layer, width) for layer, spec in zip(cache, layer_specs(cfg)))
 
 
 def put_window(cache, window):

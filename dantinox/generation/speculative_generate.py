@@ -302,7 +302,7 @@ def forward_seconds(model, width: int, repeats: int = 5, at: int | None = None, 
     against 7.5-8.7 ms per step inside the decode loop), which made a verify call look cheaper relative to a step
     than it is (docs/generation.md, run 6)."""
     graphdef, params = split_model(model)
-    cache = init_cache(model.cfg, 1) if slots is None else cache_window(init_cache(model.cfg, 1), slots)
+    cache = init_cache(model.cfg, 1) if slots is None else cache_window(init_cache(model.cfg, 1), slots, model.cfg)
     index = jnp.full((1,), (model.cfg.max_context - width) // 2 if at is None else at, jnp.int32)
     with mesh_scope(mesh_of(params)):
         tokens = jnp.zeros((1, width), jnp.int32)

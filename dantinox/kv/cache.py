@@ -31,6 +31,8 @@ def init_cache(cfg: ModelConfig, batch_size: int) -> KVCache:
 
 def cache_shapes(cfg: ModelConfig, batch_size: int, slots: int | None = None) -> tuple:
     """Per layer, the shapes of its static arrays in field order for ``batch_size`` rows of ``slots`` slots
-    (default max_context; fewer: a cache cut by ``first_slots``, whose sinks keep min(A, slots) rows)."""
+    (default max_context; fewer: a cache cut by ``first_slots``, whose sinks keep min(A, slots) rows); a sliding
+    layer's ring (``LayerSpec.ring``) is never cut and keeps its R slots."""
     S = cfg.max_context if slots is None else int(slots)
-    return tuple(tuple(shape for shape, _ in spec.static_shapes(int(batch_size), S)) for spec in layer_specs(cfg))
+    return tuple(tuple(shape for shape, _ in spec.static_shapes(int(batch_size), spec.ring or S))
+                 for spec in layer_specs(cfg))

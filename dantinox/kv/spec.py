@@ -15,9 +15,9 @@ per-sequence sink and residual slots; ``dantinox.kv.sizes`` sums them over a mod
 writes a cache-byte formula), and the attend-and-write of each storage form (``attend``, ``attend_latent``).
 
 Layer types (``ModelConfig.layer_types``, Hugging Face's names): "full_attention" or "sliding_attention" per
-layer; without them every layer is full, or sliding when ``sliding_window`` is set. A sliding layer's
-window is a mask over a cache of max_context slots here (``slots``); a window-sized ring is the window-cache
-work that builds on these specs.
+layer; without them every layer is full, or sliding when ``sliding_window`` is set. A sliding layer's static
+cache is a ring of its window plus a little slack (``dantinox.kv.ring``, ``ring``; ``slots``); in the paged
+pool its window is a mask over the same blocks as the full layers' (its pages are not freed behind the window).
 Shape letters: see ``dantinox.kv.attend``.
 """
 
@@ -35,6 +35,7 @@ from .float_codec import FloatRows
 from .int8_codec import Int8Rows
 from .static import LatentCacheView, LayerCacheView
 from .attend import old_slots
+from .ring import ring_attend, ring_slots, ring_write
 from .zero_pages import zeros
 
 LAYER_KINDS = ("full", "sliding", "latent")
@@ -45,7 +46,8 @@ class LayerSpec:
     """One layer's cache (module docstring). kind: one of LAYER_KINDS; codec: a Codec; kv_heads: K (1 for a
     latent layer); width: D, or C for a latent layer; rope_width: R (latent layers; 0 otherwise); sinks: A;
     window: W tokens for a sliding layer (None: no window); group: G slots per key group (per-channel keys;
-    1 otherwise)."""
+    1 otherwise); ring: the static cache's slots of a sliding layer kept as a ring (``dantinox.kv.ring``), 0 for a
+    full-length cache."""
 
     kind: str
     codec: Codec
@@ -55,6 +57,7 @@ class LayerSpec:
     sinks: int = 0
     window: int | None = None
     group: int = 1
+    ring: int = 0
 
     # Names ModelConfig uses for the same sizes (the per-channel key functions read either).
     @property
@@ -76,8 +79,12 @@ class LayerSpec:
 
     # Sizes -----------------------------------------------------------------------------------------------
     def slots(self, max_context: int) -> int:
-        """Slots one sequence holds in this layer's static cache for a context of max_context tokens."""
-        return int(max_context)
+        """Slots one sequence holds in this layer's static cache for a context of max_context tokens: the ring
+        of a sliding layer (``ring``) when it is shorter, else max_context."""
+        return self._static_slots(int(max_context))
+
+    def _static_slots(self, slots: int) -> int:
+        return min(int(slots), self.ring) if self.ring else int(slots)
 
     def _rows(self, field: Field, slots: int) -> int:
         """Rows of ``field`` in a run of ``slots`` token slots (a sequence, or a block of P)."""
@@ -94,7 +101,7 @@ class LayerSpec:
     def static_shapes(self, batch: int, slots: int) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
         """(shape, dtype) of every array of one static layer of ``batch`` rows of ``slots`` slots, in field
         order: [B, K, rows, W] per head, [B, rows, W] for a latent layer."""
-        out = []
+        out, slots = [], self._static_slots(slots)
         for field in self.codec.static_fields(self.latent):
             rows, width = self._rows(field, slots), self._width(field)
             shape = (batch, rows, width) if self.latent else (batch, self.kv_heads, rows, width)
@@ -132,6 +139,7 @@ class LayerSpec:
     def sequence_bytes(self, slots: int) -> int:
         """Bytes of one sequence of ``slots`` slots in the static cache (exactly what ``init_static`` allocates
         for one row): every field, sinks and residual ring included."""
+        slots = self._static_slots(slots)
         return sum(self._rows(f, slots) * self._row_bytes(f) for f in self.codec.static_fields(self.latent))
 
     def page_bytes(self, block_size: int) -> int:
@@ -161,6 +169,9 @@ class LayerSpec:
         (k, v), stored = self.codec.encode(self, (k, v), cache_index, key_start, layer_cache, ("k", "v"))
         if isinstance(layer_cache, LayerCacheView):
             return layer_cache.attend_and_write(q, k, v, cache_index, key_start, self.window, stored=stored)
+        if self.ring:   # a sliding layer's static cache kept as a ring of its window (dantinox.kv.ring)
+            y = ring_attend(self, q, k, v, layer_cache, cache_index, key_start, causal)
+            return y, None if layer_cache is None else ring_write(layer_cache, stored, cache_index, key_start, valid)
         return self.codec.attend_static(self, q, k, v, stored, layer_cache, read_slots, cache_index, key_start,
                                         causal, valid)
 
@@ -207,9 +218,12 @@ def layer_specs(cfg: ModelConfig) -> tuple[LayerSpec, ...]:
     for layer_type in cfg.layer_kinds:
         window = cfg.sliding_window if layer_type == "sliding_attention" else None
         kind = "latent" if latent else ("sliding" if window else "full")
+        ring = ring_slots(window, cfg.max_context) if kind == "sliding" else cfg.max_context
+        if ring >= cfg.max_context or cfg.window_cache != "ring" or cfg.channel_keys:
+            ring = 0   # per-channel keys keep their key groups over the whole context
         out.append(LayerSpec(kind, codec, 1 if latent else cfg.kv_heads,
                              cfg.kv_latent_dim if latent else cfg.head_size, cfg.rope_head_dim if latent else 0,
-                             cfg.sink_slots, window, cfg.key_group if cfg.channel_keys else 1))
+                             cfg.sink_slots, window, cfg.key_group if cfg.channel_keys else 1, ring))
     return tuple(out)
 
 
@@ -224,7 +238,8 @@ def describe(spec: LayerSpec) -> str:
     sizes = f"C {spec.width} + R {spec.rope_width}" if spec.latent else f"K {spec.kv_heads} x D {spec.width}"
     extra = f", {spec.sinks} sinks" if spec.sinks else ""
     group = f", key group {spec.group}" if spec.group > 1 else ""
-    return f"{spec.kind}{window}: {spec.codec.name}, {sizes}{extra}{group}"
+    ring = f", a ring of {spec.ring} slots" if spec.ring else ""
+    return f"{spec.kind}{window}: {spec.codec.name}, {sizes}{extra}{group}{ring}"
 
 
 __all__ = ["LAYER_KINDS", "LayerSpec", "codec_for", "describe", "layer_spec", "layer_specs",

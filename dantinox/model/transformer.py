@@ -145,7 +145,7 @@ class Transformer(nnx.Module):
         if use_cache:
             if not _attends_itself(kv_caches):
                 _check_cache(kv_caches, cfg, B)
-                check_cache_capacity(cache_index, T, kv_caches[0][0].shape[-2])
+                check_cache_capacity(cache_index, T, _capacity(kv_caches, cfg))
         elif T > cfg.max_context:
             raise ValueError(f"ids has T={T} tokens, more than max_context={cfg.max_context}")
         index = jnp.broadcast_to(jnp.asarray(cache_index if use_cache else 0, jnp.int32), (B,))
@@ -273,6 +273,13 @@ def _check_ids(ids, vocab_size: int):
     return jnp.asarray(host, jnp.int32)
 
 
+def _capacity(kv_caches, cfg: ModelConfig) -> int:
+    """Positions a static cache holds: the slots of its full-length layers (max_context, or the first S' of a
+    cut cache); max_context when every layer is a sliding window's ring (``dantinox.kv.ring``)."""
+    full = [layer for layer, spec in zip(kv_caches, layer_specs(cfg)) if not spec.ring]
+    return full[0][0].shape[-2] if full else cfg.max_context
+
+
 def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
     """ValueError unless ``kv_caches`` is one static layer per block with the shapes its spec allocates
     (``dantinox.kv.cache.cache_shapes``), for max_context slots or a cut to the first S' slots."""
@@ -281,7 +288,8 @@ def _check_cache(kv_caches, cfg: ModelConfig, batch: int) -> None:
     if len(kv_caches) != cfg.num_blocks:
         raise ValueError(f"kv_caches has {len(kv_caches)} layers; the model has num_blocks={cfg.num_blocks}")
     got = tuple(tuple(tuple(a.shape) for a in layer) for layer in kv_caches)
-    window = got[0][0][-2] if got[0] and len(got[0][0]) >= 2 else None   # a cache may be cut to its first slots
+    full = [n for n, spec in enumerate(layer_specs(cfg)) if not spec.ring]   # rings are never cut
+    window = got[full[0]][0][-2] if full and got[full[0]] and len(got[full[0]][0]) >= 2 else None
     want = cache_shapes(cfg, batch, window if window and 1 <= window <= cfg.max_context else None)
     if got != want:
         bad = next(n for n in range(len(got)) if got[n] != want[n])
