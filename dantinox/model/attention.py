@@ -46,6 +46,7 @@ from .cache import LayerCacheView, LayerKV, first_slots, write_layer, write_rows
 from .attention_kernel import (decode_attention, decode_kernel_applies, verify_attention, verify_kernel_applies,
                                visible_slots)
 from .channel_attention import channel_attention
+from .prefill_attention import prefill_attention, prefill_kernel_applies
 from .scores import grouped_scores, grouped_values
 from .layers import RMSNorm, apply_rope
 
@@ -123,7 +124,7 @@ class Attention(nnx.Module):
             y = verify_attention(q, k, v, new_cache, cache_index, key_start, cfg.sliding_window)
         else:
             y = attend(q, k, v, old_slots(layer_cache, read_slots), cache_index, key_start, cfg.sliding_window,
-                       causal=cfg.paradigm != "diffusion")
+                       causal=cfg.paradigm != "diffusion", valid=valid)
             new_cache = None if layer_cache is None else (
                 write_layer(layer_cache, k, v, cache_index) if stored is None
                 else write_rows(layer_cache, stored, cache_index, key_start))
@@ -193,7 +194,7 @@ def _slot_mask(s, T: int, cache_index, key_start, window: int | None) -> jax.Arr
 
 
 def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None, causal: bool = True,
-           sinks: LayerKV | None = None):
+           sinks: LayerKV | None = None, valid=None):
     """Softmax attention of q over [sink slots ; old cache slots ; new keys], computed jointly in float32.
 
     q: [B, K, G, T, D] (already scaled by 1/sqrt(D)); k, v: [B, K, T, D]; old: LayerKV [B, K, S, D], an int8
@@ -201,9 +202,13 @@ def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | N
     None; cache_index: [B] int32; key_start: [B] int32 or None; causal: see new_token_mask; sinks: float
     keys and values of the first A slots, LayerKV [B, K, A, D], for an old cache given already read back
     (MLA's naive form). Returns [B, K, G, T, D] float32. One new token over a float32 cache on the CPU goes
-    to the compiled kernel instead (``dantinox.model.attention_kernel``: only the visible slots, both cores).
+    to the compiled kernel instead (``dantinox.model.attention_kernel``: only the visible slots, both cores), and
+    a long prompt over itself (no old cache) to the blocked prefill kernel (``dantinox.model.prefill_attention``,
+    where valid [B] int32, the real tokens per row, lets it skip right padding).
     """
     T = q.shape[3]
+    if old is None and prefill_kernel_applies(q, k, v, causal):  # a prompt over itself on the CPU: the kernel
+        return prefill_attention(q, k, v, cache_index, key_start, window, valid)
     if causal and old is not None and decode_kernel_applies(q, old, sinks):  # one new token, CPU: the kernel
         return decode_attention(q, k, v, old, *visible_slots(cache_index, key_start, window))
     if hasattr(old, "dequantized"):
