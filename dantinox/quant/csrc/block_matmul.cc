@@ -656,10 +656,14 @@ void gemm(ffi::ThreadPool& pool, int64_t threads, int isa, int format, const flo
   job->R = R;
   job->x = x;
   job->y = y;
-  job->group = GEMM_PANELS * job->channels;
   int64_t rows = GEMM_CHUNK_FLOATS / M / 12 * 12;   // a multiple of every instruction set's tile height
   job->rows = rows < 12 ? 12 : rows;
   job->chunks = (R + job->rows - 1) / job->rows;
+  // GEMM_PANELS panels per task (each chunk of x read once for both), one where that leaves under 4 tasks per
+  // thread (k and v of SmolLM2 at 128 rows: 6 panels; 3 tasks would split 2 : 1 over two threads).
+  const int64_t panels = (N + job->channels - 1) / job->channels;
+  job->group = (panels + GEMM_PANELS - 1) / GEMM_PANELS * job->chunks >= 4 * threads ? GEMM_PANELS * job->channels
+                                                                                     : job->channels;
   job->tasks = (N + job->group - 1) / job->group * job->chunks;
   const int64_t helpers = threads - 1 < job->tasks - 1 ? threads - 1 : job->tasks - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
