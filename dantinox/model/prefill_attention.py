@@ -5,9 +5,9 @@ masks them, takes a softmax over each row and multiplies by the values: O(T^2) m
 layer at T = 4,096) and every masked score computed. The kernel (``prefill_attention_handler`` in the extension
 ``dantinox.quant._block_matmul``, C++ in ``dantinox/quant/csrc/prefill_attention.inc``) is FlashAttention's
 forward pass (Dao et al. 2022, algorithm 1): per KV head and block of 32 tokens it walks the blocks of 128 keys
-those tokens may see, keeping a running maximum, sum and output per query (the online softmax of Milakov &
-Gimelshein 2018), so it holds a few hundred KiB instead of the score matrix, skips the keys above the diagonal
-and spreads the blocks over both cores. Float32 throughout; results equal ``attend``'s to float32 rounding.
+those tokens may see (the keys handed over in panels of 32, ``key_panels``), keeping a running maximum, sum and
+output per query (the online softmax of Milakov & Gimelshein 2018), so it holds a few hundred KiB instead of the
+score matrix, skips the keys above the diagonal and spreads the blocks over both cores. Float32 throughout; results equal ``attend``'s to float32 rounding.
 
 It runs for causal calls with no old cache (prefill at slot 0, the uncached forward) of at least
 PREFILL_KERNEL_MIN_TOKENS tokens, float32 q, k, v of one head size, a multiple of 32, on the CPU backend with the
@@ -79,4 +79,13 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_index: jax
     lo, hi = visible_keys(T, cache_index, key_start, window, valid)
     call = jax.ffi.ffi_call(PREFILL_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")
-    return call(q, k.astype(jnp.float32), v.astype(jnp.float32), lo, hi, isa=np.int64(ISA_CODES[isa]))
+    return call(q, key_panels(k.astype(jnp.float32)), v.astype(jnp.float32), lo, hi, isa=np.int64(ISA_CODES[isa]))
+
+
+def key_panels(k: jax.Array) -> jax.Array:
+    """The keys k [B, K, T, D] as the kernel reads them: panels of 32 keys, each channel's 32 values together,
+    [B, K, ceil(T / 32), D, 32] (keys past T zero). Transposed once per call (by XLA) instead of once per block
+    of queries in the kernel."""
+    B, K, T, D = k.shape
+    padded = jnp.pad(k, ((0, 0), (0, 0), (0, -T % 32), (0, 0)))
+    return padded.reshape(B, K, -1, 32, D).transpose(0, 1, 2, 4, 3)

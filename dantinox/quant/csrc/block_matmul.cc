@@ -106,10 +106,10 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// The operands of a prefill attention call (prefill_attention.inc): q, y [B, K, G, T, D], k, v [B, K, T, D],
-// lo, hi [B, T].
+// The operands of a prefill attention call (prefill_attention.inc): q, y [B, K, G, T, D], the keys kt as panels
+// [B, K, ceil(T / 32), D, 32], v [B, K, T, D], lo, hi [B, T].
 struct PrefillArgs {
-  const float *q, *k, *v;
+  const float *q, *kt, *v;
   const int32_t *lo, *hi;
   float* y;
   int64_t B, K, G, T, D;
@@ -687,23 +687,25 @@ struct PrefillJob {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// Causal prefill attention (prefill_attention.inc): q, y [B, K, G, T, D], k, v [B, K, T, D], lo, hi [B, T] (token t
-// of row b sees keys [lo, hi)); D a multiple of 32 (every instruction set's panel width).
-ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+// Causal prefill attention (prefill_attention.inc): q, y [B, K, G, T, D], kt [B, K, ceil(T / 32), D, 32] (the keys
+// in panels of 32, zeros past T), v [B, K, T, D], lo, hi [B, T] (token t of row b sees keys [lo, hi)); D a
+// multiple of 32 (every instruction set's panel width).
+ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kt,
                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
                                 ffi::ResultBuffer<ffi::F32> y, int64_t isa) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), yd = y->dimensions();
-  if (qd.size() != 5 || kd.size() != 4 || vd.size() != 4 || yd.size() != 5 ||
-      !std::equal(kd.begin(), kd.end(), vd.begin()) || !std::equal(qd.begin(), qd.end(), yd.begin()))
-    return ffi::Error::InvalidArgument("prefill_attention expects q, y [B, K, G, T, D] and k, v [B, K, T, D]");
+  auto qd = q.dimensions(), kd = kt.dimensions(), vd = v.dimensions(), yd = y->dimensions();
+  if (qd.size() != 5 || kd.size() != 5 || vd.size() != 4 || yd.size() != 5 ||
+      !std::equal(qd.begin(), qd.end(), yd.begin()))
+    return ffi::Error::InvalidArgument(
+        "prefill_attention expects q, y [B, K, G, T, D], kt [B, K, T / 32, D, 32] and v [B, K, T, D]");
   const int64_t B = qd[0], K = qd[1], G = qd[2], T = qd[3], D = qd[4];
-  if (kd[0] != B || kd[1] != K || kd[2] != T || kd[3] != D || lo.element_count() != B * T ||
-      hi.element_count() != B * T)
-    return ffi::Error::InvalidArgument("prefill_attention: shapes of q, k, v and the bounds disagree");
+  if (kd[0] != B || kd[1] != K || kd[2] != (T + 31) / 32 || kd[3] != D || kd[4] != 32 || vd[0] != B ||
+      vd[1] != K || vd[2] != T || vd[3] != D || lo.element_count() != B * T || hi.element_count() != B * T)
+    return ffi::Error::InvalidArgument("prefill_attention: shapes of q, kt, v and the bounds disagree");
   if (D % 32 != 0) return ffi::Error::InvalidArgument("prefill_attention: the head size must be a multiple of 32");
   if (B * K * G * T * D == 0) return ffi::Error::Success();
   auto job = std::make_shared<PrefillJob>();
-  job->args = PrefillArgs{q.typed_data(), k.typed_data(), v.typed_data(), lo.typed_data(), hi.typed_data(),
+  job->args = PrefillArgs{q.typed_data(), kt.typed_data(), v.typed_data(), lo.typed_data(), hi.typed_data(),
                           y->typed_data(), B, K, G, T, D};
   job->fn = prefill_for(isa == ISA_AUTO ? detected_isa() : static_cast<int>(isa));
   const int64_t tasks = B * K * ((T + 31) / 32);   // PA_BQ = 32 in every instruction set
