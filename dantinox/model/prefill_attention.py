@@ -77,9 +77,13 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_index: jax
     if D % 32:
         raise ValueError(f"prefill attention needs a head size that is a multiple of 32; got {D}")
     lo, hi = visible_keys(T, cache_index, key_start, window, valid)
-    call = jax.ffi.ffi_call(PREFILL_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+    # The kernel reads q and v and writes y token-major ([B, T, K, G, D], [B, T, K, D]): the layout the
+    # projections produce and the output projection reads, so XLA cancels these transposes with attention's own.
+    call = jax.ffi.ffi_call(PREFILL_ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, K, G, D), jnp.float32),
                             vmap_method="sequential")
-    return call(q, key_panels(k.astype(jnp.float32)), v.astype(jnp.float32), lo, hi, isa=np.int64(ISA_CODES[isa]))
+    y = call(q.transpose(0, 3, 1, 2, 4), key_panels(k.astype(jnp.float32)),
+             v.astype(jnp.float32).transpose(0, 2, 1, 3), lo, hi, isa=np.int64(ISA_CODES[isa]))
+    return y.transpose(0, 2, 3, 1, 4)
 
 
 def key_panels(k: jax.Array) -> jax.Array:

@@ -106,8 +106,8 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// The operands of a prefill attention call (prefill_attention.inc): q, y [B, K, G, T, D], the keys kt as panels
-// [B, K, ceil(T / 32), D, 32], v [B, K, T, D], lo, hi [B, T].
+// The operands of a prefill attention call (prefill_attention.inc): q, y [B, T, K, G, D], the keys kt as panels
+// [B, K, ceil(T / 32), D, 32], v [B, T, K, D], lo, hi [B, T].
 struct PrefillArgs {
   const float *q, *kt, *v;
   const int32_t *lo, *hi;
@@ -687,8 +687,8 @@ struct PrefillJob {
   std::atomic<int64_t> next{0}, done{0};
 };
 
-// Causal prefill attention (prefill_attention.inc): q, y [B, K, G, T, D], kt [B, K, ceil(T / 32), D, 32] (the keys
-// in panels of 32, zeros past T), v [B, K, T, D], lo, hi [B, T] (token t of row b sees keys [lo, hi)); D a
+// Causal prefill attention (prefill_attention.inc): q, y [B, T, K, G, D], kt [B, K, ceil(T / 32), D, 32] (the keys
+// in panels of 32, zeros past T), v [B, T, K, D], lo, hi [B, T] (token t of row b sees keys [lo, hi)); D a
 // multiple of 32 (every instruction set's panel width).
 ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kt,
                                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
@@ -697,10 +697,10 @@ ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   if (qd.size() != 5 || kd.size() != 5 || vd.size() != 4 || yd.size() != 5 ||
       !std::equal(qd.begin(), qd.end(), yd.begin()))
     return ffi::Error::InvalidArgument(
-        "prefill_attention expects q, y [B, K, G, T, D], kt [B, K, T / 32, D, 32] and v [B, K, T, D]");
-  const int64_t B = qd[0], K = qd[1], G = qd[2], T = qd[3], D = qd[4];
+        "prefill_attention expects q, y [B, T, K, G, D], kt [B, K, T / 32, D, 32] and v [B, T, K, D]");
+  const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], D = qd[4];
   if (kd[0] != B || kd[1] != K || kd[2] != (T + 31) / 32 || kd[3] != D || kd[4] != 32 || vd[0] != B ||
-      vd[1] != K || vd[2] != T || vd[3] != D || lo.element_count() != B * T || hi.element_count() != B * T)
+      vd[1] != T || vd[2] != K || vd[3] != D || lo.element_count() != B * T || hi.element_count() != B * T)
     return ffi::Error::InvalidArgument("prefill_attention: shapes of q, kt, v and the bounds disagree");
   if (D % 32 != 0) return ffi::Error::InvalidArgument("prefill_attention: the head size must be a multiple of 32");
   if (B * K * G * T * D == 0) return ffi::Error::Success();
