@@ -484,11 +484,13 @@ struct GemmJob {
   std::atomic<int64_t> next{0}, done{0};
 
   void work() {
+    int64_t t = next.fetch_add(1);
+    if (t >= tasks) return;   // a helper that started late: nothing to allocate
     std::vector<float> panels(static_cast<size_t>(GEMM_PANELS * M * channels));
     std::vector<float> tmp(static_cast<size_t>(channels * 256));   // one block of each panel row
     std::vector<float> narrow(static_cast<size_t>(rows * channels));  // a narrow panel's outputs
     int64_t packed = -1;
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) {
+    for (; t < tasks; t = next.fetch_add(1)) {
       const int64_t g = t / chunks, c = t % chunks;
       const int64_t n0 = g * group, n1 = n0 + group < N ? n0 + group : N;
       const int64_t r0 = c * rows, r1 = r0 + rows < R ? r0 + rows : R;
