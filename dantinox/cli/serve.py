@@ -223,7 +223,7 @@ def pool_host_bytes(engine) -> int | None:
 def check_pool_fits_host(engine, overcommit: bool = False) -> None:
     """Refuse a KV pool in host memory larger than the host's available memory (MemAvailable, read after the
     model is loaded), as vLLM refuses a KV cache that does not fit its memory budget: the pool's pages become
-    resident only as blocks fill (``dantinox.model.zero_pages``), so such a pool starts, and the server is killed
+    resident only as blocks fill (``dantinox.kv.zero_pages``), so such a pool starts, and the server is killed
     by the kernel later, under load, taking every request in flight with it. ValueError naming the pool's size,
     the memory available and the flags that fix it; ``overcommit`` (--kv-overcommit) starts it anyway (the
     start-up line then carries a warning). Memory for compiled programs, swapped-out blocks (--policy swap) and

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .decode_kernel import decode_attention, decode_kernel_applies, visible_slots
+from .prefill_attention import prefill_attention, prefill_kernel_applies
 from .scores import grouped_scores, grouped_values
 from .static import LayerKV, first_slots
 
@@ -92,7 +93,7 @@ def _slot_mask(s, T: int, cache_index, key_start, window: int | None) -> jax.Arr
 
 
 def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | None, causal: bool = True,
-           sinks: LayerKV | None = None):
+           sinks: LayerKV | None = None, valid=None):
     """Softmax attention of q over [sink slots ; old cache slots ; new keys], computed jointly in float32.
 
     q: [B, K, G, T, D] (already scaled by 1/sqrt(D)); k, v: [B, K, T, D]; old: a static layer with a
@@ -100,10 +101,14 @@ def attend(q, k, v, old: LayerKV | None, cache_index, key_start, window: int | N
     brings its float32 sinks, which are read instead of its first A slots) or None; cache_index: [B] int32;
     key_start: [B] int32 or None; causal: see new_token_mask; sinks: float
     keys and values of the first A slots, LayerKV [B, K, A, D], for an old cache given already read back
-    (MLA's naive form). Returns [B, K, G, T, D] float32. One new token over a float32 cache on the CPU goes
-    to the compiled kernel instead (``dantinox.kv.decode_kernel``: only the visible slots, both cores).
+    (MLA's naive form); valid: [B] int32 real tokens per row (the rest right padding) or None. Returns
+    [B, K, G, T, D] float32. One new token over a float32 cache on the CPU goes to the compiled kernel instead
+    (``dantinox.kv.decode_kernel``: only the visible slots, both cores), and a long prompt over itself (no old
+    cache) to the blocked prefill kernel (``dantinox.kv.prefill_attention``, which skips the right padding).
     """
     T = q.shape[3]
+    if old is None and prefill_kernel_applies(q, k, v, causal):  # a prompt over itself on the CPU: the kernel
+        return prefill_attention(q, k, v, cache_index, key_start, window, valid)
     if causal and old is not None and decode_kernel_applies(q, old, sinks):  # one new token, CPU: the kernel
         return decode_attention(q, k, v, old, *visible_slots(cache_index, key_start, window))
     if old is not None:   # an int8 layer reads back its rows and brings its float32 sinks (its ``read``)

@@ -55,7 +55,8 @@ class FloatRows(Codec):
         if causal and verify_kernel_applies(q, layer, read_slots):
             new = write_layer(layer, k, v, cache_index)
             return verify_attention(q, k, v, new, cache_index, key_start, spec.window), new
-        y = attend(q, k, v, old_slots(layer, read_slots), cache_index, key_start, spec.window, causal=causal)
+        y = attend(q, k, v, old_slots(layer, read_slots), cache_index, key_start, spec.window, causal=causal,
+                   valid=valid)
         return y, None if layer is None else write_layer(layer, k, v, cache_index)
 
     def write(self, layer, stored, cache_index, key_start):

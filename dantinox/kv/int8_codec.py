@@ -65,7 +65,8 @@ class Int8Rows(Codec):
     def attend_static(self, spec, q, k, v, stored, layer, read_slots, cache_index, key_start, causal: bool,
                       valid=None):
         """``Codec.attend_static``: attend over the old rows read back (and the sinks), then write."""
-        y = attend(q, k, v, old_slots(layer, read_slots), cache_index, key_start, spec.window, causal=causal)
+        y = attend(q, k, v, old_slots(layer, read_slots), cache_index, key_start, spec.window, causal=causal,
+                   valid=valid)
         return y, None if layer is None else self.write(layer, stored, cache_index, key_start)
 
     def write(self, layer, stored, cache_index, key_start):

@@ -4,8 +4,9 @@
                   q | k | v) whose weight W [N, M] is the row-wise
                   concatenation of parts, each in its own format (a fused q | k | v or gate | up whose source
                   tensors were quantized differently, as llama.cpp's mixed files do), computed by
-                  ``block_kernel.block_matmul`` (the compiled kernel for decode, XLA's dot on the dequantized
-                  blocks for prefill); the output is cast to x's dtype.
+                  ``block_kernel.block_matmul`` (the compiled kernel: its few-row loops for decode, its tiled
+                  product for prefill; XLA's dot on the dequantized blocks without it); the output is cast to x's
+                  dtype.
 ``BlockEmbed``    the token table [V, E] as blocks: a lookup dequantizes only the rows it reads; ``attend(h)`` is
                   the tied output head (the table's rows are the head's output channels), through the kernel.
 

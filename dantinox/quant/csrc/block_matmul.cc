@@ -3,8 +3,10 @@
 // IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), each block dequantized right before its multiply, float32
 // accumulation.
 //
-// One pass over the weights serves up to MAX_ROWS activation rows (decode steps and small batches; the
-// Python side sends larger batches to XLA's dot on the dequantized weights). The output rows are cut into
+// Two algorithms, chosen by the caller (attribute `tiled`). The few-row loops (decode steps, verify calls, small
+// batches): one pass over the weights serves up to MAX_ROWS activation rows. The tiled product (prefill, long
+// chunks; block_gemm.inc): panels of weights dequantized once per task into float32 and multiplied with register
+// tiles of many rows. In the few-row loops the output rows are cut into
 // chunks that the calling thread and tasks on XLA's intra-op thread pool (ffi::ThreadPool) take from one
 // atomic counter, so the call never waits for a task that has not started. The loops are compiled three
 // times (AVX-512, AVX2 + FMA, and portable) and the CPU picks one at run time (__builtin_cpu_supports); the
@@ -21,10 +23,14 @@
 // The same attention reads a paged pool through block tables (paged_attention: served prefill chunks and decode
 // steps read only the blocks a row has filled, no gathered copy of the table's width).
 //
+// Prefill attention (prefill_attention.inc): a prompt's tokens over their own keys, blocked flash-attention style
+// (no [T, T] score matrix, key blocks above the diagonal skipped), its tasks shared by the threads as above.
+//
 // And zeros whose pages the operating system provides (zero_pages.inc), for the KV pool and cache.
 //
-// The Python module _block_matmul exposes handler(), attention_handler() and zero_pages_handler() (PyCapsules
-// of the FFI handlers for jax.ffi.register_ffi_target) and isa() (the instruction set chosen on this CPU).
+// The Python module _block_matmul exposes handler(), attention_handler(), prefill_attention_handler() and
+// zero_pages_handler() (PyCapsules of the FFI handlers for jax.ffi.register_ffi_target) and isa() (the
+// instruction set chosen on this CPU).
 
 #include <Python.h>
 
@@ -36,6 +42,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
@@ -64,6 +71,12 @@ constexpr int MAX_ROWS = 16;
 #endif
 static_assert(Q8_PASS_ROWS_AVX512 >= 1 && Q8_PASS_ROWS_AVX512 <= 8, "simd_rows_any has cases for 1..8 rows");
 static_assert(Q4_PASS_ROWS_AVX512 >= 1 && Q4_PASS_ROWS_AVX512 <= 6, "dequantized_rows_any has cases for 1..6 rows");
+// Panels of output channels per task and activation floats per row chunk of the many-row product.
+constexpr int GEMM_PANELS = 2;
+constexpr int64_t GEMM_CHUNK_FLOATS = 1 << 17;
+#ifndef GEMM_KC
+#define GEMM_KC 256   // input channels per slice of a panel (32 KiB of float32 at 32 output channels: L1)
+#endif
 enum Format { FORMAT_Q8_0 = 0, FORMAT_Q4_0 = 1, FORMAT_Q4_1 = 2, FORMAT_Q4_K = 3, FORMAT_Q5_K = 4, FORMAT_Q6_K = 5,
               FORMAT_Q5_0 = 6, FORMAT_Q5_1 = 7, FORMAT_Q2_K = 8, FORMAT_Q3_K = 9, FORMAT_IQ4_NL = 10, FORMAT_IQ4_XS = 11,
               FORMAT_LAST = FORMAT_IQ4_XS };
@@ -100,6 +113,15 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
+// The operands of a prefill attention call (prefill_attention.inc): q, y [B, T, K, G, D], the keys kt as panels
+// [B, K, ceil(T / 32), D, 32], v [B, T, K, D], lo, hi [B, T].
+struct PrefillArgs {
+  const float *q, *kt, *v;
+  const int32_t *lo, *hi;
+  float* y;
+  int64_t B, K, G, T, D;
+};
+
 }  // namespace
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -109,6 +131,55 @@ inline float half_to_float(uint16_t h) {
 namespace scalar {
 #include "block_formats.inc"
 #include "decode_attention.inc"
+// Portable vectors for block_gemm.inc: four floats in plain loops (the compiler may vectorise them).
+struct VEC {
+  float f[4];
+};
+constexpr int VEC_LANES = 4;
+inline VEC vzero() { return VEC{{0.f, 0.f, 0.f, 0.f}}; }
+inline VEC vset1(float v) { return VEC{{v, v, v, v}}; }
+inline VEC vload(const float* p) { return VEC{{p[0], p[1], p[2], p[3]}}; }
+inline void vstore(float* p, VEC v) {
+  for (int i = 0; i < 4; ++i) p[i] = v.f[i];
+}
+inline VEC vfma(VEC a, VEC b, VEC c) {
+  for (int i = 0; i < 4; ++i) c.f[i] += a.f[i] * b.f[i];
+  return c;
+}
+inline VEC vadd(VEC a, VEC b) {
+  for (int i = 0; i < 4; ++i) a.f[i] += b.f[i];
+  return a;
+}
+inline VEC vsub(VEC a, VEC b) {
+  for (int i = 0; i < 4; ++i) a.f[i] -= b.f[i];
+  return a;
+}
+inline VEC vmul(VEC a, VEC b) {
+  for (int i = 0; i < 4; ++i) a.f[i] *= b.f[i];
+  return a;
+}
+inline VEC vmax(VEC a, VEC b) {
+  for (int i = 0; i < 4; ++i) a.f[i] = a.f[i] > b.f[i] ? a.f[i] : b.f[i];
+  return a;
+}
+inline float vsum(VEC v) { return (v.f[0] + v.f[2]) + (v.f[1] + v.f[3]); }
+inline float vmax_all(VEC v) { return std::max(std::max(v.f[0], v.f[1]), std::max(v.f[2], v.f[3])); }
+inline VEC vexp_nonpositive(VEC x) {
+  for (int i = 0; i < 4; ++i) x.f[i] = std::exp(x.f[i]);
+  return x;
+}
+// dst [4, 4] (row stride ldd) = src [4, 4]^T (row stride lds)
+inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) dst[i * ldd + j] = src[j * lds + i];
+}
+template <class F>
+inline void decode_block(const uint8_t* b, float* w) {
+  F::decode(b, w);
+}
+constexpr int GEMM_NV = 2, GEMM_MR = 4;
+#include "block_gemm.inc"
+#include "prefill_attention.inc"
 static void run_rows(int format, const uint8_t* W, int64_t row_bytes, int64_t M, const float* x, int B, float* y,
                      int64_t N, int64_t r0, int64_t r1, float* w) {
   generic_rows(format, W, row_bytes, M, x, B, y, N, r0, r1, w);
@@ -184,6 +255,42 @@ inline void load_q4(const uint8_t* p, VEC* q, int offset) {
 }
 #include "block_simd32.inc"
 #include "decode_attention_simd.inc"
+// dst [8, 8] (row stride ldd) = src [8, 8]^T (row stride lds): pairs of rows interleaved by 32 then 64 bits, then
+// the 128-bit halves exchanged.
+inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], a[8], b[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 4; ++i) {
+    a[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int j = 0; j < 2; ++j) {  // b[4 j + c], 128-bit lane l: column 4 l + c of rows 4 j .. 4 j + 3
+    const __m256d a0 = _mm256_castps_pd(a[4 * j]), a1 = _mm256_castps_pd(a[4 * j + 1]);
+    const __m256d a2 = _mm256_castps_pd(a[4 * j + 2]), a3 = _mm256_castps_pd(a[4 * j + 3]);
+    b[4 * j] = _mm256_castpd_ps(_mm256_unpacklo_pd(a0, a2));
+    b[4 * j + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a0, a2));
+    b[4 * j + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(a1, a3));
+    b[4 * j + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(a1, a3));
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * ldd, _mm256_permute2f128_ps(b[c], b[4 + c], 0x20));
+    _mm256_storeu_ps(dst + (4 + c) * ldd, _mm256_permute2f128_ps(b[c], b[4 + c], 0x31));
+  }
+}
+template <class F>
+inline void decode_block(const uint8_t* b, float* w) {
+  F::decode(b, w);
+}
+constexpr int GEMM_NV = 2, GEMM_MR = 6;  // 12 accumulators of the 16 registers
+#include "block_gemm.inc"
+inline VEC vmax(VEC a, VEC b) { return _mm256_max_ps(a, b); }
+inline float vmax_all(VEC v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+#include "prefill_attention.inc"
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -243,6 +350,55 @@ inline void load_q4(const uint8_t* p, VEC* q, int offset) {
 #include "block_simd32.inc"
 #include "block_avx512.inc"
 #include "decode_attention_simd.inc"
+// dst [16, 16] (row stride ldd) = src [16, 16]^T (row stride lds): pairs of rows interleaved by 32 then 64 bits,
+// then the 128-bit lanes of four vectors transposed as a 4 x 4 matrix.
+inline void vtranspose(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m512 r[16], a[16], b[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int j = 0; j < 4; ++j) {  // b[4 j + c], 128-bit lane l: column 4 l + c of rows 4 j .. 4 j + 3
+    const __m512d a0 = _mm512_castps_pd(a[4 * j]), a1 = _mm512_castps_pd(a[4 * j + 1]);
+    const __m512d a2 = _mm512_castps_pd(a[4 * j + 2]), a3 = _mm512_castps_pd(a[4 * j + 3]);
+    b[4 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+    b[4 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+    b[4 * j + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+    b[4 * j + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 t0 = _mm512_shuffle_f32x4(b[c], b[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 t1 = _mm512_shuffle_f32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 t2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 t3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    _mm512_storeu_ps(dst + c * ldd, _mm512_shuffle_f32x4(t0, t2, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(t0, t2, _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(t1, t3, _MM_SHUFFLE(2, 0, 2, 0)));
+    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(t1, t3, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+}
+// One block dequantized into w for block_gemm.inc's panels: the 4-bit 32-value formats through
+// block_avx512.inc's table (the same float32 values as their decode), the others through their decode.
+template <class F>
+inline void decode_block(const uint8_t* b, float* w) {
+  if constexpr (std::is_same_v<F, Q4_0> || std::is_same_v<F, Q4_1>) {
+    __m512 v[2];
+    dequantize32<std::is_same_v<F, Q4_0> ? FORMAT_Q4_0 : FORMAT_Q4_1>(b, v);
+    _mm512_storeu_ps(w, v[0]);
+    _mm512_storeu_ps(w + 16, v[1]);
+  } else {
+    F::decode(b, w);
+  }
+}
+#ifndef GEMM_MR_AVX512
+#define GEMM_MR_AVX512 12
+#endif
+constexpr int GEMM_NV = 2, GEMM_MR = GEMM_MR_AVX512;  // 24 accumulators of the 32 registers
+#include "block_gemm.inc"
+inline VEC vmax(VEC a, VEC b) { return _mm512_max_ps(a, b); }
+inline float vmax_all(VEC v) { return _mm512_reduce_max_ps(v); }
+#include "prefill_attention.inc"
 }  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -305,6 +461,48 @@ struct Job {
         const int B = static_cast<int>(R - b0 < MAX_ROWS ? R - b0 : MAX_ROWS);
         fn(format, w, row_bytes, M, x + b0 * M, B, y + b0 * N, N, r0, r1, row.data());
       }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+using GemmFn = void (*)(int, const uint8_t*, int64_t, int64_t, int64_t, const float*, float*, int64_t, int64_t,
+                        int64_t, int64_t, float*, float*, float*, bool);
+
+GemmFn gemm_for(int isa, int* channels) {
+#ifdef DANTINOX_X86
+  if (isa == ISA_AVX512) return *channels = avx512::GEMM_NR, avx512::gemm_task;
+  if (isa == ISA_AVX2) return *channels = avx2::GEMM_NR, avx2::gemm_task;
+#endif
+  return *channels = scalar::GEMM_NR, scalar::gemm_task;
+}
+
+// The many-row product's tasks (block_gemm.inc): task t covers output channels [g group, (g + 1) group) and
+// activation rows [c rows, (c + 1) rows) with g = t / chunks, c = t % chunks, so consecutive tasks share a group
+// and a thread that takes two of them in a row dequantizes the group once.
+struct GemmJob {
+  GemmFn fn;
+  int format, channels;
+  const uint8_t* w;
+  int64_t row_bytes, M, N, R;
+  const float* x;
+  float* y;
+  int64_t group, rows, chunks, tasks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void work() {
+    int64_t t = next.fetch_add(1);
+    if (t >= tasks) return;   // a helper that started late: nothing to allocate
+    std::vector<float> panels(static_cast<size_t>(GEMM_PANELS * M * channels));
+    std::vector<float> tmp(static_cast<size_t>(channels * 256));   // one block of each panel row
+    std::vector<float> narrow(static_cast<size_t>(rows * channels));  // a narrow panel's outputs
+    int64_t packed = -1;
+    for (; t < tasks; t = next.fetch_add(1)) {
+      const int64_t g = t / chunks, c = t % chunks;
+      const int64_t n0 = g * group, n1 = n0 + group < N ? n0 + group : N;
+      const int64_t r0 = c * rows, r1 = r0 + rows < R ? r0 + rows : R;
+      fn(format, w, row_bytes, M, N, x, y, n0, n1, r0, r1, panels.data(), tmp.data(), narrow.data(), packed != g);
+      packed = g;
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -534,8 +732,84 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   return ffi::Error::Success();
 }
 
+// y [R, N] = x [R, M] . W^T through block_gemm.inc's tiles, the tasks shared by `threads` threads.
+void gemm(ffi::ThreadPool& pool, int64_t threads, int isa, int format, const float* x, const uint8_t* w,
+          int64_t row_bytes, float* y, int64_t R, int64_t M, int64_t N) {
+  auto job = std::make_shared<GemmJob>();
+  job->fn = gemm_for(isa, &job->channels);
+  job->format = format;
+  job->w = w;
+  job->row_bytes = row_bytes;
+  job->M = M;
+  job->N = N;
+  job->R = R;
+  job->x = x;
+  job->y = y;
+  int64_t rows = GEMM_CHUNK_FLOATS / M / 12 * 12;   // a multiple of every instruction set's tile height
+  job->rows = rows < 12 ? 12 : rows;
+  job->chunks = (R + job->rows - 1) / job->rows;
+  // GEMM_PANELS panels per task (each chunk of x read once for both), one where that leaves under 4 tasks per
+  // thread (k and v of SmolLM2 at 128 rows: 6 panels; 3 tasks would split 2 : 1 over two threads).
+  const int64_t panels = (N + job->channels - 1) / job->channels;
+  job->group = (panels + GEMM_PANELS - 1) / GEMM_PANELS * job->chunks >= 4 * threads ? GEMM_PANELS * job->channels
+                                                                                     : job->channels;
+  job->tasks = (N + job->group - 1) / job->group * job->chunks;
+  const int64_t helpers = threads - 1 < job->tasks - 1 ? threads - 1 : job->tasks - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < job->tasks) std::this_thread::yield();
+}
+
+using PrefillWorkFn = void (*)(const PrefillArgs&, std::atomic<int64_t>&, std::atomic<int64_t>&);
+
+PrefillWorkFn prefill_for(int isa) {
+#ifdef DANTINOX_X86
+  if (isa == ISA_AVX512) return avx512::prefill_attention_work;
+  if (isa == ISA_AVX2) return avx2::prefill_attention_work;
+#endif
+  return scalar::prefill_attention_work;
+}
+
+struct PrefillJob {
+  PrefillArgs args;
+  PrefillWorkFn fn;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+// Causal prefill attention (prefill_attention.inc): q, y [B, T, K, G, D], kt [B, K, ceil(T / 32), D, 32] (the keys
+// in panels of 32, zeros past T), v [B, T, K, D], lo, hi [B, T] (token t of row b sees keys [lo, hi)); D a
+// multiple of 32 (every instruction set's panel width).
+ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kt,
+                                ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lo, ffi::Buffer<ffi::S32> hi,
+                                ffi::ResultBuffer<ffi::F32> y, int64_t isa) {
+  auto qd = q.dimensions(), kd = kt.dimensions(), vd = v.dimensions(), yd = y->dimensions();
+  if (qd.size() != 5 || kd.size() != 5 || vd.size() != 4 || yd.size() != 5 ||
+      !std::equal(qd.begin(), qd.end(), yd.begin()))
+    return ffi::Error::InvalidArgument(
+        "prefill_attention expects q, y [B, T, K, G, D], kt [B, K, T / 32, D, 32] and v [B, T, K, D]");
+  const int64_t B = qd[0], T = qd[1], K = qd[2], G = qd[3], D = qd[4];
+  if (kd[0] != B || kd[1] != K || kd[2] != (T + 31) / 32 || kd[3] != D || kd[4] != 32 || vd[0] != B ||
+      vd[1] != T || vd[2] != K || vd[3] != D || lo.element_count() != B * T || hi.element_count() != B * T)
+    return ffi::Error::InvalidArgument("prefill_attention: shapes of q, kt, v and the bounds disagree");
+  if (D % 32 != 0) return ffi::Error::InvalidArgument("prefill_attention: the head size must be a multiple of 32");
+  if (B * K * G * T * D == 0) return ffi::Error::Success();
+  auto job = std::make_shared<PrefillJob>();
+  job->args = PrefillArgs{q.typed_data(), kt.typed_data(), v.typed_data(), lo.typed_data(), hi.typed_data(),
+                          y->typed_data(), B, K, G, T, D};
+  job->fn = prefill_for(isa == ISA_AUTO ? detected_isa() : static_cast<int>(isa));
+  const int64_t tasks = B * K * ((T + 31) / 32);   // PA_BQ = 32 in every instruction set
+  static const int64_t cpus = usable_cpus();
+  const int64_t threads = pool.num_threads() > cpus ? pool.num_threads() : cpus;
+  const int64_t helpers = threads - 1 < tasks - 1 ? threads - 1 : tasks - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->fn(job->args, job->next, job->done); });
+  job->fn(job->args, job->next, job->done);
+  while (job->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+// tiled: 1 for the many-row product of block_gemm.inc (prefill), 0 for the few-row loops (decode, verify calls).
 ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                           ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t isa) {
+                           ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t isa, int64_t tiled) {
   if (format < 0 || format > FORMAT_LAST) return ffi::Error::InvalidArgument("unknown block format code");
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
@@ -546,6 +820,16 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
     return ffi::Error::InvalidArgument("block_matmul: shapes of x, blocks and y disagree with the format");
   if (R == 0 || N == 0) return ffi::Error::Success();
   const int chosen = isa == ISA_AUTO ? detected_isa() : static_cast<int>(isa);
+  // The pool reports num_threads() = 1 on a 2-CPU host, yet a task scheduled on it runs on another thread: so
+  // the call splits the rows for as many threads as the process has CPUs. A task that starts late finds no
+  // chunk left and returns; the caller never waits for a task, only for the chunks.
+  static const int64_t cpus = usable_cpus();
+  const int64_t threads = pool.num_threads() > cpus ? pool.num_threads() : cpus;
+  if (tiled) {
+    gemm(pool, threads, chosen, static_cast<int>(format), x.typed_data(), w.typed_data(), wd[1], y->typed_data(),
+         R, M, N);
+    return ffi::Error::Success();
+  }
   auto job = std::make_shared<Job>();
   job->fn = rows_for(chosen);
   job->format = static_cast<int>(format);
@@ -556,11 +840,6 @@ ffi::Error BlockMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   job->x = x.typed_data();
   job->y = y->typed_data();
   job->R = R;
-  // The pool reports num_threads() = 1 on a 2-CPU host, yet a task scheduled on it runs on another thread: so
-  // the call splits the rows for as many threads as the process has CPUs. A task that starts late finds no
-  // chunk left and returns; the caller never waits for a task, only for the chunks.
-  static const int64_t cpus = usable_cpus();
-  const int64_t threads = pool.num_threads() > cpus ? pool.num_threads() : cpus;
   const int64_t parts = threads * 4;
   job->chunk = (N + parts - 1) / parts < 8 ? 8 : (N + parts - 1) / parts;
   job->chunks = (N + job->chunk - 1) / job->chunk;
@@ -580,7 +859,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxBlockMatmul, BlockMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("format")
-                                  .Attr<int64_t>("isa"));
+                                  .Attr<int64_t>("isa")
+                                  .Attr<int64_t>("tiled"));
 
 #include "zero_pages.inc"
 
@@ -613,6 +893,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxPagedAttention, PagedAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("isa"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DantinoxPrefillAttention, PrefillAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa"));
+
 namespace {
 
 PyObject* py_handler(PyObject*, PyObject*) {
@@ -625,6 +916,10 @@ PyObject* py_attention_handler(PyObject*, PyObject*) {
 
 PyObject* py_paged_attention_handler(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&DantinoxPagedAttention), nullptr, nullptr);
+}
+
+PyObject* py_prefill_attention_handler(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&DantinoxPrefillAttention), nullptr, nullptr);
 }
 
 PyObject* py_zero_pages_handler(PyObject*, PyObject*) {
@@ -642,6 +937,8 @@ PyMethodDef methods[] = {
      "PyCapsule of the XLA FFI handler dantinox_decode_attention."},
     {"paged_attention_handler", py_paged_attention_handler, METH_NOARGS,
      "PyCapsule of the XLA FFI handler dantinox_paged_attention."},
+    {"prefill_attention_handler", py_prefill_attention_handler, METH_NOARGS,
+     "PyCapsule of the XLA FFI handler dantinox_prefill_attention."},
     {"zero_pages_handler", py_zero_pages_handler, METH_NOARGS,
      "PyCapsule of the XLA FFI handler dantinox_zero_pages."},
     {"isa", py_isa, METH_NOARGS, "The instruction set this CPU runs: 'avx512', 'avx2' or 'scalar'."},

@@ -63,3 +63,18 @@ def test_kernel_runs_per_device_inside_a_shard_map():
         got = jax.jit(lambda a, d: block_matmul(a, d, "Q4_1", 64))(x, data)
     assert "dantinox_block_matmul" in text and "manual" in text, text[-2000:]
     np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.asarray(w.weights()).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernel_status()[0], reason="the block kernel is not built here")
+def test_tiled_product_runs_per_device_inside_a_shard_map():
+    """A prefill-sized call (20 tokens per row: the tiled many-row product) on a 1x4 mesh: each device multiplies
+    its own rows of W, and the result matches the dequantized weights'."""
+    mesh = make_mesh(1, 4)
+    w = quantize_weights(dx.build_model(dx.ModelConfig(**SMALL), 0), "int4").blocks[0].mlp.gate_up.parts[0]
+    data = jax.device_put(w.data[...], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("model", None)))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 20, 64)), jnp.float32)
+    with mesh_scope(mesh):
+        text = jax.jit(lambda a, d: block_matmul(a, d, "Q4_1", 64)).lower(x, data).as_text()
+        got = jax.jit(lambda a, d: block_matmul(a, d, "Q4_1", 64))(x, data)
+    assert "tiled = 1 : i64" in text and "manual" in text, text[-2000:]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ np.asarray(w.weights()).T, rtol=1e-5, atol=1e-5)
