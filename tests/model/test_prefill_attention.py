@@ -12,7 +12,7 @@ from conftest import tiny_config
 
 import dantinox as dx
 from dantinox.kv import prefill_attention as pa
-from dantinox.model.attention import attend
+from dantinox.kv.attend import attend
 from dantinox.quant.block_kernel import kernel_isa
 
 ORDER = ["scalar", "avx2", "avx512"]

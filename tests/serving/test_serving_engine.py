@@ -211,7 +211,11 @@ def test_multi_step_decoding_gives_the_single_step_tokens(model, monkeypatch):
     stop = reference[0][0][6]  # request 0 stops at its 7th token (or earlier, at an earlier equal token)
     options[0] = SamplingOptions(max_new_tokens=20, stop_token_ids=(stop,))
     reference = drain_all(make_engine(model, num_blocks=40, max_decode_steps=1), batch, options)
+    for engine in (make_engine(model, num_blocks=40, max_decode_steps=8),):   # this pool reads filled blocks only:
+        assert engine.reads_filled and engine.table_buckets == (16,)           # one table width
+        assert drain_all(engine, batch, options) == reference
     monkeypatch.setattr(engine_module, "MIN_TABLE_TOKENS", 16)  # block tables cut to 4, 8 or 16 entries
+    monkeypatch.setattr(engine_module, "reads_filled_only", lambda cfg: False)   # as MLA / per-channel pools do
     for blocks in (40, 14):  # 14 blocks of 4 tokens: requests wait for blocks and rows run out of them
         engine = make_engine(model, num_blocks=blocks, max_decode_steps=8)
         assert engine.table_buckets == (4, 8, 16)
