@@ -28,7 +28,9 @@ from ..budget.memory import kv_cache_bytes, memory_split, param_bytes
 from ..budget.per_device import plan_mesh
 from ..budget.size_flags import parse_size_flag
 from ..config import CACHE_DTYPES, PRESETS, ModelConfig, canonical_dtype
+from ..kv import sizes
 from ..kv.sizes import token_bytes as token_bytes_of
+from ..kv.spec import layer_specs
 from ..kv.static import cache_nbytes
 from ..kv.cache import init_cache
 from ..kv.channel_keys import config_with_kv_keys
@@ -112,6 +114,7 @@ def run_budget(args: argparse.Namespace) -> int:
         print(f"^ longer than the model's max_context={cfg.max_context}: the model cannot run it; the figures "
               "are for the same shape with a longer context\n")
     print_table(["attention", "bytes/token"] + heads, per_seq, title="KV cache per sequence (MiB)")
+    print_kinds(shape, dtype, contexts, heads)
     notes = [f"{row[0].lstrip(' *')} {note}" for row, note in batch if note is not None]
     print_table(["attention", "weights MiB"] + heads, [row for row, _ in batch],
                 title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
@@ -150,6 +153,27 @@ def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, 
         if c <= 0:
             raise ValueError(f"--context {c} is not allowed: context lengths are positive integers")
     return dtype, device_bytes, contexts
+
+
+def print_kinds(cfg: ModelConfig, dtype: str, contexts: list[int], heads: list[str]) -> None:
+    """For a model whose layers are of more than one kind (sliding-window layers beside full ones) or keep a
+    window's ring: its cache per sequence split by layer kind (``dantinox.kv.sizes.bytes_by_kind``), beside
+    the same model with every layer full-length. Prints nothing for a model of one kind without rings."""
+    variant = cfg.replace(cache_dtype=dtype)
+    specs = layer_specs(variant)
+    if len({spec.kind for spec in specs}) < 2 and not any(spec.ring for spec in specs):
+        return
+    rows = []
+    for kind in dict.fromkeys(spec.kind for spec in specs):
+        chosen = [spec for spec in specs if spec.kind == kind]
+        ring = f", ring {chosen[0].ring} slots" if chosen[0].ring else ""
+        label = f"{kind} x {len(chosen)}" + (f" (W {chosen[0].window}{ring})" if chosen[0].window else "")
+        rows.append([label] + [_mib(sizes.bytes_by_kind(variant.replace(max_context=c), c).get(kind, 0))
+                               for c in contexts])
+    rows.append(["all layers"] + [_mib(kv_cache_bytes(variant, 1, c)) for c in contexts])
+    whole = variant.replace(window_cache="full", layer_types=None, sliding_window=None)
+    rows.append(["every layer full-length"] + [_mib(kv_cache_bytes(whole, 1, c)) for c in contexts])
+    print_table(["layers"] + heads, rows, title="KV cache per sequence by layer kind (MiB)")
 
 
 def token_bytes(cfg: ModelConfig, dtype: str) -> float:

@@ -190,7 +190,7 @@ def kv_summary(engine) -> str:
             else ", keys per token" if engine.cfg.cache_dtype == "int8" and engine.cfg.attention != "mla" else "")
     line = (f"KV cache: {alloc.num_blocks} blocks = {tokens} tokens, max concurrency {concurrency} at {L} "
             f"tokens per request ({nbytes / 2**20:.2f} MiB = {nbytes} bytes, block size {alloc.block_size}, "
-            f"{engine.cfg.cache_dtype}{keys}{_draft_share(engine)})")
+            f"{engine.cfg.cache_dtype}{keys}{_draft_share(engine)}{_kind_share(engine)})")
     if size.capped:
         line += (f"; --max-running {engine.config.max_running} uses at most {size.usable} blocks, so the pool "
                  f"takes those of the {size.budget} --kv-memory holds (--kv-memory-all takes them all)")
@@ -250,6 +250,24 @@ def host_available_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _kind_share(engine) -> str:
+    """"; by layer kind: sliding x 15 N MiB, full x 3 M MiB" for a model of more than one layer kind (each
+    kind's block rows, ``LayerSpec.page_bytes``), else ""."""
+    from ..kv.spec import layer_specs
+
+    specs = layer_specs(engine.cfg)
+    kinds = list(dict.fromkeys(spec.kind for spec in specs))
+    if len(kinds) < 2:
+        return ""
+    alloc = engine.allocator
+    parts = []
+    for kind in kinds:
+        chosen = [spec for spec in specs if spec.kind == kind]
+        nbytes = alloc.num_blocks * sum(spec.page_bytes(alloc.block_size) for spec in chosen)
+        parts.append(f"{kind} x {len(chosen)} {nbytes / 2**20:.2f} MiB")
+    return "; by layer kind: " + ", ".join(parts)
 
 
 def _draft_share(engine) -> str:

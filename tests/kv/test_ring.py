@@ -88,3 +88,21 @@ def test_speculation_rolls_back_inside_the_ring():
     result, stats = speculative_generate(model, prompt, 40, spec_tokens=4)
     assert np.asarray(result.tokens).reshape(-1).tolist() == np.asarray(plain).reshape(-1).tolist()
     assert sum(stats.proposed) > 0 and sum(stats.accepted) < sum(stats.proposed)   # some proposals rejected
+
+
+def test_budget_splits_a_hybrid_model_by_layer_kind(tmp_path, capsys):
+    """Gemma 3 270M's shape (18 layers, 15 of them sliding over 512 tokens, one KV head of 256) at its 32,768-token
+    context: the ring keeps a sequence's cache at 0.18x of a full-length one (bfloat16: 104 MiB against 576)."""
+    from dantinox.cli import entrypoint as cli
+
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    config = tmp_path / "gemma3-shape.json"
+    config.write_text(__import__("json").dumps(dict(
+        attention="gqa", kv_heads=1, dim=640, n_heads=4, head_size=256, num_blocks=18, vocab_size=1024,
+        max_context=32768, sliding_window=512, layer_types=types, cache_dtype="bfloat16")))
+    assert cli.main(["budget", "--config", str(config), "--context", "32768", "--device-memory", "8GB"]) == 0
+    table = capsys.readouterr().out.split("by layer kind (MiB)", 1)[1].split("\n\n", 1)[0]
+    cells = {line.rsplit(None, 1)[0].strip(): line.split()[-1] for line in table.splitlines()[3:] if line.strip()}
+    assert cells["sliding x 15 (W 512, ring 576 slots)"] == "8.438" and cells["full x 3"] == "96"
+    assert float(cells["all layers"]) / float(cells["every layer full-length"]) < 0.2
+    assert cells["every layer full-length"] == "576"
