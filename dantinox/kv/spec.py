@@ -34,7 +34,7 @@ from .codec import Codec, Field
 from .float_codec import FloatRows
 from .int8_codec import Int8Rows
 from .static import LatentCacheView, LayerCacheView
-from .attend import old_slots
+from .attend import attend, old_slots
 from .ring import ring_attend, ring_slots, ring_write
 from .zero_pages import zeros
 
@@ -170,7 +170,9 @@ class LayerSpec:
         if isinstance(layer_cache, LayerCacheView):
             return layer_cache.attend_and_write(q, k, v, cache_index, key_start, self.window, stored=stored)
         if self.ring:   # a sliding layer's static cache kept as a ring of its window (dantinox.kv.ring)
-            y = ring_attend(self, q, k, v, layer_cache, cache_index, key_start, causal)
+            fresh = layer_cache is None or read_slots == 0   # nothing cached yet: the prompt over itself
+            y = (attend(q, k, v, None, cache_index, key_start, self.window, causal=causal, valid=valid) if fresh
+                 else ring_attend(self, q, k, v, layer_cache, cache_index, key_start, causal))
             return y, None if layer_cache is None else ring_write(layer_cache, stored, cache_index, key_start, valid)
         return self.codec.attend_static(self, q, k, v, stored, layer_cache, read_slots, cache_index, key_start,
                                         causal, valid)
