@@ -238,6 +238,16 @@ def check_pool_fits_host(engine, overcommit: bool = False) -> None:
                      f"{lower}, or pass --kv-overcommit to start anyway")
 
 
+def warmup_parallel() -> int:
+    """Programs serve's warm-up compiles at once: the CPUs this process may use, at most 2 (XLA compiles one
+    program on one core; more at once only holds more memory)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(2, cpus))
+
+
 def host_available_bytes() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (Linux), None where it cannot be read. The pool's pages are
     resident only once written (``dantinox.kv.zero_pages``), so a pool larger than this starts, and fills
@@ -602,7 +612,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.no_warmup:
         from ..serving.warmup import Warmup
 
-        warmup = Warmup(engine.warmup_items())  # its first line comes from the engine thread, once serving
+        warmup = Warmup(engine.warmup_items(), parallel=warmup_parallel())  # logs from the engine thread
     keys = parse_api_keys(args.api_key)
     app = create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args), max_request_bytes(args),
                      tool_parser=args.tool_call_parser, warmup=warmup, api_keys=keys, api_key_all=args.api_key_all,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -40,11 +41,15 @@ class Warmup:
     ``status`` from any thread.
 
     items: the WarmupItems in the order to run them; log_every: log a progress line after every item
-    (False: only the first, every 10th and the last). An empty list is ready at once.
+    (False: only the first, every 10th and the last); parallel: items compiled at once (serve: the CPUs, at most
+    2). An empty list is ready at once.
     """
 
-    def __init__(self, items: list[WarmupItem], log_every: bool = True):
+    def __init__(self, items: list[WarmupItem], log_every: bool = True, parallel: int = 1):
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+            raise ValueError(f"parallel={parallel!r} is not allowed: an integer >= 1 (programs compiled at once)")
         self.items = list(items)
+        self.parallel = parallel
         self.done = 0
         self.log_every = log_every
         self.counter = CompileCounter()
@@ -64,27 +69,34 @@ class Warmup:
         self._cancelled = True
 
     def run_next(self) -> bool:
-        """Run the next item (the first call starts the clock and the compile counter). Returns True while
-        items remain after it. Exceptions of the item propagate (the caller treats them as the engine's)."""
+        """Run the next items, up to ``parallel`` of them at once (the first call starts the clock and the compile
+        counter). XLA compiles one program on one core, with the GIL released, so two programs compile side by
+        side on two cores. Returns True while items remain after them. Exceptions of an item propagate (the
+        caller treats them as the engine's)."""
         if self.finished or self._cancelled:
             return False
         if self._started is None:   # on the engine thread, once the server runs (and handles Ctrl-C)
-            log.info("warm-up: compiling %d programs in the background, most likely first; requests are served "
-                     "meanwhile (GET /ready answers 503 until it is done)", len(self.items))
+            log.info("warm-up: compiling %d programs in the background, most likely first, %d at a time; requests "
+                     "are served meanwhile (GET /ready answers 503 until it is done)", len(self.items), self.parallel)
             self._started = time.perf_counter()
             self.counter.__enter__()
-        item = self.items[self.done]
-        item.run()
+        batch = self.items[self.done:self.done + self.parallel]
+        if len(batch) == 1:
+            batch[0].run()
+        else:
+            with ThreadPoolExecutor(len(batch)) as pool:
+                for future in [pool.submit(item.run) for item in batch]:
+                    future.result()
         with self._lock:
-            self.done += 1
+            self.done += len(batch)
             if self.finished:
                 self._finished = time.perf_counter()
         self.counter.update()
         if self._cancelled:
             return False
         n, total = self.done, len(self.items)
-        if self.log_every or n == 1 or n % 10 == 0 or n == total:
-            log.info("warm-up %d/%d programs, %.1f s: %s", n, total, self.seconds, item.label)
+        if self.log_every or n <= len(batch) or n % 10 < len(batch) or n == total:
+            log.info("warm-up %d/%d programs, %.1f s: %s", n, total, self.seconds, ", ".join(i.label for i in batch))
         if self.finished:
             log.info("warm-up done: %d programs, %d compilations (%d from the persistent cache) in %.1f s; ready",
                      total, self.counter.compilations, self.counter.cache_hits, self.seconds)
