@@ -37,6 +37,20 @@ SUFFIX = ".kvb"
 LAYOUT_FILE = "layout.json"
 
 
+def check_directory(path: str) -> str | None:
+    """None when ``path`` is (or can be made) a directory this process can write (a probe file is written and
+    removed), else the reason in words."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".probe.{os.getpid()}{TEMP_SUFFIX}")
+        with open(probe, "wb") as f:
+            f.write(b"dantinox")
+        os.remove(probe)
+    except OSError as err:
+        return str(err.strerror or err)
+    return None
+
+
 class DiskTier:
     """Block files under ``directory`` for one layout, at most ``capacity`` bytes (module docstring).
 
@@ -70,21 +84,20 @@ class DiskTier:
     # Opening ----------------------------------------------------------------------------------------------
     def _open_folder(self) -> None:
         """Make the layout's folder, record its layout, check it can be written."""
-        try:
-            os.makedirs(self.folder, exist_ok=True)
+        problem = check_directory(self.folder)
+        if problem is None:
             layout_path = os.path.join(self.folder, LAYOUT_FILE)
-            if not os.path.exists(layout_path):   # for people reading the folder; records carry the key
-                tmp = f"{layout_path}.{os.getpid()}{TEMP_SUFFIX}"
-                with open(tmp, "w") as f:
-                    json.dump(self.layout.as_dict(), f, indent=1)
-                os.replace(tmp, layout_path)
-            probe = os.path.join(self.folder, f".probe.{os.getpid()}{TEMP_SUFFIX}")
-            with open(probe, "wb") as f:
-                f.write(b"dantinox")
-            os.remove(probe)
-        except OSError as err:
-            raise ValueError(f"kv_disk_dir={self.directory!r} is not a writable directory "
-                             f"({err.strerror or err}): give a directory this process can create and write") from None
+            try:
+                if not os.path.exists(layout_path):   # for people reading the folder; records carry the key
+                    tmp = f"{layout_path}.{os.getpid()}{TEMP_SUFFIX}"
+                    with open(tmp, "w") as f:
+                        json.dump(self.layout.as_dict(), f, indent=1)
+                    os.replace(tmp, layout_path)
+            except OSError as err:
+                problem = str(err.strerror or err)
+        if problem is not None:
+            raise ValueError(f"kv_disk_dir={self.directory!r} is not a writable directory ({problem}): give a "
+                             "directory this process can create and write")
 
     def _scan(self) -> OrderedDict:
         """{hash: file bytes} of the folder's block files, oldest modification first; stale temporary files

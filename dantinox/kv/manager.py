@@ -44,8 +44,8 @@ class CacheManager:
     per compiled call (the engine's max_running); draft_cfg: a draft model's config whose float layers share
     the blocks, or None; place: a function placing a freshly allocated pool on its devices (the sharded
     engine's; None: as allocated); tiers: a TierConfig with its model_digest set (``with_model_digest``;
-    naming the draft model's weights too when there is one), or None. Raises ValueError naming the pool's bytes when the host cannot allocate
-    it, and KVTiers' errors for tiers that cannot be opened.
+    naming the draft model's weights too when there is one), or None. Raises ValueError naming the pool's
+    bytes when the host cannot allocate it, and KVTiers' errors for tiers that cannot be opened.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int = 1,
@@ -74,8 +74,9 @@ class CacheManager:
         else:
             self.allocator.pool.uncache(block)
 
-    def _flush(self) -> None:
-        """Do the tiers' pending reads and writes (``TierMoves.flush``): called before anything writes the pool."""
+    def flush_moves(self) -> None:
+        """Do the KV tiers' pending reads and writes (``TierMoves.flush``): called before anything writes the pool
+        (and before a session reads it)."""
         if self.moves is not None:
             self.pool = self.moves.flush(self.pool)
 
@@ -113,7 +114,7 @@ class CacheManager:
         """The BlockTables of a compiled call for the sequences ``seq_ids`` padded to B rows, block tables cut
         to M entries: padding rows get zeros, sink slot R and residual slot Q (written nowhere). The tiers'
         pending moves are done first (the call that follows writes the pool)."""
-        self._flush()
+        self.flush_moves()
         table = np.zeros((B, M), np.int32)
         sink_slot = np.full(B, self.num_sink_slots if self.sinks is not None else 1, np.int32)
         residual = None if self.residuals is None else np.full(B, self.residuals.num_slots, np.int32)
@@ -133,7 +134,7 @@ class CacheManager:
         ``swap_data``), preempted sequences' slots released, sink and residual slots given to every running
         sequence that lacks one (``running``: the scheduler's running requests), swap-ins written back and
         copy-on-write copies made."""
-        self._flush()
+        self.flush_moves()
         for req, blocks in sched.swap_out:
             seq = req.request_id
             req.swap_data = self.read_host(blocks), self._read_sinks(seq), self._read_residual(seq)
@@ -144,7 +145,7 @@ class CacheManager:
                 self.sinks.copied(src, dst)
         self._assign_sinks(running, skip={req.request_id for req, _ in sched.swap_in})
         self._assign_residuals(running)
-        self._flush()   # reads of blocks whose sink slots were just reused, before anything writes
+        self.flush_moves()   # reads of blocks whose sink slots were just reused, before anything writes
         for req, blocks in sched.swap_in:
             self._swap_in(req, blocks)
         self.copy_blocks(sched.copies)
@@ -197,7 +198,7 @@ class CacheManager:
         """Copy-on-write copies [(source, destination)], max_copies per compiled call; a copy of a first block
         stands for the same sinks. Returns the compiled calls made."""
         C, calls = self.max_copies, 0
-        self._flush()
+        self.flush_moves()
         for i in range(0, len(pairs), C):
             self.pool = copy_blocks(self.pool, *self._pad_copies(pairs[i:i + C]))
             calls += 1
@@ -224,7 +225,7 @@ class CacheManager:
     def write_host(self, blocks: list, data: tuple) -> None:
         """Write ``data`` (``read_host``'s) into ``blocks``."""
         M = self.table_width
-        self._flush()
+        self.flush_moves()
         ids = np.full(M, self.allocator.num_blocks, np.int32)
         ids[:len(blocks)] = blocks
 

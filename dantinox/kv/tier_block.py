@@ -56,6 +56,11 @@ class TierLayout:
     first_bytes: int = 0   # bytes of a stored first block (with its sink rows)
 
     @property
+    def block_size(self) -> int:
+        """P, tokens per block."""
+        return int(dict(self.identity)["block_size"])
+
+    @property
     def has_sinks(self) -> bool:
         """Whether a prefix's first block carries sink rows (an int8 pool)."""
         return any(self.sinks)
@@ -78,24 +83,31 @@ class TierLayout:
 
     def difference(self, other: dict) -> str | None:
         """The first way ``other`` (a recorded ``as_dict``) differs from this layout, in words ("model weights
-        sha256 1a2b... here, 3c4d... in the file"), or None when they are the same."""
-        mine = self.as_dict()
-        for name in list(mine) + [k for k in other if k not in mine]:
-            if mine.get(name) != other.get(name):
-                if name in ("blocks", "sinks"):
-                    return (f"the {name[:-1]} arrays differ (here {_short(mine.get(name))}, in the file "
-                            f"{_short(other.get(name))})")
-                return f"{_NAMES.get(name, name)} {_show(mine.get(name))} here, {_show(other.get(name))} in the file"
-        return None
+        digest 1a2b... here, 3c4d... in the file"), or None when they are the same."""
+        return first_difference(self.as_dict(), other)
 
 
 _NAMES = {"model": "model weights digest", "draft_model": "draft model", "cache_dtype": "cache dtype",
           "codec": "cache codec", "key_group": "key group", "sink_tokens": "sink tokens", "block_size": "block size",
-          "format": "file format"}
+          "format": "file format", "kind": "cache kind", "fields": "cache fields", "blocks": "block arrays",
+          "sinks": "sink arrays"}
+
+
+def first_difference(mine: dict, other: dict) -> str | None:
+    """The first entry where two layout dicts differ, in words ("cache dtype int8 here, float32 in the file"),
+    or None. Array lists are shown cut short."""
+    other = other if isinstance(other, dict) else {}
+    for name in list(mine) + [k for k in other if k not in mine]:
+        if mine.get(name) != other.get(name):
+            if isinstance(mine.get(name), list) or isinstance(other.get(name), list):
+                return (f"the {_NAMES.get(name, name)} differ (here {_short(mine.get(name))}, in the file "
+                        f"{_short(other.get(name))})")
+            return f"{_NAMES.get(name, name)} {_show(mine.get(name))} here, {_show(other.get(name))} in the file"
+    return None
 
 
 def _show(value) -> str:
-    return "none" if value is None else (value[:16] + "..." if isinstance(value, str) and len(value) > 24 else
+    return "none" if value is None else (value[:97] + "..." if isinstance(value, str) and len(value) > 100 else
                                          str(value))
 
 

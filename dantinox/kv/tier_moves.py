@@ -2,7 +2,8 @@
 
 The block pool and the allocator decide in plain Python, during scheduling, which block leaves or enters the
 pool (``dantinox.kv.tiers``); the device work waits in two lists until the cache manager flushes them, which
-it does before any write to the pool (a block move, a slot write, a compiled step: ``CacheManager._flush``):
+it does before any write to the pool (a block move, a slot write, a compiled step:
+``CacheManager.flush_moves``):
   reads   blocks whose hash the pool evicted (``BlockPool.on_evict``), whose sinks a reused sink slot drops, or
           that a disk tier writes through (``BlockPool.on_register``): their contents, and a first block's
           sink rows, are still intact until the next write, so they are read out then and stored in the tiers;
