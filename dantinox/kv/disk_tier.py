@@ -9,11 +9,13 @@ killed writer left.
 
 Writes go through one background thread (``put`` queues a block and returns; the step does not wait for the
 disk), each atomic (``block_file.write_record``: temporary file and rename). A block waiting in the queue is
-found by lookups all the same. Reads happen on the caller's thread when the prefix cache looks a block up
-(``get``): the file is read and verified whole; a damaged one (cut short, checksum or header wrong, arrays
-not the layout's) is refused with one warning naming it, removed, and reported as a miss, so its tokens are
-computed again, never read wrong. The first write that fails (disk full, directory no longer writable) turns
-the tier off with one warning: lookups miss from then on and requests carry on without it.
+found by lookups all the same; a process that ends waits for the queue (at most EXIT_WAIT_S), and one that is
+killed loses only the blocks still queued (computed again later). Reads happen on the caller's thread when the
+prefix cache looks a block up (``get``): the file is read and verified whole; a damaged one (cut short,
+checksum or header wrong, arrays not the layout's) is refused with one warning naming it, removed, and
+reported as a miss, so its tokens are computed again, never read wrong. The first write that fails (disk full,
+directory no longer writable) turns the tier off with one warning: lookups miss from then on and requests
+carry on without it.
 
 The folder holds at most ``capacity`` bytes of block files (least recently used removed first); a lookup
 touches its file's modification time, so the order survives a restart.
@@ -21,11 +23,14 @@ touches its file's modification time, so the order survives a restart.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import queue
 import threading
+import time
+import weakref
 from collections import OrderedDict
 
 from .block_file import TEMP_SUFFIX, DamagedRecord, read_record, write_record
@@ -78,6 +83,7 @@ class DiskTier:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, name="dantinox-kv-disk", daemon=True)
         self._thread.start()
+        atexit.register(_finish_writes, weakref.ref(self))
         with self._lock:
             self._trim()
 
@@ -244,6 +250,20 @@ class DiskTier:
             return dict(blocks=len(self._index), bytes=self.bytes, capacity_bytes=self.capacity, hits=self.hits,
                         stores=self.stores, evictions=self.evictions, refused=self.refused,
                         queued=len(self._waiting), enabled=self.enabled)
+
+
+EXIT_WAIT_S = 30   # at most this long a process ending waits for the disk tier's queued writes
+
+
+def _finish_writes(ref) -> None:
+    """At exit: let the writer thread finish the queued blocks (at most EXIT_WAIT_S), so a server stopped
+    right after answering still leaves its prefixes on disk."""
+    tier = ref()
+    if tier is None or not tier._waiting:
+        return
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while tier._waiting and tier.enabled and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _remove(path: str) -> None:

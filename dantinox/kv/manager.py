@@ -163,11 +163,15 @@ class CacheManager:
         req.swap_data = None
 
     def release(self, seq_id: str) -> None:
-        """``seq_id`` no longer reads its sink and residual slots (finished or preempted)."""
+        """``seq_id`` no longer reads its sink and residual slots (finished or preempted). With KV tiers the
+        pending moves are done now too, so a finished request's blocks reach the tiers (and the disk) even
+        when no step follows."""
         if self.sinks is not None:
             self.sinks.release(seq_id)
         if self.residuals is not None:
             self.residuals.release(seq_id)
+        if self.moves is not None:
+            self.flush_moves()
 
     def _assign_residuals(self, running) -> None:
         """Give every running request without a residual slot one (per-channel keys only)."""

@@ -63,14 +63,16 @@ class SinkSlots:
             raise RuntimeError(f"all {self.num_slots} sink slots are held")
         return self._hold(seq_id, slot)
 
-    def adopt(self, first_block: int) -> int | None:
+    def adopt(self, first_block: int, keep=frozenset()) -> int | None:
         """An idle slot for ``first_block``'s sinks with no sequence holding it yet (a first block restored
         from a KV tier, ``dantinox.kv.tiers``, whose sink rows are written into it before the step runs): the
-        least recently released idle slot (the first blocks it served leave the prefix cache), mapped to the
-        block and left idle at the back of the queue, so a hit then shares it. None when every slot is held."""
-        if not self._idle:
+        least recently released idle slot that serves none of the blocks in ``keep`` (the first blocks it served
+        leave the prefix cache), mapped to the block and left idle at the back of the queue, so a hit then
+        shares it. None when no slot qualifies."""
+        slot = next((s for s in self._idle if not self.blocks[s] & keep), None)
+        if slot is None:
             return None
-        slot, _ = self._idle.popitem(last=False)
+        del self._idle[slot]
         for block in self.blocks[slot]:
             self._uncache(block)
             del self.of_block[block]

@@ -84,7 +84,7 @@ class TierMoves:
         block = self.block_pool.allocate()
         slot = None
         if first and stored.sinks is not None and self.sinks is not None:
-            slot = self.sinks.adopt(block)
+            slot = self.sinks.adopt(block, keep=set(self.writes))   # never the slot of a block restored now
             if slot is None:
                 self.block_pool.release(block)
                 return None

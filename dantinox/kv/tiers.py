@@ -18,8 +18,8 @@ Where time goes: the block reads and writes between the pool and host memory are
 thread, just before the step that needs them (``dantinox.kv.tier_moves``), and so are disk reads (at the
 lookup); only disk writes overlap compute (their own thread). The scheduler does not count a hit's restore
 time in the step's token budget: a restored block costs a copy of its bytes (host) or a file read (disk),
-far below recomputing its tokens, and both are counted in the step's measured time, which the token budget
-(``serving/token_budget.py``) sees.
+far below recomputing its tokens. The copies into the pool fall inside the step's measured time, which the
+token budget (``serving/token_budget.py``) reads; disk reads happen during scheduling, before it.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from dantinox.kv.disk_tier import DiskTier
 from dantinox.kv.host_tier import HostTier
 from dantinox.kv.tier_block import TierBlock, tier_layout
 from dantinox.kv.tiers import TierConfig
+from dantinox.programs.store import clear_programs
 
 GQA = dict(attention="gqa", kv_heads=2, max_context=64)
 KINDS = {"float": GQA,
@@ -266,3 +267,20 @@ def test_the_disk_tier_keeps_its_bound_and_its_order_across_a_restart(tmp_path):
     DiskTier(str(tmp_path), 3 * size, layout)
     assert not leftover.exists()
     assert os.path.exists(tmp_path / layout.key / "layout.json") and reopened.bytes == 3 * size
+
+
+def test_the_warm_up_compiles_every_move_between_the_pool_and_the_tiers(tmp_path):
+    """As case K14 for the tiers: after the engine's warm-up, evicting a prefix to host memory and disk and
+    restoring it (an int8 pool: its sink rows too) compiles nothing."""
+    jax.clear_caches()
+    clear_programs()
+    model = kind_model("int8-rows")
+    engine = make_engine(model, num_blocks=10, kv_tiers=TierConfig(host_bytes=1 << 20, disk_dir=str(tmp_path)))
+    engine.warmup()
+    prompt = prompts(1, 9)[0]
+    with dx.CompileCounter() as counted:
+        run(engine, prompt)
+        evict(engine, prompt)
+        run(engine, prompt)
+    assert engine.stats()["kv_tiers"]["host"]["promotions"] == 3
+    assert counted.compilations == 0 and counted.cache_hits == 0, counted

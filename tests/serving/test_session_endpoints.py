@@ -30,7 +30,8 @@ def serve(setup, **app_fields):
     tiers = app_fields.pop("kv_tiers", None)
     settings = dict(block_size=4, num_blocks=12, max_running=4, max_batched_tokens=16, decode_buckets=(1, 4),
                     enable_prefix_caching=app_fields.pop("prefix", True), kv_tiers=tiers, **SMALL_BUCKETS)
-    return ServerThread(create_app(PagedEngine(model, EngineConfig(**settings)), tokenizer, "tiny", **app_fields)).start()
+    app = create_app(PagedEngine(model, EngineConfig(**settings)), tokenizer, "tiny", **app_fields)
+    return ServerThread(app).start()
 
 
 def complete(server, prompt, n=6) -> dict:
