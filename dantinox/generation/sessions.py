@@ -7,14 +7,15 @@ never fed). The next such call whose prompt starts with those tokens computes on
   1. ``reusable_prefix``: the longest common prefix m of the session's tokens and the new prompt, at most the
      prompt's length minus one (its last token is fed again for its logits) and, with per-channel int8 keys, cut
      to a key-group boundary (a group still filling lives in the residual ring, which holds only the last two
-     groups: ``dantinox.kv.channel_layout``);
+     groups: ``dantinox.kv.channel_layout``). A sliding-window layer kept as a ring (``dantinox.kv.ring``, R
+     slots for a window of W) that the session's n tokens have wrapped holds positions n - R .. n - 1 only, and
+     slot p mod R is read as position p: m must be at least n - (R - W), else nothing is reused;
   2. ``resume_prefill`` feeds prompt[m:] (right-padded to a length bucket) at slot m of the kept cache and
      samples the first new token; the compiled decode loop (``dantinox.generation.decode.decode``) goes on as
      after an ordinary prefill.
-Slots past m still hold the old sequence's rows; every one of them is written before it is read. The session
-file format and the layout check are ``dantinox.kv.sessions``' (``save_static_session`` /
-``load_static_session``). Sliding-window layers keep a full-length cache today, so nothing window-specific is
-saved. One device only (the kept cache is not placed on a mesh).
+Slots past m still hold the old sequence's rows; every one of them is written before it is read (in a ring,
+by the rule of step 1). The session file format and the layout check are ``dantinox.kv.sessions``'
+(``save_static_session`` / ``load_static_session``). One device only (the kept cache is not placed on a mesh).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from ..kv.cache import init_cache
+from ..kv.spec import layer_specs
 from ..parallel.distributed import to_host
 from ..programs.store import stored_jit
 from .decode import DecodeState, GenerationResult, _finish, _prepare, decode, decode_windows, new_cache, prefill
@@ -69,6 +71,10 @@ def reusable_prefix(cfg, session: Session | None, prompt: list[int]) -> int:
     m = min(m, len(prompt) - 1)
     if cfg.channel_keys:
         m = m // cfg.key_group * cfg.key_group
+    n = len(session.tokens)
+    for spec in layer_specs(cfg):
+        if spec.ring and n > spec.ring and m < n - (spec.ring - spec.window):
+            return 0   # the ring no longer holds the window before slot m
     return max(m, 0)
 
 

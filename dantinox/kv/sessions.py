@@ -11,9 +11,11 @@ names the file and the first difference (``tier_block.first_difference``):
     computed again: fewer than one block);
   - a Generator's ("session-static"): the static cache of one sequence cut to its length (every field's rows:
     per-token rows to n slots, per-channel key groups to ceil(n / G), the int8 sinks and the residual ring
-    whole; ``static_session_arrays``), loaded into a fresh static cache (``load_static_session``).
-A window layer's cache is full-length today (``LayerSpec.slots``), so a sliding-window model's session holds
-every slot like a full layer's; there is no ring to carry yet.
+    whole; ``static_session_arrays``), loaded into a fresh static cache (``load_static_session``). A
+    sliding-window layer whose static cache is a ring (``dantinox.kv.ring``: R slots, position p in slot p mod R)
+    keeps min(n, R) rows, the whole ring once the sequence has wrapped it, so the loaded cache at slot n is
+    the one the sequence left; the ring's size is part of the layout.
+In the paged pool (server sessions, the KV tiers) window layers are full-length, as every pool layer is.
 """
 
 from __future__ import annotations
@@ -194,15 +196,16 @@ def static_layout(cfg: ModelConfig, model_digest: str) -> dict:
     fields = []
     for spec in specs:
         shapes = spec.static_shapes(1, 1)
-        fields.append([[f.name, f.rows, np.dtype(dtype).str, list(shape[:-2]) + [-1, shape[-1]]]
+        fields.append([[f.name, f.rows, np.dtype(dtype).str, list(shape[:-2]) + [-1, shape[-1]], spec.ring]
                        for f, (shape, dtype) in zip(spec.codec.static_fields(spec.latent), shapes)])
     return dict(kind="static", model=str(model_digest), cache_dtype=cfg.cache_dtype, codec=specs[0].codec.name,
                 key_group=specs[0].group, sink_tokens=specs[0].sinks, fields=fields)
 
 
 def _rows(spec, rows: str, n: int, full: int) -> int:
-    """Rows a session keeps of a field of ``rows`` kind for n tokens (``full``: the field's rows in the cache)."""
-    return {"slot": n, "group": -(-n // spec.group)}.get(rows, full)
+    """Rows a session keeps of a field of ``rows`` kind for n tokens (``full``: the field's rows in the cache: a
+    ring's R slots are all kept once n passes them)."""
+    return {"slot": min(n, full), "group": min(-(-n // spec.group), full)}.get(rows, full)
 
 
 def static_session_arrays(cfg: ModelConfig, cache, n: int) -> list[np.ndarray]:

@@ -15,6 +15,7 @@ from dantinox.generation.decode import generate_result
 from dantinox.generation.sessions import Session, reusable_prefix, session_generate
 from dantinox.kv.sessions import (SessionError, export_prefix, import_prefix, load_block_session, load_static_session,
                                   save_block_session, save_static_session, static_session_arrays)
+from dantinox.kv.spec import layer_specs
 from dantinox.kv.tier_block import tier_layout
 
 
@@ -103,3 +104,39 @@ def test_a_session_from_another_model_or_layout_or_form_is_refused_naming_the_di
     open(static, "wb").write(data[:-10])
     with pytest.raises(SessionError, match=r"static.session: checksum mismatch .* not a whole session file"):
         load_static_session(static, cfg, "model-a")
+
+
+def ring_model():
+    """A GQA model whose first layer attends to a window of 8 tokens, kept as a ring of 72 slots in a context of
+    128 (``dantinox.kv.ring``), the second to everything."""
+    from dantinox.config import ModelConfig
+    from serving_util import lively_model
+
+    cfg = ModelConfig(attention="gqa", kv_heads=2, dim=64, n_heads=8, head_size=8, num_blocks=2, vocab_size=128,
+                      max_context=128, mlp_hidden=128, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"])
+    return lively_model(cfg)
+
+
+@pytest.mark.parametrize("agree", [90, 10])   # the next prompt agrees with the session that far
+def test_a_session_of_a_wrapped_window_ring_continues_as_a_fresh_prefill(tmp_path, agree):
+    model = ring_model()
+    assert [spec.ring for spec in layer_specs(model.cfg)] == [72, 0]
+    rng = np.random.default_rng(13)
+    prompt = rng.integers(1, 128, 80).tolist()
+    _, session, _ = session_generate(model, None, prompt, 8)      # 87 tokens: the ring of 72 has wrapped
+    path = str(tmp_path / "ring.session")
+    save_static_session(path, model.cfg, "model-a", session.tokens, session.cache)
+    tokens, cache = load_static_session(path, model.cfg, "model-a")
+    follow = tokens[:agree] + rng.integers(1, 128, 94 - min(agree, len(tokens))).tolist()
+    got, resumed, reused = session_generate(model, Session(tokens, cache), follow, 8)
+    # agreeing to the end: all 87 kept; diverging at 10, before 87 - (72 - 8): the ring cannot serve, none kept
+    assert reused == (87 if agree >= 87 else 0)
+    want, fresh, _ = session_generate(model, None, follow, 8)
+    assert got.tokens.tolist() == want.tokens.tolist() == generate_result(model, [follow], 8).tokens.tolist()
+    n = len(fresh.tokens)
+    assert resumed.tokens == fresh.tokens
+    for a, b in zip(resumed.cache, fresh.cache):   # the slots the sequence filled, every layer (the whole ring);
+        for x, y in zip(a, b):                     # a resume from a ring that lost the window moves the full
+            x, y = np.asarray(x)[..., :n, :], np.asarray(y)[..., :n, :]   # layer's keys by ~0.3
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
