@@ -14,6 +14,11 @@ With --measure every variant's cache is allocated with ``init_cache`` (batch 1, 
 length, in --dtype) and the bytes actually allocated are printed next to the formula: the arrays' own nbytes
 and the change in device memory (``memory_stats()["bytes_in_use"]`` where the backend reports it, the total
 of ``jax.live_arrays()`` otherwise, as on CPU). Exit status 1 if any array size disagrees with the formula.
+
+With --kv-host-memory and / or --kv-disk-bytes (the KV tiers of ``dantinox serve``: ``dantinox.kv.tiers``) a
+third table gives, per variant, the bytes one prefix block of --block-size tokens takes in a tier
+(``dantinox.kv.sizes.tier_block_bytes``; an int8 prefix's first block adds its sink rows) and how many blocks
+and prompt tokens each tier holds.
 """
 
 from __future__ import annotations
@@ -75,6 +80,13 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
                              "config's, channel unless set")
     parser.add_argument("--kv-key-group", dest="kv_key_group", type=int, default=None, metavar="G",
                         help="tokens per key-scale group with per-channel keys (default: the config's, 64)")
+    parser.add_argument("--kv-host-memory", dest="kv_host_memory", default=None, metavar="SIZE",
+                        help="price a host-memory KV tier of this size (serve --kv-host-memory): blocks and tokens")
+    parser.add_argument("--kv-disk-bytes", dest="kv_disk_bytes", default=None, metavar="SIZE",
+                        help="price a disk KV tier of this size (serve --kv-disk-bytes): blocks and tokens")
+    parser.add_argument("--block-size", dest="block_size", type=int, default=None, metavar="P",
+                        help="tokens per KV block for the tier table (default: serve's, 16, or the key group with "
+                             "per-channel int8 keys)")
     parser.add_argument("--measure", action="store_true",
                         help="allocate each cache with init_cache; print measured bytes next to the formula")
 
@@ -89,6 +101,7 @@ def run_budget(args: argparse.Namespace) -> int:
     mesh_sizes = mesh_sizes_from_flag(args.mesh)  # checked before anything is printed
     cfg = load_config(args)
     dtype, device_bytes, contexts = check_budget_args(args, cfg)
+    tiers = tier_sizes(args)
     shape = cfg.replace(paradigm="ar", mask_token_id=None, shifted_prediction=False)  # KV sizes: paradigm-free
     if args.kv_keys is not None or args.kv_key_group is not None:   # checked against the --dtype cache
         if dtype != "int8" and args.kv_keys == "channel":
@@ -128,7 +141,50 @@ def run_budget(args: argparse.Namespace) -> int:
     if diffusion is not None:
         print_table(["context", "prompt", "gen_len", "DualCache", "AR cache", "ratio"], diffusion,
                     title="Masked diffusion: DualCache (prefix + suffix KV) vs AR cache per sequence (MiB)")
+    if tiers:
+        print_tier_table(rows, tiers, args.block_size, dtype)
     return measure(rows, contexts, dtype) if args.measure else 0
+
+
+def tier_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """{"host memory": bytes, "disk": bytes} of --kv-host-memory / --kv-disk-bytes (those given); ValueError
+    naming the flag for a bad size or --block-size."""
+    sizes = {}
+    for flag, name, text in (("--kv-host-memory", "host memory", getattr(args, "kv_host_memory", None)),
+                             ("--kv-disk-bytes", "disk", getattr(args, "kv_disk_bytes", None))):
+        if text is not None:
+            sizes[name] = parse_size_flag(flag, text)
+    block = getattr(args, "block_size", None)
+    if block is not None and block < 1:
+        raise ValueError(f"--block-size {block} is not allowed: an integer >= 1")
+    return sizes
+
+
+def print_tier_table(rows: list[tuple[str, ModelConfig]], tiers: dict[str, int], block_size: int | None,
+                     dtype: str) -> None:
+    """Per variant: bytes of one prefix block in a KV tier and each tier's blocks and tokens (module docstring).
+    A tier smaller than one block is flagged, as serve refuses it."""
+    from ..kv.sizes import tier_block_bytes
+    from ..serving.step_plan import default_block_size
+
+    table, notes = [], []
+    for label, variant in rows:
+        cfg = variant.replace(cache_dtype=dtype) if variant.cache_dtype != dtype else variant
+        P = block_size or default_block_size(cfg)
+        block, first = tier_block_bytes(cfg, P), tier_block_bytes(cfg, P, first=True)
+        row = [label, str(P), str(block), str(first - block) if first > block else "-"]
+        for name, nbytes in tiers.items():
+            count = nbytes // block if nbytes >= first else 0
+            row += [f"{count:,}", f"{count * P:,}"]
+            if count == 0:
+                notes.append(f"{label.lstrip(' *')}: the {name} tier holds no block (serve refuses it)")
+        table.append(row)
+    head = ["attention", "P", "bytes/block", "sinks B"]
+    for name in tiers:
+        head += [f"{name} blocks", f"{name} tokens"]
+    sizes = ", ".join(f"{name} {nbytes / MIB:,.0f} MiB" for name, nbytes in tiers.items())
+    print_table(head, table, title=f"KV tiers ({sizes}): prefix blocks of P tokens; sinks B: the extra bytes of a "
+                                   "prefix's first block (int8 sink rows)", notes=notes)
 
 
 def check_budget_args(args: argparse.Namespace, cfg: ModelConfig) -> tuple[str, int, list[int]]:

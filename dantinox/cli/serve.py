@@ -1,7 +1,8 @@
 """``dantinox serve``: load a run directory, size the paged KV pool from a memory budget, serve over HTTP.
 
   dantinox serve --run_dir R [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB [--kv-memory-all]]
-                 [--kv-overcommit]
+                 [--kv-overcommit] [--kv-host-memory 4GB] [--kv-disk-dir DIR [--kv-disk-bytes 20GB]]
+                 [--session-dir DIR]
                  [--kv-dtype int8 [--kv-keys token|channel] [--kv-key-group G]]
                  [--policy swap|recompute]
                  [--block-size 16] [--max-running 16] [--max-queued 256] [--max-batched-tokens 512]
@@ -41,6 +42,15 @@ up to --spec-tokens proposals per request in one compiled call (greedy output un
 "Speculative decoding"); --speculative draft:RUN takes the proposals from RUN's model instead (same tokenizer,
 checked at start; its float KV pool shares the target's block tables and counts in --kv-memory:
 ``dantinox.serving.draft_model``). A diffusion run (target or draft) is refused, as is --mesh with a draft.
+--kv-host-memory and --kv-disk-dir put KV tiers under the prefix cache (``dantinox.kv.tiers``): prefix blocks
+the pool evicts go to host memory (at most --kv-host-memory), every prefix block is also written to DIR (at most
+--kv-disk-bytes, default 10 GiB), and a prompt whose prefix left the pool is restored from the nearest tier
+instead of being computed; a server restarted with the same DIR, model and cache layout finds its prefixes.
+A size below one block, a DIR that cannot be written, or a tier with --no-prefix-caching is refused at start
+naming the flag; a disk that fills later turns the disk tier off with one warning. The start-up line after
+"KV cache:" gives each tier's bytes and blocks; /metrics counts hits, promotions, stores, evictions and bytes
+per tier. --session-dir enables POST /sessions/save and /sessions/restore (``dantinox.serving.session_endpoints``):
+one prompt's KV blocks written to a file there and read back, as llama-server's --slot-save-path.
 FastAPI and uvicorn are imported only when the command runs.
 """
 
@@ -110,6 +120,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-overcommit", action="store_true",
                    help="start even when the KV pool (in host memory, on a CPU) is larger than the memory the host "
                         "has available; by default that is refused, since the server would be killed as it fills")
+    p.add_argument("--kv-host-memory", default=None, metavar="SIZE",
+                   help="a host-memory tier under the prefix cache, e.g. 4GB: prefix blocks the pool evicts wait "
+                        "there and come back on a hit instead of being recomputed (default: none)")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="a disk tier under the prefix cache: every prefix block is written to DIR (one folder per "
+                        "model and cache layout) and found again, also by a restarted server (default: none)")
+    p.add_argument("--kv-disk-bytes", default=None, metavar="SIZE",
+                   help="the disk tier's bound, e.g. 20GB (default 10GiB); least recently used blocks go first")
+    p.add_argument("--session-dir", default=None, metavar="DIR",
+                   help="enable POST /sessions/save and /sessions/restore: one prompt's KV cache saved to a file in "
+                        "DIR and restored from it (as llama-server's --slot-save-path; default: off)")
     add_mesh_argument(p)
     p.add_argument("--kv-dtype", default=None,
                    help="KV cache dtype: float32, bfloat16 or int8 (default: the run's cache_dtype)")
@@ -206,6 +227,27 @@ def kv_summary(engine) -> str:
         line += (f"\nwarning: the pool holds {tokens} tokens, less than one full-context request ({L} tokens); "
                  f"longer requests will be rejected: raise --kv-memory")
     return line
+
+
+def tier_summary(engine) -> str | None:
+    """The start-up line of the KV tiers (None without them): each tier's bound, the blocks it holds and the
+    bytes of one block, and for the disk tier its folder and what it found from earlier runs."""
+    tiers = getattr(getattr(engine, "cache", None), "tiers", None)
+    if tiers is None:
+        return None
+    block = tiers.layout.block_bytes()
+    P = engine.allocator.block_size
+    parts = []
+    if tiers.host is not None:
+        cap = tiers.host.capacity
+        parts.append(f"host memory {cap / 2**20:.2f} MiB = {cap // block} blocks = {cap // block * P} tokens")
+    if tiers.disk is not None:
+        disk = tiers.disk
+        parts.append(f"disk {disk.capacity / 2**20:.2f} MiB = {disk.capacity // block} blocks in {disk.folder} "
+                     f"({len(disk)} blocks = {disk.bytes / 2**20:.2f} MiB there from earlier runs)")
+    extra = tiers.layout.block_bytes(first=True) - block
+    sinks = f", a prefix's first block {extra} bytes more with its sink rows" if extra else ""
+    return f"KV tiers: {'; '.join(parts)} ({block} bytes per block of {P} tokens{sinks})"
 
 
 def pool_host_bytes(engine) -> int | None:
@@ -377,6 +419,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
                              "or a host name") from None
     if args.kv_memory is not None:
         parse_bytes(args.kv_memory)
+    check_tier_args(args)
     if getattr(args, "max_loaded_programs", None) is None:   # the variable applies: refuse a bad one now
         from ..programs.store import max_loaded_programs
         max_loaded_programs()
@@ -393,6 +436,70 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if spec is not None and spec.proposer == "draft" and getattr(args, "mesh", None) is not None:
         raise ValueError(f"--mesh is not allowed with --speculative {args.speculative}: the sharded engine does "
                          "not carry a draft model's pool (use --speculative ngram, or serve on one device)")
+
+
+def check_tier_args(args: argparse.Namespace) -> None:
+    """The KV tier and session flags: sizes parse, --kv-disk-bytes goes with --kv-disk-dir, tiers need the prefix
+    cache, and the directories can be made and written (a probe file). ValueError naming the flag."""
+    from ..kv.disk_tier import check_directory
+
+    host, disk_dir = getattr(args, "kv_host_memory", None), getattr(args, "kv_disk_dir", None)
+    if host is not None:
+        parse_bytes(host, "--kv-host-memory")
+    if getattr(args, "kv_disk_bytes", None) is not None:
+        if disk_dir is None:
+            raise ValueError("--kv-disk-bytes needs --kv-disk-dir (the directory of the disk tier)")
+        parse_bytes(args.kv_disk_bytes, "--kv-disk-bytes")
+    if (host is not None or disk_dir is not None) and getattr(args, "no_prefix_caching", False):
+        raise ValueError(f"{'--kv-host-memory' if host is not None else '--kv-disk-dir'} is not allowed with "
+                         "--no-prefix-caching: the tiers hold prefix-cache blocks")
+    for flag, path in (("--kv-disk-dir", disk_dir), ("--session-dir", getattr(args, "session_dir", None))):
+        problem = None if path is None else check_directory(path)
+        if problem is not None:
+            raise ValueError(f"{flag} {path} is not a writable directory ({problem}): give one this process can "
+                             "create and write")
+
+
+def tier_config(args: argparse.Namespace, run_dir, summary: dict):
+    """The engine's TierConfig of --kv-host-memory / --kv-disk-dir / --kv-disk-bytes (None without them); its
+    model digest names the weights (``model_digest``)."""
+    from ..kv.tiers import TierConfig
+
+    host, disk_dir = getattr(args, "kv_host_memory", None), getattr(args, "kv_disk_dir", None)
+    if host is None and disk_dir is None:
+        return None
+    disk_bytes = getattr(args, "kv_disk_bytes", None)
+    return TierConfig(host_bytes=parse_bytes(host, "--kv-host-memory") if host is not None else None,
+                      disk_dir=disk_dir, disk_bytes=parse_bytes(disk_bytes, "--kv-disk-bytes") if disk_bytes else None,
+                      model_digest=model_digest(args, run_dir, summary))
+
+
+def model_digest(args: argparse.Namespace, run_dir, summary: dict | None = None) -> str:
+    """What names the served weights for the KV tiers and sessions: the run directory's weights sha256
+    (model_summary.json ``weights_sha256``, else the file hashed), the --quantize mode (it changes the weights
+    the keys and values come from) and a --speculative draft:RUN's weights (its layers share the blocks).
+    summary: the run's model_summary.json dict (None: read here)."""
+    from ..runs.bundled import resolve_run_dir
+
+    parts = [_weights_digest(run_dir, summary), f"quantize={getattr(args, 'quantize', None)}"]
+    draft = getattr(args, "speculative", None)
+    if draft and str(draft).startswith("draft:"):
+        parts.append("draft=" + _weights_digest(resolve_run_dir(str(draft)[len("draft:"):])))
+    return "|".join(parts)
+
+
+def _weights_digest(run_dir, summary: dict | None = None) -> str:
+    """A run directory's weights sha256: recorded in model_summary.json, else its model.safetensors hashed."""
+    from ..runs.run_dir import RunDirError, read_summary
+    from ..runs.weights_checksum import KEY, file_sha256
+
+    if summary is None:
+        try:
+            summary = read_summary(run_dir)
+        except RunDirError:
+            summary = {}
+    value = summary.get(KEY) if isinstance(summary, dict) else None
+    return value if isinstance(value, str) else file_sha256(os.path.join(run_dir, "model.safetensors"))
 
 
 def serve_speculation(args: argparse.Namespace):
@@ -437,7 +544,7 @@ def build_engine(args: argparse.Namespace):
 
     check_serve_args(args)
     run_dir = resolve_run_dir(args.run_dir)
-    model, cfg, tokenizer, _ = load_run(run_dir)
+    model, cfg, tokenizer, summary = load_run(run_dir)
     speculative = serve_speculation(args)
     if speculative is not None and cfg.paradigm != "ar":
         raise ValueError(f"--speculative {args.speculative} is not allowed with {run_dir}: it holds a "
@@ -452,7 +559,8 @@ def build_engine(args: argparse.Namespace):
                           kv_memory_all=bool(getattr(args, "kv_memory_all", False)),
                           enable_prefix_caching=not args.no_prefix_caching, speculative=speculative,
                           tpot_slo=getattr(args, "tpot_slo", None), prefill_buckets=SERVE_PREFILL_BATCHES,
-                          min_prefill_chunk=getattr(args, "min_prefill_chunk", 32))
+                          min_prefill_chunk=getattr(args, "min_prefill_chunk", 32),
+                          kv_tiers=tier_config(args, run_dir, summary))
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))
     if getattr(args, "mesh", None) is not None:  # docs/multi-device.md
         from ..serving.sharded_engine import ShardedPagedEngine
@@ -465,6 +573,11 @@ def build_engine(args: argparse.Namespace):
     except ValueError as err:
         if args.kv_memory and str(err).startswith("kv memory "):   # name the flag as typed, then the bytes
             raise ValueError(f"--kv-memory {args.kv_memory}: {err}") from None
+        for flag, attr, prefix in (("--kv-host-memory", "kv_host_memory", "kv_host_bytes="),
+                                   ("--kv-disk-bytes", "kv_disk_bytes", "kv_disk_bytes="),
+                                   ("--kv-disk-dir", "kv_disk_dir", "kv_disk_dir=")):
+            if getattr(args, attr, None) and str(err).startswith(prefix):
+                raise ValueError(f"{flag} {getattr(args, attr)}: {str(err).split(' ', 1)[1]}") from None
         if draft is None or not str(err).startswith("draft "):
             raise
         raise ValueError(f"--speculative {args.speculative}: {err}") from None
@@ -591,6 +704,9 @@ def _serve(args: argparse.Namespace) -> int:
     chat_format = load_chat_format(resolve_run_dir(args.run_dir), tokenizer)
     stop_ids = read_stop_ids(resolve_run_dir(args.run_dir), tokenizer)
     log.info(kv_summary(engine))
+    tiers_line = tier_summary(engine)
+    if tiers_line is not None:
+        log.info(tiers_line)
     if engine.speculative is not None:
         spec = engine.speculative
         if getattr(engine, "draft_cfg", None) is not None:
@@ -616,7 +732,9 @@ def _serve(args: argparse.Namespace) -> int:
     keys = parse_api_keys(args.api_key)
     app = create_app(engine, tokenizer, name, chat_format, stop_ids, _request_log(args), max_request_bytes(args),
                      tool_parser=args.tool_call_parser, warmup=warmup, api_keys=keys, api_key_all=args.api_key_all,
-                     strict_fields=args.strict_fields, model_aliases=tuple(args.model_alias or ()))
+                     strict_fields=args.strict_fields, model_aliases=tuple(args.model_alias or ()),
+                     session_dir=getattr(args, "session_dir", None),
+                     model_digest=model_digest(args, resolve_run_dir(args.run_dir)) if args.session_dir else None)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=uvicorn_log_config())
     if keys:
         log.info("API keys: %d configured; every request needs one%s", len(keys),

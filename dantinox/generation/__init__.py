@@ -9,6 +9,7 @@
                  token matcher (llguidance), host side
   constrained_decode.py  constrained decoding: a host-stepped loop over one compiled masked step
   generator.py   Generator: text in, text out, from a run directory
+  sessions.py    a Generator's session: the last one-prompt call's static cache kept, continued, saved, loaded
 """
 
 from .decode import GenerationResult, generate_result, stream_tokens

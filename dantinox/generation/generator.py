@@ -44,6 +44,7 @@ from ..runs.bundled import DEFAULT_BUNDLED, bundled_run_dir, resolve_run_dir  # 
 from ..runs.chat import load_chat_format, require_chat_format
 from ..runs.chat_template import ChatTemplateError
 from ..runs.draft_run import load_draft_run
+from ..kv.sessions import load_static_session, save_static_session
 from ..kv.static import CapacityError
 from ..runs.run_dir import load_run
 from ..runs.stop_ids import read_stop_ids
@@ -56,6 +57,7 @@ from .decode import (decode_windows, generate_result, one_row_windows, stream_to
 from .grammar import Constraint, constraint_from, grammar_vocabulary
 from .paradigm import generate
 from .prompts import bucket_length
+from .sessions import Session, session_generate
 from .speculative_generate import (SpecSettings, SpecStats, break_even, check_draft, draft_cost,
                                    spec_settings,
                                    speculative_generate, speculative_stream, verify_cost, warm_up_speculative)
@@ -128,10 +130,14 @@ class Generator:
       draft_run: a run directory (or bundled name) whose model proposes for ``speculative="draft"``: same
         tokenizer (vocabulary size, special and stop ids: ``runs.draft_run``), same vocab_size, a max_context at
         least this model's (``check_draft``); kv_dtype applies to its cache too.
+      keep_session: keep the static cache of the last one-prompt call (generate, complete, chat; plain
+        decoding) so the next call whose prompt extends it computes only the new tokens, and ``save_session``
+        can write it (``dantinox.generation.sessions``); ``load_session`` turns it on. One device only.
     Attributes: model, cfg, tokenizer, summary (model_summary.json), load_seconds, warmup (CompileCounter),
       chat_format (``dantinox.runs.chat.ChatFormat``, or None when the run has no chat template), stop_ids
       (the token ids generation stops at, ``dantinox.runs.stop_ids.read_stop_ids``; () for a trained run),
-      spec_stats (the SpecStats of the latest speculative call, None before one).
+      spec_stats (the SpecStats of the latest speculative call, None before one), session_tokens (the tokens
+      the kept session holds, () without one), session_reused (prompt tokens the last call took from it).
     Raises: RunDirError for a missing or inconsistent run directory; MeshError when n_heads or mlp_hidden
     does not divide by the mesh's model axis; KVDtypeError for a kv_dtype outside the allowed set or one the
     model cannot hold (int8 for a diffusion model); ValueError for another quantize value.
@@ -139,7 +145,7 @@ class Generator:
 
     def __init__(self, run_dir: str | os.PathLike | None = None, warmup: bool = True, mesh=None,
                  kv_dtype: str | None = None, quantize: str | None = None, draft_run: str | os.PathLike | None = None,
-                 kv_keys: str | None = None, kv_key_group: int | None = None):
+                 kv_keys: str | None = None, kv_key_group: int | None = None, keep_session: bool = False):
         start = time.perf_counter()
         check_quantize(quantize)
         self.run_dir = resolve_run_dir(run_dir)
@@ -154,6 +160,9 @@ class Generator:
         self.warmup = CompileCounter()
         self.spec_stats: SpecStats | None = None
         self._min_accept: dict[tuple, float] = {}
+        self.keep_session, self._session, self.session_reused = bool(keep_session), None, 0
+        if self.keep_session and mesh is not None:
+            raise ValueError("keep_session=True is not allowed with a mesh: sessions run on one device")
         self.draft = None
         if draft_run is not None:
             self.draft = with_kv_keys(with_kv_dtype(load_draft_run(draft_run, self.tokenizer, self.stop_ids), kv_dtype,
@@ -310,6 +319,10 @@ class Generator:
                                                  top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos),
                                                  draft=self._draft_for(spec))
             self.spec_stats = stats
+        elif constraint is None and self.keep_session and len(ids) == 1 and use_cache:
+            result, self._session, self.session_reused = session_generate(
+                self.model, self._session, ids[0], max_new_tokens, temperature, top_k, top_p, seed,
+                self._eos(ignore_eos))
         elif constraint is None:
             result = generate_result(self.model, ids, max_new_tokens, use_cache=use_cache, temperature=temperature,
                                      top_k=top_k, top_p=top_p, seed=seed, eos_id=self._eos(ignore_eos))
@@ -426,6 +439,42 @@ class Generator:
         spec = self.speculation(speculative, spec_tokens, spec_ngram_max, spec_ngram_min, True)
         return self._complete([ids], max_new_tokens, True, temperature, top_k, top_p, seed, ignore_eos,
                               constraint, spec)[0].text
+
+    # Sessions ---------------------------------------------------------------------------------------------------
+    @property
+    def session_tokens(self) -> tuple:
+        """The token ids the kept session's cache holds (() without one)."""
+        return tuple(self._session.tokens) if self._session is not None else ()
+
+    def model_digest(self) -> str:
+        """What names this Generator's weights in a session file: the run's weights sha256 (model_summary.json,
+        else the file hashed) and the quantize mode."""
+        from ..runs.weights_checksum import KEY, file_sha256
+
+        digest = self.summary.get(KEY) if isinstance(self.summary, dict) else None
+        if not isinstance(digest, str):
+            digest = file_sha256(os.path.join(self.run_dir, "model.safetensors"))
+        return f"{digest}|quantize={self.quantize}"
+
+    def save_session(self, path: str | os.PathLike) -> int:
+        """Write the kept session (its tokens and the static cache cut to them, ``dantinox.kv.sessions``) to
+        ``path``, atomically. Returns the bytes written. Raises ValueError when there is no session (the
+        Generator was made without keep_session=True, or no one-prompt call ran yet), OSError from the file
+        system."""
+        if self._session is None:
+            raise ValueError("no session to save: create the Generator with keep_session=True (or load a session) "
+                             "and run a one-prompt generate, complete or chat first")
+        return save_static_session(os.fspath(path), self.cfg, self.model_digest(), self._session.tokens,
+                                   self._session.cache)
+
+    def load_session(self, path: str | os.PathLike) -> int:
+        """Make the session in ``path`` the kept one (sessions on from now): the next one-prompt call whose
+        prompt starts with its tokens computes only the rest. Returns its token count. Raises SessionError (a
+        ValueError) naming the file: damaged, a server's session, saved by another model or with another cache
+        layout (the first difference named); OSError from the file system."""
+        tokens, cache = load_static_session(os.fspath(path), self.cfg, self.model_digest())
+        self._session, self.keep_session = Session(tokens, cache), True
+        return len(tokens)
 
     def _chat_request(self, messages, system, unknown, max_new_tokens):
         """(prompt ids, max_new_tokens cut to what is left of max_context) of a chat turn; raises as :meth:`chat`

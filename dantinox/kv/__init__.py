@@ -22,6 +22,12 @@
   sink_slots.py / residual_slots.py   per-sequence slots of the int8 sinks and the per-channel residual rings
   block_moves.py     compiled copy-on-write, swap and slot moves over the pool
   manager.py         CacheManager: the pool and all its bookkeeping, behind one interface for the engine
+  tiers.py           KV tiers under the prefix cache: TierConfig, KVTiers (host memory, then disk)
+  host_tier.py / disk_tier.py   the host-memory tier (an LRU in bytes) and the disk tier (block files, restarts)
+  tier_block.py      one block outside the pool (TierBlock) and the layout key that says which pools read it
+  tier_moves.py      blocks on their way between the pool and the tiers, moved before the pool is next written
+  block_file.py      the file format of block files and sessions: header, arrays, checksum; atomic writes
+  sessions.py        one sequence's cache with its tokens in a file: a server's prefix blocks, a static cache
   zero_pages.py      zeros whose pages the OS provides (a cache or pool allocated without writing it)
 """
 
@@ -34,7 +40,8 @@ from .paged import BlockTables
 from .pool import init_pool
 from .spec import LayerSpec, codec_for, layer_specs, register_codec
 from .static import CapacityError, KVCache, LatentKV, LayerKV, QuantLatentKV, QuantLayerKV
+from .tiers import KVTiers, TierConfig
 
 __all__ = ["BlockAllocator", "BlockPool", "BlockTables", "CacheManager", "CapacityError", "Codec", "Field",
            "KVCache", "LatentKV", "LayerKV", "LayerSpec", "NoFreeBlocksError", "QuantLatentKV", "QuantLayerKV",
-           "codec_for", "init_cache", "init_pool", "layer_specs", "register_codec"]
+           "KVTiers", "TierConfig", "codec_for", "init_cache", "init_pool", "layer_specs", "register_codec"]

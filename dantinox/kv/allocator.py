@@ -11,6 +11,11 @@ block's hash names its whole prefix). When a new sequence arrives, ``match_prefi
 blocks and holds every leading block already cached under the same hash: those tokens need no prefill.
 After a chunk is computed, ``commit`` registers the sequence's newly completed full prompt blocks.
 
+Tiers below the pool. With ``lower`` set (the cache manager, when KV tiers are on: ``dantinox.kv.tiers``), a
+block hash the pool misses is asked of it: ``lower.restore(hash, first)`` returns a block taken from this
+pool (held once, its hash registered) that the manager fills from host memory or disk before the step runs,
+or None; the walk goes on from there, so a prefix can come back part from the pool, part from the tiers.
+
 Copy-on-write. A cached block may be held by several sequences. Before a chunk writes positions
 [start, end), ``grow`` checks the blocks that range touches: a block held by others is replaced in this
 sequence's table by a fresh block and the pair (source, destination) is returned so the engine copies the
@@ -43,7 +48,8 @@ class BlockAllocator:
     Args:
       num_blocks: N physical blocks.  block_size: P tokens per block.
       enable_prefix_caching: share identical full prompt blocks between sequences.
-    Counters: prefix_queries / prefix_hits (blocks looked up / found), cow_copies.
+    Counters: prefix_queries / prefix_hits (blocks looked up / found, in the pool or a tier below it),
+    tier_hits (of those, found in a tier), cow_copies. ``lower``: the tiers below the pool (module docstring).
     Raises ValueError for a non-positive num_blocks or block_size.
     """
 
@@ -56,7 +62,9 @@ class BlockAllocator:
         self.tables: dict[str, list[int]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.tier_hits = 0
         self.cow_copies = 0
+        self.lower = None
 
     # Queries --------------------------------------------------------------------------------------
     @property
@@ -100,12 +108,16 @@ class BlockAllocator:
         table = self.tables.setdefault(seq_id, [])
         if not self.enable_prefix_caching:
             return 0
-        for block_hash in self.prompt_hashes(prompt):
+        for i, block_hash in enumerate(self.prompt_hashes(prompt)):
             self.prefix_queries += 1
             block = self.pool.lookup(block_hash)
+            if block is not None:
+                self.pool.hold(block)
+            elif self.lower is not None and self.pool.num_free:
+                block = self.lower.restore(block_hash, i == 0)   # held once, hash registered
+                self.tier_hits += block is not None
             if block is None:
                 break
-            self.pool.hold(block)
             table.append(block)
             self.prefix_hits += 1
         return len(table) * self.block_size
@@ -157,7 +169,7 @@ class BlockAllocator:
         full = min(num_computed, len(prompt)) // self.block_size
         for i, block_hash in enumerate(self.prompt_hashes(prompt[:full * self.block_size])):
             if i < len(table):
-                self.pool.register(table[i], block_hash)
+                self.pool.register(table[i], block_hash, first=i == 0)
 
     def free(self, seq_id: str) -> None:
         """Release every block of ``seq_id``, last block first (so a prefix's tail is reclaimed before its

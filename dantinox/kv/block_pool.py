@@ -11,7 +11,10 @@ so a later request can still revive it by hash; ``allocate`` takes the block at 
 evicts its hash only then. That makes cached prefixes an LRU cache living in otherwise idle memory: a block
 is never held back from a request that needs it.
 
-The device arrays live elsewhere (``dantinox.kv.paged``); this class only hands out block ids.
+The device arrays live elsewhere (``dantinox.kv.paged``); this class only hands out block ids. With KV tiers
+(``dantinox.kv.tiers``) the cache manager listens: ``on_evict`` hears of every hash ``allocate`` evicts (the
+block's contents are still intact then, so they can be read out to the host tier before the new holder
+writes), ``on_register`` of every hash registered (a disk tier writes it through).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class BlockPool:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
+        self.first: set[int] = set()   # cached blocks that are a prefix's first block (their sinks go with them)
+        self.on_evict = None      # called (block, hash, first) when allocate evicts a cached block's hash
+        self.on_register = None   # called (block, hash, first) when a block's hash is registered
 
     @property
     def num_free(self) -> int:
@@ -62,8 +68,11 @@ class BlockPool:
         if not self._free:
             raise NoFreeBlocksError(f"all {self.num_blocks} KV blocks are in use")
         block, _ = self._free.popitem(last=False)
+        old, first = self.block_hash[block], block in self.first
         self._forget_hash(block)
         self.ref_counts[block] = 1
+        if old is not None and self.on_evict is not None:
+            self.on_evict(block, old, first)
         return block
 
     def hold(self, block: int) -> None:
@@ -87,16 +96,22 @@ class BlockPool:
         """The block cached under ``block_hash``, or None."""
         return self._by_hash.get(block_hash)
 
-    def register(self, block: int, block_hash: bytes) -> None:
-        """Record that held ``block`` is full and final with content hash ``block_hash``.
+    def register(self, block: int, block_hash: bytes, first: bool = False) -> bool:
+        """Record that held ``block`` is full and final with content hash ``block_hash`` (``first``: it is a
+        prefix's first block). Returns whether it was registered.
 
         If another block already carries that hash (two requests computed the same prefix at once), the
         index keeps the first one and this block stays uncached.
         """
         if self.block_hash[block] is not None or block_hash in self._by_hash:
-            return
+            return False
         self.block_hash[block] = block_hash
         self._by_hash[block_hash] = block
+        if first:
+            self.first.add(block)
+        if self.on_register is not None:
+            self.on_register(block, block_hash, first)
+        return True
 
     def uncache(self, block: int) -> None:
         """Remove ``block`` from the hash index (it is about to be written)."""
@@ -106,9 +121,11 @@ class BlockPool:
         """Empty the hash index (the device contents of the blocks are gone, e.g. the pool was rebuilt)."""
         self.block_hash = [None] * self.num_blocks
         self._by_hash.clear()
+        self.first.clear()
 
     def _forget_hash(self, block: int) -> None:
         old = self.block_hash[block]
+        self.first.discard(block)
         if old is not None:
             self.block_hash[block] = None
             if self._by_hash.get(old) == block:

@@ -8,7 +8,9 @@ and JetStream's split of storage from its manager. ``CacheManager`` owns
     copy-on-write) — the scheduler sees blocks through it and nothing else;
   - the int8 pool's per-sequence sink slots (``dantinox.kv.sink_slots``) and the per-channel key pool's
     residual slots (``dantinox.kv.residual_slots``);
-  - the moves between them (``dantinox.kv.block_moves``): swap to host memory and back, copy-on-write copies.
+  - the moves between them (``dantinox.kv.block_moves``): swap to host memory and back, copy-on-write copies;
+  - with KV tiers (``tiers``: ``dantinox.kv.tiers``), the host-memory and disk tiers under the prefix cache and
+    the moves between them and the pool (``dantinox.kv.tier_moves``), flushed before every write to the pool.
 The engine asks it for one ``BlockTables`` argument per compiled call (``tables``), tells it what the scheduler
 decided before a step (``apply``) and which sequences ended (``release``). Host-side bookkeeping is plain
 Python; the device work is the block moves' compiled functions. Letters: N blocks, P tokens per block, M
@@ -29,6 +31,9 @@ from .pool import init_pool
 from .residual_slots import ResidualSlots
 from .sink_slots import SinkSlots
 from .sizes import pool_bytes, sink_slot_bytes
+from .tier_block import tier_layout
+from .tier_moves import TierMoves
+from .tiers import KVTiers, TierConfig
 
 
 class CacheManager:
@@ -38,20 +43,42 @@ class CacheManager:
     residual_slots: Q (per-channel keys; 1 otherwise); enable_prefix_caching; max_copies: copy-on-write copies
     per compiled call (the engine's max_running); draft_cfg: a draft model's config whose float layers share
     the blocks, or None; place: a function placing a freshly allocated pool on its devices (the sharded
-    engine's; None: as allocated). Raises ValueError naming the pool's bytes when the host cannot allocate it.
+    engine's; None: as allocated); tiers: a TierConfig with its model_digest set (``with_model_digest``;
+    naming the draft model's weights too when there is one), or None. Raises ValueError naming the pool's
+    bytes when the host cannot allocate it, and KVTiers' errors for tiers that cannot be opened.
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: int = 1,
                  residual_slots: int = 1, enable_prefix_caching: bool = True, max_copies: int = 1,
-                 draft_cfg: ModelConfig | None = None, place=None):
+                 draft_cfg: ModelConfig | None = None, place=None, tiers: TierConfig | None = None):
         self.cfg, self.draft_cfg, self.block_size = cfg, draft_cfg, block_size
         self.num_sink_slots, self.num_residual_slots, self.max_copies = sink_slots, residual_slots, max_copies
         self.table_width = -(-cfg.max_context // block_size)   # M of a full-context sequence
         self._place = place or (lambda pool: pool)
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
-        self.sinks = SinkSlots(sink_slots, self.allocator.pool.uncache) if sink_slot_bytes(cfg) else None
+        self.sinks = SinkSlots(sink_slots, self._drop_sinks) if sink_slot_bytes(cfg) else None
         self.residuals = ResidualSlots(residual_slots) if cfg.channel_keys else None
+        self.tiers = self.moves = None
+        if tiers is not None and tiers.enabled and enable_prefix_caching:
+            layout = tier_layout(cfg, block_size, tiers.model_digest, draft_cfg)
+            self.tiers = KVTiers(tiers, layout)
+            self.moves = TierMoves(self.tiers, self.allocator.pool, self.sinks)
+            self.allocator.lower = self.moves
         self.pool = self._new_pool()
+
+    def _drop_sinks(self, block: int) -> None:
+        """A reused sink slot drops ``block``'s sinks: it leaves the prefix cache (read out to the tiers
+        first, when there are tiers)."""
+        if self.moves is not None:
+            self.moves.sinks_dropped(block)
+        else:
+            self.allocator.pool.uncache(block)
+
+    def flush_moves(self) -> None:
+        """Do the KV tiers' pending reads and writes (``TierMoves.flush``): called before anything writes the pool
+        (and before a session reads it)."""
+        if self.moves is not None:
+            self.pool = self.moves.flush(self.pool)
 
     # The pool ----------------------------------------------------------------------------------------------
     def _new_pool(self):
@@ -77,13 +104,17 @@ class CacheManager:
         self.pool = None   # let the old buffers go before the new ones are allocated
         self.pool = self._new_pool()
         self.allocator.pool.forget_all_hashes()
+        if self.moves is not None:
+            self.moves.clear()
         if self.sinks is not None:
             self.sinks.reset()
 
     # One call's rows --------------------------------------------------------------------------------------
     def tables(self, seq_ids: list[str], B: int, M: int) -> BlockTables:
         """The BlockTables of a compiled call for the sequences ``seq_ids`` padded to B rows, block tables cut
-        to M entries: padding rows get zeros, sink slot R and residual slot Q (written nowhere)."""
+        to M entries: padding rows get zeros, sink slot R and residual slot Q (written nowhere). The tiers'
+        pending moves are done first (the call that follows writes the pool)."""
+        self.flush_moves()
         table = np.zeros((B, M), np.int32)
         sink_slot = np.full(B, self.num_sink_slots if self.sinks is not None else 1, np.int32)
         residual = None if self.residuals is None else np.full(B, self.residuals.num_slots, np.int32)
@@ -103,6 +134,7 @@ class CacheManager:
         ``swap_data``), preempted sequences' slots released, sink and residual slots given to every running
         sequence that lacks one (``running``: the scheduler's running requests), swap-ins written back and
         copy-on-write copies made."""
+        self.flush_moves()
         for req, blocks in sched.swap_out:
             seq = req.request_id
             req.swap_data = self.read_host(blocks), self._read_sinks(seq), self._read_residual(seq)
@@ -113,6 +145,7 @@ class CacheManager:
                 self.sinks.copied(src, dst)
         self._assign_sinks(running, skip={req.request_id for req, _ in sched.swap_in})
         self._assign_residuals(running)
+        self.flush_moves()   # reads of blocks whose sink slots were just reused, before anything writes
         for req, blocks in sched.swap_in:
             self._swap_in(req, blocks)
         self.copy_blocks(sched.copies)
@@ -121,7 +154,7 @@ class CacheManager:
         """Write a swapped-out request's host copy back into ``blocks`` (its residual and sinks into slots of
         their own) and drop the host copy."""
         data, sinks, residual = req.swap_data
-        self.write_host(blocks, data)
+        self.write_host(blocks, data)   # flushes the tiers' moves first
         if residual is not None:   # the filling key group comes back in the slot just taken
             self.pool = write_residual(self.pool, np.int32(self.residuals.slot(req.request_id)), residual)
         if self.sinks is not None:   # the sinks come back in a slot of their own, mapped to the new block
@@ -130,11 +163,15 @@ class CacheManager:
         req.swap_data = None
 
     def release(self, seq_id: str) -> None:
-        """``seq_id`` no longer reads its sink and residual slots (finished or preempted)."""
+        """``seq_id`` no longer reads its sink and residual slots (finished or preempted). With KV tiers the
+        pending moves are done now too, so a finished request's blocks reach the tiers (and the disk) even
+        when no step follows."""
         if self.sinks is not None:
             self.sinks.release(seq_id)
         if self.residuals is not None:
             self.residuals.release(seq_id)
+        if self.moves is not None:
+            self.flush_moves()
 
     def _assign_residuals(self, running) -> None:
         """Give every running request without a residual slot one (per-channel keys only)."""
@@ -165,6 +202,7 @@ class CacheManager:
         """Copy-on-write copies [(source, destination)], max_copies per compiled call; a copy of a first block
         stands for the same sinks. Returns the compiled calls made."""
         C, calls = self.max_copies, 0
+        self.flush_moves()
         for i in range(0, len(pairs), C):
             self.pool = copy_blocks(self.pool, *self._pad_copies(pairs[i:i + C]))
             calls += 1
@@ -191,6 +229,7 @@ class CacheManager:
     def write_host(self, blocks: list, data: tuple) -> None:
         """Write ``data`` (``read_host``'s) into ``blocks``."""
         M = self.table_width
+        self.flush_moves()
         ids = np.full(M, self.allocator.num_blocks, np.int32)
         ids[:len(blocks)] = blocks
 
@@ -225,3 +264,9 @@ class CacheManager:
             last = np.int32(self.residuals.num_slots - 1)
             read_residual.lower(self.pool, last).compile()
             write_residual.lower(self.pool, last, jax.eval_shape(read_residual, self.pool, last)).compile()
+        if self.moves is not None:
+            self.moves.warm(self.pool)
+
+    def tier_stats(self) -> dict:
+        """{tier: counters and bytes} of the KV tiers (``KVTiers.stats``); {} without tiers."""
+        return {} if self.tiers is None else self.tiers.stats()

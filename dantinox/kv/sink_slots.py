@@ -56,15 +56,30 @@ class SinkSlots:
 
     def fresh(self, seq_id: str, first_block: int) -> int:
         """``seq_id`` will compute its first tokens into ``first_block``: take an idle slot (the least recently
-        released; the first blocks it served leave the prefix cache) and map the block to it."""
-        slot, _ = self._idle.popitem(last=False)
+        released; the first blocks it served leave the prefix cache) and map the block to it. RuntimeError
+        when every slot is held (more running sequences than the pool was built for)."""
+        slot = self.adopt(first_block)
+        if slot is None:
+            raise RuntimeError(f"all {self.num_slots} sink slots are held")
+        return self._hold(seq_id, slot)
+
+    def adopt(self, first_block: int, keep=frozenset()) -> int | None:
+        """An idle slot for ``first_block``'s sinks with no sequence holding it yet (a first block restored
+        from a KV tier, ``dantinox.kv.tiers``, whose sink rows are written into it before the step runs): the
+        least recently released idle slot that serves none of the blocks in ``keep`` (the first blocks it served
+        leave the prefix cache), mapped to the block and left idle at the back of the queue, so a hit then
+        shares it. None when no slot qualifies."""
+        slot = next((s for s in self._idle if not self.blocks[s] & keep), None)
+        if slot is None:
+            return None
+        del self._idle[slot]
         for block in self.blocks[slot]:
             self._uncache(block)
             del self.of_block[block]
         self.blocks[slot] = set()
-        self._idle[slot] = None  # _hold takes it out again
+        self._idle[slot] = None  # the back of the queue; _hold takes it out again
         self.map_block(first_block, slot)
-        return self._hold(seq_id, slot)
+        return slot
 
     def map_block(self, block: int, slot: int) -> None:
         """``block`` (a copy of a first block, or a fresh one) now stands for the sinks in ``slot``."""

@@ -75,6 +75,15 @@ def pool_bytes(cfg: ModelConfig, num_blocks: int, block_size: int, sink_slots: i
             + int(residual_slots) * residual_slot_bytes(cfg, dtype))
 
 
+def tier_block_bytes(cfg: ModelConfig, block_size: int, first: bool = False, draft_cfg: ModelConfig | None = None,
+                     dtype: str | None = None) -> int:
+    """Bytes one prefix block takes in a KV tier (host memory, or a disk file's payload: ``dantinox.kv.tiers``):
+    its page (``page_bytes``; with a draft model sharing the pool, the draft's page too) and, for a prefix's first
+    block of an int8 pool (``first``), one sink slot's rows."""
+    nbytes = page_bytes(cfg, block_size, dtype) + (sink_slot_bytes(cfg, dtype) if first else 0)
+    return nbytes + (page_bytes(draft_cfg, block_size) if draft_cfg is not None else 0)
+
+
 def blocks_for_memory(cfg: ModelConfig, memory_bytes: int, block_size: int, sink_slots: int = 0,
                       residual_slots: int = 0) -> int:
     """How many blocks of ``block_size`` tokens fit in ``memory_bytes`` of KV memory (floor), after

@@ -23,9 +23,11 @@
   tool_calls.py / tool_chat.py   tools, tool_choice, tool-call parsers and the forcing grammar; the
                                  chat answer with tool_calls, whole or streamed
   metrics.py / protocol.py       Prometheus metrics; the completions request/response format
+  session_endpoints.py           POST /sessions/save and /sessions/restore (a prompt's KV blocks in a file)
 
 ``dantinox serve`` lives in ``dantinox/cli/serve.py``. The HTTP modules (server, completions, chat_endpoint,
-request_limits, worker, metrics, protocol) are not imported here, so the engine works without FastAPI installed.
+request_limits, worker, metrics, protocol, session_endpoints) are not imported here, so the engine works without
+FastAPI installed.
 """
 
 from ..kv.allocator import BlockAllocator

@@ -43,6 +43,7 @@ from .grammar_rows import grammar_finish, step_mask
 from ..kv.manager import CacheManager
 from ..kv.paged import reads_filled_only
 from ..kv.pool import pool_nbytes
+from ..kv.tiers import with_model_digest
 from .engine_api import Engine, EngineConfig
 from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
 from .runner import StepLogprobs, decode_steps, forward_step, static_graph
@@ -95,7 +96,7 @@ class PagedEngine(SpeculationCalls, Engine):
         # the pool, the allocator with its prefix cache, sink and residual slots, swap and copy-on-write
         self.cache = CacheManager(cfg, self.pool_size.blocks, P, self.pool_size.sink_slots,
                                   self.pool_size.residual_slots, config.enable_prefix_caching, config.max_running,
-                                  self.draft_cfg, self._place_pool)
+                                  self.draft_cfg, self._place_pool, with_model_digest(config.kv_tiers, self.params))
         self.policy = engine_policy(config, cfg.max_context, resume_align(cfg))
         self.speculative = config.speculative
         self.verify_meter = VerifyCostMeter()  # c(B) from timed calls when SpecConfig.verify_costs is empty
@@ -197,6 +198,7 @@ class PagedEngine(SpeculationCalls, Engine):
                     block_size=alloc.block_size, kv_cache_bytes=pool_nbytes(self.pool),
                     preemptions=sched.num_preemptions, prefix_cache_queries=alloc.prefix_queries,
                     prefix_cache_hits=alloc.prefix_hits, cow_copies=alloc.cow_copies, **self.counters,
+                    kv_tiers=self.cache.tier_stats(),
                     **({"spec_proposer": self.speculative.proposer} if self.speculative else {}))
 
     def _budget_block_bytes(self, cfg) -> int | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+from ..kv.tiers import TierConfig
 from .request import RequestOutput, SamplingOptions
 from .speculation import SpecConfig
 
@@ -77,7 +78,9 @@ class EngineConfig:
     from it and the measured step costs, between min_prefill_chunk and max_batched_tokens
     (``token_budget.TokenBudget``; None: always max_batched_tokens).
     block_size: tokens per KV block; None (the default) takes ``step_plan.default_block_size`` of the model:
-    16, or the key group G with per-channel int8 keys (a block size must then be a multiple of G)."""
+    16, or the key group G with per-channel int8 keys (a block size must then be a multiple of G).
+    kv_tiers: a ``dantinox.kv.tiers.TierConfig``: host-memory and disk tiers under the prefix cache (None: the
+    prefix cache lives in the pool alone)."""
 
     block_size: int | None = None
     num_blocks: int | None = None
@@ -98,3 +101,4 @@ class EngineConfig:
     speculative: SpecConfig | None = None
     tpot_slo: float | None = None
     min_prefill_chunk: int = 32
+    kv_tiers: TierConfig | None = None

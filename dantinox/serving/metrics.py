@@ -20,6 +20,14 @@ _COUNTERS = {"preemptions": "Sequences preempted (recompute or swap)",
 # by proposer: dantinox_spec_proposed_tokens_total{proposer="ngram"}, dantinox_spec_accepted_tokens_total
 _SPEC_COUNTERS = {"spec_proposed_tokens": "Speculative tokens proposed and verified, by proposer",
                   "spec_accepted_tokens": "Speculative tokens accepted by the target, by proposer"}
+# KV tiers (engine.stats()["kv_tiers"][tier], dantinox.kv.tiers), labelled by tier ("host", "disk")
+_TIER_COUNTERS = {"hits": "Prefix blocks found in a KV tier, by tier",
+                  "promotions": "Prefix blocks restored from a KV tier into the pool, by tier",
+                  "stores": "Prefix blocks stored in a KV tier (evicted from the pool, or written through to disk)",
+                  "evictions": "Prefix blocks a KV tier dropped at its bound (least recently used), by tier",
+                  "refused": "Damaged block files refused and removed (disk tier)"}
+_TIER_GAUGES = {"bytes": "Bytes a KV tier holds, by tier", "capacity_bytes": "A KV tier's bound in bytes, by tier",
+                "blocks": "Prefix blocks a KV tier holds, by tier"}
 _GAUGES = {"waiting": "Requests waiting in the queue", "running": "Sequences running (holding KV blocks)",
            "swapped": "Preempted sequences whose KV blocks wait in host memory",
            "blocks_used": "KV blocks in use", "blocks_free": "KV blocks free"}
@@ -43,6 +51,11 @@ class ServerMetrics:
         self.counters = {k: Counter(f"dantinox_{k}", text, registry=r) for k, text in _COUNTERS.items()}
         self.spec = {k: Counter(f"dantinox_{k}", text, ["proposer"], registry=r) for k, text in _SPEC_COUNTERS.items()}
         self._last = {k: 0 for k in (*_COUNTERS, *_SPEC_COUNTERS)}
+        self.tier_counters = {k: Counter(f"dantinox_kv_tier_{k}", text, ["tier"], registry=r)
+                              for k, text in _TIER_COUNTERS.items()}
+        self.tier_gauges = {k: Gauge(f"dantinox_kv_tier_{k}", text, ["tier"], registry=r)
+                            for k, text in _TIER_GAUGES.items()}
+        self._last_tier: dict = {}
 
     def token(self, seconds: float, first: bool) -> None:
         (self.ttft if first else self.itl).observe(seconds)
@@ -76,6 +89,19 @@ class ServerMetrics:
             if proposer is not None and value > self._last[key]:
                 counter.labels(proposer=proposer).inc(value - self._last[key])
             self._last[key] = value
+        self._update_tiers(stats.get("kv_tiers") or {})
+
+    def _update_tiers(self, tiers: dict) -> None:
+        """Per-tier counters (increased by their change) and gauges of the KV tiers' stats."""
+        for tier, values in tiers.items():
+            for key, counter in self.tier_counters.items():
+                value, last = values.get(key, 0), self._last_tier.get((tier, key), 0)
+                if key in values and value > last:
+                    counter.labels(tier=tier).inc(value - last)
+                self._last_tier[(tier, key)] = value
+            for key, gauge in self.tier_gauges.items():
+                if key in values:
+                    gauge.labels(tier=tier).set(values[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

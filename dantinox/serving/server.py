@@ -30,6 +30,7 @@ Design (threads and queues):
 Steps 1, 3 and 4 (validation and submission, the per-choice text, stop strings and disconnects) are
 ``dantinox.serving.completions``; this module builds the app (``create_app``) and runs it (``ServerThread``).
 Endpoints: POST /v1/completions, POST /v1/chat/completions (``dantinox.serving.chat_endpoint``), GET /v1/models,
+POST /sessions/save and /sessions/restore (``dantinox.serving.session_endpoints``),
 GET /health (liveness: 200 while the engine thread runs, its status "warming up" until the background warm-up
 has compiled every program, then "ok"; 503 "unhealthy" once the engine failed), GET /ready (readiness: 200
 "ready" once warm, 503 "warming up" before; a Kubernetes readinessProbe's form), GET /metrics (Prometheus
@@ -60,6 +61,7 @@ from .metrics import ServerMetrics
 from .protocol import CompletionRequest, error_body
 from .request_limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit, TokenListBound, check_max_bytes
 from .responses_endpoint import add_responses_route
+from .session_endpoints import add_session_routes
 from .worker import EngineWorker
 
 log = logging.getLogger("dantinox.serving")
@@ -68,7 +70,8 @@ log = logging.getLogger("dantinox.serving")
 def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_format=None,
                stop_ids=None, request_log=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                tool_parser: str | None = None, warmup=None, api_keys: tuple = (), api_key_all: bool = False,
-               strict_fields: bool = False, model_aliases: tuple = ()) -> FastAPI:
+               strict_fields: bool = False, model_aliases: tuple = (), session_dir: str | None = None,
+               model_digest: str | None = None) -> FastAPI:
     """The FastAPI app; the engine thread starts and stops with the app's lifespan.
 
     engine: an Engine (not yet driven by any thread); tokenizer: a dantinox TextTokenizer; chat_format: the
@@ -84,7 +87,9 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
     api_keys: the keys a request must show (``api_keys``; empty: none needed); api_key_all: also for /health,
     /ready and /metrics. strict_fields: refuse request fields no part of the server reads (400) instead of
     ignoring them. model_aliases: more names a request's ``model`` may give for this model (answers report
-    model_name; /v1/models lists model_name, GET /v1/models/{alias} finds it).
+    model_name; /v1/models lists model_name, GET /v1/models/{alias} finds it). session_dir: the directory of
+    POST /sessions/save and /sessions/restore (``session_endpoints``; None: they answer 501); model_digest:
+    names the served weights in session files (``dantinox.cli.serve.model_digest``).
     Raises ValueError for a max_request_bytes below 1.
     """
     check_max_bytes(max_request_bytes, "max_request_bytes")
@@ -133,6 +138,7 @@ def create_app(engine: Engine, tokenizer, model_name: str = "dantinox", chat_for
 
     add_chat_route(app, service, chat_format, tool_parser)
     add_responses_route(app, service, chat_format, tool_parser)
+    add_session_routes(app, service, session_dir, model_digest)
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "dantinox",
             "max_model_len": engine.max_context}
 

@@ -15,7 +15,9 @@
   5. With a ``warmup.Warmup``, the worker runs its next item whenever the engine has nothing unfinished (no
      request waits on it), until every item ran: requests are served during warm-up, each compiling on demand
      what it needs that warm-up has not reached yet. A warm-up item that raises is an engine failure (4).
-  6. ``drain(message)`` (the server shutting down after its grace period, ``dantinox.serving.shutdown``):
+  6. ``call(fn)`` runs ``fn(engine)`` on the engine thread between two steps and resolves an asyncio future
+     with its result or exception (the session endpoints read and write the prefix cache this way).
+  7. ``drain(message)`` (the server shutting down after its grace period, ``dantinox.serving.shutdown``):
      every request in flight gets ("shutdown", message) and leaves the engine, and later submissions are
      answered ("dead", message), so each handler ends its answer with an error instead of being cancelled.
 """
@@ -116,6 +118,13 @@ class EngineWorker:
         self.commands.put(("submit", list(request_ids), prompt_ids, list(options), loop, events,
                            time.perf_counter(), slice_name))
 
+    def call(self, fn, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """A future on ``loop`` for ``fn(engine)``, run on the engine thread between two steps (item 6); it
+        fails with RuntimeError when the worker is draining or dead."""
+        future = loop.create_future()
+        self.commands.put(("call", fn, loop, future))
+        return future
+
     def drain(self, message: str) -> None:
         """End every request in flight with ("shutdown", message) and refuse later ones (see item 6)."""
         self.draining = message
@@ -160,6 +169,19 @@ class EngineWorker:
     def _execute(self, command: tuple) -> None:
         if command[0] == "abort":
             self.engine.abort(command[1], command[2])
+            return
+        if command[0] == "call":
+            _, fn, loop, future = command
+            try:
+                if self.draining is not None:
+                    raise RuntimeError(self.draining)
+                outcome = (future.set_result, fn(self.engine))
+            except Exception as err:  # noqa: BLE001 (handed to the caller, who answers with it)
+                outcome = (future.set_exception, err)
+            try:
+                loop.call_soon_threadsafe(lambda: future.done() or outcome[0](outcome[1]))
+            except RuntimeError:   # the loop is closed
+                pass
             return
         if command[0] == "drain":
             for rid, stream in list(self._streams.items()):
