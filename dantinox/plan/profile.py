@@ -51,7 +51,7 @@ from ..generation.grammar import all_allowed_mask
 from ..generation.sampling import make_sampling_params
 from ..parallel.mesh import mesh_scope, mesh_shape
 from ..serving.engine import EngineConfig, PagedEngine
-from ..serving.request import SamplingOptions
+from ..serving.request import SamplingOptions, no_bias
 from ..serving.runner import decode_steps, forward_step
 from ..serving.sharded_engine import ShardedPagedEngine
 from ..serving.step_plan import default_block_size
@@ -170,7 +170,7 @@ def _time_forward(engine, B: int, T: int, repeats: int, warm: int = 3) -> float:
     def call():
         out, _, engine.pool = forward_step(engine.graph, engine.params, engine.pool, ids, z, num_new, tables,
                                            np.zeros(B, np.uint32), z, sampling, np.bool_(False),
-                                           all_allowed_mask(B, engine.vocab_size))
+                                           all_allowed_mask(B, engine.vocab_size), *no_bias(B, engine.vocab_size))
         return np.asarray(out)
     return _median_seconds(call, repeats, warm)
 

@@ -17,7 +17,7 @@ stream_options.include_usage, n, ignore_eos (vLLM's extension), user (ignored), 
 ``dantinox.serving.structured_request``), tools, tool_choice and parallel_tool_calls (``dantinox.serving.
 tool_calls``, ``tool_chat``; "auto" on a template without tools: ``generic_tools``), with ``role: tool``
 messages and assistant messages that carry ``tool_calls``. Fields this server does not implement (penalties,
-logit_bias) are rejected with 400 naming the field unless they hold their no-op value. logprobs: each choice's
+...) are rejected with 400 naming the field unless they hold their no-op value. logprobs: each choice's
 ``logprobs`` is {"content": [{token, logprob, bytes, top_logprobs}], "refusal": null} (``protocol.
 LogprobsLog``), the same figures as /v1/completions' for the same tokens (the target model's raw
 log-probabilities, with speculation too); streamed, each content chunk carries the entries of the tokens
@@ -51,7 +51,7 @@ from .tool_calls import parse_tool_request
 from .tool_chat import prepare_tools, tool_events
 
 # fields this endpoint does not implement -> the values that change nothing
-UNSUPPORTED_CHAT_FIELDS = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
+UNSUPPORTED_CHAT_FIELDS = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0),
                            "functions": (None, []), "audio": (None,), "modalities": (None, ["text"])}
 
 
@@ -257,5 +257,6 @@ def _prepare(service, chat_format, body: ChatCompletionRequest, tool_parser: str
     constraint = constraint or tool_grammar
     return prompt_ids, [SamplingOptions(max_new_tokens=limit, temperature=body.temperature, top_k=body.top_k,
                                         top_p=body.top_p, seed=(seed + i) % 2**32, logprobs=body.logprob_count(),
-                                        stop_token_ids=service.stops_for(body), constraint=constraint)
+                                        stop_token_ids=service.stops_for(body), constraint=constraint,
+                                        logit_bias=body.logit_bias_pairs())
                         for i in range(body.n)], tool_answer, ignored

@@ -145,7 +145,7 @@ class _Service:
         max_tokens = default if body.max_tokens is None else body.max_tokens
         return [SamplingOptions(max_new_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                                 top_p=body.top_p, seed=(seed + i) % 2**32, logprobs=body.logprob_count(),
-                                stop_token_ids=self.stops_for(body))
+                                stop_token_ids=self.stops_for(body), logit_bias=body.logit_bias_pairs())
                 for i in range(body.n)]
 
 

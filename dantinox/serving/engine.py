@@ -45,7 +45,8 @@ from ..kv.paged import reads_filled_only
 from ..kv.pool import pool_nbytes
 from ..kv.tiers import with_model_digest
 from .engine_api import Engine, EngineConfig
-from .request import Request, RequestError, RequestOutput, RequestStatus, SamplingOptions, TokenLogprobs
+from .request import (MAX_LOGIT_BIAS, Request, RequestError, RequestOutput, RequestStatus, SamplingOptions,
+                      TokenLogprobs)
 from .runner import StepLogprobs, decode_steps, forward_step, static_graph
 from .scheduler import Chunk, Schedule, Scheduler
 from .engine_speculation import SpeculationCalls, row_logprobs
@@ -427,8 +428,13 @@ class PagedEngine(SpeculationCalls, Engine):
         start, tables, seeds, steps, sampling = self._row_inputs(part, B, self.table_width)
         with_logprobs = np.bool_(any(c.request.options.logprobs is not None for c in part))
         token_mask = step_mask(part, B, self.vocab_size)  # structured outputs (grammar_rows)
+        bias_ids = np.full((B, MAX_LOGIT_BIAS), self.vocab_size, np.int32)   # V: no bias (dropped)
+        bias_values = np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+        for b, chunk in enumerate(part):
+            for j, (token, bias) in enumerate(chunk.request.options.logit_bias):
+                bias_ids[b, j], bias_values[b, j] = token, bias
         return (self.graph, self.params, self.pool, ids, start, num_new, tables, seeds, steps, sampling,
-                with_logprobs, token_mask)
+                with_logprobs, token_mask, bias_ids, bias_values)
 
     def _call_forward(self, part: list[Chunk], B: int, T: int) -> tuple[jax.Array, StepLogprobs | None]:
         """Dispatch one forward_step for ``part`` padded to B rows of T tokens; returns the device arrays

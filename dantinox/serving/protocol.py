@@ -8,8 +8,8 @@ stream_options.include_usage, n (1..MAX_CHOICES choices per prompt), logprobs (n
 false). Types are strict: max_tokens: "5" or true, stream: "yes" get 400 naming the field (every error is
 OpenAI's error object, ``api_errors``). seed must be in [0, 2**32); model, when given, must be the served
 model's name (else 404 model_not_found); stop strings must not be empty. OpenAI fields this server does not
-implement (best_of, suffix, frequency_penalty, presence_penalty, logit_bias) are rejected with 400 naming the
-field unless they hold their no-op value (null, best_of 1, penalties 0, logit_bias {}); any other field no
+implement (best_of, suffix, frequency_penalty, presence_penalty) are rejected with 400 naming the
+field unless they hold their no-op value (null, best_of 1, penalties 0); any other field no
 part of the server reads (a misspelt "max_token", another server's extension) is ignored, named in one warning
 line of the server's log and in the answer's ``X-Ignored-Fields`` header (``SamplingRequest.ignored_fields``;
 vLLM ignores and logs such fields, llama-server ignores them); ``serve --strict-fields`` refuses them with 400
@@ -50,7 +50,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions' logpro
 MAX_CHOICES = 16  # most choices (n) per request
 # OpenAI completions fields this server does not implement -> the values that change nothing
 UNSUPPORTED_FIELDS = {"best_of": (None, 1), "suffix": (None,), "frequency_penalty": (None, 0),
-                      "presence_penalty": (None, 0), "logit_bias": (None, {})}
+                      "presence_penalty": (None, 0)}
 
 
 # fields beyond SamplingRequest's own that the server reads: structured outputs (structured_request), tools
@@ -78,6 +78,18 @@ class SamplingRequest(BaseModel):
     stream_options: dict[str, StrictBool] | None = None   # include_usage: true / false
     n: StrictInt = 1
     ignore_eos: StrictBool = False  # vLLM's extension: generate past the model's stop ids
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None   # token id (as text) -> bias
+
+    def logit_bias_pairs(self) -> tuple:
+        """``logit_bias`` as (token id, bias) pairs; RequestError("logit_bias", ...) for a key that is not a
+        token id written in decimal (the bounds are SamplingOptions.validate's)."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise RequestError("logit_bias", f"logit_bias key {key!r} is not allowed: a token id (an integer "
+                                   "written as a string, e.g. \"50256\")")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..generation.grammar import Constraint
 from ..generation.sampling import temperature_problem
 
@@ -55,6 +57,9 @@ class SamplingOptions:
     token then carries its log-probability and that many most likely alternatives (``TokenLogprobs``).
     constraint: None, or a ``dantinox.generation.grammar.Constraint`` (structured outputs): every token is
     then drawn from the tokens its grammar allows (``dantinox.serving.grammar_rows``).
+    logit_bias: (token id, bias) pairs, at most MAX_LOGIT_BIAS, each bias in [-100, 100], added to the token's
+    logit before sampling (OpenAI's ``logit_bias``; -100 in effect bans a token, +100 forces it); a request with
+    one runs single-step calls.
     """
 
     max_new_tokens: int = 16
@@ -65,6 +70,7 @@ class SamplingOptions:
     stop_token_ids: tuple = ()
     logprobs: int | None = None
     constraint: Constraint | None = None
+    logit_bias: tuple = ()
 
     def validate(self, vocab_size: int) -> None:
         """Raise RequestError naming the field, the value and what is allowed."""
@@ -88,10 +94,34 @@ class SamplingOptions:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError("logprobs", f"logprobs={self.logprobs!r} is not allowed: null or an integer in "
                                f"[0, {MAX_LOGPROBS}]")
+        check_logit_bias(self.logit_bias, vocab_size)
         if self.constraint is not None and (not isinstance(self.constraint, Constraint)
                                             or self.constraint.vocabulary.vocab_size != vocab_size):
             raise RequestError("constraint", f"constraint={self.constraint!r} is not allowed: None or a Constraint "
                                f"built for this model's vocabulary of {vocab_size} tokens")
+
+
+MAX_LOGIT_BIAS = 300   # (token, bias) pairs one request may give (OpenAI's own limit is undocumented)
+
+
+def no_bias(B: int, vocab_size: int) -> tuple:
+    """The forward call's logit-bias arguments for B rows without biases: (ids [B, MAX_LOGIT_BIAS] int32 all V,
+    values [B, MAX_LOGIT_BIAS] float32 zeros)."""
+    return np.full((B, MAX_LOGIT_BIAS), vocab_size, np.int32), np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+
+
+def check_logit_bias(pairs, vocab_size: int) -> None:
+    """RequestError("logit_bias", ...) unless ``pairs`` are at most MAX_LOGIT_BIAS (token id in [0, V), bias a
+    finite number in [-100, 100]) pairs."""
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise RequestError("logit_bias", f"logit_bias has {len(pairs)} entries; allowed: at most {MAX_LOGIT_BIAS}")
+    for token, bias in pairs:
+        if not _is_int(token) or not 0 <= token < vocab_size:
+            raise RequestError("logit_bias", f"logit_bias token {token!r} is not allowed: a token id in "
+                               f"[0, {vocab_size})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise RequestError("logit_bias", f"logit_bias[{token}]={bias!r} is not allowed: a number in "
+                               "[-100, 100]")
 
 
 class RequestStatus(enum.Enum):

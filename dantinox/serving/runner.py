@@ -91,7 +91,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> StepLogprobs:
 
 @stored_jit(static_argnames=("graph",), donate_argnames=("pool",))
 def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_new, tables: BlockTables, seeds, steps,
-                 sampling: SamplingParams, with_logprobs, token_mask):
+                 sampling: SamplingParams, with_logprobs, token_mask, bias_ids, bias_values):
     """Run T new tokens per row through the model over the paged pool and sample each row's next token.
 
     ids: [B, T] int32 (row b's tokens in ids[b, :num_new[b]], the rest padding); start: [B] int32 tokens
@@ -101,14 +101,18 @@ def forward_step(graph: StaticGraph, params, pool: PagedPool, ids, start, num_ne
     with_logprobs: bool scalar (traced, so either value runs the same compiled step): compute the
     log-probabilities (``token_logprobs``), else return zeros and skip the work; token_mask: [B, W] int32
     packed bits of the tokens each row may sample (structured outputs; all ones for a free row, whose logits
-    it leaves unchanged): tokens and log-probabilities come from the masked logits.
+    it leaves unchanged): tokens and log-probabilities come from the masked logits; bias_ids [B, L] int32 and
+    bias_values [B, L] float32: each row's logit biases (OpenAI's logit_bias; id V, out of range, pads a row),
+    added to its logits before the mask.
     Returns (tokens [B] int32 sampled from each row's last valid position, StepLogprobs, the updated pool).
     """
     model = nnx.merge(graph.graphdef, params)
     views = paged_views(pool, tables, num_new)
     logits, views, _ = model(ids, use_cache=True, kv_caches=views, cache_index=start,
                              logits_at=jnp.maximum(num_new - 1, 0))
-    last = apply_token_mask(logits[:, 0], token_mask)
+    rows = jnp.arange(ids.shape[0])[:, None]
+    last = logits[:, 0].at[rows, bias_ids].add(bias_values, mode="drop")
+    last = apply_token_mask(last, token_mask)
     tokens = sample_rows(last, seeds, steps, sampling)
     B, k = tokens.shape[0], min(MAX_LOGPROBS, last.shape[-1])
     skipped = StepLogprobs(jnp.zeros(B, jnp.float32), jnp.zeros((B, k), jnp.int32), jnp.zeros((B, k), jnp.float32))

@@ -92,8 +92,11 @@ def row_stats(req: Request) -> SpecRowStats:
 
 
 def eligible(chunk) -> bool:
-    """A chunk may be verified: a decode chunk (one token, the request's last) of an unconstrained request."""
-    return chunk.num_tokens == 1 and chunk.request.remaining == 1 and chunk.request.options.constraint is None
+    """A chunk may be verified: a decode chunk (one token, the request's last) of a request without a constraint
+    or logit biases (the verify call applies neither)."""
+    options = chunk.request.options
+    return (chunk.num_tokens == 1 and chunk.request.remaining == 1 and options.constraint is None
+            and not options.logit_bias)
 
 
 def row_limit(chunk, k: int, held: int) -> int:

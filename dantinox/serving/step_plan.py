@@ -200,13 +200,15 @@ def plan_decode_steps(chunks: list, allocator: BlockAllocator, max_decode_steps:
     copies [(source, destination)] the engine must make before the call.
 
     Only a step of decode chunks alone (no prefill, no logprobs asked, no constrained request: its mask needs
-    the host after every token) qualifies. Row b runs up to min(max_decode_steps, tokens it may still
-    generate); while requests wait, every row runs the fewest any row may still generate. Blocks for the extra
+    the host after every token; no logit bias: only the single-step call applies it) qualifies. Row b runs up
+    to min(max_decode_steps, tokens it may still generate); while requests wait, every row runs the fewest any
+    row may still generate. Blocks for the extra
     positions are taken now; a row that cannot get them runs only as far as the blocks it holds.
     """
     K = max_decode_steps
     if K == 1 or not chunks or any(c.num_tokens != 1 or c.request.options.logprobs is not None
-                                   or c.request.options.constraint is not None for c in chunks):
+                                   or c.request.options.constraint is not None or c.request.options.logit_bias
+                                   for c in chunks):
         return None, []
     left = [c.request.options.max_new_tokens - len(c.request.output_ids) for c in chunks]
     counts = [min(K, n) for n in left]

@@ -312,3 +312,31 @@ def test_fields_the_server_does_not_read_are_named_or_refused(server, loaded):
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].isdigit()
     finally:
         strict.stop()
+
+
+def test_logit_bias_bans_and_forces_tokens_on_both_endpoints(client, loaded):
+    """logit_bias (OpenAI's map of token id to a bias in [-100, 100]): -100 on the greedy continuation's tokens
+    keeps them out of the answer, +100 on one token makes every sampled token that one; plain and streamed."""
+    model, tokenizer, _ = loaded
+    prompt = tokenizer.encode("Nel mezzo del cammin")
+    free = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6, temperature=0)
+    free_ids = tokenizer.encode(free.choices[0].text)
+    banned = {str(t): -100 for t in set(free_ids)}
+    biased = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6, temperature=0,
+                                       logit_bias=banned, logprobs=1)
+    assert not set(biased.choices[0].logprobs.tokens) & {tokenizer.decode([t]) for t in free_ids}
+    forced = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=5, temperature=0.9,
+                                            seed=3, logit_bias={str(prompt[0]): 100})
+    assert tokenizer.encode(forced.choices[0].message.content) == [prompt[0]] * 5
+    stream = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=4, temperature=0, stream=True,
+                                       logit_bias={str(prompt[1]): 100})
+    assert "".join(chunk.choices[0].text for chunk in stream) == tokenizer.decode([prompt[1]] * 4)
+
+
+@pytest.mark.parametrize("bias, message", [({"x": 1}, "logit_bias key 'x'"), ({"5": 101}, "logit_bias\\[5\\]=101"),
+                                           ({"999999": 1}, "logit_bias token 999999")])
+def test_bad_logit_bias_is_a_400_naming_the_field(server, bias, message):
+    answer = httpx.post(server.url + "/v1/completions", json={"model": "tiny-chat", "prompt": "Nel", "max_tokens": 2,
+                                                              "logit_bias": bias}, timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "logit_bias", answer.text
+    assert __import__("re").search(message, answer.json()["error"]["message"]), answer.text
