@@ -70,7 +70,7 @@ class EngineConfig:
     decode_buckets / prefill_buckets: batch sizes of the compiled calls (default: powers of two up to
     max_running, and (1, 2, 4)), cut after the first that holds max_running rows (``step_plan.batch_buckets``:
     max_running 1 compiles no prefill at B = 2 or 4); chunk_buckets: prefill chunk lengths (default:
-    ``step_plan.chunk_ladder(min(max_batched_tokens, max_context))``, powers of two from 8 to 64 then x4 steps).
+    ``step_plan.chunk_ladder(min(max_batched_tokens, max_context))``, powers of two from 8 to 512 then x4 steps).
     speculative: None (plain decoding) or a ``speculation.SpecConfig``: speculative decoding of the decode rows
     with n-gram (prompt lookup) or draft-model proposals (the greedy output is unchanged; sampled output keeps
     the target's distribution).
