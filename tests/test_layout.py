@@ -1,4 +1,4 @@
-"""The floor plan as a checked property (docs/layout.md): an AST walk over dantinox/, imports inside functions
+"""The floor plan as a checked property (docs/contributing/layout.md): an AST walk over dantinox/, imports inside functions
 included, so a circle cannot hide behind a function-level import.
 
 Packages sit in layers; an import may point to its own package or to a lower layer, never up. Importing
