@@ -102,7 +102,8 @@ class ModelConfig:
         channel over each group of kv_key_group consecutive slots, the group still filling kept in float32:
         KIVI, Liu et al. 2024, sections 3.2-3.3; ``dantinox.kv.channel_keys``; ``dantinox eval`` on SmolLM2's
         slices measured it ahead of per-token keys with sinks on every figure at equal bytes per token,
-        docs/explanation/quantization.md) or "token" (one scale per token and KV head, as values; ``dantinox.kv.int8_rows``).
+        docs/explanation/quantization.md) or "token" (one scale per token and KV head, as values;
+        ``dantinox.kv.int8_rows``).
         Channel keys are for MHA / GQA / MQA: an MLA cache stays per token whatever kv_keys says (its latent has
         no per-head keys), see ``channel_keys``. No effect on float caches.
       kv_key_group: slots per key-scale group with kv_keys="channel": an integer >= 1 (default 64, where the

@@ -22,8 +22,8 @@
    static cache is dozens of per-layer arrays of a few MiB each, below glibc's adaptive mmap threshold (up to
    32 MiB), so a finished request's cache stayed in malloc's arenas and the process kept its peak resident
    size (SmolLM2 Q4_1, 8,192 slots: 1.35 GiB peak, 1.24 GiB after a request, against 0.87 / 0.49 GiB with the
-   threshold at 1 MiB; docs/explanation/performance.md, "Host memory"). ``DANTINOX_MMAP_THRESHOLD`` (bytes, default 1 MiB;
-   ``off`` keeps glibc's default) sets ``mallopt(M_MMAP_THRESHOLD)`` so allocations that size or larger are
+   threshold at 1 MiB; docs/explanation/performance.md, "Host memory"). ``DANTINOX_MMAP_THRESHOLD`` (bytes, default
+   1 MiB; ``off`` keeps glibc's default) sets ``mallopt(M_MMAP_THRESHOLD)`` so allocations that size or larger are
    mapped and unmapped on their own, and every compilation ends with ``trim_host_memory`` (``malloc_trim``).
 """
 

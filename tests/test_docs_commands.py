@@ -187,8 +187,8 @@ ALL = [c for page in PAGES for c in page_commands(page)]
 
 def test_the_pages_have_commands():
     dantinox = [c for c in ALL if c.is_dantinox]
-    assert len(dantinox) > 40 and {c.page for c in dantinox} >= {"README.md", "docs/how-to/plan-capacity.md",
-                                                                  "docs/how-to/multi-device.md", "docs/how-to/quantize.md"}
+    assert len(dantinox) > 40 and {c.page for c in dantinox} >= {
+        "README.md", "docs/how-to/plan-capacity.md", "docs/how-to/multi-device.md", "docs/how-to/quantize.md"}
     assert not [c for c in ALL if "../shared" in c.text], "a page reads ../shared, which a user does not have"
 
 

@@ -38,9 +38,9 @@ status 130 (``dantinox.cli.entrypoint``); the requests in flight may finish for 
 without a key, a --host beyond loopback is warned about at start. --strict-fields refuses request fields the
 server does not read (400), where the default ignores them and names them in the X-Ignored-Fields header.
 --speculative ngram decodes with n-gram (prompt lookup) speculation in the engine: each decode step verifies
-up to --spec-tokens proposals per request in one compiled call (greedy output unchanged; docs/how-to/speculative-decoding.md,
-"Speculative decoding"); --speculative draft:RUN takes the proposals from RUN's model instead (same tokenizer,
-checked at start; its float KV pool shares the target's block tables and counts in --kv-memory:
+up to --spec-tokens proposals per request in one compiled call (greedy output unchanged;
+docs/how-to/speculative-decoding.md); --speculative draft:RUN takes the proposals from RUN's model instead (same
+tokenizer, checked at start; its float KV pool shares the target's block tables and counts in --kv-memory:
 ``dantinox.serving.draft_model``). A diffusion run (target or draft) is refused, as is --mesh with a draft.
 --kv-host-memory and --kv-disk-dir put KV tiers under the prefix cache (``dantinox.kv.tiers``): prefix blocks
 the pool evicts go to host memory (at most --kv-host-memory), every prefix block is also written to DIR (at most

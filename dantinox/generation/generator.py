@@ -22,7 +22,8 @@ greedy text is the same as without it, sampled text has the same distribution. A
 whose measured acceptance makes verification a loss stops speculating (``switch_off_threshold``: measured once
 per k on this model). With json_schema / regex / grammar the proposals are cut where the grammar forbids a
 token and verified from the masked distributions (``dantinox.generation.constrained_speculative``). Each such
-call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``); docs/explanation/speculation.md says when it pays.
+call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``); docs/explanation/speculation.md says when it
+pays.
 """
 
 from __future__ import annotations
