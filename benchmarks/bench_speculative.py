@@ -24,7 +24,8 @@ measured threshold (the measurement is wall time and a loaded host moves it). --
 draft-model mode: the draft is SmolLM2's own first L of 30 layers with its embeddings and final norm (an
 early-exit draft with no training; the same tokenizer by construction), with the switch-off rule of the draft
 proposer (verify cost + k draft forwards, ``draft_cost``). Prints one table; --json writes the rows.
-The host this ran on is named in docs/generation.md with the table: numbers from a shared CPU host are noisy.
+The host this ran on is named in docs/explanation/speculation.md with the table: numbers from a shared CPU host
+are noisy.
 """
 
 from __future__ import annotations

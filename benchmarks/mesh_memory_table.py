@@ -1,4 +1,4 @@
-"""Print the per-device memory table of docs/multi-device.md (pure arithmetic: dantinox.budget.per_device).
+"""Print the per-device memory table of docs/how-to/multi-device.md (pure arithmetic: dantinox.budget.per_device).
 
     python benchmarks/mesh_memory_table.py [--device-memory 16GiB] [--devices 1 2 4 8]
 

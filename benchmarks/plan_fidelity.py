@@ -22,7 +22,7 @@ each replayed --replays times, every replay with a cold prefix cache.
 traces, the simulation and the replay engine all use N. For a model with a long context (SmolLM2: 8,192 tokens)
 give the trace's longest request plus output rounded up (512 for the default mixed trace): at 8,192 tokens the
 profile's engine holds a pool for 16 sequences of 8,192 tokens and times decode calls over 8,192-slot tables,
-and its K = 3 profile did not finish in 25 minutes (docs/planning.md, "SmolLM2 ... profiled").
+and its K = 3 profile did not finish in 25 minutes (benchmarks/results/2026-12-03-plan-smollm2.md).
 
 Printed per cell (load x metric: p99 TTFT, p50 TPOT, output tokens/s): the predicted median [interval], the
 replays' median [their range], inside (the replay median in the interval), the gap of the medians against its

@@ -34,5 +34,5 @@ __all__ = [
     "init_cache", "init_dual_cache", "kv_bytes_per_token", "kv_cache_bytes", "make_sampling_params",
     "max_batch_size", "memory_split", "param_bytes", "parse_kv_dtype", "plan_capacity", "sample_next",
     "stream_tokens", "verify_cache", "with_kv_dtype", "quantize_weights",
-    "MeshError", "make_mesh", "shard_cache", "shard_model",  # multi-device (docs/multi-device.md)
+    "MeshError", "make_mesh", "shard_cache", "shard_model",  # multi-device (docs/how-to/multi-device.md)
 ]

@@ -96,13 +96,14 @@ class ModelConfig:
       kv_sink_tokens: int8 cache only: the first kv_sink_tokens positions of every sequence (its attention
         sinks) are also kept in float32 and attention reads them from there, so one outlier token does not
         move every later score (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks",
-        section 3; see dantinox.kv.sinks and docs/quantization.md, "Attention sinks"). 0 turns it off.
+        section 3; see dantinox.kv.sinks and docs/explanation/quantization.md, "Attention sinks"). 0 turns it off.
         An integer >= 0 (at most max_context are kept: ``sink_slots``); no effect on float caches.
       kv_keys: int8 cache only: how keys are quantized. "channel" (the default: one scale per KV head and
         channel over each group of kv_key_group consecutive slots, the group still filling kept in float32:
         KIVI, Liu et al. 2024, sections 3.2-3.3; ``dantinox.kv.channel_keys``; ``dantinox eval`` on SmolLM2's
         slices measured it ahead of per-token keys with sinks on every figure at equal bytes per token,
-        docs/quantization.md) or "token" (one scale per token and KV head, as values; ``dantinox.kv.int8_rows``).
+        docs/explanation/quantization.md) or "token" (one scale per token and KV head, as values;
+        ``dantinox.kv.int8_rows``).
         Channel keys are for MHA / GQA / MQA: an MLA cache stays per token whatever kv_keys says (its latent has
         no per-head keys), see ``channel_keys``. No effect on float caches.
       kv_key_group: slots per key-scale group with kv_keys="channel": an integer >= 1 (default 64, where the

@@ -7,7 +7,7 @@
    likewise: XLA:CPU's concurrency-optimised scheduler starts every independent computation early, so a
    prefill over block-quantized weights held every layer's dequantized float32 copy at once (SmolLM2 Q4_1:
    405 MiB of temporaries, 8 MiB with the memory-minimising scheduler), and on 2 cores it bought no speed:
-   prefill of 64-256 tokens no slower, decode within noise (docs/performance.md, "Host memory").
+   prefill of 64-256 tokens no slower, decode within noise (docs/explanation/performance.md, "Host memory").
 2. The persistent compilation cache lives in ``~/.cache/jax_xla/dantinox``; the environment variable
    ``DANTINOX_XLA_CACHE`` overrides the path, and ``DANTINOX_XLA_CACHE=off`` disables it. Its size is capped
    (``jax_compilation_cache_max_size``) at ``DANTINOX_XLA_CACHE_MAX_SIZE`` bytes (default 1 GiB; "1GiB",
@@ -22,8 +22,8 @@
    static cache is dozens of per-layer arrays of a few MiB each, below glibc's adaptive mmap threshold (up to
    32 MiB), so a finished request's cache stayed in malloc's arenas and the process kept its peak resident
    size (SmolLM2 Q4_1, 8,192 slots: 1.35 GiB peak, 1.24 GiB after a request, against 0.87 / 0.49 GiB with the
-   threshold at 1 MiB; docs/performance.md, "Host memory"). ``DANTINOX_MMAP_THRESHOLD`` (bytes, default 1 MiB;
-   ``off`` keeps glibc's default) sets ``mallopt(M_MMAP_THRESHOLD)`` so allocations that size or larger are
+   threshold at 1 MiB; docs/explanation/performance.md, "Host memory"). ``DANTINOX_MMAP_THRESHOLD`` (bytes, default
+   1 MiB; ``off`` keeps glibc's default) sets ``mallopt(M_MMAP_THRESHOLD)`` so allocations that size or larger are
    mapped and unmapped on their own, and every compilation ends with ``trim_host_memory`` (``malloc_trim``).
 """
 
@@ -148,7 +148,7 @@ def trim_host_memory() -> None:
     """Hand malloc's free pages back to the system (glibc ``malloc_trim(0)``; nothing elsewhere or with
     ``DANTINOX_MMAP_THRESHOLD=off``). Run after every compilation: LLVM's many small allocations, freed when
     a compile ends, stay in malloc's arenas otherwise (a SmolLM2 serving program: 194 MiB kept after its
-    compile, 64 MiB after the trim; docs/performance.md, "Host memory")."""
+    compile, 64 MiB after the trim; docs/explanation/performance.md, "Host memory")."""
     if _LIBC:
         _LIBC[0].malloc_trim(0)
 

@@ -1,4 +1,4 @@
-"""The commands of README.md and docs/*.md run as written from a clone (issue 19 item 8).
+"""The commands of README.md and every docs/**/*.md page run as written from a clone.
 
 Every fenced ``bash`` block of those pages is read as a shell would: lines joined over trailing backslashes,
 heredoc bodies left out, ``&&`` / ``;`` / ``|`` / ``&`` between commands, ``# comments`` dropped,
@@ -40,7 +40,10 @@ from dantinox.cli import entrypoint as cli
 from dantinox.cli.eval import resolve_slice_specs
 from dantinox.runs.bundled import resolve_run_dir, resolve_slice_file
 
-PAGES = ["README.md"] + sorted(f"docs/{n}" for n in os.listdir(os.path.join(REPO, "docs")) if n.endswith(".md"))
+PAGES = ["README.md"] + sorted(
+    os.path.relpath(os.path.join(folder, n), REPO).replace(os.sep, "/")
+    for folder, _, names in os.walk(os.path.join(REPO, "docs")) for n in names
+    if n.endswith(".md") and not folder.endswith("-example"))   # docs/*-example/: files commands read or write
 LINKED = ("dantinox", "docs", "tests")   # what a command run from a clone reads, linked into the scratch folder
 
 # (pattern searched in the command as written, reason it does not run in a test)
@@ -64,7 +67,7 @@ SKIPPED = [
 # Run in the default tier, in this process: commands that load no model (about a second each).
 FAST = [r"^dantinox models$", r"^dantinox budget --preset reference --dtype int8\b", r"^dantinox plan trace\b"]
 # Files a page tells the reader to make outside a dantinox command.
-MADE_BY_HAND = {"divina_commedia.txt": "docs/training.md makes it from Project Gutenberg (curl + a script)"}
+MADE_BY_HAND = {"divina_commedia.txt": "docs/how-to/train.md makes it from Project Gutenberg (curl + a script)"}
 
 
 @dataclass
@@ -184,8 +187,8 @@ ALL = [c for page in PAGES for c in page_commands(page)]
 
 def test_the_pages_have_commands():
     dantinox = [c for c in ALL if c.is_dantinox]
-    assert len(dantinox) > 40 and {c.page for c in dantinox} >= {"README.md", "docs/planning.md",
-                                                                  "docs/multi-device.md", "docs/quantization.md"}
+    assert len(dantinox) > 40 and {c.page for c in dantinox} >= {
+        "README.md", "docs/how-to/plan-capacity.md", "docs/how-to/multi-device.md", "docs/how-to/quantize.md"}
     assert not [c for c in ALL if "../shared" in c.text], "a page reads ../shared, which a user does not have"
 
 

@@ -1,5 +1,5 @@
-"""The floor plan as a checked property (docs/layout.md): an AST walk over dantinox/, imports inside functions
-included, so a circle cannot hide behind a function-level import.
+"""The floor plan as a checked property (docs/contributing/layout.md): an AST walk over dantinox/, imports inside
+functions included, so a circle cannot hide behind a function-level import.
 
 Packages sit in layers; an import may point to its own package or to a lower layer, never up. Importing
 ``dantinox.a.b`` also runs ``dantinox/a/__init__.py`` (the face), so that counts as an edge too.

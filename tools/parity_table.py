@@ -1,4 +1,4 @@
-"""Print the parity table of docs/real-models.md: each fixture of tests/fixtures/parity/ imported with
+"""Print the parity table of docs/how-to/import-models.md: each fixture of tests/fixtures/parity/ imported with
 ``dantinox import`` and compared with transformers' recorded float32 logits (no torch needed).
 
     python tools/parity_table.py [--fixtures tests/fixtures/parity]

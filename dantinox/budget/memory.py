@@ -250,7 +250,7 @@ def plan_capacity(cfg: ModelConfig | Mapping[str, Any], device_bytes: int,
             raise ValueError(f"request (prompt {prompt}, max_new_tokens {new}) needs {prompt + new} cache "
                              f"slots, more than max_context={cfg.max_context}")
     replicas, ways = 1, 1
-    if mesh is not None:  # per device (docs/multi-device.md)
+    if mesh is not None:  # per device (docs/how-to/multi-device.md)
         replicas = _sizes(mesh)["data"]
         ways = kv_split(cfg, mesh)
         weights_bytes = weights_bytes_per_device(cfg, mesh) if weights_bytes is None else weights_bytes

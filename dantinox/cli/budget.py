@@ -73,7 +73,7 @@ def add_budget_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default for paradigm=diffusion models: context / 2)")
     parser.add_argument("--mesh", default=None, metavar="data=D,model=M",
                         help="also print memory per device and the largest batch on a D x M device mesh "
-                             "(docs/multi-device.md)")
+                             "(docs/how-to/multi-device.md)")
     parser.add_argument("--kv-keys", dest="kv_keys", default=None, metavar="token|channel",
                         help="int8 keys: channel (a scale per channel and group of --kv-key-group tokens, KIVI; "
                              "MLA rows stay per token) or token (a scale per token and KV head); default: the "

@@ -12,11 +12,11 @@
                     [--kv-dtype int8] [--quantize bf16|int8]
   (generate, verify, train, eval, plan profile: [--mesh data=D,model=M] shards over D x M devices, and
    [--coordinator HOST:PORT --num-processes N --process-id I] joins N processes into one mesh;
-   docs/multi-device.md)
+   docs/how-to/multi-device.md)
   dantinox budget   --preset NAME | --config YAML | --run_dir R [--device-memory 40GB] [--context ...]
   dantinox serve    [--run_dir R] [--host 127.0.0.1] [--port 8000] [--kv-memory 2GB] [--policy swap|recompute]
   dantinox eval     [--run_dir R] --slice NAME[=FILE] ... [--kv-dtype D] [--quantize Q] [--gate GATE.yaml] [--json OUT]
-  dantinox plan     [trace|profile|simulate|replay|gate] ... (capacity plan; see docs/planning.md)
+  dantinox plan     [trace|profile|simulate|replay|gate] ... (capacity plan; see docs/how-to/plan-capacity.md)
   dantinox models   (the bundled models; R may be one of their names, e.g. dante-diffusion, from any directory)
 
 Without --run_dir, generate and verify use the bundled Divina Commedia model. Errors in the user's input

@@ -20,7 +20,7 @@ Walkthrough:
      the default; --kv-keys token: per token), measured through ``dantinox.quality.channel_keys``'s view,
      which holds float32 keys and reads them back as that layout does (the same numbers). With --mesh both
      are then sharded over the mesh (``dantinox.parallel.sharding.shard_model``, as generate and verify do; heads not
-     divisible by model: exit 2 naming --mesh) and every figure is measured on it (docs/multi-device.md).
+     divisible by model: exit 2 naming --mesh) and every figure is measured on it (docs/how-to/multi-device.md).
   3. Each slice is tokenized with the run's tokenizer (characters outside a char vocabulary become <unk>) and
      measured by ``dantinox.quality.slices.slice_quality``: teacher-forced nats per character through the cache
      (windows and caches sized to the slice, --chunk tokens per cached call), greedy agreement with the baseline,

@@ -78,12 +78,12 @@ def add_mesh_argument(parser) -> None:
     parser.add_argument("--mesh", default=None, metavar="data=D,model=M",
                         help="run on a D x M device mesh: batch over data, heads and MLP width over model "
                              "(D * M at most the device count: the first D * M devices are used; on a CPU host "
-                             "XLA_FLAGS=--xla_force_host_platform_device_count=8 gives 8; docs/multi-device.md)")
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=8 gives 8; docs/how-to/multi-device.md)")
 
 
 def add_distributed_arguments(parser) -> None:
     """--coordinator HOST:PORT --num-processes N --process-id I --coordinator-timeout S."""
-    g = parser.add_argument_group("several processes (docs/multi-device.md)")
+    g = parser.add_argument_group("several processes (docs/how-to/multi-device.md)")
     g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="address of process 0")
     g.add_argument("--num-processes", dest="num_processes", type=int, default=None)
     g.add_argument("--process-id", dest="process_id", type=int, default=None)

@@ -34,7 +34,7 @@ from .plan_run import _costs, _profile, _samples_flags
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The plan command's flags and its subcommands."""
     p.add_argument("--run_dir", default=None, help="run directory (default: the bundled model)")
-    p.add_argument("--trace", help="JSONL trace (see docs/planning.md)")
+    p.add_argument("--trace", help="JSONL trace (see docs/how-to/plan-capacity.md)")
     p.add_argument("--slo", default="ttft_p99=1000,tpot_p99=200", help="ttft_p99=MS,tpot_p99=MS")
     p.add_argument("--device-memory", default="1GiB", help="memory of one device, e.g. 80GB")
     p.add_argument("--price-per-hour", default="1.0", help="USD per device-hour")
@@ -182,7 +182,7 @@ def run_profile_cmd(args) -> int:
     from ..plan.inputs import load_model
     from ..plan.report import bottleneck_markdown
 
-    mesh = mesh_from_flag(args.mesh)   # docs/multi-device.md; the profile records its shape
+    mesh = mesh_from_flag(args.mesh)   # docs/how-to/multi-device.md; the profile records its shape
     samples, cooldown = _samples_flags(args)
     run_dir, model, cfg, _ = load_model(args.run_dir, args.max_context)
     with naming_flag(args.mesh):       # heads or MLP width not dividing over model: before any timing

@@ -38,9 +38,9 @@ status 130 (``dantinox.cli.entrypoint``); the requests in flight may finish for 
 without a key, a --host beyond loopback is warned about at start. --strict-fields refuses request fields the
 server does not read (400), where the default ignores them and names them in the X-Ignored-Fields header.
 --speculative ngram decodes with n-gram (prompt lookup) speculation in the engine: each decode step verifies
-up to --spec-tokens proposals per request in one compiled call (greedy output unchanged; docs/serving.md,
-"Speculative decoding"); --speculative draft:RUN takes the proposals from RUN's model instead (same tokenizer,
-checked at start; its float KV pool shares the target's block tables and counts in --kv-memory:
+up to --spec-tokens proposals per request in one compiled call (greedy output unchanged;
+docs/how-to/speculative-decoding.md); --speculative draft:RUN takes the proposals from RUN's model instead (same
+tokenizer, checked at start; its float KV pool shares the target's block tables and counts in --kv-memory:
 ``dantinox.serving.draft_model``). A diffusion run (target or draft) is refused, as is --mesh with a draft.
 --kv-host-memory and --kv-disk-dir put KV tiers under the prefix cache (``dantinox.kv.tiers``): prefix blocks
 the pool evicts go to host memory (at most --kv-host-memory), every prefix block is also written to DIR (at most
@@ -175,7 +175,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "report --model-name)")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="the tool-call syntax chat answers are read in (default: the one the chat template shows; "
-                        "docs/structured-outputs.md)")
+                        "docs/how-to/structured-outputs.md)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require this key (Authorization: Bearer KEY) on every request but GET /health, /ready "
                         "and /metrics; repeat for several keys (default: the comma-separated keys of "
@@ -562,7 +562,7 @@ def build_engine(args: argparse.Namespace):
                           min_prefill_chunk=getattr(args, "min_prefill_chunk", 32),
                           kv_tiers=tier_config(args, run_dir, summary))
     name = args.model_name or os.path.basename(os.path.normpath(run_dir))
-    if getattr(args, "mesh", None) is not None:  # docs/multi-device.md
+    if getattr(args, "mesh", None) is not None:  # docs/how-to/multi-device.md
         from ..serving.sharded_engine import ShardedPagedEngine
 
         with naming_flag(args.mesh):

@@ -4,7 +4,7 @@
 ``constraint_kwargs(args, gen)`` returns the Generator keyword arguments (``json_schema=``, ``regex=`` or
 ``grammar=``) after compiling the constraint once for the run's tokenizer, so an invalid schema, regex or
 grammar, a schema keyword the grammar engine does not implement, or a file that cannot be read exits with
-status 2 and one line naming the flag (docs/structured-outputs.md).
+status 2 and one line naming the flag (docs/how-to/structured-outputs.md).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "grammar": "--gramm
 
 def add_constraint_arguments(p: argparse.ArgumentParser) -> None:
     """Add the mutually exclusive --json-schema / --regex / --grammar flags."""
-    g = p.add_argument_group("structured outputs (autoregressive models; docs/structured-outputs.md)")
+    g = p.add_argument_group("structured outputs (autoregressive models; docs/how-to/structured-outputs.md)")
     one = g.add_mutually_exclusive_group()
     one.add_argument("--json-schema", dest="json_schema", metavar="FILE", default=None,
                      help="a JSON schema file: the text is JSON valid for it")

@@ -31,7 +31,7 @@ _CLI_TRAIN_OPTIONS = {  # option -> (type, help)
     "eval_every": (int, "steps between validation runs"),
     "eval_batches": (int, "validation batches per run"),
     "checkpoint_every": (int, "steps between checkpoints (0: only at the end)"),
-    "mesh": (str, "train on a data=D,model=M device mesh (docs/multi-device.md)"),
+    "mesh": (str, "train on a data=D,model=M device mesh (docs/how-to/multi-device.md)"),
     "seed": (int, "seed for model init and batch sampling"),
     "val_fraction": (float, "held-out fraction of the text's characters"),
     "init_from": (str, "run directory whose weights (matching paths and shapes; <mask> row added) and "

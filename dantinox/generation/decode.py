@@ -76,7 +76,7 @@ def prefill(graphdef, params, ids, lengths, key, sampling: SamplingParams, eos_i
     ids (-1 = none; see ``is_eos``); fill: [] int32. cache: the empty static cache (``new_cache``: ``init_cache(cfg,
     B)``, [B, K, S, D] per layer), donated and written in place, so only the pages of the slots written become
     resident (SmolLM2, 8,192 slots, a 40-token prompt: 421 MiB resident after the prefill instead of 744, and
-    the prefill 143-181 ms instead of 222-282, docs/performance.md "Host memory"); None allocates it inside
+    the prefill 143-181 ms instead of 222-282, docs/explanation/performance.md "Host memory"); None allocates it inside
     this call, zero-filled (what ``new_cache`` gives on a mesh and where pages cannot be left to the OS).
     Returns the initial DecodeState (step 1).
     """
@@ -122,7 +122,7 @@ def split_model(model):
 
     nnx.split walks the whole module graph on every call, so the split is cached: it is reused while every
     parameter still holds the same array, which a check over the model's variables (far cheaper than the
-    split) confirms; after any update (training, loading) it is redone. Measured costs: docs/performance.md,
+    split) confirms; after any update (training, loading) it is redone. Measured costs: docs/explanation/performance.md,
     "Costs behind choices in the code".
     """
     entry = _SPLITS.get(model)
@@ -154,7 +154,7 @@ def decode_windows(cfg, batch_size: int, bound: int | None = None) -> tuple[int,
     B = 1 (not MLA): the one window top, because each window is one more loop body to compile and a single row
     gains little from early windows. Any B when decode attention runs in the compiled kernel
     (``reads_only_filled_slots``): it reads each row's filled slots only, so early windows would save nothing.
-    The measurements behind the rule are in docs/performance.md ("Attention windows");
+    The measurements behind the rule are in docs/explanation/performance.md ("Attention windows");
     ``benchmarks/bench_decode.py --windows-ab`` repeats them on the reference shape.
     """
     S = cfg.max_context
@@ -229,7 +229,7 @@ def decode(graphdef, params, state: DecodeState, stop_step, key, sampling: Sampl
     the cache (../shared/PERFORMANCE.md, item 3). The window's slots are cut out of the full cache once when
     the window begins and written back once when it ends (every row's written slots are below L while it
     runs), not every step: a per-step cut would copy every layer's keys and values each step (what that cost
-    is in docs/performance.md, "Attention windows"). When the last window is below max_context the loop also
+    is in docs/explanation/performance.md, "Attention windows"). When the last window is below max_context the loop also
     stops when a row's next slot reaches it: the caller bounds the request (``decode_windows(cfg, B, bound)``
     with bound >= every row's prompt length + stop_step).
     Returns the advanced DecodeState (the input is donated).

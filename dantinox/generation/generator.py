@@ -22,7 +22,8 @@ greedy text is the same as without it, sampled text has the same distribution. A
 whose measured acceptance makes verification a loss stops speculating (``switch_off_threshold``: measured once
 per k on this model). With json_schema / regex / grammar the proposals are cut where the grammar forbids a
 token and verified from the masked distributions (``dantinox.generation.constrained_speculative``). Each such
-call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``); docs/generation.md says when it pays.
+call leaves its acceptance in ``spec_stats`` (and ``Completion.spec``); docs/explanation/speculation.md says when it
+pays.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class Generator:
         (see ``warm_up``). A batch of several prompts compiles its batch size on first use. Autoregressive
         models only (diffusion compiles per (bucket, gen_len, block_size)).
       mesh: a ``dantinox.make_mesh`` mesh to shard the parameters over (every generation then runs on it;
-        docs/multi-device.md); None: one device.
+        docs/how-to/multi-device.md); None: one device.
       kv_dtype: KV cache dtype ("float32", "bfloat16", "int8" or an alias); None keeps the run's cache_dtype.
       kv_keys, kv_key_group: the int8 cache's key layout, "channel" (per-channel keys over groups of
         kv_key_group slots, KIVI: ``dantinox.kv.channel_layout``; the default of an int8 MHA / GQA / MQA
@@ -247,7 +248,7 @@ class Generator:
         max_new_tokens (gen_len) tokens and takes diffusion_options (block_size, steps_per_block, threshold,
         refresh; see dantinox.generation.diffusion.diffusion_generate).
         json_schema (a dict or its JSON text), regex, grammar (Lark or GBNF): at most one; the text is then
-        constrained to it (structured outputs, docs/structured-outputs.md; autoregressive models with the
+        constrained to it (structured outputs, docs/how-to/structured-outputs.md; autoregressive models with the
         cache only), through the host-stepped loop of ``dantinox.generation.constrained_decode``.
         speculative: None, "ngram" or "draft" (with draft_run; module docstring; ``speculation`` checks the
         arguments); with a constraint (n-gram only) the proposals are checked against the grammar

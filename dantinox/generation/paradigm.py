@@ -47,7 +47,7 @@ def generate(model, prompt_ids, max_new_tokens: int = 64, *, use_cache: bool = T
       seed: integer in [0, 2**32) for the sampling keys.
       eos_id: a token id or a list of up to MAX_EOS_IDS ids; a row stops after producing any of them.
       mesh: a ``dantinox.make_mesh`` mesh: the parameters are sharded over it (in place, once) and the
-        program runs on it (``docs/multi-device.md``). A model already sharded runs on its mesh anyway.
+        program runs on it (``docs/how-to/multi-device.md``). A model already sharded runs on its mesh anyway.
     Returns:
       int32 array of new tokens, [N] for a single prompt or [B, N] for a batch; after a row's EOS the
       remaining positions hold the first eos_id.

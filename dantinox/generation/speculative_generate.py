@@ -300,7 +300,7 @@ def forward_seconds(model, width: int, repeats: int = 5, at: int | None = None, 
     compiles), divided by FORWARDS_PER_CALL. Inside a loop, as the decode and speculative loops run them: a call
     from Python adds milliseconds of dispatch per forward (SmolLM2 Q4_1 blocks: 12-15 ms per one-token call
     against 7.5-8.7 ms per step inside the decode loop), which made a verify call look cheaper relative to a step
-    than it is (docs/generation.md, run 6)."""
+    than it is (docs/explanation/speculation.md)."""
     graphdef, params = split_model(model)
     cache = init_cache(model.cfg, 1) if slots is None else cache_window(init_cache(model.cfg, 1), slots, model.cfg)
     index = jnp.full((1,), (model.cfg.max_context - width) // 2 if at is None else at, jnp.int32)

@@ -1,7 +1,7 @@
 """Per-channel int8 keys over groups of tokens (KIVI, Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit
 Quantization for KV Cache", sections 3.2-3.3): the default int8 key layout of MHA / GQA / MQA caches
 (``ModelConfig.kv_keys="channel"``); ``dantinox eval`` on SmolLM2's slices measured it ahead of the per-token rows
-of ``dantinox.kv.int8_rows`` with attention sinks (``kv_keys="token"``, docs/quantization.md).
+of ``dantinox.kv.int8_rows`` with attention sinks (``kv_keys="token"``, docs/explanation/quantization.md).
 
 Why per channel. Key outliers sit in a few fixed channels for every token (KIVI, figure 2), so one scale per
 token (row) is set by those channels and coarsens the rest of the row; one scale per channel over a group of G
@@ -53,7 +53,7 @@ from ..config import ModelConfig
 from .int8_rows import QMAX, SCALE_DTYPE
 
 DEFAULT_GROUP = 64   # G: key scales then cost 4 K bytes per token, as per-token rows do (KIVI uses 32 and 128;
-                     # on SmolLM2 G = 64 measured better than 32, docs/quantization.md)
+                     # on SmolLM2 G = 64 measured better than 32, docs/explanation/quantization.md)
 RING_GROUPS = 2      # the float32 residual keeps the last 2 groups a write touched (module docstring, Rollback)
 
 

@@ -14,7 +14,7 @@ def grouped_scores(q: jax.Array, k: jax.Array) -> jax.Array:
 
     Written as one batched matmul over (B K) with the group's G*T queries as rows, so the cached keys are
     read in their stored layout; the equivalent 5-D einsum makes XLA transpose them every step (the speed
-    difference on the CPU: docs/performance.md, "Costs behind choices in the code").
+    difference on the CPU: docs/explanation/performance.md, "Costs behind choices in the code").
     """
     B, K, G, T, D = q.shape
     S = k.shape[2]

@@ -6,7 +6,7 @@ Sinks", sections 3.1-3.2, who call them attention sinks). Per-row absmax int8 (`
 keeps every row's *relative* error the same, so a sink row 50 times larger than the others carries 50 times
 their absolute error, and every later query's score against it moves by that much. StreamingLLM keeps the
 first four tokens; KIVI (Liu et al. 2024, section 3) and KVQuant (Hooper et al. 2024, section 3.5) likewise
-keep a few tokens in full precision next to the quantized ones. docs/quantization.md, "Attention sinks", has
+keep a few tokens in full precision next to the quantized ones. docs/explanation/quantization.md, "Attention sinks", has
 the measured effect; "Attention sinks or per-channel keys" has SmolLM2's figures, where per-channel keys
 (``dantinox.kv.channel_keys``, eval only so far) measured better.
 

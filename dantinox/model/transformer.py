@@ -176,7 +176,7 @@ class Transformer(nnx.Module):
 
         A tied head contracts E with the table's last axis directly (dot_general on [V, E]); ``nnx.Embed.attend``
         writes ``embedding.T``, which XLA CPU materialised as a [E, V] transpose + copy every decode step (a
-        copy of the whole table; measured cost in docs/performance.md, "Costs behind choices in the code").
+        copy of the whole table; measured cost in docs/explanation/performance.md, "Costs behind choices in the code").
         """
         if self.lm_head is not None:
             out = self.lm_head(h)

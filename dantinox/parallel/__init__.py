@@ -1,4 +1,4 @@
-"""Several devices and processes on JAX's SPMD machinery (docs/multi-device.md).
+"""Several devices and processes on JAX's SPMD machinery (docs/how-to/multi-device.md).
 
   mesh.py          make_mesh(data=D, model=M), the ``--mesh`` text, the mesh in scope
   sharding.py      how every parameter and cache array is laid out on the mesh

@@ -8,11 +8,11 @@ to real serving: ``calibrate_steps`` runs a burst of requests through the real e
 kind, the host time and slowdown the isolated calls miss; ``measure_wake`` measures how much more the first
 steps after an idle period cost, the first one and the few after it (on a CPU the caches, clock and worker
 threads go cold while the engine waits for requests, so light-load latency exceeds what the isolated calls
-say; docs/planning.md gives the measured effect). The machine's memory bandwidth (a streaming jitted add)
+say; docs/explanation/planning.md gives the measured effect). The machine's memory bandwidth (a streaming jitted add)
 and matmul rate (a jitted float32 matmul) are measured briefly, and every timed call is set against the
 time its bytes (weights + KV read) and its FLOPs would take at those rates: the bottleneck report.
 
-Repeats: a profile is a sample of a cost that drifts (docs/planning.md measured 0.90-1.35x within minutes on
+Repeats: a profile is a sample of a cost that drifts (docs/explanation/planning.md measured 0.90-1.35x within minutes on
 the 2-core host), so ``take_profile(samples=K)`` measures K times on one engine, the first after a warm-up pass
 (``engine.warmup`` compiles every bucket, then one untimed time_engine pass), with ``cooldown_s`` seconds of
 sleep between two samples so they spread over time. profile.json (format 3) keeps every sample's points and
@@ -108,7 +108,7 @@ def machine_rates(repeats: int = 5) -> dict:
     stream_bytes (read + write, the buffer donated so no fresh pages are touched) and a jitted 1024 x 1024
     float32 matmul, best of ``repeats``. stream_bytes is 64 MiB or twice the last-level cache, whichever is
     larger, at most 1 GiB, so that the add measures memory and not a cache (a last-level cache larger than
-    64 MiB would otherwise hold the whole buffer; docs/planning.md has the host where that happened)."""
+    64 MiB would otherwise hold the whole buffer; docs/explanation/planning.md has the host where that happened)."""
     from functools import partial
 
     nbytes = min(max(64 << 20, 2 * last_level_cache_bytes()), 1 << 30)

@@ -5,7 +5,7 @@ The simulator multiplies each step's calibrated cost by a factor drawn from the 
 sampling: factor = spread_factor(kind, u), u uniform in [0, 1). Drawn independently, a slow step is followed by
 an ordinary one; on a real host slow steps come in runs (the clock, the caches or a neighbour process change
 for a while), and a run of slow steps queues requests far more than the same slow steps spread out, so the
-independent draws under-predict p99 TTFT near capacity (docs/planning.md, "Step-time correlation").
+independent draws under-predict p99 TTFT near capacity (docs/explanation/planning.md, "Step-time correlation").
 
 The stream here keeps every u exactly uniform, so each step's factor still has the stored quantiles as its
 distribution and its mean stays 1 (throughput is unchanged), and correlates consecutive draws through a

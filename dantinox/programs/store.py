@@ -3,7 +3,7 @@
 A warm start with JAX's persistent compilation cache still traces and lowers every program before it can look
 the executable up (the cache is keyed by the lowered module), and for a model of 30 unrolled blocks that is
 most of the start: SmolLM2's 64-token serving prefill traced and lowered in 0.6-0.95 s, then loaded its
-executable from the cache in 0.4 s (docs/performance.md, "Start-up"). ``stored_jit`` wraps a function like
+executable from the cache in 0.4 s (docs/explanation/performance.md, "Start-up"). ``stored_jit`` wraps a function like
 ``jax.jit`` and keeps each of its programs as a ``jax.export`` artifact (StableHLO, about 0.1 MB for that
 prefill) in ``<compilation cache>/programs``, keyed by everything that decides what tracing produces; the next
 process deserializes it (milliseconds) and compiles it, which the persistent compilation cache answers, so
@@ -26,7 +26,7 @@ logged once). Programs stay loaded in this process until ``clear_programs`` (tes
 ``jax.clear_caches``), or, with a cap (``set_max_loaded_programs``, ``DANTINOX_MAX_LOADED_PROGRAMS``, serve's
 ``--max-loaded-programs``), until more than the cap are loaded: the least recently used program is then
 dropped and its memory returned (each loaded program of SmolLM2's 30 unrolled blocks holds 45-60 MiB of host
-memory, docs/performance.md, "Host memory"); using it again loads it from the store and the persistent
+memory, docs/explanation/performance.md, "Host memory"); using it again loads it from the store and the persistent
 compilation cache (about 0.5 s for SmolLM2).
 """
 

@@ -7,7 +7,7 @@ sequence, and the two matmuls (other shapes, other summation orders) agree only 
 element x of a row sits on a rounding boundary of its grid (x / s = k + 0.5 up to those bits, s the row's
 scale) the two runs round it to neighbouring int8 steps k and k + 1, and where the row's largest |x| differs
 in its last bit the two scales differ by an ulp. Either is a legitimate quantization of the same value, but
-the step moves every later logit far above verify's tolerance (docs/quantization.md).
+the step moves every later logit far above verify's tolerance (docs/explanation/quantization.md).
 
 The rule (``adopt_cached_rounding``). The reference computes its own pre-quantization rows x, its own codes q
 and scales s exactly as the model does, then compares them with what the cached run stored for the same
@@ -25,7 +25,7 @@ more than rounding) is counted as a fault and never adopted, so the reference ke
 
 Why it is sound. An adopted code or scale is exactly what the reference's own quantizer returns for some
 input within ROW_ULPS ulps of the row's absmax of the x it computed itself: the size of difference the two
-runs' matmuls already have (the spread measured on the bundled model is in docs/quantization.md,
+runs' matmuls already have (the spread measured on the bundled model is in docs/explanation/quantization.md,
 "Rounding-boundary flips"). The reference still computes every
 row itself, from its own forward; it only resolves the ties the cached run resolved the other way, so a cache
 that wrote a wrong slot, a stale row, a wrong scale or a corrupted code is still caught (a code moved by one

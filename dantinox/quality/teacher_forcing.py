@@ -16,7 +16,7 @@ chunk - 1 so the rest (L - 1 - P tokens) divides into chunks; every chunk of ``c
 its slot through the cache (one ``lax.scan`` of model calls), so a cache that stores or reads keys and values
 wrongly changes the figures. chunk = 1 is one-token decode steps; a chunk of C > 1 reads the old slots from
 the cache the same way and gives the same figures up to float rounding (cached and uncached runs agree to
-1e-5, docs/quantization.md "Exactness"), C times fewer sequential steps.
+1e-5, docs/explanation/quantization.md "Exactness"), C times fewer sequential steps.
 
 Memory. Both models run in one compiled call that returns per-position figures (the target's -log p for each
 model, [B, L - 1] float32, and the largest |logit difference| per position), never the [B, L - 1, V] logits:

@@ -9,7 +9,7 @@ row of W [N, M] is cut into M / 32 blocks of 32 consecutive input channels x_0 .
                read back is d q_j + m. 20 bytes per 32 weights (0.625 bytes per weight, 0.156 of float32).
                int4 keeps the embedding table and the output head (tied or not) in Q8_0 (HEAD_FORMAT): on
                SmolLM2-135M a Q4_1 head cost +1.2-1.5 % loss per character against the Q8_0 one
-               (docs/performance.md, "Weight formats on SmolLM2").
+               (docs/explanation/performance.md, "Weight formats on SmolLM2").
   Q8_0         d = f16(max |x_j| / 127), q_j = clip(round(x_j / d), -127, 127) (0 when d = 0); weight d q_j.
                34 bytes per 32 weights.
 

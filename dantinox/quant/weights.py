@@ -13,7 +13,7 @@ returns it:
         the dot, the dot accumulates in float32 and the fp32 scale multiplies the output columns; no
         dequantized weight is kept between steps, and activations stay float32. The weights take about a
         quarter of their float32 bytes; it saves memory, not necessarily time (measured decode speed:
-        docs/quantization.md, "Decode speed").
+        docs/explanation/quantization.md, "Decode speed").
         A tied embedding is one int8 table with one scale per vocabulary row: the row of the lookup and the
         output channel of the logits share it. MLA's W_UK / W_UV (used inside the absorbed attention
         einsums) stay float32.
@@ -30,7 +30,7 @@ RMSNorm scales stay float32 in every mode. Parameters are real nnx.Param leaves,
 counts the int8 kernels and their scales as they are allocated. Decoding still compiles once per (batch size,
 model shape, dtype): the rewritten modules are ordinary pytrees.
 
-Why not qwix (Google's JAX quantization library): see docs/quantization.md, "Low-precision weights".
+Why not qwix (Google's JAX quantization library): see docs/explanation/quantization.md, "Low-precision weights".
 Shape letters: see ``dantinox.model.layers`` (E model width, V vocabulary; N output channels, M input channels).
 """
 
@@ -85,9 +85,9 @@ def _dot_last(x: jax.Array, kernel: jax.Array, contract_kernel_axis: int) -> jax
         one-row decode step and the whole-sequence forward round a few of them to neighbouring bf16 values
         (their float32 values differ in the last bits), so the cached and uncached logits of the bundled model
         differed far beyond verify's tolerance (``dantinox verify --quantize bf16`` failed); float32 operands
-        keep them at the float32 floor (figures: docs/quantization.md, "Low-precision weights");
+        keep them at the float32 floor (figures: docs/explanation/quantization.md, "Low-precision weights");
       - converting int8 to bf16: XLA CPU emits a separate s8 -> bf16 convert loop that costs more than the
-        whole float32 dot (docs/quantization.md).
+        whole float32 dot (docs/explanation/quantization.md).
     """
     dims = (((x.ndim - 1,), (contract_kernel_axis,)), ((), ()))
     return jax.lax.dot_general(x.astype(jnp.float32), kernel.astype(jnp.float32), dims,

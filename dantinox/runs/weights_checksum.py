@@ -10,7 +10,7 @@ hash runs beside the loading on a second core), and compares at the end: a misma
 line naming the file and both digests. A run directory without the key (written before it existed) loads
 unchecked. ``DANTINOX_VERIFY_WEIGHTS=0`` in the environment skips the check (``load_run(verify=False)`` too).
 
-Cost (docs/generation.md, "Run directory"): SHA-256 reads the file at 0.5-0.8 GB/s on a 2-core CPU host, about
+Cost (docs/reference/run-directory.md): SHA-256 reads the file at 0.5-0.8 GB/s on a 2-core CPU host, about
 0.2 s for SmolLM2-135M's 97 MB GGUF-block run (hidden behind the loading) and 1.1 s for a 538 MB float32 one
 (+0.9 s on a 1.8 s load, the host loaded).
 """

@@ -5,7 +5,7 @@ fixed-length, padded index lists for the copies), so each compiles once per buck
 XLA updates it in place. Letters: see ``dantinox.kv.paged``.
 
 The model's graph is a static argument. Hashing an nnx GraphDef walks the whole graph, on every call (its
-measured cost: docs/performance.md, "Costs behind choices in the code"), so the engine passes a
+measured cost: docs/explanation/performance.md, "Costs behind choices in the code"), so the engine passes a
 ``StaticGraph``: one interned wrapper per distinct graph, hashed once and compared by identity.
 """
 

@@ -48,7 +48,7 @@ class Buckets:
 def batch_buckets(sizes, max_running: int) -> tuple:
     """``sizes`` (batch buckets) sorted, without those above the first one that holds max_running rows: a step
     has at most max_running decode or prefill rows (one per running request), so a larger bucket would never
-    run, and each compiled program of the unrolled model keeps tens of MiB resident (docs/performance.md,
+    run, and each compiled program of the unrolled model keeps tens of MiB resident (docs/explanation/performance.md,
     "Host memory"). (1, 2, 4) -> (1,) for max_running 1, (1, 2, 4) for 3; all of them if none holds
     max_running (the calls are then split at the largest)."""
     ordered = tuple(sorted(sizes))

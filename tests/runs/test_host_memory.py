@@ -1,5 +1,5 @@
 """Host memory: freed buffers go back to the system (``dantinox.xla.mmap_threshold``); figures in
-docs/performance.md, "Host memory" (``benchmarks/bench_memory.py``)."""
+docs/explanation/performance.md, "Host memory" (``benchmarks/bench_memory.py``)."""
 
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""docs/training.md: the commands work as written once the text is in the current directory, the sha256 it
+"""docs/how-to/train.md: the commands work as written once the text is in the current directory, the sha256 it
 gives is the one the bundled models were trained on, and its download step produces the poem only."""
 
 import json
@@ -12,7 +12,7 @@ from paths import REPO
 from dantinox.cli import entrypoint as cli
 
 ROOT = REPO
-DOC = open(os.path.join(ROOT, "docs", "training.md"), encoding="utf-8").read()
+DOC = open(os.path.join(ROOT, "docs", "how-to", "train.md"), encoding="utf-8").read()
 
 
 def _train_commands() -> list[list[str]]:

@@ -5,7 +5,7 @@ llama.cpp keeps pytest tests of its server in ``tools/server/tests`` (``unit/`` 
 the launcher ``dantinox_launcher.py`` beside it (a pytest plugin that makes ``ServerProcess.start`` point at a
 running ``dantinox serve`` instead of starting llama-server; the test bodies are not touched) and runs the
 tests of OPENAI_TESTS with pytest, then prints one line per test: passed / failed and the assertion that
-failed. docs/llamacpp-suite.md lists the expected failures and why.
+failed. docs/how-to/llamacpp-suite.md lists the expected failures and why.
 
   python tools/llamacpp_suite/run_suite.py --tests LLAMA_CPP/tools/server/tests --run-dir runs/smollm2 \
       [--work /tmp/lcpp-suite] [--junit out.xml] [-- extra pytest args]
