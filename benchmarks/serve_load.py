@@ -85,6 +85,15 @@ def wait_idle(url: str, timeout: float = 30.0) -> dict:
         time.sleep(0.05)
 
 
+def wait_warm(url: str, timeout: float = 900.0) -> dict:
+    """/health once the background warm-up is done (GET /ready answers 200), or at the timeout: a short run can
+    end while the server still compiles its remaining programs, and "warming up" is not a failure."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/ready").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return httpx.get(url + "/health").json()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -130,7 +139,8 @@ def main() -> int:
             child, url = start_server(tmp, args, args.blocks * page_bytes(model.cfg, 16), log)
             try:
                 results, wall = asyncio.run(replay(url + "/v1/completions", trace))
-                health = wait_idle(url)
+                wait_idle(url)
+                health = wait_warm(url)
             finally:
                 child.send_signal(signal.SIGINT)
                 child.wait(30)

@@ -24,6 +24,7 @@ and prompt tokens each tier holds.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 
@@ -128,7 +129,7 @@ def run_budget(args: argparse.Namespace) -> int:
               "are for the same shape with a longer context\n")
     print_table(["attention", "bytes/token"] + heads, per_seq, title="KV cache per sequence (MiB)")
     print_kinds(shape, dtype, contexts, heads)
-    notes = [f"{row[0].lstrip(' *')} {note}" for row, note in batch if note is not None]
+    notes = [f"{row[0].lstrip(' *')} {note}" for row, note in batch if note is not None] + stored_weights_note(args)
     print_table(["attention", "weights MiB"] + heads, [row for row, _ in batch],
                 title=f"Max batch at {args.device_memory} ({device_bytes} B), reserve "
                       f"{args.reserve_fraction:.0%}, float32 weights", notes=notes)
@@ -341,6 +342,26 @@ def _default_gqa_heads(n_heads: int) -> int | None:
         return n_heads // 4
     divisors = [d for d in range(2, n_heads) if n_heads % d == 0]
     return divisors[-1] if divisors else None
+
+
+def stored_weights_note(args) -> list[str]:
+    """A note when --run_dir stores its weights in another form than float32 (GGUF blocks, bf16, int8): the
+    table counts float32 weights for every variant, the run's file holds fewer bytes (model.safetensors' size,
+    its small header included). [] otherwise, or when the run has no model_summary.json."""
+    if not getattr(args, "run_dir", None):
+        return []
+    from ..runs.bundled import resolve_run_dir
+    run = resolve_run_dir(args.run_dir)
+    try:
+        with open(os.path.join(run, "model_summary.json"), encoding="utf-8") as f:
+            form = json.load(f).get("weight_format", "float32")
+        size = os.path.getsize(os.path.join(run, "model.safetensors"))
+    except (OSError, ValueError):
+        return []
+    if form == "float32":
+        return []
+    return [f"this run stores its weights as {form}: {size / MIB:.4g} MiB in model.safetensors; the table counts "
+            "float32 weights for every variant, so beside the stored weights more sequences fit"]
 
 
 def _batch_row(label: str, cfg: ModelConfig, device_bytes: int, contexts: list[int], reserve: float,

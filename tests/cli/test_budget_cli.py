@@ -191,3 +191,23 @@ def test_diffusion_run_with_shifted_prediction(tmp_path, capsys):
     (run_dir / "config.json").write_text(cfg.to_json())
     status, out = budget(["--run_dir", str(run_dir)], capsys)
     assert status == 0 and "DualCache" in out
+
+
+def test_a_run_with_stored_weights_other_than_float32_says_its_real_bytes(capsys, tmp_path):
+    """The max-batch table counts float32 weights for every variant; a run whose weights are stored otherwise
+    (GGUF blocks, bf16, int8) gets a note with its file's real size, a float32 run none."""
+    import os
+    import shutil
+
+    from dantinox.runs.bundled import resolve_run_dir
+    run = tmp_path / "blocks-run"
+    shutil.copytree(resolve_run_dir("dante"), run)
+    summary = json.loads((run / "model_summary.json").read_text())
+    assert summary.get("weight_format", "float32") == "float32"
+    status, out = budget(["--run_dir", str(run), "--device-memory", "64MiB"], capsys)
+    assert status == 0 and "stores its weights" not in out
+    summary["weight_format"] = "GGUF blocks Q4_1+Q8_0"
+    (run / "model_summary.json").write_text(json.dumps(summary))
+    status, out = budget(["--run_dir", str(run), "--device-memory", "64MiB"], capsys)
+    size = os.path.getsize(run / "model.safetensors") / 2 ** 20
+    assert status == 0 and f"stores its weights as GGUF blocks Q4_1+Q8_0: {size:.4g} MiB" in out, out
