@@ -7,6 +7,7 @@ conftest.py, too), runs on the CPU and imports dantinox from this source tree.""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -45,6 +46,15 @@ def run_cli(*args, cwd=None, env=None, timeout: float = 300) -> subprocess.Compl
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_cli(*args, cwd=None, env=None, **popen) -> subprocess.Popen:
-    """Start ``dantinox ARGS`` as a child process (``popen``: Popen's stdout, stderr, text, ...)."""
+    """Start ``dantinox ARGS`` as a child process (``popen``: Popen's stdout, stderr, text, ...). On POSIX the
+    child starts with SIGINT's default action, as from a terminal: a test run started in the background by a
+    non-interactive shell (``pytest &``) ignores SIGINT, every child would inherit that, and the tests that
+    send Ctrl-C would see it ignored."""
+    if os.name == "posix":
+        popen.setdefault("preexec_fn", _default_sigint)
     return subprocess.Popen(cli_command(*args), cwd=cwd or ROOT, env=cli_env() if env is None else env, **popen)
