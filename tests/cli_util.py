@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
 
@@ -47,14 +48,18 @@ def run_cli(*args, cwd=None, env=None, timeout: float = 300) -> subprocess.Compl
 
 
 def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """SIGINT's default (KeyboardInterrupt) in this process when it inherited SIGINT ignored: a test run started
+    in the background by a non-interactive shell (``pytest &``) ignores SIGINT, every child would inherit that,
+    and the tests that send Ctrl-C to a child would see it ignored. A Python handler is not inherited (exec
+    resets it), so the children start with SIGINT's default action, as from a terminal. Done here, in the
+    parent, because a ``preexec_fn`` would fork a multithreaded (JAX) process."""
+    if (os.name == "posix" and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            and threading.current_thread() is threading.main_thread()):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def start_cli(*args, cwd=None, env=None, **popen) -> subprocess.Popen:
-    """Start ``dantinox ARGS`` as a child process (``popen``: Popen's stdout, stderr, text, ...). On POSIX the
-    child starts with SIGINT's default action, as from a terminal: a test run started in the background by a
-    non-interactive shell (``pytest &``) ignores SIGINT, every child would inherit that, and the tests that
-    send Ctrl-C would see it ignored."""
-    if os.name == "posix":
-        popen.setdefault("preexec_fn", _default_sigint)
+    """Start ``dantinox ARGS`` as a child process (``popen``: Popen's stdout, stderr, text, ...), with SIGINT's
+    default action (``_default_sigint``)."""
+    _default_sigint()
     return subprocess.Popen(cli_command(*args), cwd=cwd or ROOT, env=cli_env() if env is None else env, **popen)
